@@ -1,0 +1,1 @@
+"""Command-line tools: reports and benchmarks (not imported by the engine)."""
