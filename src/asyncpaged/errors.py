@@ -1,8 +1,12 @@
 """The exception tree of asyncpaged.
 
-AsyncPagedError
- +-- BlockPoolError (also ValueError): a call the block pool refuses (unknown sequence,
-     duplicate id, operation on a sequence in the wrong place); the pool is left unchanged.
+    AsyncPagedError
+     +-- InvalidRequestError (also ValueError): a request refused before anything is queued
+     |    (bad sampling values, empty prompt, too long, token ids outside the vocabulary,
+     |    duplicate live request id). The engine keeps serving.
+     +-- BlockPoolError (also ValueError): a call the block pool refuses (unknown sequence,
+     |    duplicate id, operation on a sequence in the wrong place); the pool is left unchanged.
+     +-- EngineDeadError: the engine failed; every waiter gets it, with the cause chained.
 """
 
 from __future__ import annotations
@@ -12,8 +16,16 @@ class AsyncPagedError(Exception):
     """Base class of every exception raised by asyncpaged."""
 
 
+class InvalidRequestError(AsyncPagedError, ValueError):
+    """A request that cannot be served as given; raised before anything is queued."""
+
+
 class BlockPoolError(AsyncPagedError, ValueError):
     """A block-pool call that is not valid in the pool's current state.
 
     Raised before anything changes: the pool is exactly as it was before the call.
     """
+
+
+class EngineDeadError(AsyncPagedError):
+    """The engine stopped because of an error; the original error is ``__cause__``."""
