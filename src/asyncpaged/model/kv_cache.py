@@ -1,0 +1,144 @@
+"""The paged KV cache: per-layer K and V blocks, owned by the model runner.
+
+Layout (CPU, torch path), one tensor for K and one for V covering all layers::
+
+    key:   [num_layers, num_blocks, num_kv_heads, head_dim, block_size]   K transposed per block
+    value: [num_layers, num_blocks, num_kv_heads, block_size, head_dim]
+
+    key[layer, block]            value[layer, block]
+    ┌ kv head 0 ──────────────┐  ┌ kv head 0 ─────────────┐
+    │ d0: t0 t1 ... t15       │  │ t0:  d0 d1 ... d(D-1)  │
+    │ d1: t0 t1 ... t15       │  │ t1:  d0 d1 ... d(D-1)  │
+    │ ...                     │  │ ...                    │
+    └─────────────────────────┘  └────────────────────────┘
+
+Why this layout: PERFORMANCE.md measured a C++ paged decode kernel over exactly this layout (score
+loop = block_size-wide FMAs with no horizontal sums) as faster than every torch attention path,
+contiguous ones included; an NHD layout was 1.1-1.6x slower in that kernel. Choosing it now means
+the future kernel reads the cache the runner already owns, with no re-layout. The torch path in
+``attention.py`` pays one permute while gathering (it copies the gathered blocks anyway). Keeping
+all layers in one tensor makes copy-on-write and swap one indexed copy per K/V for every layer.
+
+Slots: the slot of a token is ``block * block_size + offset``; slot ``-1`` means "do not write".
+Host (swap) caches use the same layout, so swap is a per-block copy.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+
+class PagedKVCache:
+    """K/V blocks of every layer.
+
+    Invariants: ``key`` and ``value`` have the shapes in the module docstring; a block id indexes
+    the same block in both and in every layer.
+    """
+
+    def __init__(
+        self,
+        *,
+        num_layers: int,
+        num_blocks: int,
+        block_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device | str = "cpu",
+        fill_value: float | None = None,
+    ) -> None:
+        """Allocate the cache; ``fill_value`` (e.g. NaN in tests) poisons unused memory."""
+        self.num_layers = num_layers
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        key_shape = (num_layers, num_blocks, num_kv_heads, head_dim, block_size)
+        value_shape = (num_layers, num_blocks, num_kv_heads, block_size, head_dim)
+        if fill_value is None:
+            self.key = torch.zeros(key_shape, dtype=dtype, device=device)
+            self.value = torch.zeros(value_shape, dtype=dtype, device=device)
+        else:
+            self.key = torch.full(key_shape, fill_value, dtype=dtype, device=device)
+            self.value = torch.full(value_shape, fill_value, dtype=dtype, device=device)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.key.dtype
+
+    @property
+    def num_bytes(self) -> int:
+        return self.key.nbytes + self.value.nbytes
+
+    def layer(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Views of one layer: K [num_blocks, kv_heads, D, bs], V [num_blocks, kv_heads, bs, D]."""
+        return self.key[layer_idx], self.value[layer_idx]
+
+    def write(
+        self, layer_idx: int, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor
+    ) -> None:
+        """Store new rows: key/value [T, kv_heads, D] into slots [T] (int64; -1 skips the row)."""
+        keep = slot_mapping >= 0
+        if not bool(keep.all()):
+            key, value, slot_mapping = key[keep], value[keep], slot_mapping[keep]
+        blocks = slot_mapping // self.block_size  # [T]
+        offsets = slot_mapping % self.block_size  # [T]
+        key_cache, value_cache = self.layer(layer_idx)
+        # Advanced indices on dims 0 and 3 (2) around a slice: the indexed view is [T, kv_heads, D].
+        key_cache[blocks, :, :, offsets] = key.to(key_cache.dtype)
+        value_cache[blocks, :, offsets, :] = value.to(value_cache.dtype)
+
+    def copy_blocks(self, pairs: Sequence[tuple[int, int]]) -> None:
+        """Copy-on-write: for each ``(src, dst)`` copy block src onto dst in every layer.
+
+        All sources are read before any destination is written; destinations must be distinct.
+        """
+        if not pairs:
+            return
+        src, dst = _pair_indices(pairs, self.key.device)
+        self.key[:, dst] = self.key[:, src]
+        self.value[:, dst] = self.value[:, src]
+
+
+def _pair_indices(
+    pairs: Sequence[tuple[int, int]], device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    dsts = [d for _, d in pairs]
+    assert len(set(dsts)) == len(dsts), f"duplicate destination blocks in {pairs}"
+    src = torch.tensor([s for s, _ in pairs], dtype=torch.int64, device=device)
+    dst = torch.tensor(dsts, dtype=torch.int64, device=device)
+    return src, dst
+
+
+def _check_compatible(a: PagedKVCache, b: PagedKVCache) -> None:
+    same_layout = a.key.shape[0] == b.key.shape[0] and a.key.shape[2:] == b.key.shape[2:]
+    assert same_layout, f"caches differ in layout: {tuple(a.key.shape)} vs {tuple(b.key.shape)}"
+    assert a.dtype == b.dtype, f"caches differ in dtype: {a.dtype} vs {b.dtype}"
+
+
+def swap_blocks(src: PagedKVCache, dst: PagedKVCache, pairs: Sequence[tuple[int, int]]) -> None:
+    """Copy block ``s`` of ``src`` onto block ``d`` of ``dst`` for each (s, d), in every layer."""
+    _check_compatible(src, dst)
+    if not pairs:
+        return
+    src_idx, dst_idx = _pair_indices(pairs, src.key.device)
+    dst_idx = dst_idx.to(dst.key.device)
+    # Blocking copies: a non-blocking device-to-host copy would be read before it lands.
+    dst.key[:, dst_idx] = src.key[:, src_idx].to(dst.key.device)
+    dst.value[:, dst_idx] = src.value[:, src_idx].to(dst.value.device)
+
+
+def swap_out(
+    device_cache: PagedKVCache, host_cache: PagedKVCache, pairs: Sequence[tuple[int, int]]
+) -> None:
+    """Copy (device block, host block) pairs from the device cache to the host cache."""
+    swap_blocks(device_cache, host_cache, pairs)
+
+
+def swap_in(
+    device_cache: PagedKVCache, host_cache: PagedKVCache, pairs: Sequence[tuple[int, int]]
+) -> None:
+    """Copy (host block, device block) pairs from the host cache back to the device cache."""
+    swap_blocks(host_cache, device_cache, pairs)

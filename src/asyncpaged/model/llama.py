@@ -1,0 +1,164 @@
+"""Llama, Mistral and Qwen2: RMSNorm, RoPE (with scaling variants), GQA, SwiGLU.
+
+Parameter names are the transformers ones (``model.layers.0.self_attn.q_proj.weight`` ...).
+Differences between the three: Qwen2 has q/k/v biases; Llama may have ``attention_bias`` /
+``mlp_bias``; Mistral (all layers) and Qwen2 (``layer_types``) may use a sliding window.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from asyncpaged.model.attention import AttentionMetadata
+from asyncpaged.model.base import CausalLM, linear
+from asyncpaged.model.errors import UnsupportedModelError
+from asyncpaged.model.kv_cache import PagedKVCache
+from asyncpaged.model.rotary import RotaryEmbedding, apply_rotary
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, hidden_size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # x [T, H]; normalised in float32, as transformers does
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(x.dtype)
+
+
+def _sliding_windows(config: Any, num_layers: int) -> list[int | None]:
+    window = getattr(config, "sliding_window", None)
+    if config.model_type == "mistral":
+        return [window] * num_layers
+    layer_types = getattr(config, "layer_types", None)
+    if config.model_type == "qwen2" and window is not None and layer_types:
+        return [window if t == "sliding_attention" else None for t in layer_types]
+    return [None] * num_layers
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config: Any, layer_idx: int, head_dim: int, window: int | None) -> None:
+        super().__init__()
+        hidden, self.num_heads = config.hidden_size, config.num_attention_heads
+        self.num_kv_heads, self.head_dim = config.num_key_value_heads, head_dim
+        self.layer_idx, self.sliding_window = layer_idx, window
+        qkv_bias = config.model_type == "qwen2" or bool(getattr(config, "attention_bias", False))
+        o_bias = config.model_type != "qwen2" and bool(getattr(config, "attention_bias", False))
+        self.q_proj = nn.Linear(hidden, self.num_heads * head_dim, bias=qkv_bias)
+        self.k_proj = nn.Linear(hidden, self.num_kv_heads * head_dim, bias=qkv_bias)
+        self.v_proj = nn.Linear(hidden, self.num_kv_heads * head_dim, bias=qkv_bias)
+        self.o_proj = nn.Linear(self.num_heads * head_dim, hidden, bias=o_bias)
+        self.scale = head_dim**-0.5
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos_sin: tuple[torch.Tensor, torch.Tensor],
+        model: CausalLM,
+        md: AttentionMetadata,
+        kv_cache: PagedKVCache,
+    ) -> torch.Tensor:
+        num_tokens = x.shape[0]
+        q = linear(self.q_proj, x).view(num_tokens, self.num_heads, self.head_dim)  # [T, Hq, D]
+        k = linear(self.k_proj, x).view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
+        v = linear(self.v_proj, x).view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
+        q, k = apply_rotary(q, *cos_sin), apply_rotary(k, *cos_sin)
+        o = model.attn_backend.forward(
+            self.layer_idx,
+            q,
+            k,
+            v,
+            kv_cache,
+            md,
+            scale=self.scale,
+            sliding_window=self.sliding_window,
+        )  # [T, Hq, D]
+        return linear(self.o_proj, o.reshape(num_tokens, -1))  # [T, H]
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, config: Any) -> None:
+        super().__init__()
+        hidden, inter = config.hidden_size, config.intermediate_size
+        bias = bool(getattr(config, "mlp_bias", False))
+        if getattr(config, "hidden_act", "silu") != "silu":
+            raise UnsupportedModelError(f"hidden_act {config.hidden_act!r} is not supported.")
+        self.gate_proj = nn.Linear(hidden, inter, bias=bias)
+        self.up_proj = nn.Linear(hidden, inter, bias=bias)
+        self.down_proj = nn.Linear(inter, hidden, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # x [T, H] -> [T, I] -> [T, H]
+        gated = torch.nn.functional.silu(linear(self.gate_proj, x)) * linear(self.up_proj, x)
+        return linear(self.down_proj, gated)
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config: Any, layer_idx: int, head_dim: int, window: int | None) -> None:
+        super().__init__()
+        self.self_attn = LlamaAttention(config, layer_idx, head_dim, window)
+        self.mlp = LlamaMLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config: Any, head_dim: int) -> None:
+        super().__init__()
+        windows = _sliding_windows(config, config.num_hidden_layers)
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(config, i, head_dim, windows[i])
+            for i in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+class LlamaForCausalLM(CausalLM):
+    """Llama / Mistral / Qwen2 (transformers ``*ForCausalLM`` checkpoints)."""
+
+    def __init__(self, config: Any) -> None:
+        head_dim = getattr(config, "head_dim", None) or (
+            config.hidden_size // config.num_attention_heads
+        )
+        super().__init__(
+            config,
+            num_layers=config.num_hidden_layers,
+            num_kv_heads=config.num_key_value_heads,
+            head_dim=head_dim,
+        )
+        self.model = LlamaModel(config, head_dim)
+        if not self.tie_word_embeddings:
+            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.rotary = RotaryEmbedding(config, head_dim, torch.device("cpu"))
+
+    def lm_head_weight(self) -> torch.Tensor:
+        if self.tie_word_embeddings:
+            return self.model.embed_tokens.weight
+        return self.lm_head.weight
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        attn_metadata: AttentionMetadata,
+        kv_cache: PagedKVCache,
+    ) -> torch.Tensor:
+        h = torch.nn.functional.embedding(input_ids, self.model.embed_tokens.weight)  # [T, H]
+        if self.rotary.inv_freq.device != h.device:
+            self.rotary.inv_freq = self.rotary.inv_freq.to(h.device)
+        cos_sin = self.rotary.cos_sin(positions, attn_metadata.token_context_lens, h.dtype)
+        for layer in self.model.layers:
+            assert isinstance(layer, LlamaDecoderLayer)
+            h = h + layer.self_attn(
+                layer.input_layernorm(h), cos_sin, self, attn_metadata, kv_cache
+            )
+            h = h + layer.mlp(layer.post_attention_layernorm(h))
+        out: torch.Tensor = self.model.norm(h)  # [T, H]
+        return out

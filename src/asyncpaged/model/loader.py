@@ -1,0 +1,191 @@
+"""Load a transformers checkpoint directory into one of asyncpaged's model families.
+
+A directory holds ``config.json`` (read with ``transformers.AutoConfig``), weights as
+``model.safetensors`` or shards listed in ``model.safetensors.index.json`` (``pytorch_model*.bin``
+as a fallback, read with ``torch.load(weights_only=True)``), and tokenizer files. Every failure is a
+typed ``ModelLoadError`` (a ``ValueError``) naming the file or tensor at fault.
+
+dtype: ``"float32"``, ``"bfloat16"``, ``"float16"`` or ``"auto"`` (the checkpoint's dtype, except
+that half precision becomes float32 on CPU, where half-precision GEMMs are slow or inexact).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from asyncpaged.model.base import CausalLM
+from asyncpaged.model.errors import CheckpointError, UnsupportedModelError
+from asyncpaged.model.gpt2 import GPT2LMHeadModel
+from asyncpaged.model.llama import LlamaForCausalLM
+from asyncpaged.model.opt import OPTForCausalLM
+
+#: transformers architecture name -> family class
+MODEL_REGISTRY: dict[str, Callable[[Any], CausalLM]] = {
+    "LlamaForCausalLM": LlamaForCausalLM,
+    "MistralForCausalLM": LlamaForCausalLM,
+    "Qwen2ForCausalLM": LlamaForCausalLM,
+    "OPTForCausalLM": OPTForCausalLM,
+    "GPT2LMHeadModel": GPT2LMHeadModel,
+}
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def load_config(path: str | Path) -> Any:
+    """Read ``config.json`` through transformers; CheckpointError when it is missing."""
+    directory = Path(path)
+    if not (directory / "config.json").is_file():
+        raise CheckpointError(f"no config.json in checkpoint directory {str(directory)!r}.")
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(str(directory))
+    except (ValueError, KeyError) as exc:
+        raise UnsupportedModelError(
+            f"transformers cannot read the config in {str(directory)!r}: {exc}"
+        ) from exc
+
+
+def resolve_dtype(dtype: str | torch.dtype, config: Any, device: torch.device) -> torch.dtype:
+    """Map a dtype request ("auto" included) to a torch dtype for ``device``."""
+    if isinstance(dtype, torch.dtype):
+        if dtype not in _DTYPES.values():
+            raise UnsupportedModelError(f"dtype {dtype} is not supported.")
+        return dtype
+    if dtype in _DTYPES:
+        return _DTYPES[dtype]
+    if dtype != "auto":
+        raise UnsupportedModelError(f"dtype must be one of {[*_DTYPES, 'auto']}, got {dtype!r}.")
+    stored = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+    if isinstance(stored, str):
+        stored = _DTYPES.get(stored.removeprefix("torch."), torch.float32)
+    if not isinstance(stored, torch.dtype) or stored not in _DTYPES.values():
+        return torch.float32
+    if device.type == "cpu" and stored in (torch.float16, torch.bfloat16):
+        return torch.float32
+    return stored
+
+
+def _weight_files(directory: Path) -> list[Path]:
+    for index_name, single in (
+        ("model.safetensors.index.json", "model.safetensors"),
+        ("pytorch_model.bin.index.json", "pytorch_model.bin"),
+    ):
+        index = directory / index_name
+        if index.is_file():
+            try:
+                weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
+            except (json.JSONDecodeError, KeyError, TypeError) as exc:
+                raise CheckpointError(f"malformed weight index {str(index)!r}: {exc}") from exc
+            files = [directory / name for name in sorted(set(weight_map.values()))]
+            missing = [f.name for f in files if not f.is_file()]
+            if missing:
+                raise CheckpointError(
+                    f"weight shards listed in {index_name} are missing from "
+                    f"{str(directory)!r}: {missing}."
+                )
+            return files
+        if (directory / single).is_file():
+            return [directory / single]
+    raise CheckpointError(
+        f"no weights in {str(directory)!r}: expected model.safetensors, "
+        "model.safetensors.index.json, pytorch_model.bin or pytorch_model.bin.index.json."
+    )
+
+
+def iter_checkpoint_tensors(directory: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (name, tensor) for every tensor in the directory's weight files, on CPU."""
+    for file in _weight_files(Path(directory)):
+        if file.suffix == ".safetensors":
+            from safetensors import safe_open
+
+            try:
+                with safe_open(str(file), framework="pt", device="cpu") as f:
+                    for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
+                        yield name, f.get_tensor(name)
+            except Exception as exc:  # safetensors raises its own error types
+                if isinstance(exc, CheckpointError):
+                    raise
+                raise CheckpointError(f"cannot read {str(file)!r}: {exc}") from exc
+        else:
+            try:
+                state = torch.load(str(file), map_location="cpu", weights_only=True)
+            except Exception as exc:  # pickle and zip errors vary by torch version
+                raise CheckpointError(f"cannot read {str(file)!r}: {exc}") from exc
+            yield from state.items()
+
+
+def _canonical_name(name: str, model: CausalLM, expected: dict[str, torch.Size]) -> str:
+    if name not in expected and model.base_model_prefix + name in expected:
+        return model.base_model_prefix + name  # saved from the base model, without its prefix
+    return name
+
+
+def load_weights(
+    model: CausalLM, directory: str | Path, dtype: torch.dtype, device: torch.device
+) -> None:
+    """Fill ``model`` (built on the meta device) from the checkpoint, strictly by name and shape."""
+    expected = {name: p.shape for name, p in model.named_parameters()}
+    loaded: dict[str, torch.Tensor] = {}
+    unexpected: list[str] = []
+    for raw_name, tensor in iter_checkpoint_tensors(directory):
+        name = _canonical_name(raw_name, model, expected)
+        if name not in expected:
+            if not model.is_ignored_checkpoint_key(name):
+                unexpected.append(raw_name)
+            continue
+        want = expected[name]
+        if model.is_transposed_checkpoint_key(name):
+            want = torch.Size(reversed(want))
+        if tensor.shape != want:
+            raise CheckpointError(
+                f"tensor {raw_name!r} has shape {tuple(tensor.shape)} in the checkpoint, but the "
+                f"config implies {tuple(want)}."
+            )
+        stored = tensor.t() if model.is_transposed_checkpoint_key(name) else tensor
+        loaded[name] = stored.to(device=device, dtype=dtype).contiguous()
+    missing = sorted(set(expected) - set(loaded))
+    if missing or unexpected:
+        raise CheckpointError(
+            f"checkpoint {str(directory)!r} does not match its config: missing tensors "
+            f"{missing[:10]}{' ...' if len(missing) > 10 else ''}, unexpected tensors "
+            f"{sorted(unexpected)[:10]}{' ...' if len(unexpected) > 10 else ''}."
+        )
+    model.load_state_dict(loaded, strict=True, assign=True)
+
+
+def load_model(
+    path: str | Path, dtype: str | torch.dtype = "auto", device: str | torch.device = "cpu"
+) -> CausalLM:
+    """Build the family for ``path``'s architecture and load its weights; eval mode, no grad."""
+    directory = Path(path)
+    config = load_config(directory)
+    architectures = list(getattr(config, "architectures", None) or [])
+    family = next((MODEL_REGISTRY[a] for a in architectures if a in MODEL_REGISTRY), None)
+    if family is None:
+        raise UnsupportedModelError(
+            f"architecture {architectures or config.model_type!r} in {str(directory)!r} is not "
+            f"supported; supported: {sorted(MODEL_REGISTRY)}."
+        )
+    torch_device = torch.device(device)
+    torch_dtype = resolve_dtype(dtype, config, torch_device)
+    with torch.device("meta"):
+        model = family(config)
+    load_weights(model, directory, torch_dtype, torch_device)
+    model.eval().requires_grad_(False)
+    return model
+
+
+def load_tokenizer(path: str | Path) -> Any:
+    """The checkpoint's tokenizer through ``transformers.AutoTokenizer``."""
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(str(path))
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(f"cannot load a tokenizer from {str(path)!r}: {exc}") from exc

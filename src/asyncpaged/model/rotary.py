@@ -1,0 +1,147 @@
+"""Rotary position embeddings (RoPE) for the Llama family, with transformers' scaling variants.
+
+Supported ``rope_type`` values: ``default``, ``linear``, ``dynamic`` (NTK, per sequence),
+``llama3`` and ``yarn``. Inverse frequencies are computed in float32 exactly as transformers
+computes them, so a checkpoint rotates identically here and there. Layout is the "rotate half"
+(GPT-NeoX) one transformers uses for these families: dimension ``i`` pairs with ``i + head_dim/2``.
+
+``dynamic`` deserves a note: transformers recomputes the frequencies from ``max(position_ids) + 1``
+of each forward call. With one request per call that is the sequence's length after the step,
+which is what we use per token here (the sequence's context length after this step). A prompt split
+into chunks therefore rotates each chunk with its own length (as transformers would if fed the same
+chunks), which differs from a one-shot prefill once the prompt exceeds max_position_embeddings.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+from asyncpaged.model.errors import UnsupportedModelError
+
+SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
+
+
+def _base_inv_freq(base: float, dim: int) -> torch.Tensor:
+    # [dim/2] float32
+    exponents = torch.arange(0, dim, 2, dtype=torch.int64).to(dtype=torch.float) / dim
+    return 1.0 / (base**exponents)
+
+
+def _llama3_inv_freq(inv_freq: torch.Tensor, params: dict[str, Any]) -> torch.Tensor:
+    factor = params["factor"]
+    low_freq_factor = params["low_freq_factor"]
+    high_freq_factor = params["high_freq_factor"]
+    old_context_len = params["original_max_position_embeddings"]
+    low_freq_wavelen = old_context_len / low_freq_factor
+    high_freq_wavelen = old_context_len / high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_context_len / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    is_medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+def _yarn_inv_freq(
+    base: float, dim: int, params: dict[str, Any], max_position_embeddings: int
+) -> tuple[torch.Tensor, float]:
+    original_max = params["original_max_position_embeddings"]
+    factor = params.get("factor") or max_position_embeddings / original_max
+
+    def get_mscale(scale: float, mscale: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+    attention_factor = params.get("attention_factor")
+    if attention_factor is None:
+        mscale, mscale_all_dim = params.get("mscale"), params.get("mscale_all_dim")
+        if mscale and mscale_all_dim:
+            attention_factor = get_mscale(factor, mscale) / get_mscale(factor, mscale_all_dim)
+        else:
+            attention_factor = get_mscale(factor)
+    beta_fast = params.get("beta_fast") or 32
+    beta_slow = params.get("beta_slow") or 1
+
+    def correction_dim(num_rotations: float) -> float:
+        return (dim * math.log(original_max / (num_rotations * 2 * math.pi))) / (2 * math.log(base))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if params.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # as transformers: avoid a zero-width ramp
+    ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
+    pos_freqs = base ** (torch.arange(0, dim, 2).to(dtype=torch.float) / dim)
+    extrapolation, interpolation = 1.0 / pos_freqs, 1.0 / (factor * pos_freqs)
+    extrapolation_factor = 1 - ramp
+    inv_freq = interpolation * (1 - extrapolation_factor) + extrapolation * extrapolation_factor
+    return inv_freq, float(attention_factor)
+
+
+class RotaryEmbedding:
+    """cos/sin tables for a flat batch of positions; not an nn.Module (nothing to load)."""
+
+    def __init__(self, config: Any, head_dim: int, device: torch.device) -> None:
+        params: dict[str, Any] = dict(getattr(config, "rope_parameters", None) or {})
+        self.rope_type: str = params.get("rope_type", "default")
+        if self.rope_type not in SUPPORTED_ROPE_TYPES:
+            raise UnsupportedModelError(
+                f"rope_type {self.rope_type!r} is not supported; supported: {SUPPORTED_ROPE_TYPES}."
+            )
+        if params.get("partial_rotary_factor", 1.0) != 1.0:
+            raise UnsupportedModelError("partial_rotary_factor != 1.0 is not supported.")
+        self.base: float = float(params.get("rope_theta", 10000.0))
+        self.dim = head_dim
+        self.max_position_embeddings: int = config.max_position_embeddings
+        self.params = params
+        self.attention_scaling = 1.0
+        with torch.device("cpu"):  # also when the model is being built on the meta device
+            inv_freq = self._initial_inv_freq(params, head_dim)
+        self.inv_freq = inv_freq.to(device)  # [D/2] float32
+
+    def _initial_inv_freq(self, params: dict[str, Any], head_dim: int) -> torch.Tensor:
+        inv_freq = _base_inv_freq(self.base, head_dim)
+        if self.rope_type == "linear":
+            inv_freq = inv_freq / params["factor"]
+        elif self.rope_type == "llama3":
+            inv_freq = _llama3_inv_freq(inv_freq, params)
+        elif self.rope_type == "yarn":
+            inv_freq, self.attention_scaling = _yarn_inv_freq(
+                self.base, head_dim, params, self.max_position_embeddings
+            )
+        return inv_freq
+
+    def _dynamic_inv_freq(self, seq_lens: torch.Tensor) -> torch.Tensor:
+        # seq_lens: [T] int64 -> [T, D/2] float32, one frequency set per token
+        dim, max_pos = self.dim, self.max_position_embeddings
+        factor = float(self.params["factor"])
+        seq = torch.clamp(seq_lens, min=max_pos)  # int64, as transformers' tensor seq_len
+        base = self.base * ((factor * seq / max_pos) - (factor - 1)) ** (dim / (dim - 2))  # [T] f32
+        exponents = torch.arange(0, dim, 2, dtype=torch.int64).to(torch.float) / dim
+        inv = 1.0 / (base[:, None] ** exponents[None, :])
+        inv = torch.where((seq_lens > max_pos)[:, None], inv, self.inv_freq[None, :])
+        return inv.to(self.inv_freq.device)
+
+    def cos_sin(
+        self, positions: torch.Tensor, seq_lens: torch.Tensor | None, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions [T] (and per-token sequence lengths [T] for dynamic) -> cos, sin [T, D]."""
+        if self.rope_type == "dynamic":
+            assert seq_lens is not None, "dynamic RoPE needs per-token sequence lengths"
+            freqs = positions.float()[:, None] * self._dynamic_inv_freq(seq_lens)  # [T, D/2]
+        else:
+            freqs = positions.float()[:, None] * self.inv_freq[None, :]  # [T, D/2]
+        emb = torch.cat((freqs, freqs), dim=-1)  # [T, D]
+        cos = emb.cos() * self.attention_scaling
+        sin = emb.sin() * self.attention_scaling
+        return cos.to(dtype), sin.to(dtype)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [T, heads, D], cos/sin [T, D] -> x rotated, [T, heads, D]."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos[:, None, :] + rotated * sin[:, None, :]

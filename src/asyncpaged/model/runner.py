@@ -1,0 +1,179 @@
+"""The model runner: owns weights and KV caches, executes one scheduled step at a time.
+
+A step (``StepPlan``) lists, per sequence, the new tokens to run, where their K/V go (slots), the
+sequence's block table, and whether the sequence samples this step. Sequences are concatenated
+into one flat batch with no padding; prefill, prefill chunks and decodes mix freely in one step.
+
+Order inside ``execute``: copy-on-write pairs, then the forward (which writes the new K/V into
+their slots), then logits only for the sampling rows (each sampling sequence's last new token),
+then the sampler. Swap copies are separate calls (``swap_out`` / ``swap_in``) so a swap worker can
+run them beside steps; the scheduler guarantees they never touch blocks of a scheduled sequence.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from asyncpaged.model.attention import AttentionBackend, AttentionMetadata
+from asyncpaged.model.base import CausalLM
+from asyncpaged.model.kv_cache import PagedKVCache, swap_in, swap_out
+from asyncpaged.model.loader import load_model
+from asyncpaged.model.sampler import sample
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SequenceStep:
+    """One sequence's share of a step.
+
+    ``token_ids`` sit at positions ``num_computed_tokens ..``; after the step the cache holds
+    ``num_computed_tokens + len(token_ids)`` tokens, which ``block_table`` must cover. ``do_sample``
+    is False for a prefill chunk that stops short of the prompt's end (its logits are not needed).
+    """
+
+    seq_id: int
+    token_ids: tuple[int, ...]
+    num_computed_tokens: int
+    slot_mapping: tuple[int, ...]  # one slot per new token; -1 = do not store
+    block_table: tuple[int, ...]  # physical block ids, logical order
+    do_sample: bool
+    want_logprob: bool = False
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StepPlan:
+    """Everything the runner needs for one step; ``copy_pairs`` (src, dst) run first."""
+
+    seqs: tuple[SequenceStep, ...]
+    copy_pairs: tuple[tuple[int, int], ...] = ()
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SampledToken:
+    seq_id: int
+    token_id: int
+    logprob: float | None  # log-softmax of the sampled token (float32 logits) if asked
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StepResult:
+    """One entry per sequence with ``do_sample``, in plan order."""
+
+    sampled: tuple[SampledToken, ...]
+
+
+class ModelRunner:
+    """Model weights, the device KV cache and the host (swap) KV cache of one model.
+
+    Invariants: the device and host caches share layout and dtype; a block id names the same block
+    in every layer; ``execute`` never reads a slot outside the plan's block tables.
+    """
+
+    def __init__(
+        self,
+        checkpoint_path: str | Path,
+        dtype: str | torch.dtype = "auto",
+        num_blocks: int = 1024,
+        block_size: int = 16,
+        num_host_blocks: int = 0,
+        *,
+        device: str | torch.device = "cpu",
+        attn_backend: AttentionBackend | None = None,
+        kv_fill_value: float | None = None,
+    ) -> None:
+        """Load the checkpoint and allocate caches; ``kv_fill_value`` poisons them (tests: NaN)."""
+        if num_blocks <= 0 or block_size <= 0 or num_host_blocks < 0:
+            raise ValueError(
+                "num_blocks and block_size must be > 0 and num_host_blocks >= 0, got "
+                f"{num_blocks}, {block_size}, {num_host_blocks}."
+            )
+        self.device = torch.device(device)
+        self.model: CausalLM = load_model(checkpoint_path, dtype, self.device)
+        if attn_backend is not None:
+            self.model.attn_backend = attn_backend
+        self.dtype = self.model.lm_head_weight().dtype
+        self.block_size = block_size
+
+        def make_cache(n: int, device: torch.device) -> PagedKVCache:
+            return PagedKVCache(
+                num_layers=self.model.num_layers,
+                num_blocks=n,
+                block_size=block_size,
+                num_kv_heads=self.model.num_kv_heads,
+                head_dim=self.model.head_dim,
+                dtype=self.dtype,
+                device=device,
+                fill_value=kv_fill_value,
+            )
+
+        self.kv_cache = make_cache(num_blocks, self.device)
+        self.host_kv_cache = make_cache(num_host_blocks, torch.device("cpu"))
+
+    def swap_out(self, pairs: tuple[tuple[int, int], ...]) -> None:
+        """Copy (device block, host block) pairs to the host cache."""
+        swap_out(self.kv_cache, self.host_kv_cache, pairs)
+
+    def swap_in(self, pairs: tuple[tuple[int, int], ...]) -> None:
+        """Copy (host block, device block) pairs back to the device cache."""
+        swap_in(self.kv_cache, self.host_kv_cache, pairs)
+
+    def _check(self, seq: SequenceStep) -> None:
+        num_new = len(seq.token_ids)
+        assert num_new > 0, f"sequence {seq.seq_id} has no new tokens"
+        assert len(seq.slot_mapping) == num_new, (
+            f"sequence {seq.seq_id}: {len(seq.slot_mapping)} slots for {num_new} tokens"
+        )
+        context = seq.num_computed_tokens + num_new
+        assert len(seq.block_table) * self.block_size >= context, (
+            f"sequence {seq.seq_id}: {len(seq.block_table)} blocks cannot hold {context} tokens"
+        )
+
+    @torch.inference_mode()
+    def execute(self, plan: StepPlan) -> StepResult:
+        """Run one step: copy-on-write, forward over the flat batch, greedy sampling."""
+        self.kv_cache.copy_blocks(plan.copy_pairs)
+        if not plan.seqs:
+            return StepResult(sampled=())
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        for seq in plan.seqs:
+            self._check(seq)
+            input_ids.extend(seq.token_ids)
+            start = seq.num_computed_tokens
+            positions.extend(range(start, start + len(seq.token_ids)))
+            slots.extend(seq.slot_mapping)
+        metadata = AttentionMetadata.build(
+            query_lens=[len(s.token_ids) for s in plan.seqs],
+            context_lens=[s.num_computed_tokens + len(s.token_ids) for s in plan.seqs],
+            block_tables=[s.block_table for s in plan.seqs],
+            slot_mapping=slots,
+            device=self.device,
+        )
+        hidden = self.model(
+            torch.tensor(input_ids, dtype=torch.int64, device=self.device),
+            torch.tensor(positions, dtype=torch.int64, device=self.device),
+            metadata,
+            self.kv_cache,
+        )  # [T, H]
+        sampling = [i for i, s in enumerate(plan.seqs) if s.do_sample]
+        if not sampling:
+            return StepResult(sampled=())
+        rows = [metadata.query_start_loc_host[i + 1] - 1 for i in sampling]
+        logits = self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)])
+        want_logprobs = any(plan.seqs[i].want_logprob for i in sampling)
+        out = sample(logits, want_logprobs=want_logprobs)
+        token_ids = out.token_ids.tolist()
+        logprobs = out.logprobs.tolist() if out.logprobs is not None else [None] * len(rows)
+        return StepResult(
+            sampled=tuple(
+                SampledToken(
+                    seq_id=plan.seqs[i].seq_id,
+                    token_id=int(token_ids[k]),
+                    logprob=logprobs[k] if plan.seqs[i].want_logprob else None,
+                )
+                for k, i in enumerate(sampling)
+            )
+        )

@@ -1,0 +1,1 @@
+"""Helpers for tests: tiny seeded checkpoints of each supported model family."""

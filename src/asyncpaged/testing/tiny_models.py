@@ -1,0 +1,194 @@
+"""Tiny, seeded, random checkpoints of every supported family, saved as real HF directories.
+
+``build_tiny_checkpoint(name, directory)`` writes ``config.json``, ``model.safetensors`` and the
+files of a small byte-level BPE tokenizer trained in-process (offline) on ``_CORPUS``. Models are
+built with transformers' own classes and ``save_pretrained``, so they are exactly what transformers
+would load. Weights are drawn with a larger spread than the default (``initializer_range`` 0.02
+makes a random model repeat one token); norms and biases are randomised too, so a mistake in
+applying them changes the output.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+VOCAB_SIZE = 320
+PAD_ID, BOS_ID, EOS_ID, UNK_ID = 0, 1, 2, 3
+SPECIAL_TOKENS = ("<pad>", "<s>", "</s>", "<unk>")
+
+_CORPUS = (
+    "The paged attention design stores the key value cache of every request in fixed size "
+    "blocks, like pages of virtual memory. A block table maps the logical blocks of a sequence "
+    "to physical blocks anywhere in the pool, so memory is allocated on demand and shared by "
+    "copy on write. The scheduler batches prefill and decode steps of many requests together; "
+    "when memory runs out it preempts a request by swapping its blocks to host memory or by "
+    "recomputing them later. 0123456789 abcdefghijklmnopqrstuvwxyz ABCDEFGHIJKLMNOPQRSTUVWXYZ."
+)
+
+_COMMON: dict[str, Any] = {
+    "vocab_size": VOCAB_SIZE,
+    "bos_token_id": BOS_ID,
+    "eos_token_id": EOS_ID,
+    "pad_token_id": PAD_ID,
+}
+_LLAMA: dict[str, Any] = {
+    **_COMMON,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 256,
+}
+
+
+def _rope(rope_type: str, **params: Any) -> dict[str, Any]:
+    return {"rope_parameters": {"rope_type": rope_type, "rope_theta": 10000.0, **params}}
+
+
+#: name -> (transformers config class name, config kwargs, init std). The stds are tuned so that
+#: greedy output stays diverse (test_tiny_models checks it); tied-embedding OPT needs a wider one.
+TINY_MODELS: dict[str, tuple[str, dict[str, Any], float]] = {
+    "llama-gqa": ("LlamaConfig", {**_LLAMA}, 0.2),
+    "llama-mha": (
+        "LlamaConfig",
+        {**_LLAMA, "num_key_value_heads": 4, "tie_word_embeddings": True},
+        0.2,
+    ),
+    "mistral": ("MistralConfig", {**_LLAMA, "sliding_window": 12}, 0.2),
+    "qwen2": ("Qwen2Config", {**_LLAMA}, 0.2),
+    "opt": (
+        "OPTConfig",
+        {
+            **_COMMON,
+            "hidden_size": 64,
+            "ffn_dim": 128,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 4,
+            "word_embed_proj_dim": 64,
+            "max_position_embeddings": 256,
+            "do_layer_norm_before": True,
+        },
+        0.3,
+    ),
+    "opt-post-ln": (
+        "OPTConfig",
+        {
+            **_COMMON,
+            "hidden_size": 64,
+            "ffn_dim": 128,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 4,
+            "word_embed_proj_dim": 32,
+            "max_position_embeddings": 256,
+            "do_layer_norm_before": False,
+        },
+        0.1,
+    ),
+    "gpt2": (
+        "GPT2Config",
+        {**_COMMON, "n_embd": 64, "n_layer": 2, "n_head": 4, "n_positions": 256},
+        0.15,
+    ),
+    "llama-rope-linear": ("LlamaConfig", {**_LLAMA, **_rope("linear", factor=2.0)}, 0.2),
+    "llama-rope-dynamic": (
+        "LlamaConfig",
+        {**_LLAMA, "max_position_embeddings": 16, **_rope("dynamic", factor=2.0)},
+        0.2,
+    ),
+    "llama-rope-llama3": (
+        "LlamaConfig",
+        {
+            **_LLAMA,
+            **_rope(
+                "llama3",
+                factor=8.0,
+                low_freq_factor=1.0,
+                high_freq_factor=4.0,
+                original_max_position_embeddings=16,
+            ),
+        },
+        0.2,
+    ),
+    "llama-rope-yarn": (
+        "LlamaConfig",
+        {
+            **_LLAMA,
+            "max_position_embeddings": 64,
+            **_rope("yarn", factor=4.0, original_max_position_embeddings=16),
+        },
+        0.2,
+    ),
+}
+
+_MODEL_CLASSES = {
+    "LlamaConfig": "LlamaForCausalLM",
+    "MistralConfig": "MistralForCausalLM",
+    "Qwen2Config": "Qwen2ForCausalLM",
+    "OPTConfig": "OPTForCausalLM",
+    "GPT2Config": "GPT2LMHeadModel",
+}
+
+
+def build_tokenizer() -> Any:
+    """A byte-level BPE tokenizer of ``VOCAB_SIZE`` ids with <pad>/<s>/</s>/<unk> as ids 0-3."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=VOCAB_SIZE,
+        special_tokens=list(SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator([_CORPUS], trainer)
+    return PreTrainedTokenizerFast(  # type: ignore[no-untyped-call]
+        tokenizer_object=tok,
+        pad_token="<pad>",
+        bos_token="<s>",
+        eos_token="</s>",
+        unk_token="<unk>",
+    )
+
+
+def _randomise(model: torch.nn.Module, std: float, generator: torch.Generator) -> None:
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            noise = torch.randn(param.shape, generator=generator)
+            if name.endswith("bias"):
+                param.copy_(noise * std)
+            elif param.dim() == 1:  # norm weights
+                param.copy_(1.0 + noise * 0.1)
+            else:
+                param.copy_(noise * std)
+
+
+def build_tiny_model(name: str, seed: int = 0) -> Any:
+    """The transformers model (float32, eval mode) for ``name`` in ``TINY_MODELS``."""
+    import transformers
+
+    config_cls_name, kwargs, std = TINY_MODELS[name]
+    config = getattr(transformers, config_cls_name)(**kwargs)
+    model_cls: Callable[[Any], Any] = getattr(transformers, _MODEL_CLASSES[config_cls_name])
+    torch.manual_seed(seed)
+    model = model_cls(config)
+    generator = torch.Generator().manual_seed(seed)
+    _randomise(model, std, generator)
+    model.tie_weights()
+    return model.eval()
+
+
+def build_tiny_checkpoint(name: str, directory: str | Path, seed: int = 0) -> Path:
+    """Save model ``name`` (see ``TINY_MODELS``) with its tokenizer into ``directory``."""
+    path = Path(directory)
+    path.mkdir(parents=True, exist_ok=True)
+    build_tiny_model(name, seed).save_pretrained(str(path))
+    build_tokenizer().save_pretrained(str(path))
+    return path

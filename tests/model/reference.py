@@ -1,0 +1,55 @@
+"""The correctness oracle: transformers' own ``generate`` (greedy) on a saved checkpoint."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+
+class HFReference:
+    """Greedy continuations and their log-softmax values, one prompt at a time (no padding)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._cache: dict[tuple[tuple[int, ...], int], tuple[list[int], list[float]]] = {}
+        self._model: Any = None
+
+    def _load(self) -> Any:
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(str(self.path), dtype=torch.float32)
+        return model.eval()
+
+    def generate(
+        self, prompt: tuple[int, ...], max_new_tokens: int
+    ) -> tuple[list[int], list[float]]:
+        """(greedy tokens, log-softmax of each chosen token) for ``prompt``; EOS does not stop."""
+        key = (prompt, max_new_tokens)
+        if key not in self._cache:
+            model = self._model
+            # transformers' dynamic RoPE keeps state across calls: use a fresh model for it.
+            rope = getattr(model.config, "rope_parameters", None) if model is not None else None
+            if model is None or (rope or {}).get("rope_type") == "dynamic":
+                model = self._model = self._load()
+            ids = torch.tensor([prompt], dtype=torch.int64)
+            with torch.no_grad():
+                out = model.generate(
+                    ids,
+                    attention_mask=torch.ones_like(ids),
+                    do_sample=False,
+                    max_new_tokens=max_new_tokens,
+                    min_new_tokens=0,
+                    eos_token_id=None,
+                    pad_token_id=0,
+                    output_logits=True,
+                    return_dict_in_generate=True,
+                )
+            tokens = out.sequences[0, len(prompt) :].tolist()
+            logprobs = [
+                float(torch.log_softmax(step_logits[0].float(), dim=-1)[tok])
+                for step_logits, tok in zip(out.logits, tokens, strict=True)
+            ]
+            self._cache[key] = (tokens, logprobs)
+        return self._cache[key]
