@@ -1,12 +1,12 @@
 """The exception tree of asyncpaged.
 
-    AsyncPagedError
-     +-- InvalidRequestError (also ValueError): a request refused before anything is queued
-     |    (bad sampling values, empty prompt, too long, token ids outside the vocabulary,
-     |    duplicate live request id). The engine keeps serving.
-     +-- BlockPoolError (also ValueError): a call the block pool refuses (unknown sequence,
-     |    duplicate id, operation on a sequence in the wrong place); the pool is left unchanged.
-     +-- EngineDeadError: the engine failed; every waiter gets it, with the cause chained.
+AsyncPagedError
+ +-- InvalidRequestError (also ValueError): a request refused before anything is queued
+ |    (bad sampling values, empty prompt, too long, token ids outside the vocabulary,
+ |    duplicate live request id). The engine keeps serving.
+ +-- BlockPoolError (also ValueError): a call the block pool refuses (unknown sequence,
+ |    duplicate id, operation on a sequence in the wrong place); the pool is left unchanged.
+ +-- EngineDeadError: the engine failed; every waiter gets it, with the cause chained.
 """
 
 from __future__ import annotations

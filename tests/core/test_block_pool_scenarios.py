@@ -318,3 +318,15 @@ def test_placement_keeps_a_sequence_in_one_physical_run() -> None:
     ids = pool.block_ids("long")
     runs = 1 + sum(1 for x, y in itertools.pairwise(ids) if y != x + 1)
     assert runs <= 3, ids
+
+
+def test_blocks_freed_by_a_swap_exclude_blocks_shared_outside_the_group() -> None:
+    pool = make_pool(num_device=8, num_host=8)
+    pool.allocate("a", toks(100, 9))  # 0, 1 full (cached), 2 partial
+    pool.allocate("b", [*toks(100, 8), 5])  # hits 0, 1; own block 3
+    plan = pool.swap_out(["a"])
+    assert plan is not None
+    assert pool.num_blocks_freed_by_swap(plan.swap_id) == 1  # only block 2: b still holds 0, 1
+    pool.complete_swap(plan.swap_id)
+    with pytest.raises(BlockPoolError, match="no swap in flight"):
+        pool.num_blocks_freed_by_swap(plan.swap_id)

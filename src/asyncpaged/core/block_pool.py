@@ -260,6 +260,14 @@ class BlockPool:
         """The reverse of :meth:`swap_out`, for a group on the host; None if the device is short."""
         return self._swap(seq_ids, SwapDirection.IN)
 
+    def num_blocks_freed_by_swap(self, swap_id: int) -> int:
+        """Source blocks that completing this swap would release (their only holder is it)."""
+        if swap_id not in self._swaps:
+            raise BlockPoolError(f"no swap in flight with id {swap_id}.")
+        plan = self._swaps[swap_id].plan
+        src = self.device if plan.direction is SwapDirection.OUT else self.host
+        return sum(1 for b, _ in plan.block_mapping if src.ref_cnt[b] == src.in_flight[b])
+
     def complete_swap(self, swap_id: int) -> None:
         """The copies of a swap are done: release the in-flight holds, finish the moves."""
         if swap_id not in self._swaps:

@@ -1,0 +1,100 @@
+"""Request and sequence state owned by the scheduler (pure Python, no torch)."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+
+class RequestStatus(enum.Enum):
+    """Where a request (a sequence group) is in the scheduler.
+
+    ``WAITING`` (new, or preempted by recompute) -> ``RUNNING`` -> ``SWAPPING_OUT`` -> ``SWAPPED``
+    -> ``SWAPPING_IN`` -> ``RUNNING`` -> ``FINISHED``. Any state can go to ``FINISHED`` (abort).
+    """
+
+    WAITING = "waiting"
+    RUNNING = "running"
+    SWAPPING_OUT = "swapping_out"
+    SWAPPED = "swapped"
+    SWAPPING_IN = "swapping_in"
+    FINISHED = "finished"
+
+    @property
+    def is_swapped(self) -> bool:
+        return self in (
+            RequestStatus.SWAPPING_OUT,
+            RequestStatus.SWAPPED,
+            RequestStatus.SWAPPING_IN,
+        )
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StopCriteria:
+    """The token-level stop rules the scheduler applies (stop strings are the detokenizer's).
+
+    ``max_tokens`` counts generated tokens; EOS (unless ``ignore_eos``) and ``stop_token_ids`` end a
+    sequence only once ``min_tokens`` tokens were generated.
+    """
+
+    max_tokens: int
+    min_tokens: int = 0
+    eos_token_id: int | None = None
+    ignore_eos: bool = False
+    stop_token_ids: frozenset[int] = frozenset()
+    max_model_len: int | None = None
+
+
+@dataclass(slots=True, eq=False)
+class Sequence:
+    """One output sequence of a request.
+
+    Invariant: ``num_computed_tokens <= len(token_ids)``; the K/V of ``token_ids[:num_computed]``
+    are in (or being written to) the sequence's blocks. A running sequence that finished its
+    prompt has ``num_computed_tokens == len(token_ids) - 1``: its last, sampled token is the
+    input of its next decode step.
+    """
+
+    seq_id: int
+    index: int
+    token_ids: list[int]
+    num_prompt_tokens: int
+    num_computed_tokens: int = 0
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    stop_reason: int | str | None = None
+
+    @property
+    def num_generated(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def num_uncomputed(self) -> int:
+        return len(self.token_ids) - self.num_computed_tokens
+
+
+@dataclass(slots=True, eq=False)
+class Request:
+    """A sequence group: the unit of admission, preemption and swapping (all-or-nothing)."""
+
+    request_id: str
+    arrival: int  # admission order key (first come, first served)
+    seqs: list[Sequence]
+    stop: StopCriteria
+    cache_salt: str | None = None
+    status: RequestStatus = RequestStatus.WAITING
+    swap_id: int | None = None
+    num_preemptions: int = 0
+    num_cached_tokens: int = 0
+    metadata: dict[str, object] = field(default_factory=dict)
+
+    @property
+    def live_seqs(self) -> list[Sequence]:
+        return [s for s in self.seqs if not s.is_finished]
+
+    @property
+    def is_finished(self) -> bool:
+        return all(s.is_finished for s in self.seqs)

@@ -1,0 +1,213 @@
+"""The scheduler and block pool driven by a fake executor that simulates the KV cache.
+
+The fake executor writes, into each slot a step hands out, what a real K/V row depends on (the
+cache salt and every token up to that position); copy-on-write and swap copies move those
+contents (swaps only when the driver completes them, at a random later step). A sampling
+sequence reads its whole context back through its block table and must find exactly its tokens;
+the next token is a hash of what it read. So any scheduling, preemption or swap bug that corrupts
+a sequence's cache changes its output, and every request's output must equal the output of the
+same request run alone.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+from dataclasses import dataclass, field
+
+import hypothesis.strategies as st
+from hypothesis import event, given
+
+from asyncpaged.core import BlockPool, SwapDirection
+from asyncpaged.core.request import Request, Sequence, StopCriteria
+from asyncpaged.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+
+BS = 4
+VOCAB = 5
+EOS = 4
+Content = tuple[str | None, tuple[int, ...]]
+
+
+def next_token(salt: str | None, tokens: list[int] | tuple[int, ...]) -> int:
+    digest = hashlib.sha256(repr((salt, tuple(tokens))).encode()).digest()
+    return digest[0] % VOCAB
+
+
+def reference_output(prompt: list[int], salt: str | None, stop: StopCriteria) -> list[int]:
+    tokens = list(prompt)
+    out: list[int] = []
+    while True:
+        tok = next_token(salt, tokens)
+        tokens.append(tok)
+        out.append(tok)
+        if len(out) >= stop.min_tokens and tok == stop.eos_token_id and not stop.ignore_eos:
+            return out
+        if len(out) >= stop.max_tokens:
+            return out
+
+
+@dataclass
+class FakeWorld:
+    """Device and host KV contents, and the swaps in flight."""
+
+    device: dict[int, Content | None] = field(default_factory=dict)
+    host: dict[int, Content | None] = field(default_factory=dict)
+    swaps: dict[int, tuple[SwapDirection, tuple[tuple[int, int], ...]]] = field(
+        default_factory=dict
+    )
+
+    def copy_blocks(self, src: dict[int, Content | None], dst: dict[int, Content | None],
+                    pairs: tuple[tuple[int, int], ...]) -> None:  # fmt: skip
+        for s, d in pairs:
+            for off in range(BS):
+                dst[d * BS + off] = src.get(s * BS + off)
+
+    def execute(self, out: SchedulerOutput, requests: dict[str, Request]) -> dict[int, int]:
+        self.copy_blocks(self.device, self.device, out.copy_on_write)
+        for plan in (*out.swap_outs, *out.swap_ins):
+            self.swaps[plan.swap_id] = (plan.direction, plan.block_mapping)
+            if plan.direction is SwapDirection.IN:  # destinations hold garbage until copied
+                for _, d in plan.block_mapping:
+                    for off in range(BS):
+                        self.device[d * BS + off] = None
+        sampled: dict[int, int] = {}
+        for sch in out.seqs:  # a real layer writes every new K/V before any attention reads
+            request = requests[sch.request_id]
+            seq = next(s for s in request.seqs if s.seq_id == sch.seq_id)
+            for i, slot in enumerate(sch.slot_mapping):
+                pos = sch.start_pos + i
+                self.device[slot] = (request.cache_salt, tuple(seq.token_ids[: pos + 1]))
+        for sch in out.seqs:
+            if not sch.samples:
+                continue
+            request = requests[sch.request_id]
+            seq = next(s for s in request.seqs if s.seq_id == sch.seq_id)
+            n = sch.start_pos + len(sch.token_ids)
+            assert n == len(seq.token_ids)
+            for pos in range(n):
+                slot = sch.block_table[pos // BS] * BS + pos % BS
+                want = (request.cache_salt, tuple(seq.token_ids[: pos + 1]))
+                assert self.device.get(slot) == want, f"{sch.request_id} reads bad KV at {pos}"
+            sampled[sch.seq_id] = next_token(request.cache_salt, seq.token_ids)
+        return sampled
+
+    def complete(self, swap_id: int) -> None:
+        direction, pairs = self.swaps.pop(swap_id)
+        if direction is SwapDirection.OUT:
+            self.copy_blocks(self.device, self.host, pairs)
+        else:
+            self.copy_blocks(self.host, self.device, pairs)
+
+
+BASE = [1, 2, 3, 0, 1, 2, 3, 0, 2, 2, 1, 1, 0, 0, 3, 3, 1, 2, 3, 0]
+
+
+@st.composite
+def request_specs(draw: st.DrawFn, max_len: int) -> tuple[list[int], str | None, StopCriteria]:
+    n_prefix = draw(st.integers(0, len(BASE)))
+    tail = draw(st.lists(st.integers(0, VOCAB - 2), min_size=1, max_size=12))
+    prompt = (BASE[:n_prefix] + tail)[: max_len - 1]
+    max_tokens = draw(st.integers(1, min(16, max_len - len(prompt))))
+    stop = StopCriteria(
+        max_tokens=max_tokens,
+        min_tokens=draw(st.integers(0, max_tokens)),
+        eos_token_id=EOS,
+        ignore_eos=draw(st.booleans()),
+    )
+    return prompt, draw(st.sampled_from([None, None, "salt"])), stop
+
+
+@given(data=st.data())
+def test_scheduler_outputs_equal_running_each_request_alone(data: st.DataObject) -> None:
+    num_device = data.draw(st.integers(6, 24), label="device blocks")
+    num_host = data.draw(st.integers(0, 24), label="host blocks")
+    mode = data.draw(st.sampled_from(["recompute", "swap"]), label="mode")
+    config = SchedulerConfig(
+        max_num_seqs=data.draw(st.integers(1, 8)),
+        max_num_batched_tokens=data.draw(st.integers(4, 48)),
+        preemption_mode=mode,
+    )
+    pool = BlockPool(
+        num_device, num_host, block_size=BS, enable_prefix_caching=data.draw(st.booleans())
+    )
+    sched = Scheduler(pool, config)
+    world = FakeWorld()
+    max_len = (num_device - 1) * BS  # a request alone always fits
+    ids = itertools.count()
+    expected: dict[str, list[int]] = {}
+    outputs: dict[str, list[int]] = {}
+    aborted: set[str] = set()
+    every: dict[str, Request] = {}
+
+    def add() -> None:
+        prompt, salt, stop = data.draw(request_specs(max_len))
+        rid = f"r{next(ids)}"
+        seq = Sequence(
+            seq_id=int(rid[1:]), index=0, token_ids=list(prompt), num_prompt_tokens=len(prompt)
+        )
+        request = Request(
+            request_id=rid, arrival=int(rid[1:]), seqs=[seq], stop=stop, cache_salt=salt
+        )
+        sched.add_request(request)
+        every[rid] = request
+        expected[rid] = reference_output(prompt, salt, stop)
+        outputs[rid] = []
+
+    for _ in range(data.draw(st.integers(1, 12), label="initial requests")):
+        add()
+    num_late = data.draw(st.integers(0, 8), label="late requests")
+    saw_preemption = False
+    for _ in range(3000):
+        if not sched.has_unfinished and not sched.has_swaps_in_flight and num_late == 0:
+            break
+        swapped_before = bool(sched.swapped)
+        waiting_before = {r.request_id for r in sched.waiting}
+        out = sched.schedule()
+        assert out.num_batched_tokens <= config.max_num_batched_tokens
+        assert len(out.seqs) <= config.max_num_seqs
+        assert len({s.seq_id for s in out.seqs}) == len(out.seqs)
+        admitted = {s.request_id for s in out.seqs} & waiting_before
+        if swapped_before or out.preempted:
+            assert not admitted, "admitted while a request was preempted or swapped"
+        arrivals = [every[r].arrival for r in waiting_before]
+        if admitted:  # first come, first served among the waiting
+            assert (
+                max(every[r].arrival for r in admitted)
+                <= min(every[r].arrival for r in waiting_before - admitted)
+                if waiting_before - admitted
+                else True
+            )
+        del arrivals
+        if out.preempted:  # the newest running requests are the victims
+            newest_kept = max((r.arrival for r in sched.running), default=-1)
+            assert newest_kept < min(every[r].arrival for r in out.preempted)
+        saw_preemption |= bool(out.preempted)
+        sampled = world.execute(out, every)
+        for upd in sched.update(out, sampled):
+            outputs[upd.request_id].extend(upd.new_token_ids)
+        pool.check_invariants()
+        # Swaps land at random later steps; requests arrive and get aborted at random.
+        for swap_id in sorted(world.swaps):
+            if data.draw(st.booleans(), label="complete swap"):
+                world.complete(swap_id)
+                sched.complete_swap(swap_id)
+        if num_late and data.draw(st.booleans(), label="arrive"):
+            add()
+            num_late -= 1
+        if sched.requests and data.draw(st.integers(0, 9), label="abort?") == 0:
+            rid = data.draw(st.sampled_from(sorted(sched.requests)), label="abort which")
+            sched.abort(rid)
+            aborted.add(rid)
+    else:
+        raise AssertionError("the scheduler stopped making progress")
+    event("preempted" if saw_preemption else "no preemption")
+    for rid, want in expected.items():
+        if rid in aborted:
+            assert outputs[rid] == want[: len(outputs[rid])]
+        else:
+            assert outputs[rid] == want, rid
+            assert every[rid].seqs[0].finish_reason in ("stop", "length")
+    stats = pool.statistics()
+    assert stats.num_seqs == 0
+    assert stats.device.used == stats.device.in_flight == stats.host.used == 0
+    assert stats.host.free == num_host
