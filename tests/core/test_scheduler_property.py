@@ -21,6 +21,7 @@ from hypothesis import event, given
 from asyncpaged.core import BlockPool, SwapDirection
 from asyncpaged.core.request import Request, Sequence, StopCriteria
 from asyncpaged.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from asyncpaged.core.txn import apply_txn, snapshot
 
 BS = 4
 VOCAB = 5
@@ -123,6 +124,8 @@ def test_scheduler_outputs_equal_running_each_request_alone(data: st.DataObject)
     num_host = data.draw(st.integers(0, 24), label="host blocks")
     mode = data.draw(st.sampled_from(["recompute", "swap"]), label="mode")
     config = SchedulerConfig(
+        block_size=BS,
+        num_device_blocks=num_device,
         max_num_seqs=data.draw(st.integers(1, 8)),
         max_num_batched_tokens=data.draw(st.integers(4, 48)),
         preemption_mode=mode,
@@ -130,7 +133,8 @@ def test_scheduler_outputs_equal_running_each_request_alone(data: st.DataObject)
     pool = BlockPool(
         num_device, num_host, block_size=BS, enable_prefix_caching=data.draw(st.booleans())
     )
-    sched = Scheduler(pool, config)
+    sched = Scheduler(config)
+    snap = snapshot(pool)
     world = FakeWorld()
     max_len = (num_device - 1) * BS  # a request alone always fits
     ids = itertools.count()
@@ -158,11 +162,15 @@ def test_scheduler_outputs_equal_running_each_request_alone(data: st.DataObject)
     num_late = data.draw(st.integers(0, 8), label="late requests")
     saw_preemption = False
     for _ in range(3000):
-        if not sched.has_unfinished and not sched.has_swaps_in_flight and num_late == 0:
+        idle = not sched.has_unfinished and not sched.has_swaps_in_flight
+        if idle and not sched.has_pending_txn_work and num_late == 0:
             break
         swapped_before = bool(sched.swapped)
         waiting_before = {r.request_id for r in sched.waiting}
-        out = sched.schedule()
+        txn = sched.plan(snap)
+        result = apply_txn(pool, txn)  # asserts that every mandatory operation fits
+        snap = result.snapshot
+        out = sched.apply(txn, result)
         assert out.num_batched_tokens <= config.max_num_batched_tokens
         assert len(out.seqs) <= config.max_num_seqs
         assert len({s.seq_id for s in out.seqs}) == len(out.seqs)
@@ -201,6 +209,15 @@ def test_scheduler_outputs_equal_running_each_request_alone(data: st.DataObject)
     else:
         raise AssertionError("the scheduler stopped making progress")
     event("preempted" if saw_preemption else "no preemption")
+    stats_s = sched.statistics()
+    if stats_s.num_swap_outs:
+        event("swapped out")
+    if stats_s.num_swap_ins:
+        event("swapped in")
+    if stats_s.num_recomputes:
+        event("recomputed")
+    if aborted:
+        event("aborted")
     for rid, want in expected.items():
         if rid in aborted:
             assert outputs[rid] == want[: len(outputs[rid])]

@@ -16,8 +16,9 @@ changing anything; a broken internal invariant is an ``AssertionError``.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from types import MappingProxyType
 
 from asyncpaged.core.block_table import (
     AppendResult,
@@ -98,6 +99,10 @@ class BlockPool:
     @property
     def num_free_host_blocks(self) -> int:
         return self.host.num_allocatable
+
+    def tables(self) -> Mapping[SeqId, BlockTable]:
+        """A read-only view of every block table (do not mutate the tables)."""
+        return MappingProxyType(self._tables)
 
     def has_seq(self, seq_id: SeqId) -> bool:
         return seq_id in self._tables

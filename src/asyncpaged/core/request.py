@@ -62,6 +62,7 @@ class Sequence:
     num_computed_tokens: int = 0
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     stop_reason: int | str | None = None
+    has_blocks: bool = False  # the pool holds a table for it (or will, until a pending free)
 
     @property
     def num_generated(self) -> int:
@@ -87,6 +88,7 @@ class Request:
     cache_salt: str | None = None
     status: RequestStatus = RequestStatus.WAITING
     swap_id: int | None = None
+    num_swap_blocks: int = 0  # blocks of its last swap-out: what a swap-in takes back
     num_preemptions: int = 0
     num_cached_tokens: int = 0
     metadata: dict[str, object] = field(default_factory=dict)

@@ -1,19 +1,25 @@
-"""Iteration-level, first-come-first-served scheduling over the block pool (pure Python).
+"""Iteration-level, first-come-first-served scheduling policy (pure Python, no pool inside).
 
-One call of :meth:`Scheduler.schedule` plans one model step::
+The scheduler owns the queues and request state; the allocator owns the block pool. One step::
 
-    1. running requests, oldest first: a decode token per sequence, or the next prefill chunk;
-       a request that cannot get its blocks preempts the newest running request (all its
-       sequences: by swap to the host pool, or by recompute) until it fits, or waits a step
-       when blocks being swapped out will free enough;
-    2. if nothing was preempted: swapped requests come back in (oldest first);
-    3. if nothing is preempted or swapped: waiting requests are admitted, oldest first, within
-       the token budget, keeping a watermark of free blocks (chunked prefill).
+    txn = scheduler.plan(snapshot)           # decisions against the allocator's exact snapshot
+    result = apply_txn(pool, txn)            # the allocator (its own actor in the engine)
+    output = scheduler.apply(txn, result)    # admissions settled, the step's plan built
+    ... the executor runs output (copy-on-write first), swaps run beside it ...
+    updates = scheduler.update(output, sampled_tokens)
 
-:meth:`Scheduler.update` then takes the sampled tokens, applies the stop rules and frees what
-finished. The caller alternates ``schedule`` and ``update`` strictly (one step in flight), runs the
-step's copy-on-write copies before its forward, and calls :meth:`Scheduler.complete_swap` when a
-swap's copies are done.
+The plan, in order:
+
+1. running requests, oldest first: a decode token per sequence, or the next prefill chunk. A
+   request whose blocks do not fit preempts the newest running request (all its sequences: by
+   swap to the host pool, or by recompute) until it fits, or waits a step when blocks being
+   swapped out will free enough;
+2. if nothing was preempted: swapped requests come back in, oldest first;
+3. if nothing is preempted or swapped: waiting requests are offered for admission, oldest first,
+   within the token and sequence budgets (chunked prefill); the allocator admits a prefix of them.
+
+Finished, aborted and recompute-preempted sequences are freed, and completed swaps confirmed, in
+the next transaction.
 """
 
 from __future__ import annotations
@@ -22,18 +28,30 @@ import bisect
 import itertools
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
-from asyncpaged.core.block_pool import BlockPool
-from asyncpaged.core.block_table import SwapDirection, SwapPlan
+from asyncpaged.core.block_table import SwapPlan
 from asyncpaged.core.request import Request, RequestStatus, Sequence
+from asyncpaged.core.txn import (
+    Admission,
+    AllocateOp,
+    AppendOp,
+    GroupReport,
+    PoolSnapshot,
+    SlotGrant,
+    StepTxn,
+    TxnResult,
+)
 
 PreemptionMode = Literal["recompute", "swap"]
+NUM_REPORTED_GROUPS = 8  # newest running requests whose release counts the allocator reports
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class SchedulerConfig:
+    block_size: int = 16
+    num_device_blocks: int = 1024
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
     preemption_mode: PreemptionMode = "recompute"
@@ -88,29 +106,46 @@ class SchedulerStatistics:
     num_aborted: int
 
 
+@dataclass(slots=True)
+class _Plan:
+    """A step being planned: budgets and the decisions made so far."""
+
+    budget_left: int
+    seats_left: int
+    free: int  # device blocks free for mandatory operations
+    host_free: int
+    coming: int = 0  # device blocks that swap-outs started now free when done
+    preempted: list[str] = field(default_factory=list)
+
+
 class Scheduler:
-    """FCFS iteration-level scheduler owning the queues and the block pool.
+    """FCFS iteration-level scheduling policy over request state.
 
     Invariants:
 
     * Every unfinished request is in exactly one of ``waiting``, ``running`` and ``swapped``,
-      each kept sorted by arrival; finished requests are dropped at once.
-    * Waiting requests hold no blocks; the live sequences of a running request have device
-      tables; those of a swapped request are on the host or in flight.
+      each sorted by arrival; finished requests are dropped at once.
+    * Waiting requests hold no blocks (their frees may still be pending in the next
+      transaction); the live sequences of a running request have device tables; those of a
+      swapped request are on the host or in flight.
     * Preemption and swapping move whole requests (all live sequences together).
     * No request is admitted while another is swapped or was preempted in the same step.
+    * Every mandatory operation of a planned transaction fits the snapshot it was planned on.
     """
 
-    def __init__(self, pool: BlockPool, config: SchedulerConfig | None = None) -> None:
-        self.pool = pool
-        self.config = config or SchedulerConfig()
+    def __init__(self, config: SchedulerConfig) -> None:
+        self.config = config
         self.requests: dict[str, Request] = {}
         self.waiting: list[Request] = []
         self.running: list[Request] = []
         self.swapped: list[Request] = []
-        self._swaps: dict[int, Request | None] = {}
+        self._swaps: dict[int, Request | None] = {}  # swap id -> request (None: aborted)
+        self._swap_blocks: dict[int, int] = {}  # swap id -> blocks it maps
+        self._pending_frees: list[int] = []
+        self._pending_completes: list[int] = []
         self._step_ids = itertools.count()
-        self._watermark_blocks = math.ceil(self.config.watermark * pool.device.num_blocks)
+        self._preempted: tuple[str, ...] = ()
+        self._watermark = math.ceil(config.watermark * config.num_device_blocks)
         self.num_preemptions = self.num_swap_outs = self.num_swap_ins = 0
         self.num_recomputes = self.num_finished = self.num_aborted = 0
 
@@ -119,12 +154,12 @@ class Scheduler:
     def add_request(self, request: Request) -> None:
         assert request.request_id not in self.requests, f"duplicate id {request.request_id!r}"
         assert request.status is RequestStatus.WAITING
-        assert len(request.live_seqs) == 1, "a request starts with one sequence"
         self.requests[request.request_id] = request
         _insort(self.waiting, request)
 
     def abort(self, request_id: str) -> Request | None:
-        """Finish a request with reason "abort" wherever it is and free its blocks now."""
+        """Finish a request with reason "abort" wherever it is; its blocks are freed by the next
+        transaction (a swap in flight keeps its blocks until the copy completes)."""
         request = self.requests.get(request_id)
         if request is None:
             return None
@@ -137,7 +172,7 @@ class Scheduler:
     def complete_swap(self, swap_id: int) -> None:
         """A swap's copies are done: the request becomes swapped, or running again."""
         request = self._swaps.pop(swap_id)
-        self.pool.complete_swap(swap_id)
+        self._pending_completes.append(swap_id)
         if request is None:  # aborted while its blocks were being copied
             return
         request.swap_id = None
@@ -157,129 +192,211 @@ class Scheduler:
     def has_swaps_in_flight(self) -> bool:
         return bool(self._swaps)
 
-    # ---- one step -------------------------------------------------------------------------
+    @property
+    def has_pending_txn_work(self) -> bool:
+        """Frees or swap confirmations wait for the next transaction."""
+        return bool(self._pending_frees or self._pending_completes)
 
-    def schedule(self) -> SchedulerOutput:
-        step = _StepBuilder(self.config.max_num_batched_tokens, self.config.max_num_seqs)
-        self._schedule_running(step)
-        if not step.preempted:
-            self._schedule_swap_ins(step)
-        if not step.preempted and not self.swapped:
-            self._schedule_waiting(step)
-        return SchedulerOutput(
-            step_id=next(self._step_ids),
-            seqs=tuple(step.seqs),
-            copy_on_write=tuple(step.cow),
-            swap_outs=tuple(step.swap_outs),
-            swap_ins=tuple(step.swap_ins),
-            preempted=tuple(step.preempted),
-            num_batched_tokens=step.num_tokens,
+    # ---- planning -------------------------------------------------------------------------
+
+    def plan(self, snap: PoolSnapshot) -> StepTxn:
+        """Decide the next step against the allocator's snapshot."""
+        cfg = self.config
+        plan = _Plan(
+            budget_left=cfg.max_num_batched_tokens,
+            seats_left=cfg.max_num_seqs,
+            free=snap.num_free_device_blocks,
+            host_free=snap.num_free_host_blocks,
+        )
+        frees, self._pending_frees = self._pending_frees, []
+        completes, self._pending_completes = self._pending_completes, []
+        swap_outs: list[tuple[int, ...]] = []
+        appends = self._plan_running(plan, snap, frees, swap_outs)
+        swap_ins = [] if plan.preempted else self._plan_swap_ins(plan)
+        admissions: list[Admission] = []
+        if not plan.preempted and not self.swapped:
+            admissions = self._plan_admissions(plan)
+        newest = [*self.running, *(self.requests[a.request_id] for a in admissions)]
+        report = tuple(tuple(s.seq_id for s in r.live_seqs) for r in newest[-NUM_REPORTED_GROUPS:])
+        self._preempted = tuple(plan.preempted)
+        return StepTxn(
+            complete_swaps=tuple(completes),
+            frees=tuple(frees),
+            swap_outs=tuple(swap_outs),
+            appends=tuple(appends),
+            swap_ins=tuple(swap_ins),
+            admissions=tuple(admissions),
+            watermark_blocks=self._watermark if self.running else 0,
+            report_groups=report,
         )
 
-    def _schedule_running(self, step: _StepBuilder) -> None:
-        coming = 0  # device blocks that swaps started this step will free when done
+    def _plan_running(
+        self, plan: _Plan, snap: PoolSnapshot, frees: list[int], swap_outs: list[tuple[int, ...]]
+    ) -> list[AppendOp]:
+        reports = {g.seq_ids: g for g in snap.groups}
+        appends: list[AppendOp] = []
         i = 0
         while i < len(self.running):
             request = self.running[i]
-            chunks = step.chunks_for(request)
+            chunks = _chunks(request, plan)
             if chunks is None:
-                return  # token or sequence budget spent
-            need = sum(self.pool.num_blocks_to_append(s.seq_id, n) for s, n in chunks)
-            while need > self.pool.num_free_device_blocks:
-                if need <= self.pool.num_free_device_blocks + coming:
-                    return  # wait a step for the swap-outs to land
+                break  # token or sequence budget spent
+            shared = snap.shared_tails
+            need = sum(self._blocks_to_append(s, n, s.seq_id in shared) for s, n in chunks)
+            while need > plan.free and need > plan.free + plan.coming:
                 victim = self.running[-1]
-                coming += self._preempt(victim, step)
+                self._preempt(victim, plan, reports, frees, swap_outs)
                 if victim is request:
                     break
-            if request.status is not RequestStatus.RUNNING:
-                return  # it preempted itself
+            if request.status is not RequestStatus.RUNNING or need > plan.free:
+                break  # it preempted itself, or it waits for swap-outs (so do newer ones)
+            plan.free -= need
             for seq, n in chunks:
                 start = seq.num_computed_tokens
-                tokens = seq.token_ids[start : start + n]
-                result = self.pool.append(seq.seq_id, tokens)
-                assert result is not None, "capacity was checked"
-                step.cow.extend(result.copy_on_write)
-                step.add(request, seq, tokens, start, result.slot_mapping, self.pool)
+                tokens = tuple(seq.token_ids[start : start + n])
+                appends.append(AppendOp(seq_id=seq.seq_id, token_ids=tokens))
+                plan.budget_left -= n
+                plan.seats_left -= 1
             i += 1
+        return appends
 
-    def _schedule_swap_ins(self, step: _StepBuilder) -> None:
-        for request in list(self.swapped):
-            if request.status is not RequestStatus.SWAPPED:
-                continue
-            seq_ids = [s.seq_id for s in request.live_seqs]
-            need = self.pool.num_blocks_to_swap(seq_ids, SwapDirection.IN)
-            if need + self._watermark_blocks > self.pool.num_free_device_blocks:
-                return  # first come, first served: no one overtakes
-            plan = self.pool.swap_in(seq_ids)
-            assert plan is not None
-            request.status = RequestStatus.SWAPPING_IN
-            request.swap_id = plan.swap_id
-            self._swaps[plan.swap_id] = request
-            step.swap_ins.append(plan)
-            self.num_swap_ins += 1
+    def _blocks_to_append(self, seq: Sequence, n: int, shared_tail: bool) -> int:
+        bs = self.config.block_size
+        have = seq.num_computed_tokens
+        return -(-(have + n) // bs) - -(-have // bs) + (1 if shared_tail else 0)
 
-    def _schedule_waiting(self, step: _StepBuilder) -> None:
-        while self.waiting:
-            request = self.waiting[0]
-            seqs = request.live_seqs
-            if step.num_seqs + len(seqs) > step.max_seqs or step.budget_left < len(seqs):
-                return
-            chunk = step.budget_left // len(seqs)
-            need = sum(
-                self.pool.num_blocks_to_allocate(
-                    s.token_ids, max_new_tokens=chunk, extra_key=request.cache_salt
-                )
-                for s in seqs
-            )
-            watermark = self._watermark_blocks if self.running else 0
-            if need + watermark > self.pool.num_free_device_blocks:
-                return
-            self.waiting.pop(0)
-            request.status = RequestStatus.RUNNING
-            _insort(self.running, request)
-            for seq in seqs:
-                alloc = self.pool.allocate(
-                    seq.seq_id, seq.token_ids, max_new_tokens=chunk, extra_key=request.cache_salt
-                )
-                assert alloc is not None, "capacity was checked"
-                seq.num_computed_tokens = alloc.num_cached_tokens
-                request.num_cached_tokens = max(request.num_cached_tokens, alloc.num_cached_tokens)
-                n = len(alloc.slot_mapping)
-                tokens = seq.token_ids[alloc.num_cached_tokens : alloc.num_cached_tokens + n]
-                step.add(
-                    request, seq, tokens, alloc.num_cached_tokens, alloc.slot_mapping, self.pool
-                )
-
-    def _preempt(self, request: Request, step: _StepBuilder) -> int:
-        """Preempt a running request; returns device blocks its swap-out frees on completion."""
+    def _preempt(
+        self,
+        request: Request,
+        plan: _Plan,
+        reports: Mapping[tuple[int, ...], GroupReport],
+        frees: list[int],
+        swap_outs: list[tuple[int, ...]],
+    ) -> None:
         self.running.remove(request)
-        step.drop(request)
         request.num_preemptions += 1
         self.num_preemptions += 1
-        step.preempted.append(request.request_id)
-        seq_ids = [s.seq_id for s in request.live_seqs]
-        plan = self.pool.swap_out(seq_ids) if self.config.preemption_mode == "swap" else None
-        if plan is None:  # recompute, or the host pool is full
-            for seq in request.live_seqs:
-                self.pool.free(seq.seq_id)
-                seq.num_computed_tokens = 0
-            request.status = RequestStatus.WAITING
-            _insort(self.waiting, request)
-            self.num_recomputes += 1
-            return 0
-        request.status = RequestStatus.SWAPPING_OUT
-        request.swap_id = plan.swap_id
-        self._swaps[plan.swap_id] = request
-        _insort(self.swapped, request)
-        step.swap_outs.append(plan)
-        self.num_swap_outs += 1
-        return self.pool.num_blocks_freed_by_swap(plan.swap_id)
+        plan.preempted.append(request.request_id)
+        group = tuple(s.seq_id for s in request.live_seqs)
+        report = reports.get(group)  # absent: an old request; assume it frees nothing
+        exclusive = report.num_exclusive_blocks if report else 0
+        swap = self.config.preemption_mode == "swap"
+        if swap and report is not None and report.num_distinct_blocks <= plan.host_free:
+            plan.host_free -= report.num_distinct_blocks
+            plan.coming += exclusive
+            swap_outs.append(group)
+            request.status = RequestStatus.SWAPPING_OUT
+            _insort(self.swapped, request)
+            self.num_swap_outs += 1
+            return
+        frees.extend(group)  # recompute (also when the host pool is full)
+        plan.free += exclusive
+        for seq in request.live_seqs:
+            seq.num_computed_tokens = 0
+            seq.has_blocks = False
+        request.status = RequestStatus.WAITING
+        _insort(self.waiting, request)
+        self.num_recomputes += 1
+
+    def _plan_swap_ins(self, plan: _Plan) -> list[tuple[int, ...]]:
+        groups: list[tuple[int, ...]] = []
+        for request in self.swapped:
+            if request.status is not RequestStatus.SWAPPED:
+                continue
+            assert request.swap_id is None
+            need = request.num_swap_blocks
+            if need + self._watermark > plan.free:
+                break  # first come, first served: no one overtakes
+            plan.free -= need
+            request.status = RequestStatus.SWAPPING_IN
+            groups.append(tuple(s.seq_id for s in request.live_seqs))
+            self.num_swap_ins += 1
+        return groups
+
+    def _plan_admissions(self, plan: _Plan) -> list[Admission]:
+        admissions: list[Admission] = []
+        for request in self.waiting:
+            seqs = request.live_seqs
+            if plan.seats_left < len(seqs) or plan.budget_left < len(seqs):
+                break
+            chunk = plan.budget_left // len(seqs)
+            ops = tuple(
+                AllocateOp(seq_id=s.seq_id, token_ids=tuple(s.token_ids), max_new_tokens=chunk,
+                           extra_key=request.cache_salt)
+                for s in seqs
+            )  # fmt: skip
+            admissions.append(Admission(request_id=request.request_id, ops=ops))
+            # Budget as if nothing were cached; the allocator's grants tell the real count.
+            plan.budget_left -= sum(min(chunk, len(s.token_ids)) for s in seqs)
+            plan.seats_left -= len(seqs)
+        return admissions
+
+    # ---- applying the allocator's result --------------------------------------------------
+
+    def apply(self, txn: StepTxn, result: TxnResult) -> SchedulerOutput:
+        """Settle admissions and swaps and build the step the executor runs."""
+        seqs: list[ScheduledSeq] = []
+        by_seq = {s.seq_id: (r, s) for r in self.running for s in r.live_seqs}
+        num_tokens = 0
+        for grant in result.appended:
+            request, seq = by_seq[grant.seq_id]
+            num_tokens += self._schedule(seqs, request, seq, seq.num_computed_tokens, grant)
+        for plan in result.swap_outs:
+            request = self._swap_owner(plan)
+            request.swap_id = plan.swap_id
+            self._swaps[plan.swap_id] = request
+            request.num_swap_blocks = len(plan.block_mapping)
+        for plan in result.swap_ins:
+            request = self._swap_owner(plan)
+            request.swap_id = plan.swap_id
+            self._swaps[plan.swap_id] = request
+        for request_id, grants in result.admitted:
+            request = self.requests[request_id]
+            self.waiting.remove(request)
+            request.status = RequestStatus.RUNNING
+            _insort(self.running, request)
+            by_id = {s.seq_id: s for s in request.live_seqs}
+            for grant in grants:
+                seq = by_id[grant.seq_id]
+                request.num_cached_tokens = max(request.num_cached_tokens, grant.num_cached_tokens)
+                num_tokens += self._schedule(seqs, request, seq, grant.num_cached_tokens, grant)
+        return SchedulerOutput(
+            step_id=next(self._step_ids),
+            seqs=tuple(seqs),
+            copy_on_write=result.copy_on_write,
+            swap_outs=result.swap_outs,
+            swap_ins=result.swap_ins,
+            preempted=self._preempted,
+            num_batched_tokens=num_tokens,
+        )
+
+    def _schedule(
+        self, out: list[ScheduledSeq], request: Request, seq: Sequence, start: int, grant: SlotGrant
+    ) -> int:
+        n = len(grant.slot_mapping)
+        seq.num_computed_tokens = start + n
+        seq.has_blocks = True
+        out.append(
+            ScheduledSeq(
+                request_id=request.request_id,
+                seq_id=seq.seq_id,
+                token_ids=tuple(seq.token_ids[start : start + n]),
+                start_pos=start,
+                slot_mapping=grant.slot_mapping,
+                block_table=grant.block_table,
+                samples=seq.num_computed_tokens == len(seq.token_ids),
+            )
+        )
+        return n
+
+    def _swap_owner(self, plan: SwapPlan) -> Request:
+        seq_id = plan.seq_ids[0]
+        return next(r for r in self.swapped if any(s.seq_id == seq_id for s in r.seqs))
 
     # ---- after the step -------------------------------------------------------------------
 
     def update(self, output: SchedulerOutput, sampled: Mapping[int, int]) -> list[SeqUpdate]:
-        """Append each sampled token, apply the stop rules, free finished sequences."""
+        """Append each sampled token, apply the stop rules, queue frees of what finished."""
         updates: list[SeqUpdate] = []
         for scheduled in output.seqs:
             request = self.requests.get(scheduled.request_id)
@@ -302,7 +419,7 @@ class Scheduler:
                 )
             )
             if finished:
-                self.pool.free(seq.seq_id)
+                self._release(seq)
                 if request.is_finished:
                     self._finish(request)
                     self.num_finished += 1
@@ -310,12 +427,14 @@ class Scheduler:
 
     def finish_seq(self, request_id: str, seq_id: int, reason: str, stop: int | str | None) -> None:
         """End a sequence from outside (a stop string matched in its text)."""
-        request = self.requests[request_id]
+        request = self.requests.get(request_id)
+        if request is None:
+            return
         seq = next(s for s in request.seqs if s.seq_id == seq_id)
         if seq.is_finished:
             return
         seq.finish_reason, seq.stop_reason = reason, stop
-        self.pool.free(seq.seq_id)
+        self._release(seq)
         if request.is_finished:
             self._finish(request)
             self.num_finished += 1
@@ -335,23 +454,26 @@ class Scheduler:
             seq.finish_reason = "length"
         return seq.finish_reason is not None
 
+    def _release(self, seq: Sequence) -> None:
+        if seq.has_blocks:
+            seq.has_blocks = False
+            self._pending_frees.append(seq.seq_id)
+
     def _finish(self, request: Request) -> None:
-        """Drop a finished request from its queue and free whatever it still holds."""
+        """Drop a finished request from its queue; its blocks are freed by the next txn."""
         del self.requests[request.request_id]
         status = request.status
         request.status = RequestStatus.FINISHED
         if status is RequestStatus.WAITING:
             self.waiting.remove(request)
-            return
-        if status is RequestStatus.RUNNING:
+        elif status is RequestStatus.RUNNING:
             self.running.remove(request)
         else:
             self.swapped.remove(request)
             if request.swap_id is not None:
                 self._swaps[request.swap_id] = None
         for seq in request.seqs:
-            if self.pool.has_seq(seq.seq_id):
-                self.pool.free(seq.seq_id)
+            self._release(seq)
 
     def statistics(self) -> SchedulerStatistics:
         return SchedulerStatistics(
@@ -367,58 +489,13 @@ class Scheduler:
         )
 
 
-class _StepBuilder:
-    """Accumulates one step's plan within the token and sequence budgets."""
-
-    def __init__(self, max_tokens: int, max_seqs: int) -> None:
-        self.budget_left = max_tokens
-        self.max_seqs = max_seqs
-        self.num_seqs = 0
-        self.num_tokens = 0
-        self.seqs: list[ScheduledSeq] = []
-        self.cow: list[tuple[int, int]] = []
-        self.swap_outs: list[SwapPlan] = []
-        self.swap_ins: list[SwapPlan] = []
-        self.preempted: list[str] = []
-
-    def chunks_for(self, request: Request) -> list[tuple[Sequence, int]] | None:
-        """(sequence, tokens to compute) for a running request, or None if over budget."""
-        seqs = request.live_seqs
-        if self.num_seqs + len(seqs) > self.max_seqs or self.budget_left < len(seqs):
-            return None
-        share = self.budget_left // len(seqs)
-        return [(s, min(s.num_uncomputed, share)) for s in seqs]
-
-    def add(
-        self,
-        request: Request,
-        seq: Sequence,
-        tokens: list[int],
-        start: int,
-        slots: tuple[int, ...],
-        pool: BlockPool,
-    ) -> None:
-        seq.num_computed_tokens = start + len(tokens)
-        self.seqs.append(
-            ScheduledSeq(
-                request_id=request.request_id,
-                seq_id=seq.seq_id,
-                token_ids=tuple(tokens),
-                start_pos=start,
-                slot_mapping=slots,
-                block_table=pool.block_ids(seq.seq_id),
-                samples=seq.num_computed_tokens == len(seq.token_ids),
-            )
-        )
-        self.num_seqs += 1
-        self.num_tokens += len(tokens)
-        self.budget_left -= len(tokens)
-
-    def drop(self, request: Request) -> None:
-        """Forget a request scheduled earlier in this step (it was preempted after all)."""
-        assert all(s.request_id != request.request_id for s in self.seqs), (
-            "a request scheduled in this step cannot be preempted in it"
-        )
+def _chunks(request: Request, plan: _Plan) -> list[tuple[Sequence, int]] | None:
+    """(sequence, tokens to compute) for a running request, or None if over budget."""
+    seqs = request.live_seqs
+    if plan.seats_left < len(seqs) or plan.budget_left < len(seqs):
+        return None
+    share = plan.budget_left // len(seqs)
+    return [(s, min(s.num_uncomputed, share)) for s in seqs]
 
 
 def _insort(queue: list[Request], request: Request) -> None:

@@ -1,0 +1,213 @@
+"""The step transaction between the scheduler and the allocator, and the allocator's side of it.
+
+The scheduler owns the queues and decides; the allocator owns the :class:`BlockPool` and applies
+one :class:`StepTxn` per step atomically, in this order::
+
+    complete_swaps -> frees -> swap_outs -> appends -> swap_ins -> admissions
+
+Everything up to ``swap_ins`` is *mandatory*: the scheduler planned it against the exact
+:class:`PoolSnapshot` the allocator returned after the previous transaction, and nothing else
+consumes blocks in between, so it cannot fail (asserted). *Admissions* are conditional: they are
+tried first come, first served, each with the exact prefix-cache lookup, and the first one that
+does not fit (keeping ``watermark_blocks`` free) stops the rest.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from asyncpaged.core.block_pool import BlockPool
+from asyncpaged.core.block_table import Location, PoolStatistics, SeqId, SwapPlan
+
+# ---- messages -----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class AppendOp:
+    seq_id: int
+    token_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class AllocateOp:
+    seq_id: int
+    token_ids: tuple[int, ...]
+    max_new_tokens: int
+    extra_key: str | None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Admission:
+    """A request's sequences, admitted together or not at all."""
+
+    request_id: str
+    ops: tuple[AllocateOp, ...]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StepTxn:
+    complete_swaps: tuple[int, ...] = ()
+    frees: tuple[int, ...] = ()
+    swap_outs: tuple[tuple[int, ...], ...] = ()
+    appends: tuple[AppendOp, ...] = ()
+    swap_ins: tuple[tuple[int, ...], ...] = ()
+    admissions: tuple[Admission, ...] = ()
+    watermark_blocks: int = 0
+    report_groups: tuple[tuple[int, ...], ...] = ()  # groups to report release counts for
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SlotGrant:
+    """Slots for one sequence's new tokens, and its block table afterwards."""
+
+    seq_id: int
+    num_cached_tokens: int
+    slot_mapping: tuple[int, ...]
+    block_table: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class GroupReport:
+    """For a device-resident group: blocks only it holds (freed if it is freed or swapped out)
+    and distinct blocks (host blocks a swap-out takes)."""
+
+    seq_ids: tuple[int, ...]
+    num_exclusive_blocks: int
+    num_distinct_blocks: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PoolSnapshot:
+    """The pool's state after a transaction: exact, since only transactions change it."""
+
+    num_free_device_blocks: int
+    num_free_host_blocks: int
+    shared_tails: frozenset[SeqId]  # device sequences whose partial last block is shared
+    groups: tuple[GroupReport, ...]
+    statistics: PoolStatistics
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TxnResult:
+    appended: tuple[SlotGrant, ...]  # in ``StepTxn.appends`` order
+    copy_on_write: tuple[tuple[int, int], ...]
+    swap_outs: tuple[SwapPlan, ...]  # in ``StepTxn.swap_outs`` order
+    swap_ins: tuple[SwapPlan, ...]
+    admitted: tuple[tuple[str, tuple[SlotGrant, ...]], ...]  # a prefix of the admissions
+    snapshot: PoolSnapshot
+
+
+# ---- the allocator core ---------------------------------------------------------------------
+
+
+def apply_txn(pool: BlockPool, txn: StepTxn) -> TxnResult:
+    """Apply one transaction to the pool (see the module docstring for order and guarantees)."""
+    for swap_id in txn.complete_swaps:
+        pool.complete_swap(swap_id)
+    for seq_id in txn.frees:
+        pool.free(seq_id)
+    swap_outs = []
+    for group in txn.swap_outs:
+        plan = pool.swap_out(group)
+        assert plan is not None, f"planned swap-out of {group} does not fit"
+        swap_outs.append(plan)
+    appended: list[SlotGrant] = []
+    cow: list[tuple[int, int]] = []
+    for op in txn.appends:
+        result = pool.append(op.seq_id, op.token_ids)
+        assert result is not None, f"planned append to {op.seq_id} does not fit"
+        cow.extend(result.copy_on_write)
+        appended.append(_grant(pool, op.seq_id, 0, result.slot_mapping))
+    swap_ins = []
+    for group in txn.swap_ins:
+        plan = pool.swap_in(group)
+        assert plan is not None, f"planned swap-in of {group} does not fit"
+        swap_ins.append(plan)
+    admitted = []
+    for admission in txn.admissions:
+        grants = _admit(pool, admission, txn.watermark_blocks)
+        if grants is None:
+            break
+        admitted.append((admission.request_id, grants))
+    return TxnResult(
+        appended=tuple(appended),
+        copy_on_write=tuple(cow),
+        swap_outs=tuple(swap_outs),
+        swap_ins=tuple(swap_ins),
+        admitted=tuple(admitted),
+        snapshot=snapshot(pool, txn.report_groups),
+    )
+
+
+def _admit(pool: BlockPool, admission: Admission, watermark: int) -> tuple[SlotGrant, ...] | None:
+    need = sum(
+        pool.num_blocks_to_allocate(op.token_ids, max_new_tokens=op.max_new_tokens,
+                                    extra_key=op.extra_key)
+        for op in admission.ops
+    )  # fmt: skip
+    if need + watermark > pool.num_free_device_blocks:
+        return None
+    grants = []
+    for op in admission.ops:
+        alloc = pool.allocate(
+            op.seq_id, op.token_ids, max_new_tokens=op.max_new_tokens, extra_key=op.extra_key
+        )
+        assert alloc is not None, "capacity was checked"
+        grants.append(_grant(pool, op.seq_id, alloc.num_cached_tokens, alloc.slot_mapping))
+    return tuple(grants)
+
+
+def _grant(pool: BlockPool, seq_id: int, cached: int, slots: tuple[int, ...]) -> SlotGrant:
+    return SlotGrant(
+        seq_id=seq_id,
+        num_cached_tokens=cached,
+        slot_mapping=slots,
+        block_table=pool.block_ids(seq_id),
+    )
+
+
+def snapshot(pool: BlockPool, report_groups: tuple[tuple[int, ...], ...] = ()) -> PoolSnapshot:
+    """The exact numbers the scheduler plans the next step with."""
+    device = pool.device
+    shared = frozenset(
+        sid
+        for sid, table in pool.tables().items()
+        if table.location is Location.DEVICE
+        and table.num_tokens % pool.block_size
+        and device.ref_cnt[table.block_ids[-1]] > 1
+    )
+    reports = []
+    for group in report_groups:
+        if not all(pool.has_seq(s) and pool.location(s) is Location.DEVICE for s in group):
+            continue
+        holders: dict[int, int] = {}
+        for sid in group:
+            for b in pool.block_ids(sid):
+                holders[b] = holders.get(b, 0) + 1
+        exclusive = sum(1 for b, n in holders.items() if device.ref_cnt[b] == n)
+        reports.append(
+            GroupReport(
+                seq_ids=group, num_exclusive_blocks=exclusive, num_distinct_blocks=len(holders)
+            )
+        )
+    return PoolSnapshot(
+        num_free_device_blocks=pool.num_free_device_blocks,
+        num_free_host_blocks=pool.num_free_host_blocks,
+        shared_tails=shared,
+        groups=tuple(reports),
+        statistics=pool.statistics(),
+    )
+
+
+__all__ = [
+    "Admission",
+    "AllocateOp",
+    "AppendOp",
+    "GroupReport",
+    "PoolSnapshot",
+    "SlotGrant",
+    "StepTxn",
+    "TxnResult",
+    "apply_txn",
+    "snapshot",
+]
