@@ -1,0 +1,375 @@
+"""Sampling parameters for text generation, with vLLM's names, defaults and validation messages.
+
+A vLLM user should be able to write ``SamplingParams(temperature=0.8, top_p=0.95, stop=["\\n"])``
+unchanged. Every check runs at construction and raises
+:class:`~asyncpaged.errors.InvalidRequestError` (a ``ValueError``), so a bad request is refused
+before anything is queued. Instances are frozen and hashable; ``dataclasses.replace`` builds a new,
+re-validated one.
+
+Normalizations made at construction (as vLLM does, unless noted):
+
+* ``stop``: ``None`` -> ``()``, ``"x"`` -> ``("x",)``, a sequence -> a tuple (order kept).
+* ``stop_token_ids``: ``None`` -> ``()``, otherwise a tuple with duplicates dropped (first kept).
+* ``top_k == -1`` -> ``0`` (vLLM quietly accepts -1 as "disabled"; 0 is the one stored value).
+* ``seed == -1`` -> ``None``.
+* greedy (``temperature < 1e-5``): ``top_p = 1.0``, ``top_k = 0``, ``min_p = 0.0``; they would
+  not change an argmax.
+
+Not taken from vLLM: temperatures in (0, 0.01) are kept as given (vLLM raises them to 0.01 with a
+log line); no upper bound on ``temperature`` (recent vLLM caps it at 2); ``logprobs=-1`` ("whole
+vocabulary") is refused; int-typed fields refuse ``bool`` and float-typed ones refuse NaN/inf.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+from asyncpaged.errors import InvalidRequestError
+
+__all__ = ["BeamSearchParams", "RequestOutputKind", "SamplingParams", "SamplingType"]
+
+_SAMPLING_EPS = 1e-5
+"""Temperatures below this mean greedy sampling (vLLM's ``_SAMPLING_EPS``)."""
+
+_SEED_MIN = -(2**63)
+_SEED_MAX = 2**64 - 1  # the range torch.Generator.manual_seed accepts
+
+
+class RequestOutputKind(enum.IntEnum):
+    """What each streamed ``RequestOutput`` carries (vLLM's values)."""
+
+    CUMULATIVE = 0
+    """Every output carries the whole text and all token ids generated so far."""
+    DELTA = 1
+    """Every output carries only what is new since the previous output."""
+    FINAL_ONLY = 2
+    """Only the final output is sent, with everything."""
+
+
+class SamplingType(enum.IntEnum):
+    """How the sampler picks tokens for a request (vLLM's values)."""
+
+    GREEDY = 0
+    RANDOM = 1
+    RANDOM_SEED = 2
+
+
+def _check_int(name: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise InvalidRequestError(f"{name} must be an int, got {type(value).__name__}.")
+    return value
+
+
+def _check_float(name: str, value: object) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise InvalidRequestError(f"{name} must be a number, got {type(value).__name__}.")
+    try:
+        as_float = float(value)
+    except OverflowError:
+        raise InvalidRequestError(
+            f"{name} must be a finite number, got an int too large for a float."
+        ) from None
+    if not math.isfinite(as_float):
+        raise InvalidRequestError(f"{name} must be a finite number, got {value}.")
+    return as_float
+
+
+def _check_bool(name: str, value: object) -> bool:
+    if not isinstance(value, bool):
+        raise InvalidRequestError(f"{name} must be a bool, got {type(value).__name__}.")
+    return value
+
+
+def _normalize_stop(stop: str | Sequence[str] | None) -> tuple[str, ...]:
+    if stop is None:
+        return ()
+    stop_strs = (stop,) if isinstance(stop, str) else tuple(stop)
+    if not all(isinstance(s, str) for s in stop_strs):
+        raise InvalidRequestError(f"stop must be a string or a list of strings, got {stop!r}.")
+    if any(not s for s in stop_strs):
+        raise InvalidRequestError("stop cannot contain an empty string.")
+    return stop_strs
+
+
+def _normalize_stop_token_ids(stop_token_ids: Iterable[int] | None) -> tuple[int, ...]:
+    if stop_token_ids is None:
+        return ()
+    ids = tuple(stop_token_ids)
+    if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
+        raise InvalidRequestError(
+            f"stop_token_ids must contain only non-negative integers, got {list(ids)}."
+        )
+    return tuple(dict.fromkeys(ids))
+
+
+_BOOL_FIELDS = frozenset(
+    {
+        "ignore_eos",
+        "include_stop_str_in_output",
+        "skip_special_tokens",
+        "spaces_between_special_tokens",
+    }
+)
+
+
+def _verify_counts(
+    n: int, best_of: int | None, output_kind: RequestOutputKind
+) -> tuple[int, int | None, RequestOutputKind]:
+    n = _check_int("n", n)
+    if n < 1:
+        raise InvalidRequestError(f"n must be at least 1, got {n}.")
+    if best_of is not None:
+        best_of = _check_int("best_of", best_of)
+        if best_of < n:
+            raise InvalidRequestError(
+                f"best_of must be greater than or equal to n, got n={n} and best_of={best_of}."
+            )
+    try:
+        output_kind = RequestOutputKind(output_kind)
+    except ValueError:
+        raise InvalidRequestError(
+            f"output_kind must be a RequestOutputKind, got {output_kind!r}."
+        ) from None
+    if best_of is not None and best_of != n and output_kind == RequestOutputKind.DELTA:
+        raise InvalidRequestError("best_of must equal n to use output_kind=DELTA")
+    return n, best_of, output_kind
+
+
+def _verify_penalties(
+    presence_penalty: float, frequency_penalty: float, repetition_penalty: float
+) -> tuple[float, float, float]:
+    presence_penalty = _check_float("presence_penalty", presence_penalty)
+    if not -2.0 <= presence_penalty <= 2.0:
+        raise InvalidRequestError(f"presence_penalty must be in [-2, 2], got {presence_penalty}.")
+    frequency_penalty = _check_float("frequency_penalty", frequency_penalty)
+    if not -2.0 <= frequency_penalty <= 2.0:
+        raise InvalidRequestError(f"frequency_penalty must be in [-2, 2], got {frequency_penalty}.")
+    repetition_penalty = _check_float("repetition_penalty", repetition_penalty)
+    if repetition_penalty <= 0.0:
+        raise InvalidRequestError(
+            f"repetition_penalty must be greater than zero, got {repetition_penalty}."
+        )
+    return presence_penalty, frequency_penalty, repetition_penalty
+
+
+def _verify_truncation(
+    temperature: float, top_p: float, top_k: int, min_p: float
+) -> tuple[float, float, int, float]:
+    temperature = _check_float("temperature", temperature)
+    if temperature < 0.0:
+        raise InvalidRequestError(f"temperature must be non-negative, got {temperature}.")
+    top_p = _check_float("top_p", top_p)
+    if not 0.0 < top_p <= 1.0:
+        raise InvalidRequestError(f"top_p must be in (0, 1], got {top_p}.")
+    top_k = _check_int("top_k", top_k)
+    if top_k < -1:
+        raise InvalidRequestError(f"top_k must be 0 (disable), or at least 1, got {top_k}.")
+    min_p = _check_float("min_p", min_p)
+    if not 0.0 <= min_p <= 1.0:
+        raise InvalidRequestError(f"min_p must be in [0, 1], got {min_p}.")
+    return temperature, top_p, max(top_k, 0), min_p
+
+
+def _verify_lengths(max_tokens: int | None, min_tokens: int) -> tuple[int | None, int]:
+    if max_tokens is not None and _check_int("max_tokens", max_tokens) < 1:
+        raise InvalidRequestError(f"max_tokens must be at least 1, got {max_tokens}.")
+    if _check_int("min_tokens", min_tokens) < 0:
+        raise InvalidRequestError(
+            f"min_tokens must be greater than or equal to 0, got {min_tokens}."
+        )
+    if max_tokens is not None and min_tokens > max_tokens:
+        raise InvalidRequestError(
+            f"min_tokens must be less than or equal to max_tokens={max_tokens}, got {min_tokens}."
+        )
+    return max_tokens, min_tokens
+
+
+@dataclass(frozen=True, slots=True, kw_only=True, init=False)
+class SamplingParams:
+    """Sampling parameters for one request, following vLLM's ``SamplingParams``.
+
+    Fields (vLLM's defaults):
+
+    * ``n=1``: number of output sequences to return.
+    * ``best_of=None``: sequences to generate, of which the ``n`` best are returned; ``None``
+      means ``n`` (see ``num_sequences``); must be ``>= n``.
+    * ``presence_penalty=0.0``, ``frequency_penalty=0.0``: in [-2, 2]; > 0 discourages repeats of
+      generated tokens (OpenAI semantics).
+    * ``repetition_penalty=1.0``: > 0; > 1 discourages tokens of the prompt and the output.
+    * ``temperature=1.0``: >= 0; below 1e-5 means greedy (``is_greedy``).
+    * ``top_p=1.0`` in (0, 1]; ``top_k=0`` (0 disables; -1 accepted and stored as 0);
+      ``min_p=0.0`` in [0, 1]. Reset to these disabled values when greedy.
+    * ``seed=None``: per-request generator seed (-1 is stored as ``None``).
+    * ``stop=None``: stop strings; stored as a tuple. Generation stops when the output text
+      contains one; the text is cut before it (after it with ``include_stop_str_in_output``).
+    * ``stop_token_ids=None``: token ids that stop generation; stored as a tuple.
+    * ``ignore_eos=False``: keep generating after the EOS token.
+    * ``max_tokens=16``: output tokens per sequence, >= 1; ``None`` means up to the model length.
+    * ``min_tokens=0``: output tokens generated before EOS, ``stop_token_ids`` or stop strings
+      can end a sequence; in [0, max_tokens].
+    * ``logprobs=None``: number of top log probabilities to return per output token besides the
+      sampled token's own (which is always returned when this is not ``None``); >= 0.
+    * ``include_stop_str_in_output=False``, ``skip_special_tokens=True``,
+      ``spaces_between_special_tokens=True``: detokenization options.
+    * ``output_kind=RequestOutputKind.CUMULATIVE``: what each streamed output carries.
+    """
+
+    n: int
+    best_of: int | None
+    presence_penalty: float
+    frequency_penalty: float
+    repetition_penalty: float
+    temperature: float
+    top_p: float
+    top_k: int
+    min_p: float
+    seed: int | None
+    stop: tuple[str, ...]
+    stop_token_ids: tuple[int, ...]
+    ignore_eos: bool
+    max_tokens: int | None
+    min_tokens: int
+    logprobs: int | None
+    include_stop_str_in_output: bool
+    skip_special_tokens: bool
+    spaces_between_special_tokens: bool
+    output_kind: RequestOutputKind
+
+    def __init__(
+        self,
+        *,
+        n: int = 1,
+        best_of: int | None = None,
+        presence_penalty: float = 0.0,
+        frequency_penalty: float = 0.0,
+        repetition_penalty: float = 1.0,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        min_p: float = 0.0,
+        seed: int | None = None,
+        stop: str | Sequence[str] | None = None,
+        stop_token_ids: Iterable[int] | None = None,
+        ignore_eos: bool = False,
+        max_tokens: int | None = 16,
+        min_tokens: int = 0,
+        logprobs: int | None = None,
+        include_stop_str_in_output: bool = False,
+        skip_special_tokens: bool = True,
+        spaces_between_special_tokens: bool = True,
+        output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE,
+    ) -> None:
+        """Validate and normalize; raise ``InvalidRequestError`` naming the first bad value."""
+        n, best_of, output_kind = _verify_counts(n, best_of, output_kind)
+        penalties = _verify_penalties(presence_penalty, frequency_penalty, repetition_penalty)
+        temperature, top_p, top_k, min_p = _verify_truncation(temperature, top_p, top_k, min_p)
+        max_tokens, min_tokens = _verify_lengths(max_tokens, min_tokens)
+        if seed is not None:
+            seed = _check_int("seed", seed)
+            if not _SEED_MIN <= seed <= _SEED_MAX:
+                raise InvalidRequestError(f"seed must be in [-2**63, 2**64 - 1], got {seed}.")
+            if seed == -1:
+                seed = None
+        if logprobs is not None and _check_int("logprobs", logprobs) < 0:
+            raise InvalidRequestError(f"logprobs must be non-negative, got {logprobs}.")
+        if temperature < _SAMPLING_EPS:
+            # Greedy: the truncation knobs cannot change an argmax, so store them disabled.
+            top_p, top_k, min_p = 1.0, 0, 0.0
+            if n > 1:
+                raise InvalidRequestError(f"n must be 1 when using greedy sampling, got {n}.")
+            if best_of is not None and best_of > 1:
+                raise InvalidRequestError(
+                    f"best_of must be 1 when using greedy sampling, got {best_of}."
+                )
+        values: dict[str, object] = {
+            "n": n,
+            "best_of": best_of,
+            "presence_penalty": penalties[0],
+            "frequency_penalty": penalties[1],
+            "repetition_penalty": penalties[2],
+            "temperature": temperature,
+            "top_p": top_p,
+            "top_k": top_k,
+            "min_p": min_p,
+            "seed": seed,
+            "stop": _normalize_stop(stop),
+            "stop_token_ids": _normalize_stop_token_ids(stop_token_ids),
+            "ignore_eos": ignore_eos,
+            "max_tokens": max_tokens,
+            "min_tokens": min_tokens,
+            "logprobs": logprobs,
+            "include_stop_str_in_output": include_stop_str_in_output,
+            "skip_special_tokens": skip_special_tokens,
+            "spaces_between_special_tokens": spaces_between_special_tokens,
+            "output_kind": output_kind,
+        }
+        for name, value in values.items():
+            if name in _BOOL_FIELDS:
+                _check_bool(name, value)
+            object.__setattr__(self, name, value)
+
+    @property
+    def num_sequences(self) -> int:
+        """Sequences the engine generates for the request: ``best_of``, or ``n`` when unset."""
+        return self.n if self.best_of is None else self.best_of
+
+    @property
+    def is_greedy(self) -> bool:
+        """True when ``temperature < 1e-5``: the sampler takes the argmax."""
+        return self.temperature < _SAMPLING_EPS
+
+    @property
+    def sampling_type(self) -> SamplingType:
+        """GREEDY, RANDOM_SEED (a seed was given) or RANDOM, as in vLLM."""
+        if self.is_greedy:
+            return SamplingType.GREEDY
+        if self.seed is not None:
+            return SamplingType.RANDOM_SEED
+        return SamplingType.RANDOM
+
+    @property
+    def output_text_buffer_length(self) -> int:
+        """Characters of text held back from streamed output until the sequence finishes.
+
+        ``max(len(s) for s in stop) - 1`` when there are stop strings that are cut from the
+        output, else 0: a stop string completed by a later token can begin at most that many
+        characters before the text seen so far ends, and those characters must not have been sent.
+        """
+        if not self.stop or self.include_stop_str_in_output:
+            return 0
+        return max(len(s) for s in self.stop) - 1
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class BeamSearchParams:
+    """Beam search parameters (vLLM's ``BeamSearchParams``), validated at construction.
+
+    ``beam_width`` beams of up to ``max_tokens`` tokens; finished beams are ranked by cumulative
+    logprob divided by ``length ** length_penalty``. ``temperature`` 0 keeps the raw logprobs.
+    """
+
+    beam_width: int
+    max_tokens: int
+    ignore_eos: bool = False
+    temperature: float = 0.0
+    length_penalty: float = 1.0
+    include_stop_str_in_output: bool = False
+
+    def __post_init__(self) -> None:
+        """Raise ``InvalidRequestError`` for a bad value; store floats as ``float``."""
+        if _check_int("beam_width", self.beam_width) < 1:
+            raise InvalidRequestError(f"beam_width must be at least 1, got {self.beam_width}.")
+        if _check_int("max_tokens", self.max_tokens) < 1:
+            raise InvalidRequestError(f"max_tokens must be at least 1, got {self.max_tokens}.")
+        _check_bool("ignore_eos", self.ignore_eos)
+        _check_bool("include_stop_str_in_output", self.include_stop_str_in_output)
+        temperature = _check_float("temperature", self.temperature)
+        if temperature < 0.0:
+            raise InvalidRequestError(f"temperature must be non-negative, got {temperature}.")
+        object.__setattr__(self, "temperature", temperature)
+        object.__setattr__(
+            self, "length_penalty", _check_float("length_penalty", self.length_penalty)
+        )
