@@ -3,15 +3,18 @@
 Physical blocks come from a shuffled permutation (scattered, non-contiguous); freed blocks go back
 to the pool and are reused dirty. Sequences can start late (staggered), split their prompt into
 chunks across steps, fork (sharing blocks, with copy-on-write on the shared partial block) and be
-swapped out to host blocks and back in to different device blocks.
+swapped out to host blocks and back in to different device blocks. A sequence may carry sampling
+options; the driver fills in the per-step fields (prompt/output ids, the generator key) as the
+engine will.
 """
 
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
-from asyncpaged.model.runner import ModelRunner, SequenceStep, StepPlan
+from asyncpaged.model.runner import ModelRunner, SampledToken, SequenceStep, StepPlan
+from asyncpaged.model.sampler import SamplingOptions, derive_generator_key
 
 
 @dataclass
@@ -27,6 +30,20 @@ class SimSequence:
     logprobs: list[float] = field(default_factory=list)
     chunk_index: int = 0
     host_blocks: list[int] | None = None  # set while swapped out
+    sampling: SamplingOptions | None = None  # None = greedy
+    sampled: list[SampledToken] = field(default_factory=list)
+
+    def step_sampling(self) -> SamplingOptions | None:
+        """This step's options: token lists for penalties, a key from (seed, 0, num generated)."""
+        if self.sampling is None:
+            return None
+        seed = self.sampling.seed
+        return replace(
+            self.sampling,
+            prompt_token_ids=self.prompt,
+            output_token_ids=tuple(self.output),
+            generator_key=0 if seed is None else derive_generator_key(seed, 0, len(self.output)),
+        )
 
     @property
     def tokens(self) -> list[int]:
@@ -91,6 +108,7 @@ class Driver:
             block_table=tuple(seq.blocks),
             do_sample=do_sample,
             want_logprob=True,
+            sampling=seq.step_sampling() if do_sample else None,
         )
 
     def step(self, seqs: list[SimSequence]) -> None:
@@ -109,6 +127,7 @@ class Driver:
         for sampled in result.sampled:
             seq = by_id[sampled.seq_id]
             seq.output.append(sampled.token_id)
+            seq.sampled.append(sampled)
             assert sampled.logprob is not None
             seq.logprobs.append(sampled.logprob)
         assert {s.seq_id for s in result.sampled} == {st.seq_id for st in steps if st.do_sample}
@@ -137,6 +156,8 @@ class Driver:
             logprobs=list(parent.logprobs),
             chunk_index=parent.chunk_index,
             chunk_sizes=parent.chunk_sizes,
+            sampling=parent.sampling,
+            sampled=list(parent.sampled),
         )
 
     def swap_out(self, seq: SimSequence) -> None:

@@ -1,4 +1,4 @@
-"""The correctness oracle: transformers' own ``generate`` (greedy) on a saved checkpoint."""
+"""The correctness oracle: transformers' own ``generate`` (greedy) and forward on a checkpoint."""
 
 from __future__ import annotations
 
@@ -53,3 +53,14 @@ class HFReference:
             ]
             self._cache[key] = (tokens, logprobs)
         return self._cache[key]
+
+    def score(self, prompt: tuple[int, ...], continuation: tuple[int, ...]) -> torch.Tensor:
+        """Teacher-forced log-softmax [len(continuation), V] (float32) of transformers' logits
+        for each continuation token, from one forward over prompt + continuation."""
+        if self._model is None:
+            self._model = self._load()
+        ids = torch.tensor([prompt + continuation], dtype=torch.int64)
+        with torch.no_grad():
+            logits = self._model(ids, attention_mask=torch.ones_like(ids)).logits[0]
+        steps = logits[len(prompt) - 1 : len(prompt) - 1 + len(continuation)].float()
+        return torch.log_softmax(steps, dim=-1)

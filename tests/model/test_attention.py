@@ -32,13 +32,18 @@ def _reference(
     return out
 
 
-@pytest.mark.parametrize("window", [None, 5])
-def test_mixed_prefill_chunks_and_decodes_match_dense_reference(window: int | None) -> None:
-    rng = random.Random(0)
-    gen = torch.Generator().manual_seed(0)
-    # (tokens already cached, new tokens): decodes at page boundaries, a first chunk, later chunks
-    shapes = [(15, 1), (16, 1), (31, 1), (0, 17), (16, 16), (5, 12), (47, 1), (1, 1), (0, 1)]
-    num_blocks = 40
+def _check_against_reference(
+    shapes: list[tuple[int, int]],
+    window: int | None,
+    backend: TorchAttentionBackend,
+    *,
+    seed: int = 0,
+    num_blocks: int = 40,
+) -> None:
+    """Write each sequence's cached K/V into scattered blocks of a NaN-poisoned cache, run one
+    step of (cached, new) shapes through ``backend`` and compare with the dense reference."""
+    rng = random.Random(seed)
+    gen = torch.Generator().manual_seed(seed)
     cache = PagedKVCache(
         num_layers=2,
         num_blocks=num_blocks,
@@ -72,7 +77,7 @@ def test_mixed_prefill_chunks_and_decodes_match_dense_reference(window: int | No
     )
     new_k = torch.cat([k[c:] for (k, _), (c, _) in zip(history, shapes, strict=True)])
     new_v = torch.cat([v[c:] for (_, v), (c, _) in zip(history, shapes, strict=True)])
-    out = TorchAttentionBackend().forward(
+    out = backend.forward(
         1, torch.cat(queries), new_k, new_v, cache, md, scale=HEAD_DIM**-0.5, sliding_window=window
     )
     assert not out.isnan().any()
@@ -84,3 +89,33 @@ def test_mixed_prefill_chunks_and_decodes_match_dense_reference(window: int | No
         )
         start += q.shape[0]
     assert bool(cache.key[0].isnan().all()), "layer 0 was written"
+
+
+@pytest.mark.parametrize("window", [None, 5])
+def test_mixed_prefill_chunks_and_decodes_match_dense_reference(window: int | None) -> None:
+    # (tokens already cached, new tokens): decodes at page boundaries, a first chunk, later chunks
+    shapes = [(15, 1), (16, 1), (31, 1), (0, 17), (16, 16), (5, 12), (47, 1), (1, 1), (0, 1)]
+    _check_against_reference(shapes, window, TorchAttentionBackend())
+
+
+@pytest.mark.parametrize("group_size", [1, 3, 8, 64])
+@pytest.mark.parametrize("window", [None, 20])
+def test_decode_groups_match_dense_reference(group_size: int, window: int | None) -> None:
+    # Many decodes of mixed lengths: several groups, groups of one block, full and partial
+    # last blocks, and a prefill in the same step.
+    rng = random.Random(group_size)
+    shapes = [(rng.choice([0, 1, 14, 15, 16, 17, 31, 40, 63, 80]), 1) for _ in range(20)]
+    shapes.insert(7, (10, 9))
+    _check_against_reference(shapes, window, TorchAttentionBackend(group_size), num_blocks=200)
+
+
+def test_decode_plan_is_rebuilt_for_each_step() -> None:
+    # One backend across steps whose metadata differs: a stale per-step plan would mis-attend.
+    backend = TorchAttentionBackend(decode_group_size=4)
+    for seed, shapes in enumerate([[(5, 1), (40, 1)], [(33, 1), (2, 1), (17, 1)], [(5, 1)] * 6]):
+        _check_against_reference(shapes, None, backend, seed=seed)
+
+
+def test_invalid_decode_group_size_is_rejected() -> None:
+    with pytest.raises(ValueError, match="decode_group_size must be > 0"):
+        TorchAttentionBackend(decode_group_size=0)

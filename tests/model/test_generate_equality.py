@@ -13,8 +13,10 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+import torch
 
 from asyncpaged.model.runner import ModelRunner
+from asyncpaged.model.sampler import SamplingOptions
 from asyncpaged.testing.tiny_models import VOCAB_SIZE
 from tests.model.driver import Driver, SimSequence
 from tests.model.reference import HFReference
@@ -145,3 +147,76 @@ def test_swap_out_and_in_mid_generation_matches_transformers(
     assert victim.blocks != old_blocks
     driver.run(seqs)
     _assert_matches(seqs, hf_reference(name))
+
+
+def _check_logprobs_against_forward(seq: SimSequence, ref: HFReference) -> None:
+    """Sampled-token logprob, rank and top-n vs transformers' log-softmax, teacher-forced."""
+    expected = ref.score(seq.prompt, tuple(seq.output))  # [n, V]
+    num_top = seq.sampling.num_logprobs if seq.sampling is not None else None
+    for t, sampled in enumerate(seq.sampled):
+        row = expected[t]
+        want = float(row[sampled.token_id])
+        assert sampled.logprob is not None
+        assert abs(sampled.logprob - want) <= LOGPROB_TOL, (seq.seq_id, t)
+        assert sampled.rank == int((row >= want).sum()), (seq.seq_id, t)
+        top = torch.topk(row, num_top or 0)
+        assert [i for i, _ in sampled.top_logprobs] == top.indices.tolist(), (seq.seq_id, t)
+        for (_, got), value in zip(sampled.top_logprobs, top.values.tolist(), strict=True):
+            assert abs(got - value) <= LOGPROB_TOL
+
+
+def test_sampled_logprobs_ranks_and_top_logprobs_match_transformers(
+    tiny_checkpoint: Callable[[str], Path],
+    hf_reference: Callable[[str], HFReference],
+) -> None:
+    seqs = _make_sequences(seed=6)[:5]
+    options = [
+        SamplingOptions(temperature=0.0, num_logprobs=4),
+        SamplingOptions(temperature=1.0, num_logprobs=5),
+        SamplingOptions(temperature=0.7, top_p=0.9, seed=3, num_logprobs=0),
+        SamplingOptions(temperature=1.3, repetition_penalty=1.3, presence_penalty=0.5),
+        SamplingOptions(top_k=5, frequency_penalty=0.4, seed=11, num_logprobs=2),
+    ]
+    for seq, opts in zip(seqs, options, strict=True):
+        seq.sampling = opts
+    Driver(_runner(tiny_checkpoint("llama-gqa")), seed=17).run(seqs)
+    ref = hf_reference("llama-gqa")
+    assert seqs[0].output == ref.generate(seqs[0].prompt, seqs[0].max_new_tokens)[0]
+    assert any(s.rank != 1 for seq in seqs[1:] for s in seq.sampled), "nothing but argmaxes"
+    for seq in seqs:
+        _check_logprobs_against_forward(seq, ref)
+
+
+def test_seeded_sampling_is_independent_of_batch_and_swap(
+    tiny_checkpoint: Callable[[str], Path],
+) -> None:
+    def seeded(seed: int) -> SimSequence:
+        return SimSequence(
+            seq_id=1,
+            prompt=_prompt(random.Random(8), 19),
+            max_new_tokens=MAX_NEW,
+            sampling=SamplingOptions(temperature=1.2, top_p=0.95, frequency_penalty=0.3, seed=seed),
+        )
+
+    runner = _runner(tiny_checkpoint("llama-gqa"))
+    alone = seeded(42)
+    Driver(runner, seed=1).run([alone])
+    other_seed = seeded(43)
+    Driver(runner, seed=1).run([other_seed])
+    assert other_seed.output != alone.output
+
+    batched = seeded(42)
+    others = _make_sequences(seed=9)[:5]
+    for i, seq in enumerate(others):
+        seq.sampling = SamplingOptions(temperature=1.0, seed=i if i % 2 else None)
+    everyone = [others[0], others[1], batched, *others[2:]]
+    driver = Driver(runner, seed=5)
+    for _ in range(6):
+        driver.step(everyone)
+    assert 0 < len(batched.output) < MAX_NEW
+    driver.swap_out(batched)
+    for _ in range(2):
+        driver.step(everyone)
+    driver.swap_in(batched)
+    driver.run(everyone)
+    assert batched.output == alone.output

@@ -6,12 +6,13 @@ A step's tokens form one flat batch with no padding: sequence ``i`` owns query r
 ``j`` of a sequence sits at position ``context_len - query_len + j`` and sees keys ``0..`` that
 position (the causal offset for the cached part), within the sliding window when the layer has one.
 
-``TorchAttentionBackend`` is the portable CPU path: sequences with one new token (decodes) are
-attended together as one batched SDPA over their gathered blocks with a per-row length mask; every
-other sequence (prefill or a prefill chunk) gets its own SDPA over its gathered prefix + chunk.
-Query heads are packed per KV head (``q.view(kv_heads, group, ...)``), so K/V heads are never
-repeated, and no mask ever spans two requests. A C++ or Triton backend plugs in by implementing
-``AttentionBackend.forward``.
+``TorchAttentionBackend`` is the portable CPU path. Decodes (one new token) are sorted by context
+length and attended in groups of ``decode_group_size`` (little padding inside a group): a group's
+blocks are gathered with ``index_select`` into a reused workspace and attended block by block,
+with no re-layout copy of K or V (see ``_decode_group``). Every other sequence (prefill or a
+prefill chunk) gets its own SDPA over its gathered prefix + chunk. Query heads are packed per KV
+head (``q.view(kv_heads, group, ...)``), so K/V heads are never repeated, and no mask ever spans
+two requests. A C++ or Triton backend plugs in by implementing ``AttentionBackend.forward``.
 """
 
 from __future__ import annotations
@@ -90,8 +91,36 @@ class AttentionBackend(ABC):
         """query [T, Hq, D], key/value [T, Hkv, D] -> attention output [T, Hq, D]."""
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class _DecodeGroup:
+    """Layer-independent inputs of one group of decodes (built once per step).
+
+    Padding (positions past a sequence's context, or before its sliding window) is listed by
+    flat index: ``score_pad`` into the scores ``[Hkv, n, G, L]``, ``value_pad_rows`` into the
+    gathered V viewed as rows ``[Hkv * n * L, D]``.
+    """
+
+    rows: torch.Tensor  # [n] int64, the query/output row of each sequence
+    blocks: torch.Tensor  # [n * nb] int64, block tables padded to nb with block 0
+    num_blocks: int  # nb; L = nb * block_size
+    score_pad: torch.Tensor | None  # [P * Hkv * G] int64; None = no padding
+    value_pad_rows: torch.Tensor | None  # [P * Hkv] int64
+
+
 class TorchAttentionBackend(AttentionBackend):
-    """Pure torch CPU path (float32 math; see the module docstring)."""
+    """Pure torch CPU path (float32 math; see the module docstring).
+
+    Holds per-step decode plans (derived from the last metadata seen, reused by every layer) and
+    a gather workspace that grows to the largest group and is reused.
+    """
+
+    def __init__(self, decode_group_size: int = 8) -> None:
+        if decode_group_size <= 0:
+            raise ValueError(f"decode_group_size must be > 0, got {decode_group_size}.")
+        self.decode_group_size = decode_group_size
+        self._plan_metadata: AttentionMetadata | None = None  # kept alive: identity is the key
+        self._plans: dict[tuple[int, int, int | None], tuple[_DecodeGroup, ...]] = {}
+        self._workspace = torch.empty(0)
 
     def forward(
         self,
@@ -109,10 +138,137 @@ class TorchAttentionBackend(AttentionBackend):
         key_cache, value_cache = kv_cache.layer(layer_idx)
         out = torch.empty_like(query)  # [T, Hq, D]
         if metadata.decode_indices:
-            _decode(out, query, key_cache, value_cache, metadata, scale, sliding_window)
+            group_heads = query.shape[1] // key_cache.shape[1]
+            groups = self._decode_plan(metadata, key_cache, group_heads, sliding_window)
+            workspace = self._gather_workspace(groups, key_cache)
+            for group in groups:
+                _decode_group(group, out, query, key_cache, value_cache, workspace, scale)
         for i in metadata.prefill_indices:
             _prefill_one(i, out, query, key_cache, value_cache, metadata, scale, sliding_window)
         return out
+
+    def _decode_plan(
+        self,
+        md: AttentionMetadata,
+        key_cache: torch.Tensor,
+        group_heads: int,
+        sliding_window: int | None,
+    ) -> tuple[_DecodeGroup, ...]:
+        if md is not self._plan_metadata:
+            self._plan_metadata, self._plans = md, {}
+        kv_heads, block_size = key_cache.shape[1], key_cache.shape[-1]
+        key = (group_heads, block_size, sliding_window)
+        if key not in self._plans:
+            self._plans[key] = _plan_decode_groups(
+                md,
+                self.decode_group_size,
+                kv_heads=kv_heads,
+                group_heads=group_heads,
+                block_size=block_size,
+                window=sliding_window,
+            )
+        return self._plans[key]
+
+    def _gather_workspace(
+        self, groups: tuple[_DecodeGroup, ...], key_cache: torch.Tensor
+    ) -> torch.Tensor:
+        """One buffer for a group's gathered K then V (block numel = K block = V block)."""
+        block_numel = key_cache[0].numel()
+        needed = 2 * max(g.blocks.numel() for g in groups) * block_numel
+        ws = self._workspace
+        if ws.numel() < needed or ws.dtype != key_cache.dtype or ws.device != key_cache.device:
+            ws = torch.empty(needed, dtype=key_cache.dtype, device=key_cache.device)
+            self._workspace = ws
+        return ws
+
+
+def _plan_decode_groups(
+    md: AttentionMetadata,
+    group_size: int,
+    *,
+    kv_heads: int,
+    group_heads: int,
+    block_size: int,
+    window: int | None,
+) -> tuple[_DecodeGroup, ...]:
+    """Sort decodes by context length and cut them into groups of at most ``group_size``."""
+    order = sorted(md.decode_indices, key=lambda i: md.context_lens_host[i])
+    device = md.block_tables.device
+    groups = []
+    for start in range(0, len(order), group_size):
+        members = order[start : start + group_size]
+        lens = [md.context_lens_host[i] for i in members]
+        num_seqs, num_blocks = len(members), -(-max(lens) // block_size)
+        length = num_blocks * block_size
+        idx = torch.tensor(members, dtype=torch.int64, device=device)
+        score_pad, value_pad_rows = None, None
+        if window is not None or min(lens) < length:
+            ctx = md.context_lens[idx][:, None]  # [n, 1]
+            key_pos = torch.arange(length, device=device)[None, :]  # [1, L]
+            invalid = key_pos >= ctx  # [n, L]
+            if window is not None:
+                invalid |= key_pos <= ctx - 1 - window
+            seq, pos = torch.nonzero(invalid, as_tuple=True)  # [P]
+            head = torch.arange(kv_heads, device=device)[:, None]  # [Hkv, 1]
+            value_pad_rows = ((head * num_seqs + seq) * length + pos).reshape(-1)  # [Hkv * P]
+            qhead = torch.arange(kv_heads * group_heads, device=device)[:, None]  # [Hkv*G, 1]
+            kv, g = qhead // group_heads, qhead % group_heads
+            score_pad = (((kv * num_seqs + seq) * group_heads + g) * length + pos).reshape(-1)
+        groups.append(
+            _DecodeGroup(
+                rows=md.query_start_loc[idx],
+                blocks=md.block_tables[idx, :num_blocks].reshape(-1),
+                num_blocks=num_blocks,
+                score_pad=score_pad,
+                value_pad_rows=value_pad_rows,
+            )
+        )
+    return tuple(groups)
+
+
+def _decode_group(
+    group: _DecodeGroup,
+    out: torch.Tensor,
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    workspace: torch.Tensor,
+    scale: float,
+) -> None:
+    """Attention of one decode group over its gathered blocks, with no re-layout copy of K/V.
+
+    K (stored ``[Hkv, D, bs]`` per block) is used block by block: the scores are one batched
+    matmul of the packed query heads against every gathered K block. V is gathered one KV head
+    at a time (``value_cache[:, h]`` rows are ``[bs, D]``), which lays each sequence's V out
+    contiguously as ``[L, D]``: the output is one batched ``probs @ V``.
+    """
+    num_seqs, nb = group.rows.numel(), group.num_blocks
+    _, kv_heads, head_dim, block_size = key_cache.shape
+    length = nb * block_size
+    size = group.blocks.numel() * key_cache[0].numel()
+    keys = torch.index_select(
+        key_cache, 0, group.blocks, out=workspace[:size].view(-1, kv_heads, head_dim, block_size)
+    ).view(num_seqs, nb, kv_heads, head_dim, block_size)
+    values = workspace[size : 2 * size].view(kv_heads, -1, block_size, head_dim)
+    for h in range(kv_heads):
+        torch.index_select(value_cache[:, h], 0, group.blocks, out=values[h])
+    if group.value_pad_rows is not None:
+        # Unwritten or foreign slots may hold anything (NaN in tests): 0 * NaN would leak.
+        values.view(-1, head_dim).index_fill_(0, group.value_pad_rows, 0.0)
+    values = values.view(kv_heads, num_seqs, length, head_dim)
+    if keys.dtype != torch.float32:
+        keys, values = keys.float(), values.float()
+    q = query[group.rows].float().view(num_seqs, 1, kv_heads, -1, head_dim) * scale
+    scores = torch.matmul(q, keys)  # [n, nb, Hkv, G, bs]
+    group_heads = scores.shape[3]
+    scores = scores.permute(2, 0, 3, 1, 4).contiguous()  # [Hkv, n, G, nb, bs]
+    scores = scores.view(kv_heads, num_seqs, group_heads, length)
+    if group.score_pad is not None:
+        scores.view(-1).index_fill_(0, group.score_pad, float("-inf"))
+    probs = torch.softmax(scores, dim=-1)  # [Hkv, n, G, L]
+    o = torch.matmul(probs, values)  # [Hkv, n, G, D]
+    o = o.permute(1, 0, 2, 3).reshape(num_seqs, -1, head_dim)  # [n, Hq, D]
+    out.index_copy_(0, group.rows, o.to(out.dtype))
 
 
 def _gather(
@@ -129,38 +285,6 @@ def _gather(
     values = values.view(num_seqs, num_blocks, kv_heads, block_size, head_dim)
     values = values.permute(0, 2, 1, 3, 4).reshape(num_seqs, kv_heads, -1, head_dim)
     return keys.float(), values.float()
-
-
-def _decode(
-    out: torch.Tensor,
-    query: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
-    md: AttentionMetadata,
-    scale: float,
-    sliding_window: int | None,
-) -> None:
-    block_size = key_cache.shape[-1]
-    idx = torch.tensor(md.decode_indices, dtype=torch.int64, device=query.device)
-    rows = md.query_start_loc[idx]  # [B] token row of each decode
-    ctx = md.context_lens[idx]  # [B]
-    max_ctx = max(md.context_lens_host[i] for i in md.decode_indices)
-    num_blocks = -(-max_ctx // block_size)
-    keys, values = _gather(key_cache, value_cache, md.block_tables[idx, :num_blocks])
-    length = keys.shape[2]
-    key_pos = torch.arange(length, device=query.device)[None, :]  # [1, L]
-    valid = key_pos < ctx[:, None]  # [B, L]
-    if sliding_window is not None:
-        valid &= key_pos > (ctx[:, None] - 1 - sliding_window)
-    # Unwritten or foreign slots may hold anything (NaN in tests): zero them, then mask them.
-    keys = keys.masked_fill(~valid[:, None, :, None], 0.0)
-    values = values.masked_fill(~valid[:, None, :, None], 0.0)
-    num_seqs, kv_heads = keys.shape[0], keys.shape[1]
-    q = query[rows].float().view(num_seqs, kv_heads, -1, query.shape[-1])  # [B, Hkv, G, D]
-    o = F.scaled_dot_product_attention(
-        q, keys, values, attn_mask=valid[:, None, None, :], scale=scale
-    )  # [B, Hkv, G, D]
-    out[rows] = o.reshape(num_seqs, -1, query.shape[-1]).to(out.dtype)
 
 
 def _prefill_one(

@@ -21,7 +21,7 @@ from asyncpaged.model.attention import AttentionBackend, AttentionMetadata
 from asyncpaged.model.base import CausalLM
 from asyncpaged.model.kv_cache import PagedKVCache, swap_in, swap_out
 from asyncpaged.model.loader import load_model
-from asyncpaged.model.sampler import sample
+from asyncpaged.model.sampler import SamplerOutput, SamplingOptions, sample
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -31,6 +31,8 @@ class SequenceStep:
     ``token_ids`` sit at positions ``num_computed_tokens ..``; after the step the cache holds
     ``num_computed_tokens + len(token_ids)`` tokens, which ``block_table`` must cover. ``do_sample``
     is False for a prefill chunk that stops short of the prompt's end (its logits are not needed).
+    ``sampling`` None = greedy with no penalties. The sampled token's logprob and rank come back
+    when ``want_logprob`` or ``sampling.num_logprobs`` is set.
     """
 
     seq_id: int
@@ -40,6 +42,13 @@ class SequenceStep:
     block_table: tuple[int, ...]  # physical block ids, logical order
     do_sample: bool
     want_logprob: bool = False
+    sampling: SamplingOptions | None = None
+
+    @property
+    def wants_logprob(self) -> bool:
+        return self.want_logprob or (
+            self.sampling is not None and self.sampling.num_logprobs is not None
+        )
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -52,9 +61,13 @@ class StepPlan:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class SampledToken:
+    """A sampled token; logprobs are the log-softmax of the raw float32 logits (vLLM v1)."""
+
     seq_id: int
     token_id: int
-    logprob: float | None  # log-softmax of the sampled token (float32 logits) if asked
+    logprob: float | None  # of the sampled token, if asked
+    rank: int | None = None  # 1-based rank of the sampled token by raw logprob, if asked
+    top_logprobs: tuple[tuple[int, float], ...] = ()  # (token id, logprob), best first
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -82,8 +95,12 @@ class ModelRunner:
         device: str | torch.device = "cpu",
         attn_backend: AttentionBackend | None = None,
         kv_fill_value: float | None = None,
+        seed: int = 0,
     ) -> None:
-        """Load the checkpoint and allocate caches; ``kv_fill_value`` poisons them (tests: NaN)."""
+        """Load the checkpoint and allocate caches; ``kv_fill_value`` poisons them (tests: NaN).
+
+        ``seed`` seeds the generator of random rows without a per-request seed.
+        """
         if num_blocks <= 0 or block_size <= 0 or num_host_blocks < 0:
             raise ValueError(
                 "num_blocks and block_size must be > 0 and num_host_blocks >= 0, got "
@@ -110,6 +127,7 @@ class ModelRunner:
 
         self.kv_cache = make_cache(num_blocks, self.device)
         self.host_kv_cache = make_cache(num_host_blocks, torch.device("cpu"))
+        self.generator = torch.Generator(device=self.device).manual_seed(seed)
 
     def swap_out(self, pairs: tuple[tuple[int, int], ...]) -> None:
         """Copy (device block, host block) pairs to the host cache."""
@@ -132,7 +150,7 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> StepResult:
-        """Run one step: copy-on-write, forward over the flat batch, greedy sampling."""
+        """Run one step: copy-on-write, forward over the flat batch, sampling."""
         self.kv_cache.copy_blocks(plan.copy_pairs)
         if not plan.seqs:
             return StepResult(sampled=())
@@ -163,17 +181,38 @@ class ModelRunner:
             return StepResult(sampled=())
         rows = [metadata.query_start_loc_host[i + 1] - 1 for i in sampling]
         logits = self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)])
-        want_logprobs = any(plan.seqs[i].want_logprob for i in sampling)
-        out = sample(logits, want_logprobs=want_logprobs)
-        token_ids = out.token_ids.tolist()
-        logprobs = out.logprobs.tolist() if out.logprobs is not None else [None] * len(rows)
-        return StepResult(
-            sampled=tuple(
-                SampledToken(
-                    seq_id=plan.seqs[i].seq_id,
-                    token_id=int(token_ids[k]),
-                    logprob=logprobs[k] if plan.seqs[i].want_logprob else None,
-                )
-                for k, i in enumerate(sampling)
+        sampling_seqs = [plan.seqs[i] for i in sampling]
+        out = sample(
+            logits,
+            [s.sampling for s in sampling_seqs],
+            want_logprobs=any(s.want_logprob for s in sampling_seqs),
+            generator=self.generator,
+        )
+        return StepResult(sampled=_sampled_tokens(sampling_seqs, out))
+
+
+def _sampled_tokens(seqs: list[SequenceStep], out: SamplerOutput) -> tuple[SampledToken, ...]:
+    token_ids = out.token_ids.tolist()
+    logprobs = out.logprobs.tolist() if out.logprobs is not None else None
+    ranks = out.ranks.tolist() if out.ranks is not None else None
+    top_ids = out.top_token_ids.tolist() if out.top_token_ids is not None else None
+    top_logprobs = out.top_logprobs.tolist() if out.top_logprobs is not None else None
+    sampled = []
+    for k, seq in enumerate(seqs):
+        logprob, rank = None, None
+        if seq.wants_logprob and logprobs is not None and ranks is not None:
+            logprob, rank = float(logprobs[k]), int(ranks[k])
+        num_top = seq.sampling.num_logprobs if seq.sampling is not None else None
+        top: tuple[tuple[int, float], ...] = ()
+        if num_top and top_ids is not None and top_logprobs is not None:
+            top = tuple(zip(top_ids[k][:num_top], top_logprobs[k][:num_top], strict=True))
+        sampled.append(
+            SampledToken(
+                seq_id=seq.seq_id,
+                token_id=int(token_ids[k]),
+                logprob=logprob,
+                rank=rank,
+                top_logprobs=top,
             )
         )
+    return tuple(sampled)

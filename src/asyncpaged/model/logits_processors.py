@@ -1,0 +1,115 @@
+"""Logits processors of the sampler, each over a batch of rows ``[R, V]`` float32 (vLLM v1 math).
+
+Every function takes per-row parameters as tensors (or Python sequences for token lists) and
+either returns a new tensor or edits ``logits`` in place, as its docstring says. A row whose
+parameter is the no-op value (penalty 1.0 / 0.0, ``top_k == V``, ``top_p == 1``, ``min_p == 0``)
+comes out bit-identical, so callers may batch rows that do not use a processor with ones that do.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+_NEG_INF = float("-inf")
+
+
+def token_bin_counts(
+    token_ids: Sequence[Sequence[int]], vocab_size: int, device: torch.device
+) -> torch.Tensor:
+    """Per-row occurrence counts ``[R, V]`` float32 of the given token ids (one scatter_add)."""
+    num_rows = len(token_ids)
+    width = max((len(t) for t in token_ids), default=0)
+    counts = torch.zeros(num_rows, vocab_size + 1, dtype=torch.float32, device=device)
+    if width == 0:
+        return counts[:, :vocab_size]
+    # Pad with the extra column ``vocab_size``, dropped at the end.
+    padded = [list(t) + [vocab_size] * (width - len(t)) for t in token_ids]
+    ids = torch.tensor(padded, dtype=torch.int64, device=device)  # [R, W]
+    assert int(ids.min()) >= 0, "negative token id in a penalty token list"
+    assert int(ids.max()) <= vocab_size, f"token id >= vocab size {vocab_size} in a penalty list"
+    counts.scatter_add_(1, ids, torch.ones(ids.shape, dtype=torch.float32, device=device))
+    return counts[:, :vocab_size]
+
+
+def apply_min_tokens_mask(logits: torch.Tensor, mask_ids: Sequence[Sequence[int]]) -> None:
+    """In place: ``logits[r, id] = -inf`` for every id in ``mask_ids[r]`` (EOS and stop ids)."""
+    rows = [r for r, ids in enumerate(mask_ids) for _ in ids]
+    if not rows:
+        return
+    cols = [i for ids in mask_ids for i in ids]
+    logits.index_put_(
+        (
+            torch.tensor(rows, dtype=torch.int64, device=logits.device),
+            torch.tensor(cols, dtype=torch.int64, device=logits.device),
+        ),
+        torch.tensor(_NEG_INF, dtype=logits.dtype, device=logits.device),
+    )
+
+
+def apply_penalties(
+    logits: torch.Tensor,
+    *,
+    prompt_token_ids: Sequence[Sequence[int]],
+    output_token_ids: Sequence[Sequence[int]],
+    repetition_penalties: torch.Tensor,
+    frequency_penalties: torch.Tensor,
+    presence_penalties: torch.Tensor,
+) -> torch.Tensor:
+    """Repetition, then frequency and presence penalties; returns new logits ``[R, V]``.
+
+    Repetition (over prompt + output tokens, as transformers and vLLM): a seen token's positive
+    logit is divided by the penalty, a negative one multiplied. Frequency/presence (OpenAI's
+    definition, over output tokens only): ``logit -= frequency * count`` then
+    ``logit -= presence * (count > 0)``. Penalty tensors are ``[R]`` float32.
+    """
+    vocab_size = logits.shape[1]
+    output_counts = token_bin_counts(output_token_ids, vocab_size, logits.device)  # [R, V]
+    output_seen = output_counts > 0
+    if bool((repetition_penalties != 1.0).any()):
+        prompt_counts = token_bin_counts(prompt_token_ids, vocab_size, logits.device)
+        seen = output_seen | (prompt_counts > 0)
+        penalty = repetition_penalties[:, None]  # [R, 1]
+        scaled = torch.where(logits > 0, logits / penalty, logits * penalty)
+        logits = torch.where(seen, scaled, logits)
+    else:
+        logits = logits.clone()
+    logits -= frequency_penalties[:, None] * output_counts
+    logits -= presence_penalties[:, None] * output_seen
+    return logits
+
+
+def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Mask tokens whose probability is below ``min_p * max probability`` (``min_p`` [R])."""
+    probs = torch.softmax(logits, dim=-1)  # [R, V]
+    threshold = probs.amax(dim=-1, keepdim=True) * min_p[:, None]  # [R, 1]
+    return logits.masked_fill(probs < threshold, _NEG_INF)
+
+
+def apply_top_k_top_p(
+    logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None
+) -> torch.Tensor:
+    """Top-k then top-p (vLLM v1 ``apply_top_k_top_p``); returns new logits ``[R, V]``.
+
+    ``top_k`` [R] int64 in 1..V (V = off): keep tokens whose logit is >= the k-th largest (ties at
+    the boundary are kept). ``top_p`` [R] float32 in (0, 1] (1 = off): over the top-k-filtered
+    distribution, sorted ascending with a stable sort, drop each token whose cumulative
+    probability (itself included) is <= ``1 - top_p``; the most likely token is always kept.
+    """
+    if top_p is None:
+        if top_k is None:
+            return logits
+        max_k = int(top_k.max())
+        kth = logits.topk(max_k, dim=-1).values.gather(1, (top_k - 1)[:, None])  # [R, 1]
+        return logits.masked_fill(logits < kth, _NEG_INF)
+    vocab_size = logits.shape[1]
+    logits_sort, order = torch.sort(logits, dim=-1, stable=True)  # ascending
+    if top_k is not None:
+        kth = logits_sort.gather(1, (vocab_size - top_k)[:, None])  # [R, 1]
+        logits_sort.masked_fill_(logits_sort < kth, _NEG_INF)
+    cumulative = torch.softmax(logits_sort, dim=-1).cumsum(dim=-1)  # [R, V]
+    drop = cumulative <= 1 - top_p[:, None]
+    drop[:, -1] = False
+    logits_sort.masked_fill_(drop, _NEG_INF)
+    return torch.empty_like(logits).scatter_(1, order, logits_sort)
