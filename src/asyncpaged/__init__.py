@@ -1,7 +1,36 @@
 """asyncpaged: an LLM inference engine for your own event loop, on a paged KV cache."""
 
+from asyncpaged.config import EngineConfig
 from asyncpaged.core import BlockPool
+from asyncpaged.engine import AsyncEngine, EngineStatistics
+from asyncpaged.errors import (
+    AsyncPagedError,
+    BlockPoolError,
+    EngineDeadError,
+    InvalidRequestError,
+)
+from asyncpaged.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from asyncpaged.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
+from asyncpaged.streams import RequestStream
 
 __version__ = "0.1.0"
 
-__all__ = ["BlockPool", "__version__"]
+__all__ = [
+    "AsyncEngine",
+    "AsyncPagedError",
+    "BeamSearchParams",
+    "BlockPool",
+    "BlockPoolError",
+    "CompletionOutput",
+    "EngineConfig",
+    "EngineDeadError",
+    "EngineStatistics",
+    "InvalidRequestError",
+    "Logprob",
+    "RequestMetrics",
+    "RequestOutput",
+    "RequestOutputKind",
+    "RequestStream",
+    "SamplingParams",
+    "__version__",
+]

@@ -369,6 +369,7 @@ class BlockPool:
             host=_usage(self.host),
             num_filled_device_slots=self.device.num_filled_held,
             num_held_device_blocks=self.device.num_held,
+            num_shared_device_blocks=self.device.num_shared,
             num_seqs=len(self._tables),
             num_pins=len(self._pins),
             num_swaps_in_flight=len(self._swaps),

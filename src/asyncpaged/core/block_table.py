@@ -138,6 +138,7 @@ class PoolStatistics:
     host: PoolUsage
     num_filled_device_slots: int  # written slots in held device blocks (shared blocks once)
     num_held_device_blocks: int  # used + in flight
+    num_shared_device_blocks: int  # held by more than one table, pin or copy
     num_seqs: int
     num_pins: int
     num_swaps_in_flight: int

@@ -32,8 +32,8 @@ class PhysicalBlocks:
       free, never evictable, and so never handed out by :meth:`take`.
     * The hash registry is a bijection between registered blocks and their hashes; only blocks of
       a pool built with ``cacheable=True`` are ever registered.
-    * ``num_held`` is the number of held blocks and ``num_filled_held`` the sum of ``num_filled``
-      over them.
+    * ``num_held`` is the number of held blocks, ``num_shared`` the number with more than one
+      holder, and ``num_filled_held`` the sum of ``num_filled`` over the held blocks.
     """
 
     __slots__ = (
@@ -49,6 +49,7 @@ class PhysicalBlocks:
         "num_filled",
         "num_filled_held",
         "num_held",
+        "num_shared",
         "ref_cnt",
     )
 
@@ -60,6 +61,7 @@ class PhysicalBlocks:
         self.num_filled = [0] * num_blocks  # slots written in each block
         self.in_flight: dict[int, int] = {}  # block -> number of copies in flight
         self.num_held = 0
+        self.num_shared = 0  # blocks with more than one holder
         self.num_filled_held = 0
         self._next_fresh = 0
         self._free: OrderedDict[int, None] = OrderedDict()
@@ -124,6 +126,8 @@ class PhysicalBlocks:
             del self._evictable[block]
             self.num_held += 1
             self.num_filled_held += self.num_filled[block]
+        elif self.ref_cnt[block] == 1:
+            self.num_shared += 1
         self.ref_cnt[block] += 1
 
     def release(self, blocks: Sequence[int]) -> None:
@@ -136,6 +140,8 @@ class PhysicalBlocks:
         freed: list[int] = []
         for block in reversed(blocks):
             assert self.ref_cnt[block] > 0, f"release of unheld block {block}"
+            if self.ref_cnt[block] == 2:
+                self.num_shared -= 1
             self.ref_cnt[block] -= 1
             if self.ref_cnt[block] == 0:
                 self.num_held -= 1
@@ -236,6 +242,7 @@ class PhysicalBlocks:
         assert self.ref_cnt == expected_refs, "reference counts differ from the holders"
         held = [b for b in range(self.num_blocks) if self.ref_cnt[b] > 0]
         assert self.num_held == len(held)
+        assert self.num_shared == sum(1 for b in held if self.ref_cnt[b] > 1)
         assert self.num_filled_held == sum(self.num_filled[b] for b in held)
         for block, count in self.in_flight.items():
             assert count > 0

@@ -34,6 +34,7 @@ from typing import Literal
 from asyncpaged.core.block_table import SwapPlan
 from asyncpaged.core.request import Request, RequestStatus, Sequence
 from asyncpaged.core.txn import (
+    NUM_REPORTED_GROUPS,
     Admission,
     AllocateOp,
     AppendOp,
@@ -45,7 +46,6 @@ from asyncpaged.core.txn import (
 )
 
 PreemptionMode = Literal["recompute", "swap"]
-NUM_REPORTED_GROUPS = 8  # newest running requests whose release counts the allocator reports
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -278,11 +278,18 @@ class Scheduler:
         self.num_preemptions += 1
         plan.preempted.append(request.request_id)
         group = tuple(s.seq_id for s in request.live_seqs)
-        report = reports.get(group)  # absent: an old request; assume it frees nothing
+        # Without a report (an old request, or one that came back since the snapshot) assume
+        # it frees nothing and bound its distinct blocks by its tables' lengths.
+        report = reports.get(group)
         exclusive = report.num_exclusive_blocks if report else 0
-        swap = self.config.preemption_mode == "swap"
-        if swap and report is not None and report.num_distinct_blocks <= plan.host_free:
-            plan.host_free -= report.num_distinct_blocks
+        bs = self.config.block_size
+        distinct = (
+            report.num_distinct_blocks
+            if report
+            else sum(-(-s.num_computed_tokens // bs) for s in request.live_seqs)
+        )
+        if self.config.preemption_mode == "swap" and distinct <= plan.host_free:
+            plan.host_free -= distinct
             plan.coming += exclusive
             swap_outs.append(group)
             request.status = RequestStatus.SWAPPING_OUT

@@ -19,6 +19,9 @@ from dataclasses import dataclass
 from asyncpaged.core.block_pool import BlockPool
 from asyncpaged.core.block_table import Location, PoolStatistics, SeqId, SwapPlan
 
+NUM_REPORTED_GROUPS = 8
+"""Newest running groups whose release counts each snapshot carries (preemption candidates)."""
+
 # ---- messages -----------------------------------------------------------------------------
 
 
@@ -53,7 +56,9 @@ class StepTxn:
     swap_ins: tuple[tuple[int, ...], ...] = ()
     admissions: tuple[Admission, ...] = ()
     watermark_blocks: int = 0
-    report_groups: tuple[tuple[int, ...], ...] = ()  # groups to report release counts for
+    # Running groups, oldest first, whose release counts to report (with the admitted ones,
+    # the newest NUM_REPORTED_GROUPS of them are reported: the next preemption victims).
+    report_groups: tuple[tuple[int, ...], ...] = ()
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -129,13 +134,15 @@ def apply_txn(pool: BlockPool, txn: StepTxn) -> TxnResult:
         if grants is None:
             break
         admitted.append((admission.request_id, grants))
+    admitted_groups = tuple(tuple(g.seq_id for g in grants) for _, grants in admitted)
+    report = (*txn.report_groups, *admitted_groups)[-NUM_REPORTED_GROUPS:]
     return TxnResult(
         appended=tuple(appended),
         copy_on_write=tuple(cow),
         swap_outs=tuple(swap_outs),
         swap_ins=tuple(swap_ins),
         admitted=tuple(admitted),
-        snapshot=snapshot(pool, txn.report_groups),
+        snapshot=snapshot(pool, report),
     )
 
 
@@ -200,6 +207,7 @@ def snapshot(pool: BlockPool, report_groups: tuple[tuple[int, ...], ...] = ()) -
 
 
 __all__ = [
+    "NUM_REPORTED_GROUPS",
     "Admission",
     "AllocateOp",
     "AppendOp",

@@ -1,0 +1,1 @@
+"""The engine's actors: thin async shells around the synchronous cores, one per file."""

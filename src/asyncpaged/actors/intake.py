@@ -1,0 +1,83 @@
+"""The intake actor: tokenizes text prompts off the event loop and hands requests on."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import anyio
+import structlog
+from anyio.abc import TaskStatus
+from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
+
+from asyncpaged.core.request import Request, StopCriteria
+from asyncpaged.core.request import Sequence as Seq
+from asyncpaged.errors import InvalidRequestError
+from asyncpaged.messages import AddRequest, SchedulerInbox, SubmitRequest
+
+log = structlog.get_logger("asyncpaged")
+
+
+class IntakeActor:
+    """Turns :class:`SubmitRequest` into the scheduler's :class:`AddRequest`.
+
+    Text prompts are tokenized in a worker thread (one at a time: fast tokenizers are not
+    re-entrant); a prompt that turns out invalid (too long) is rejected to its waiter and never
+    reaches the scheduler.
+    """
+
+    def __init__(
+        self,
+        tokenizer: Any,
+        validate_ids: Callable[[Sequence[int], Any], int],
+        stop_criteria: Callable[[Any, int], StopCriteria],
+        inbox: MemoryObjectReceiveStream[SubmitRequest],
+        outbox: MemoryObjectSendStream[SchedulerInbox],
+    ) -> None:
+        self.tokenizer = tokenizer
+        self._validate_ids = validate_ids
+        self._stop_criteria = stop_criteria
+        self._inbox = inbox
+        self._outbox = outbox
+        self._limiter = anyio.CapacityLimiter(1)
+        self._arrivals = itertools.count()
+        self._seq_ids = itertools.count()
+        self._log = log.bind(actor="intake")
+
+    async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
+        task_status.started()
+        async with self._inbox, self._outbox:
+            async for msg in self._inbox:
+                try:
+                    ids = await self._token_ids(msg)
+                    max_tokens = self._validate_ids(ids, msg.params)
+                except InvalidRequestError as exc:
+                    msg.state.reject(exc)
+                    continue
+                msg.state.start(list(ids), self.tokenizer)
+                request = Request(
+                    request_id=msg.state.request_id,
+                    arrival=next(self._arrivals),
+                    seqs=[
+                        Seq(
+                            seq_id=next(self._seq_ids),
+                            index=0,
+                            token_ids=list(ids),
+                            num_prompt_tokens=len(ids),
+                        )
+                    ],
+                    stop=self._stop_criteria(msg.params, max_tokens),
+                    cache_salt=msg.cache_salt,
+                )
+                await self._outbox.send(AddRequest(request=request, state=msg.state))
+
+    async def _token_ids(self, msg: SubmitRequest) -> Sequence[int]:
+        if msg.prompt_token_ids is not None:
+            return msg.prompt_token_ids
+        assert msg.prompt is not None
+        prompt = msg.prompt
+        ids: list[int] = await anyio.to_thread.run_sync(
+            lambda: self.tokenizer.encode(prompt), limiter=self._limiter
+        )
+        return ids

@@ -1,0 +1,263 @@
+"""The scheduler actor: the step loop, request lifecycle and output streaming."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+
+import anyio
+import structlog
+from anyio.abc import TaskStatus
+from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
+
+from asyncpaged.core.request import RequestStatus
+from asyncpaged.core.scheduler import Scheduler, SchedulerOutput, SchedulerStatistics
+from asyncpaged.core.txn import PoolSnapshot, StepTxn, TxnResult
+from asyncpaged.messages import (
+    AbortRequest,
+    AddRequest,
+    ExecuteStep,
+    SchedulerInbox,
+    StepDone,
+    SwapBlocks,
+    SwapDone,
+)
+from asyncpaged.model.runner import SampledToken, SequenceStep, StepPlan
+from asyncpaged.model.sampler import SamplingOptions, derive_generator_key
+from asyncpaged.outputs import Logprob
+from asyncpaged.sampling_params import SamplingParams
+from asyncpaged.streams import RequestState
+
+log = structlog.get_logger("asyncpaged")
+
+
+class SchedulerActor:
+    """Owns the request queues (the :class:`Scheduler` core) and every request's output state.
+
+    Loop: handle every message that has arrived; when no step is in flight and there is work,
+    plan a step, get the allocator's transaction result, start the swaps and send the step to
+    the executor; then wait for the next message. Inboxes: its own is unbounded because every
+    message in it stands for accepted work (one add and at most one abort per request, one
+    step, one completion per swap); it never blocks on its outboxes (one transaction and one
+    step at a time; the swap outbox is sized for every swap that can be in flight).
+    """
+
+    def __init__(
+        self,
+        scheduler: Scheduler,
+        snapshot: PoolSnapshot,
+        inbox: MemoryObjectReceiveStream[SchedulerInbox],
+        txns: MemoryObjectSendStream[StepTxn],
+        results: MemoryObjectReceiveStream[TxnResult],
+        executor: MemoryObjectSendStream[ExecuteStep],
+        swaps: MemoryObjectSendStream[SwapBlocks],
+        eos_token_id: int | None,
+    ) -> None:
+        self.scheduler = scheduler
+        self.snapshot = snapshot
+        self.states: dict[str, RequestState] = {}
+        self._inbox = inbox
+        self._txns = txns
+        self._results = results
+        self._executor = executor
+        self._swaps = swaps
+        self._eos = eos_token_id
+        self._in_flight: SchedulerOutput | None = None
+        self._planning = False  # a transaction is at the allocator
+        self._idle = anyio.Event()
+        self._log = log.bind(actor="scheduler")
+        self.num_steps = 0
+        self.step_time_s = 0.0
+
+    # ---- queries ----------------------------------------------------------------------------
+
+    def statistics(self) -> SchedulerStatistics:
+        return self.scheduler.statistics()
+
+    @property
+    def is_idle(self) -> bool:
+        sched = self.scheduler
+        return not (
+            self._in_flight or self._planning or sched.has_unfinished
+            or sched.has_swaps_in_flight or sched.has_pending_txn_work
+        )  # fmt: skip
+
+    async def wait_idle(self) -> None:
+        """Wait until no request, step, swap or pending free is left."""
+        while not self.is_idle:
+            self._idle = anyio.Event()
+            await self._idle.wait()
+
+    # ---- the loop ---------------------------------------------------------------------------
+
+    async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
+        task_status.started()
+        async with self._inbox, self._txns, self._results, self._executor, self._swaps:
+            while True:
+                while True:  # everything that has already arrived
+                    try:
+                        self._handle(self._inbox.receive_nowait())
+                    except anyio.WouldBlock:
+                        break
+                    except anyio.EndOfStream:
+                        return
+                stepped = False
+                if self._in_flight is None and self._has_work():
+                    stepped = await self._step()
+                if self.is_idle:
+                    self._idle.set()
+                if not stepped:
+                    try:
+                        self._handle(await self._inbox.receive())
+                    except anyio.EndOfStream:
+                        return
+
+    def _has_work(self) -> bool:
+        sched = self.scheduler
+        return (
+            sched.has_pending_txn_work
+            or bool(sched.running or sched.waiting)
+            or any(r.status is RequestStatus.SWAPPED for r in sched.swapped)
+        )
+
+    async def _step(self) -> bool:
+        """Plan and start one step; False if it ran nothing (then wait for news)."""
+        txn = self.scheduler.plan(self.snapshot)
+        self._planning = True
+        await self._txns.send(txn)
+        result = await self._results.receive()
+        self._planning = False
+        self.snapshot = result.snapshot
+        out = self.scheduler.apply(txn, result)
+        for plan in (*out.swap_outs, *out.swap_ins):
+            self._swaps.send_nowait(SwapBlocks(plan=plan))
+        for rid in out.preempted:
+            self._log.info("request_preempted", request_id=rid)
+        if not out.seqs:
+            return bool(txn.frees or txn.complete_swaps)
+        now = time.monotonic()
+        steps = []
+        for s in out.seqs:
+            state = self.states[s.request_id]
+            if state.metrics.first_scheduled_time is None:
+                state.metrics.first_scheduled_time = now
+            request = self.scheduler.requests[s.request_id]
+            state.num_cached_tokens = request.num_cached_tokens
+            seq = (
+                request.seqs[0]
+                if len(request.seqs) == 1
+                else next(q for q in request.seqs if q.seq_id == s.seq_id)
+            )
+            steps.append(
+                SequenceStep(
+                    seq_id=s.seq_id,
+                    token_ids=s.token_ids,
+                    num_computed_tokens=s.start_pos,
+                    slot_mapping=s.slot_mapping,
+                    block_table=s.block_table,
+                    do_sample=s.samples,
+                    sampling=_sampling_options(
+                        state.params, seq.token_ids, seq.num_prompt_tokens, seq.index, self._eos
+                    )
+                    if s.samples
+                    else None,
+                )
+            )
+        self._in_flight = out
+        await self._executor.send(
+            ExecuteStep(output=out, plan=StepPlan(seqs=tuple(steps), copy_pairs=out.copy_on_write))
+        )
+        return True
+
+    # ---- messages ---------------------------------------------------------------------------
+
+    def _handle(self, msg: SchedulerInbox) -> None:
+        match msg:
+            case AddRequest(request=request, state=state):
+                self.states[request.request_id] = state
+                self.scheduler.add_request(request)
+                self._log.debug("request_added", request_id=request.request_id)
+            case AbortRequest(request_id=rid):
+                if self.scheduler.abort(rid) is not None:
+                    self.states.pop(rid).abort()
+                    self._log.info("request_aborted", request_id=rid)
+            case StepDone(step_id=step_id, result=result, duration_s=duration):
+                out = self._in_flight
+                assert out is not None
+                assert out.step_id == step_id
+                self._in_flight = None
+                self.num_steps += 1
+                self.step_time_s += duration
+                self._finish_step(out, result.sampled)
+            case SwapDone(swap_id=swap_id):
+                self.scheduler.complete_swap(swap_id)
+
+    def _finish_step(self, out: SchedulerOutput, sampled: Iterable[SampledToken]) -> None:
+        by_seq = {t.seq_id: t for t in sampled}
+        updates = self.scheduler.update(out, {k: t.token_id for k, t in by_seq.items()})
+        for upd in updates:
+            state = self.states[upd.request_id]
+            token = by_seq[upd.seq_id]
+            logprobs = _logprobs(token) if state.params.logprobs is not None else None
+            matched = state.add_tokens(
+                upd.index, upd.new_token_ids, upd.finish_reason, upd.stop_reason, logprobs
+            )
+            if matched is not None:
+                self.scheduler.finish_seq(upd.request_id, upd.seq_id, "stop", matched)
+            if state.finished:
+                del self.states[upd.request_id]
+                self._log.info(
+                    "request_finished",
+                    request_id=upd.request_id,
+                    finish_reason=state.completions[0].finish_reason,
+                    num_tokens=len(state.completions[0].token_ids),
+                )
+
+
+def _sampling_options(
+    params: SamplingParams,
+    token_ids: list[int],
+    num_prompt: int,
+    index: int,
+    eos_token_id: int | None,
+) -> SamplingOptions | None:
+    """The executor's per-row sampling options; None for plain greedy (the fast path)."""
+    num_generated = len(token_ids) - num_prompt
+    mask: tuple[int, ...] = ()
+    if num_generated < params.min_tokens:
+        mask = tuple(params.stop_token_ids)
+        if eos_token_id is not None and not params.ignore_eos:
+            mask = (*mask, eos_token_id)
+    penalized = (
+        params.presence_penalty != 0.0
+        or params.frequency_penalty != 0.0
+        or params.repetition_penalty != 1.0
+    )
+    if params.is_greedy and not penalized and not mask and params.logprobs is None:
+        return None
+    return SamplingOptions(
+        temperature=params.temperature,
+        top_p=params.top_p,
+        top_k=params.top_k,
+        min_p=params.min_p,
+        seed=params.seed,
+        presence_penalty=params.presence_penalty,
+        frequency_penalty=params.frequency_penalty,
+        repetition_penalty=params.repetition_penalty,
+        num_logprobs=params.logprobs,
+        min_tokens_mask_ids=mask,
+        prompt_token_ids=tuple(token_ids[:num_prompt]) if penalized else (),
+        output_token_ids=tuple(token_ids[num_prompt:]) if penalized else (),
+        generator_key=derive_generator_key(params.seed, index, num_generated)
+        if params.seed is not None
+        else 0,
+    )
+
+
+def _logprobs(token: SampledToken) -> dict[int, Logprob]:
+    out = {
+        tid: Logprob(logprob=lp, rank=rank) for rank, (tid, lp) in enumerate(token.top_logprobs, 1)
+    }
+    assert token.logprob is not None
+    out[token.token_id] = Logprob(logprob=token.logprob, rank=token.rank)
+    return out

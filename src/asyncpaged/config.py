@@ -1,0 +1,103 @@
+"""Engine configuration: what to load and how much memory and batching to allow."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from asyncpaged.errors import InvalidRequestError
+
+DEFAULT_KV_CACHE_BYTES = 256 * 2**20
+DEFAULT_SWAP_SPACE_BYTES = 64 * 2**20
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class EngineConfig:
+    """Settings of an :class:`~asyncpaged.AsyncEngine`.
+
+    KV memory: ``num_device_blocks`` wins over ``kv_cache_bytes``; with neither, 256 MiB. The
+    host (swap) pool is ``swap_space_bytes`` (64 MiB by default; 0 disables swapping, and
+    preemption then always recomputes). ``max_model_len`` defaults to the model's
+    ``max_position_embeddings``. ``watermark`` is the share of device blocks kept free when
+    admitting new requests, so that running ones rarely need preempting right after.
+    """
+
+    model: str
+    dtype: str = "auto"
+    device: str = "cpu"
+    block_size: int = 16
+    num_device_blocks: int | None = None
+    kv_cache_bytes: int | None = None
+    swap_space_bytes: int = DEFAULT_SWAP_SPACE_BYTES
+    preemption_mode: Literal["recompute", "swap"] = "recompute"
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None
+    enable_prefix_caching: bool = True
+    watermark: float = 0.01
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        checks = [
+            (self.block_size >= 1, f"block_size must be at least 1, got {self.block_size}."),
+            (self.num_device_blocks is None or self.num_device_blocks >= 1,
+             f"num_device_blocks must be at least 1, got {self.num_device_blocks}."),
+            (self.kv_cache_bytes is None or self.kv_cache_bytes > 0,
+             f"kv_cache_bytes must be positive, got {self.kv_cache_bytes}."),
+            (self.swap_space_bytes >= 0,
+             f"swap_space_bytes must be non-negative, got {self.swap_space_bytes}."),
+            (self.preemption_mode in ("recompute", "swap"),
+             f"preemption_mode must be 'recompute' or 'swap', got {self.preemption_mode!r}."),
+            (self.max_num_seqs >= 1, f"max_num_seqs must be at least 1, got {self.max_num_seqs}."),
+            (self.max_num_batched_tokens >= 1,
+             f"max_num_batched_tokens must be at least 1, got {self.max_num_batched_tokens}."),
+            (self.max_model_len is None or self.max_model_len >= 2,
+             f"max_model_len must be at least 2, got {self.max_model_len}."),
+            (0.0 <= self.watermark < 1.0, f"watermark must be in [0, 1), got {self.watermark}."),
+        ]  # fmt: skip
+        for ok, message in checks:
+            if not ok:
+                raise InvalidRequestError(message)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class KVShape:
+    """What one KV block costs for a model: K and V of every layer."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype_bytes: int
+
+    def block_bytes(self, block_size: int) -> int:
+        return (
+            2 * self.num_layers * self.num_kv_heads * self.head_dim * block_size * self.dtype_bytes
+        )
+
+    @classmethod
+    def from_hf_config(cls, config: Any, dtype_bytes: int) -> KVShape:
+        heads = int(config.num_attention_heads)
+        kv_heads = int(getattr(config, "num_key_value_heads", None) or heads)
+        head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // heads)
+        return cls(
+            num_layers=int(config.num_hidden_layers),
+            num_kv_heads=kv_heads,
+            head_dim=head_dim,
+            dtype_bytes=dtype_bytes,
+        )
+
+
+def num_blocks_for(config: EngineConfig, shape: KVShape) -> tuple[int, int]:
+    """(device blocks, host blocks) for this config and model."""
+    per_block = shape.block_bytes(config.block_size)
+    if config.num_device_blocks is not None:
+        device = config.num_device_blocks
+    else:
+        device = max(1, (config.kv_cache_bytes or DEFAULT_KV_CACHE_BYTES) // per_block)
+    host = config.swap_space_bytes // per_block
+    return device, host
+
+
+def blocks_for_tokens(num_tokens: int, block_size: int) -> int:
+    return math.ceil(num_tokens / block_size)

@@ -1,0 +1,323 @@
+"""The public engine: ``async with AsyncEngine(config) as engine: await engine.generate(...)``."""
+
+from __future__ import annotations
+
+import itertools
+import math
+import time
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass
+from types import TracebackType
+
+import anyio
+import structlog
+import torch
+from anyio.abc import TaskGroup
+
+from asyncpaged.actors.allocator import AllocatorActor
+from asyncpaged.actors.executor import ExecutorActor
+from asyncpaged.actors.intake import IntakeActor
+from asyncpaged.actors.scheduler import SchedulerActor
+from asyncpaged.actors.swap_space import SwapSpaceActor
+from asyncpaged.config import EngineConfig, KVShape, num_blocks_for
+from asyncpaged.core.block_pool import BlockPool
+from asyncpaged.core.request import StopCriteria
+from asyncpaged.core.scheduler import Scheduler, SchedulerConfig
+from asyncpaged.core.txn import StepTxn, TxnResult
+from asyncpaged.errors import EngineDeadError, InvalidRequestError
+from asyncpaged.messages import (
+    AbortRequest,
+    ExecuteStep,
+    SchedulerInbox,
+    SubmitRequest,
+    SwapBlocks,
+)
+from asyncpaged.model.loader import load_config, load_tokenizer, resolve_dtype
+from asyncpaged.model.runner import ModelRunner
+from asyncpaged.sampling_params import SamplingParams
+from asyncpaged.streams import RequestState, RequestStream
+
+log = structlog.get_logger("asyncpaged")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class EngineStatistics:
+    """A snapshot of the engine's counters (see docs/api.md for each field)."""
+
+    num_device_blocks: int
+    num_free_device_blocks: int
+    num_host_blocks: int
+    num_free_host_blocks: int
+    num_cached_device_blocks: int
+    num_shared_device_blocks: int
+    num_filled_device_slots: int
+    num_running: int
+    num_waiting: int
+    num_swapped: int
+    num_preemptions: int
+    num_swap_outs: int
+    num_swap_ins: int
+    num_recomputes: int
+    num_cow_copies: int
+    prefix_cache_query_tokens: int
+    prefix_cache_hit_tokens: int
+    num_finished: int
+    num_aborted: int
+    num_steps: int
+    step_time_s: float
+
+
+class AsyncEngine:
+    """An LLM engine inside the caller's event loop (asyncio or trio, through anyio).
+
+    Enter it with ``async with``; leaving it aborts every unfinished request (finish reason
+    "abort"), waits for the step and swaps in flight, and joins the worker threads. If the engine
+    fails, every waiter gets :class:`EngineDeadError` (the cause chained) and so does the exit
+    of the ``async with``.
+    """
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self._tg: TaskGroup | None = None
+        self._dead: BaseException | None = None
+        self._closed = False
+        self._live: dict[str, RequestState] = {}
+        self._ids = itertools.count()
+
+    # ---- lifecycle ----------------------------------------------------------------------------
+
+    async def __aenter__(self) -> AsyncEngine:
+        cfg = self.config
+        hf_config = await anyio.to_thread.run_sync(load_config, cfg.model)
+        dtype = resolve_dtype(cfg.dtype, hf_config, torch.device(cfg.device))
+        shape = KVShape.from_hf_config(hf_config, dtype.itemsize)
+        num_device, num_host = num_blocks_for(cfg, shape)
+        self.max_model_len = cfg.max_model_len or int(
+            getattr(hf_config, "max_position_embeddings", 2048)
+        )
+        self.vocab_size = int(hf_config.vocab_size)
+        self.runner = await anyio.to_thread.run_sync(
+            lambda: ModelRunner(cfg.model, dtype, num_device, cfg.block_size, num_host,
+                                device=cfg.device, seed=cfg.seed)
+        )  # fmt: skip
+        self.tokenizer = await anyio.to_thread.run_sync(load_tokenizer, cfg.model)
+        eos = getattr(self.tokenizer, "eos_token_id", None)
+        self._eos = eos if eos is not None else getattr(hf_config, "eos_token_id", None)
+        self.num_device_blocks, self.num_host_blocks = num_device, num_host
+        pool = BlockPool(num_device, num_host, block_size=cfg.block_size,
+                         enable_prefix_caching=cfg.enable_prefix_caching)  # fmt: skip
+        scheduler = Scheduler(
+            SchedulerConfig(
+                block_size=cfg.block_size,
+                num_device_blocks=num_device,
+                max_num_seqs=cfg.max_num_seqs,
+                max_num_batched_tokens=cfg.max_num_batched_tokens,
+                preemption_mode=cfg.preemption_mode if num_host else "recompute",
+                watermark=cfg.watermark,
+            )
+        )
+        self._build_actors(pool, scheduler)
+        self._tg = anyio.create_task_group()
+        await self._tg.__aenter__()
+        await self._tg.start(self._supervise)
+        log.info("engine_started", model=cfg.model, num_device_blocks=num_device,
+                 num_host_blocks=num_host, dtype=str(dtype))  # fmt: skip
+        return self
+
+    def _build_actors(self, pool: BlockPool, scheduler: Scheduler) -> None:
+        sched_send, sched_recv = anyio.create_memory_object_stream[SchedulerInbox](math.inf)
+        txn_send, txn_recv = anyio.create_memory_object_stream[StepTxn](1)
+        res_send, res_recv = anyio.create_memory_object_stream[TxnResult](1)
+        exec_send, exec_recv = anyio.create_memory_object_stream[ExecuteStep](1)
+        # Each swap in flight holds at least one block at each end: this bound is never reached.
+        swap_send, swap_recv = anyio.create_memory_object_stream[SwapBlocks](
+            pool.device.num_blocks + pool.host.num_blocks + 1
+        )
+        intake_send, intake_recv = anyio.create_memory_object_stream[SubmitRequest](math.inf)
+        self._allocator = AllocatorActor(pool, txn_recv, res_send)
+        self._executor = ExecutorActor(self.runner, exec_recv, sched_send.clone())
+        self._swap_space = SwapSpaceActor(self.runner, swap_recv, sched_send.clone())
+        self._scheduler = SchedulerActor(
+            scheduler, self._allocator.snapshot(), sched_recv, txn_send, res_recv,
+            exec_send, swap_send, self._eos,
+        )  # fmt: skip
+        self._intake = IntakeActor(
+            self.tokenizer, self._check_ids, self._stop_criteria, intake_recv, sched_send.clone()
+        )
+        self._control = sched_send  # aborts
+        self._submit = intake_send
+
+    async def _supervise(self, *, task_status: anyio.abc.TaskStatus[None]) -> None:
+        """Run the actors; on failure fail every waiter instead of cancelling the host."""
+        try:
+            async with anyio.create_task_group() as tg:
+                for actor in (self._allocator, self._executor, self._swap_space,
+                              self._scheduler, self._intake):  # fmt: skip
+                    await tg.start(actor.run)
+                task_status.started()
+        except Exception as exc:  # the engine failed: every waiter learns why
+            while isinstance(exc, ExceptionGroup) and len(exc.exceptions) == 1:
+                exc = exc.exceptions[0]
+            self._dead = exc
+            log.error("engine_failed", error=repr(exc))
+            for state in self._live.values():
+                state.fail(exc)
+            for state in self._scheduler.states.values():
+                state.fail(exc)
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        """Abort what is unfinished, wait for in-flight work, stop the actors.
+
+        If cancelled midway, the actors are cancelled at once (a forward already running still
+        finishes in its thread before the task group exits)."""
+        assert self._tg is not None
+        self._closed = True
+        try:
+            if self._dead is None:
+                for rid in list(self._scheduler.states):
+                    self._abort_nowait(rid)
+                with anyio.fail_after(60):
+                    await self._scheduler.wait_idle()
+        finally:
+            self._submit.close()
+            self._control.close()
+            self._tg.cancel_scope.cancel()
+            await self._tg.__aexit__(None, None, None)
+        if self._dead is not None and exc is None:
+            raise EngineDeadError("the engine stopped") from self._dead
+
+    async def wait_idle(self) -> None:
+        """Wait until every request has finished and every block it held is free again.
+
+        Cancelling it only stops the waiting."""
+        self._check_alive()
+        await self._scheduler.wait_idle()
+
+    # ---- requests ---------------------------------------------------------------------------
+
+    def generate(
+        self,
+        prompt: str | Sequence[int],
+        params: SamplingParams | None = None,
+        *,
+        request_id: str | None = None,
+        priority: int = 0,
+        cache_salt: str | None = None,
+    ) -> RequestStream:
+        """Submit a request; returns its :class:`RequestStream` at once.
+
+        Invalid input raises :class:`InvalidRequestError` here, before anything is queued (a
+        text prompt that is too long is found after tokenizing: awaiting the stream raises it).
+        """
+        self._check_alive()
+        params = params or SamplingParams()
+        if params.num_sequences > 1:
+            raise InvalidRequestError("n > 1 and best_of > 1 are not supported yet.")
+        if priority != 0:
+            raise InvalidRequestError("priority scheduling is not supported; use priority=0.")
+        rid = request_id if request_id is not None else f"req-{uuid.uuid4().hex[:12]}"
+        if rid in self._live and not self._live[rid].finished:
+            raise InvalidRequestError(f"request id {rid!r} is already in use.")
+        if isinstance(prompt, str):
+            if not prompt:
+                raise InvalidRequestError("prompt must not be empty.")
+            text, ids = prompt, None
+        else:
+            ids = tuple(prompt)
+            self._check_ids(ids, params)
+            text = None
+        state = RequestState(rid, text, params, time.monotonic())
+        self._live = {k: v for k, v in self._live.items() if not v.finished} | {rid: state}
+        self._submit.send_nowait(
+            SubmitRequest(state=state, prompt=text, prompt_token_ids=ids, params=params,
+                          cache_salt=cache_salt, priority=priority)
+        )  # fmt: skip
+        return RequestStream(state, self._abort_nowait)
+
+    async def abort(self, request_id: str) -> None:
+        """Abort a request (finish reason "abort"); its blocks are freed within one step.
+        Unknown or finished ids are ignored. Returns at once; cancelling it has no effect."""
+        self._abort_nowait(request_id)
+
+    def _abort_nowait(self, request_id: str) -> None:
+        if self._dead is None and self._tg is not None:
+            self._control.send_nowait(AbortRequest(request_id=request_id))
+
+    def _check_alive(self) -> None:
+        if self._dead is not None:
+            raise EngineDeadError("the engine stopped") from self._dead
+        if self._tg is None or self._closed:
+            raise RuntimeError("the engine is not running: use `async with AsyncEngine(...)`.")
+
+    def _check_ids(self, ids: Sequence[int], params: SamplingParams) -> int:
+        """Validate prompt token ids; returns the request's max new tokens."""
+        if not ids:
+            raise InvalidRequestError("prompt must not be empty.")
+        bad = [t for t in ids if not isinstance(t, int) or not 0 <= t < self.vocab_size]
+        if bad:
+            raise InvalidRequestError(
+                f"token ids must be in [0, {self.vocab_size}), got {bad[:5]}."
+            )
+        if len(ids) >= self.max_model_len:
+            raise InvalidRequestError(
+                f"prompt is {len(ids)} tokens; it must be shorter than max_model_len "
+                f"({self.max_model_len})."
+            )
+        max_tokens = params.max_tokens or self.max_model_len - len(ids)
+        if len(ids) + max_tokens > self.max_model_len:
+            raise InvalidRequestError(
+                f"prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) exceeds max_model_len "
+                f"({self.max_model_len})."
+            )
+        need = -(-(len(ids) + max_tokens) // self.config.block_size)
+        if need > self.num_device_blocks:
+            raise InvalidRequestError(
+                f"the request needs up to {need} KV blocks but the cache has "
+                f"{self.num_device_blocks}; lower max_tokens or raise the KV cache size."
+            )
+        return max_tokens
+
+    def _stop_criteria(self, params: SamplingParams, max_tokens: int) -> StopCriteria:
+        return StopCriteria(
+            max_tokens=max_tokens,
+            min_tokens=params.min_tokens,
+            eos_token_id=self._eos,
+            ignore_eos=params.ignore_eos,
+            stop_token_ids=frozenset(params.stop_token_ids),
+            max_model_len=self.max_model_len,
+        )
+
+    # ---- statistics ---------------------------------------------------------------------------
+
+    def statistics(self) -> EngineStatistics:
+        pool = self._scheduler.snapshot.statistics
+        sched = self._scheduler.statistics()
+        return EngineStatistics(
+            num_device_blocks=pool.device.total,
+            num_free_device_blocks=pool.device.free + pool.device.cached,
+            num_host_blocks=pool.host.total,
+            num_free_host_blocks=pool.host.free,
+            num_cached_device_blocks=pool.device.cached,
+            num_shared_device_blocks=pool.num_shared_device_blocks,
+            num_filled_device_slots=pool.num_filled_device_slots,
+            num_running=sched.num_running,
+            num_waiting=sched.num_waiting,
+            num_swapped=sched.num_swapped,
+            num_preemptions=sched.num_preemptions,
+            num_swap_outs=sched.num_swap_outs,
+            num_swap_ins=sched.num_swap_ins,
+            num_recomputes=sched.num_recomputes,
+            num_cow_copies=pool.num_cow_copies,
+            prefix_cache_query_tokens=pool.prefix_query_tokens,
+            prefix_cache_hit_tokens=pool.prefix_hit_tokens,
+            num_finished=sched.num_finished,
+            num_aborted=sched.num_aborted,
+            num_steps=self._scheduler.num_steps,
+            step_time_s=self._scheduler.step_time_s,
+        )

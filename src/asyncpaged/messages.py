@@ -1,0 +1,69 @@
+"""Typed messages between the engine's actors (commands imperative, events past tense).
+
+::
+
+    engine.generate ──SubmitRequest──► Intake ──AddRequest──► Scheduler ──StepTxn──► Allocator
+                                                    ▲  │  ▲ ◄─────────TxnResult───────┘
+                                      StepDone ─────┘  │  └──── SwapDone ◄── SwapSpace
+                                      (Executor) ◄─ExecuteStep   SwapBlocks ──►
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from asyncpaged.core.block_table import SwapPlan
+from asyncpaged.core.request import Request
+from asyncpaged.core.scheduler import SchedulerOutput
+from asyncpaged.model.runner import StepPlan, StepResult
+from asyncpaged.sampling_params import SamplingParams
+from asyncpaged.streams import RequestState
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SubmitRequest:
+    """A validated request whose prompt may still need tokenizing."""
+
+    state: RequestState
+    prompt: str | None
+    prompt_token_ids: tuple[int, ...] | None
+    params: SamplingParams
+    cache_salt: str | None
+    priority: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class AddRequest:
+    request: Request
+    state: RequestState
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class AbortRequest:
+    request_id: str
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ExecuteStep:
+    output: SchedulerOutput
+    plan: StepPlan
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StepDone:
+    step_id: int
+    result: StepResult
+    duration_s: float
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SwapBlocks:
+    plan: SwapPlan
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SwapDone:
+    swap_id: int
+
+
+SchedulerInbox = AddRequest | AbortRequest | StepDone | SwapDone

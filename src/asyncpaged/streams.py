@@ -1,0 +1,226 @@
+"""Per-request output state, its single-slot sink, and the :class:`RequestStream` users hold.
+
+The engine writes into a request's :class:`RequestState` and wakes its sink; it never waits for
+the reader. The reader builds what it sees when it looks: the whole output so far (CUMULATIVE),
+everything new since its last look (DELTA, so a slow reader gets merged deltas), or only the end
+(FINAL_ONLY). One writer and one reader on one event loop: no locks.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Generator
+from dataclasses import dataclass, field
+from typing import Any
+
+import anyio
+
+from asyncpaged.detokenizer import IncrementalDetokenizer
+from asyncpaged.errors import EngineDeadError
+from asyncpaged.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from asyncpaged.sampling_params import RequestOutputKind, SamplingParams
+
+
+@dataclass(slots=True, eq=False)
+class _Completion:
+    index: int
+    detokenizer: IncrementalDetokenizer | None
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    logprobs: list[dict[int, Logprob]] | None = None
+    cumulative_logprob: float | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    read_tokens: int = 0  # DELTA cursors
+    read_text: int = 0
+
+
+class RequestState:
+    """Everything the engine knows of one request's outputs (owned by the scheduler actor)."""
+
+    def __init__(
+        self, request_id: str, prompt: str | None, params: SamplingParams, arrival_time: float
+    ) -> None:
+        self.request_id = request_id
+        self.prompt = prompt
+        self.prompt_token_ids: list[int] = []
+        self.params = params
+        self.completions = [_Completion(index=0, detokenizer=None)]
+        if params.logprobs is not None:
+            self.completions[0].logprobs = []
+            self.completions[0].cumulative_logprob = 0.0
+        self.metrics = RequestMetrics(arrival_time=arrival_time)
+        self.num_cached_tokens = 0
+        self.error: BaseException | None = None
+        self.rejection: BaseException | None = None
+        self._event = anyio.Event()
+
+    def start(self, prompt_token_ids: list[int], tokenizer: Any) -> None:
+        """The request reached the scheduler: set up detokenizing (no tokenizer: ids only)."""
+        self.prompt_token_ids = prompt_token_ids
+        self.metrics.num_prompt_tokens = len(prompt_token_ids)
+        if tokenizer is not None:
+            for c in self.completions:
+                c.detokenizer = IncrementalDetokenizer(tokenizer, prompt_token_ids, self.params)
+
+    def reject(self, error: BaseException) -> None:
+        """The request was refused before it was queued; its waiter gets ``error``."""
+        self.rejection = error
+        self._event.set()
+
+    @property
+    def finished(self) -> bool:
+        return self.error is None and all(c.finish_reason is not None for c in self.completions)
+
+    def add_tokens(
+        self,
+        index: int,
+        token_ids: tuple[int, ...],
+        finish_reason: str | None,
+        stop_reason: int | str | None,
+        logprobs: dict[int, Logprob] | None = None,
+    ) -> str | None:
+        """Record new tokens; returns the stop string if the text matched one (the caller then
+        ends the sequence in the scheduler)."""
+        c = self.completions[index]
+        now = time.monotonic()
+        if self.metrics.first_token_time is None:
+            self.metrics.first_token_time = now
+        self.metrics.last_token_time = now
+        self.metrics.num_generation_tokens += len(token_ids)
+        c.token_ids.extend(token_ids)
+        if logprobs is not None and c.logprobs is not None:
+            c.logprobs.append(logprobs)
+            sampled = logprobs[token_ids[-1]].logprob
+            c.cumulative_logprob = (c.cumulative_logprob or 0.0) + sampled
+        matched: str | None = None
+        if c.detokenizer is not None:
+            # The scheduler stops with "stop" only on EOS or a stop token id: the last id.
+            stop_terminated = finish_reason == "stop"
+            c.text += c.detokenizer.update(token_ids, stop_terminated=stop_terminated)
+            if finish_reason is not None and not c.detokenizer.finished:
+                c.text += c.detokenizer.finish()
+            if c.detokenizer.stop_reason is not None and finish_reason is None:
+                matched = c.detokenizer.stop_reason
+                finish_reason, stop_reason = "stop", matched
+                consumed = len(c.detokenizer.output_token_ids)
+                del c.token_ids[consumed:]  # ids after the stop string were never produced
+        if finish_reason is not None:
+            c.finish_reason, c.stop_reason = finish_reason, stop_reason
+            if self.finished:
+                self.metrics.finished_time = now
+        self._event.set()
+        return matched
+
+    def abort(self) -> None:
+        for c in self.completions:
+            if c.finish_reason is None:
+                if c.detokenizer is not None and not c.detokenizer.finished:
+                    c.text += c.detokenizer.finish()
+                c.finish_reason = "abort"
+        self.metrics.finished_time = time.monotonic()
+        self._event.set()
+
+    def fail(self, error: BaseException) -> None:
+        self.error = error
+        self._event.set()
+
+    # ---- the reader's side ----------------------------------------------------------------
+
+    def _has_news(self, kind: RequestOutputKind) -> bool:
+        if self.error is not None or self.rejection is not None or self.finished:
+            return True
+        if kind is RequestOutputKind.FINAL_ONLY:
+            return False
+        return any(c.read_tokens < len(c.token_ids) or c.read_text < len(c.text)
+                   for c in self.completions)  # fmt: skip
+
+    async def wait(self, kind: RequestOutputKind) -> None:
+        while not self._has_news(kind):
+            self._event = anyio.Event()
+            await self._event.wait()
+        if self.rejection is not None:
+            raise self.rejection
+        if self.error is not None:
+            raise EngineDeadError("the engine stopped") from self.error
+
+    def snapshot(self, kind: RequestOutputKind) -> RequestOutput:
+        outputs = []
+        for c in self.completions:
+            if kind is RequestOutputKind.DELTA:
+                tokens, text = c.token_ids[c.read_tokens :], c.text[c.read_text :]
+                logprobs = c.logprobs[c.read_tokens :] if c.logprobs is not None else None
+            else:
+                tokens, text = list(c.token_ids), c.text
+                logprobs = list(c.logprobs) if c.logprobs is not None else None
+            c.read_tokens, c.read_text = len(c.token_ids), len(c.text)
+            outputs.append(
+                CompletionOutput(
+                    index=c.index,
+                    text=text,
+                    token_ids=tokens,
+                    cumulative_logprob=c.cumulative_logprob,
+                    logprobs=logprobs,
+                    finish_reason=c.finish_reason,  # type: ignore[arg-type]
+                    stop_reason=c.stop_reason,
+                )
+            )
+        return RequestOutput(
+            request_id=self.request_id,
+            prompt=self.prompt,
+            prompt_token_ids=list(self.prompt_token_ids),
+            outputs=outputs,
+            finished=self.finished,
+            metrics=self.metrics,
+            num_cached_tokens=self.num_cached_tokens,
+        )
+
+
+class RequestStream:
+    """What :meth:`AsyncEngine.generate` returns: ``await`` it for the final output, or
+    ``async for`` over it for outputs per the request's ``output_kind``.
+
+    If the task awaiting or iterating is cancelled, or the iterator is closed with
+    :meth:`aclose` before the end, the request is aborted (finish reason "abort") and its
+    blocks are freed within one scheduler step.
+    """
+
+    def __init__(self, state: RequestState, abort: Callable[[str], None]) -> None:
+        self.request_id = state.request_id
+        self._state = state
+        self._abort = abort
+        self._kind = state.params.output_kind
+        self._done = False
+
+    def __await__(self) -> Generator[Any, None, RequestOutput]:
+        return self._final().__await__()
+
+    async def _final(self) -> RequestOutput:
+        await self._guarded_wait(RequestOutputKind.FINAL_ONLY)
+        self._done = True
+        return self._state.snapshot(RequestOutputKind.CUMULATIVE)
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self._done:
+            raise StopAsyncIteration
+        await self._guarded_wait(self._kind)
+        out = self._state.snapshot(self._kind)
+        self._done = out.finished
+        return out
+
+    async def aclose(self) -> None:
+        """Stop reading; aborts the request if it has not finished."""
+        if not self._done:
+            self._done = True
+            self._abort(self.request_id)
+
+    async def _guarded_wait(self, kind: RequestOutputKind) -> None:
+        try:
+            await self._state.wait(kind)
+        except anyio.get_cancelled_exc_class():
+            if not self._state.finished and self._state.rejection is None:
+                self._abort(self.request_id)
+            raise
