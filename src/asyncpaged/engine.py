@@ -217,8 +217,6 @@ class AsyncEngine:
         """
         self._check_alive()
         params = params or SamplingParams()
-        if params.num_sequences > 1:
-            raise InvalidRequestError("n > 1 and best_of > 1 are not supported yet.")
         if priority != 0:
             raise InvalidRequestError("priority scheduling is not supported; use priority=0.")
         rid = request_id if request_id is not None else f"req-{uuid.uuid4().hex[:12]}"
@@ -275,7 +273,9 @@ class AsyncEngine:
                 f"prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) exceeds max_model_len "
                 f"({self.max_model_len})."
             )
-        need = -(-(len(ids) + max_tokens) // self.config.block_size)
+        bs = self.config.block_size
+        # The prompt's full blocks are shared; each sequence owns the rest.
+        need = len(ids) // bs + params.num_sequences * (-(-(len(ids) % bs + max_tokens) // bs))
         if need > self.num_device_blocks:
             raise InvalidRequestError(
                 f"the request needs up to {need} KV blocks but the cache has "

@@ -278,11 +278,12 @@ class SamplingParams:
         if temperature < _SAMPLING_EPS:
             # Greedy: the truncation knobs cannot change an argmax, so store them disabled.
             top_p, top_k, min_p = 1.0, 0, 0.0
-            if n > 1:
-                raise InvalidRequestError(f"n must be 1 when using greedy sampling, got {n}.")
-            if best_of is not None and best_of > 1:
+            # n > 1 is allowed (n identical completions sharing the prompt's blocks); extra
+            # best_of candidates would be identical too.
+            if best_of is not None and best_of > n:
                 raise InvalidRequestError(
-                    f"best_of must be 1 when using greedy sampling, got {best_of}."
+                    f"best_of must equal n when using greedy sampling, got n={n} and "
+                    f"best_of={best_of}."
                 )
         values: dict[str, object] = {
             "n": n,

@@ -45,10 +45,16 @@ class RequestState:
         self.prompt = prompt
         self.prompt_token_ids: list[int] = []
         self.params = params
-        self.completions = [_Completion(index=0, detokenizer=None)]
-        if params.logprobs is not None:
-            self.completions[0].logprobs = []
-            self.completions[0].cumulative_logprob = 0.0
+        self.completions = [
+            _Completion(index=i, detokenizer=None) for i in range(params.num_sequences)
+        ]
+        # best_of > n ranks the candidates by cumulative logprob and shows the n best at the end.
+        self.ranks_by_logprob = params.num_sequences > params.n
+        for c in self.completions:
+            if params.logprobs is not None:
+                c.logprobs = []
+            if params.logprobs is not None or self.ranks_by_logprob:
+                c.cumulative_logprob = 0.0
         self.metrics = RequestMetrics(arrival_time=arrival_time)
         self.num_cached_tokens = 0
         self.error: BaseException | None = None
@@ -89,10 +95,11 @@ class RequestState:
         self.metrics.last_token_time = now
         self.metrics.num_generation_tokens += len(token_ids)
         c.token_ids.extend(token_ids)
-        if logprobs is not None and c.logprobs is not None:
-            c.logprobs.append(logprobs)
-            sampled = logprobs[token_ids[-1]].logprob
-            c.cumulative_logprob = (c.cumulative_logprob or 0.0) + sampled
+        if logprobs is not None:
+            if c.logprobs is not None:
+                c.logprobs.append(logprobs)
+            if c.cumulative_logprob is not None:
+                c.cumulative_logprob += logprobs[token_ids[-1]].logprob
         matched: str | None = None
         if c.detokenizer is not None:
             # The scheduler stops with "stop" only on EOS or a stop token id: the last id.
@@ -128,6 +135,8 @@ class RequestState:
     # ---- the reader's side ----------------------------------------------------------------
 
     def _has_news(self, kind: RequestOutputKind) -> bool:
+        if self.ranks_by_logprob:
+            kind = RequestOutputKind.FINAL_ONLY
         if self.error is not None or self.rejection is not None or self.finished:
             return True
         if kind is RequestOutputKind.FINAL_ONLY:
@@ -145,8 +154,12 @@ class RequestState:
             raise EngineDeadError("the engine stopped") from self.error
 
     def snapshot(self, kind: RequestOutputKind) -> RequestOutput:
+        completions = self.completions
+        if self.ranks_by_logprob:  # only reached once finished
+            ranked = sorted(completions, key=lambda c: -(c.cumulative_logprob or 0.0))
+            completions = ranked[: self.params.n]
         outputs = []
-        for c in self.completions:
+        for c in completions:
             if kind is RequestOutputKind.DELTA:
                 tokens, text = c.token_ids[c.read_tokens :], c.text[c.read_text :]
                 logprobs = c.logprobs[c.read_tokens :] if c.logprobs is not None else None

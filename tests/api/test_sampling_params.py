@@ -131,10 +131,9 @@ def _msg(text: str) -> str:
             {"n": 2, "best_of": 3, "output_kind": RequestOutputKind.DELTA},
             "best_of must equal n to use output_kind=DELTA",
         ),
-        ({"temperature": 0.0, "n": 2}, "n must be 1 when using greedy sampling, got 2."),
         (
-            {"temperature": 0.0, "best_of": 2},
-            "best_of must be 1 when using greedy sampling, got 2.",
+            {"temperature": 0.0, "n": 2, "best_of": 3},
+            "best_of must equal n when using greedy sampling, got n=2 and best_of=3.",
         ),
     ],
 )
@@ -264,8 +263,9 @@ def test_replace_revalidates() -> None:
     assert changed.top_p == 0.9
     assert changed.stop == ("x",)
     assert changed.n == 2
-    with pytest.raises(InvalidRequestError, match="n must be 1 when using greedy"):
-        dataclasses.replace(params, temperature=0.0)
+    with pytest.raises(InvalidRequestError, match="best_of must equal n when using greedy"):
+        dataclasses.replace(params, temperature=0.0, best_of=3)
+    assert dataclasses.replace(params, temperature=0.0).n == 2  # n identical greedy samples
 
 
 def test_beam_search_params() -> None:

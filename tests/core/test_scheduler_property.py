@@ -29,16 +29,20 @@ EOS = 4
 Content = tuple[str | None, tuple[int, ...]]
 
 
-def next_token(salt: str | None, tokens: list[int] | tuple[int, ...]) -> int:
-    digest = hashlib.sha256(repr((salt, tuple(tokens))).encode()).digest()
+def next_token(salt: str | None, tokens: list[int] | tuple[int, ...], draw: int = 0) -> int:
+    """The fake model: a hash of the context; ``draw`` tells the fan-out's draws apart."""
+    digest = hashlib.sha256(repr((salt, tuple(tokens), draw)).encode()).digest()
     return digest[0] % VOCAB
 
 
-def reference_output(prompt: list[int], salt: str | None, stop: StopCriteria) -> list[int]:
+def reference_output(
+    prompt: list[int], salt: str | None, stop: StopCriteria, index: int = 0
+) -> list[int]:
+    """Sequence ``index`` of the request run alone: its first token is draw ``index``."""
     tokens = list(prompt)
     out: list[int] = []
     while True:
-        tok = next_token(salt, tokens)
+        tok = next_token(salt, tokens, index if not out else 0)
         tokens.append(tok)
         out.append(tok)
         if len(out) >= stop.min_tokens and tok == stop.eos_token_id and not stop.ignore_eos:
@@ -63,7 +67,7 @@ class FakeWorld:
             for off in range(BS):
                 dst[d * BS + off] = src.get(s * BS + off)
 
-    def execute(self, out: SchedulerOutput, requests: dict[str, Request]) -> dict[int, int]:
+    def execute(self, out: SchedulerOutput, requests: dict[str, Request]) -> dict[int, list[int]]:
         self.copy_blocks(self.device, self.device, out.copy_on_write)
         for plan in (*out.swap_outs, *out.swap_ins):
             self.swaps[plan.swap_id] = (plan.direction, plan.block_mapping)
@@ -71,7 +75,7 @@ class FakeWorld:
                 for _, d in plan.block_mapping:
                     for off in range(BS):
                         self.device[d * BS + off] = None
-        sampled: dict[int, int] = {}
+        sampled: dict[int, list[int]] = {}
         for sch in out.seqs:  # a real layer writes every new K/V before any attention reads
             request = requests[sch.request_id]
             seq = next(s for s in request.seqs if s.seq_id == sch.seq_id)
@@ -89,7 +93,11 @@ class FakeWorld:
                 slot = sch.block_table[pos // BS] * BS + pos % BS
                 want = (request.cache_salt, tuple(seq.token_ids[: pos + 1]))
                 assert self.device.get(slot) == want, f"{sch.request_id} reads bad KV at {pos}"
-            sampled[sch.seq_id] = next_token(request.cache_salt, seq.token_ids)
+            first = seq.num_generated == 0
+            sampled[sch.seq_id] = [
+                next_token(request.cache_salt, seq.token_ids, draw if first else 0)
+                for draw in range(sch.num_samples)
+            ]
         return sampled
 
     def complete(self, swap_id: int) -> None:
@@ -138,24 +146,27 @@ def test_scheduler_outputs_equal_running_each_request_alone(data: st.DataObject)
     world = FakeWorld()
     max_len = (num_device - 1) * BS  # a request alone always fits
     ids = itertools.count()
-    expected: dict[str, list[int]] = {}
-    outputs: dict[str, list[int]] = {}
+    expected: dict[tuple[str, int], list[int]] = {}
+    outputs: dict[tuple[str, int], list[int]] = {}
     aborted: set[str] = set()
     every: dict[str, Request] = {}
 
+    seq_ids = itertools.count()
+
     def add() -> None:
         prompt, salt, stop = data.draw(request_specs(max_len))
+        num_samples = data.draw(st.sampled_from([1, 1, 2, 3]), label="samples")
         rid = f"r{next(ids)}"
-        seq = Sequence(
-            seq_id=int(rid[1:]), index=0, token_ids=list(prompt), num_prompt_tokens=len(prompt)
-        )
-        request = Request(
-            request_id=rid, arrival=int(rid[1:]), seqs=[seq], stop=stop, cache_salt=salt
-        )
+        seq = Sequence(seq_id=next(seq_ids), index=0, token_ids=list(prompt),
+                       num_prompt_tokens=len(prompt))  # fmt: skip
+        fork_ids = tuple(next(seq_ids) for _ in range(num_samples - 1))
+        request = Request(request_id=rid, arrival=int(rid[1:]), seqs=[seq], stop=stop,
+                          cache_salt=salt, num_samples=num_samples, fork_ids=fork_ids)  # fmt: skip
         sched.add_request(request)
         every[rid] = request
-        expected[rid] = reference_output(prompt, salt, stop)
-        outputs[rid] = []
+        for i in range(num_samples):
+            expected[(rid, i)] = reference_output(prompt, salt, stop, i)
+            outputs[(rid, i)] = []
 
     for _ in range(data.draw(st.integers(1, 12), label="initial requests")):
         add()
@@ -192,7 +203,7 @@ def test_scheduler_outputs_equal_running_each_request_alone(data: st.DataObject)
         saw_preemption |= bool(out.preempted)
         sampled = world.execute(out, every)
         for upd in sched.update(out, sampled):
-            outputs[upd.request_id].extend(upd.new_token_ids)
+            outputs[(upd.request_id, upd.index)].extend(upd.new_token_ids)
         pool.check_invariants()
         # Swaps land at random later steps; requests arrive and get aborted at random.
         for swap_id in sorted(world.swaps):
@@ -218,12 +229,16 @@ def test_scheduler_outputs_equal_running_each_request_alone(data: st.DataObject)
         event("recomputed")
     if aborted:
         event("aborted")
-    for rid, want in expected.items():
+    if any(len(r.seqs) > 1 for r in every.values()):
+        event("forked")
+    for (rid, index), want in expected.items():
+        got = outputs[(rid, index)]
         if rid in aborted:
-            assert outputs[rid] == want[: len(outputs[rid])]
+            assert got == want[: len(got)]
         else:
-            assert outputs[rid] == want, rid
-            assert every[rid].seqs[0].finish_reason in ("stop", "length")
+            assert got == want, (rid, index)
+            assert every[rid].seqs[index].finish_reason in ("stop", "length")
+            assert every[rid].seqs[index].index == index
     stats = pool.statistics()
     assert stats.num_seqs == 0
     assert stats.device.used == stats.device.in_flight == stats.host.used == 0

@@ -195,8 +195,8 @@ async def test_invalid_requests_raise_and_the_engine_keeps_serving(
                 engine.generate(prompt, params)
         with pytest.raises(InvalidRequestError, match="temperature"):
             engine.generate([5, 6], SamplingParams(temperature=-1.0))
-        with pytest.raises(InvalidRequestError, match="not supported"):
-            engine.generate([5, 6], SamplingParams(n=2, temperature=1.0))
+        with pytest.raises(InvalidRequestError, match="KV blocks"):
+            engine.generate([5, 6], SamplingParams(n=32, max_tokens=40, temperature=1.0))
         long_text = engine.tokenizer.decode(list(range(4, 300)))
         with pytest.raises(InvalidRequestError, match="max_model_len"):
             await engine.generate(long_text)  # found after tokenizing, never queued

@@ -69,6 +69,10 @@ class IntakeActor:
                     ],
                     stop=self._stop_criteria(msg.params, max_tokens),
                     cache_salt=msg.cache_salt,
+                    num_samples=msg.params.num_sequences,
+                    fork_ids=tuple(
+                        next(self._seq_ids) for _ in range(msg.params.num_sequences - 1)
+                    ),
                 )
                 await self._outbox.send(AddRequest(request=request, state=msg.state))
 

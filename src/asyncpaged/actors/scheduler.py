@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterable
+from typing import Any
 
 import anyio
 import structlog
@@ -11,6 +12,7 @@ from anyio.abc import TaskStatus
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from asyncpaged.core.request import RequestStatus
+from asyncpaged.core.request import Sequence as Seq
 from asyncpaged.core.scheduler import Scheduler, SchedulerOutput, SchedulerStatistics
 from asyncpaged.core.txn import PoolSnapshot, StepTxn, TxnResult
 from asyncpaged.messages import (
@@ -148,6 +150,13 @@ class SchedulerActor:
                 if len(request.seqs) == 1
                 else next(q for q in request.seqs if q.seq_id == s.seq_id)
             )
+            params = state.params
+
+            def options(index: int, seq: Seq = seq, params: SamplingParams = params) -> Any:
+                return _sampling_options(
+                    params, seq.token_ids, seq.num_prompt_tokens, index, self._eos
+                )
+
             steps.append(
                 SequenceStep(
                     seq_id=s.seq_id,
@@ -156,11 +165,11 @@ class SchedulerActor:
                     slot_mapping=s.slot_mapping,
                     block_table=s.block_table,
                     do_sample=s.samples,
-                    sampling=_sampling_options(
-                        state.params, seq.token_ids, seq.num_prompt_tokens, seq.index, self._eos
-                    )
-                    if s.samples
-                    else None,
+                    sampling=options(seq.index) if s.samples else None,
+                    fanout=tuple(options(i) for i in range(s.num_samples))
+                    if s.num_samples > 1
+                    else (),
+                    want_logprob=state.ranks_by_logprob,
                 )
             )
         self._in_flight = out
@@ -193,24 +202,29 @@ class SchedulerActor:
                 self.scheduler.complete_swap(swap_id)
 
     def _finish_step(self, out: SchedulerOutput, sampled: Iterable[SampledToken]) -> None:
-        by_seq = {t.seq_id: t for t in sampled}
-        updates = self.scheduler.update(out, {k: t.token_id for k, t in by_seq.items()})
+        by_row = {(t.seq_id, t.sample_index): t for t in sampled}
+        tokens: dict[int, list[int]] = {}
+        for (seq_id, _), t in sorted(by_row.items()):
+            tokens.setdefault(seq_id, []).append(t.token_id)
+        updates = self.scheduler.update(out, tokens)
         for upd in updates:
             state = self.states[upd.request_id]
-            token = by_seq[upd.seq_id]
-            logprobs = _logprobs(token) if state.params.logprobs is not None else None
+            token = by_row[upd.row]
+            logprobs = (
+                _logprobs(token, state.params.logprobs) if token.logprob is not None else None
+            )
             matched = state.add_tokens(
                 upd.index, upd.new_token_ids, upd.finish_reason, upd.stop_reason, logprobs
             )
             if matched is not None:
                 self.scheduler.finish_seq(upd.request_id, upd.seq_id, "stop", matched)
-            if state.finished:
+            if state.finished and upd.request_id in self.states:
                 del self.states[upd.request_id]
                 self._log.info(
                     "request_finished",
                     request_id=upd.request_id,
-                    finish_reason=state.completions[0].finish_reason,
-                    num_tokens=len(state.completions[0].token_ids),
+                    finish_reasons=[c.finish_reason for c in state.completions],
+                    num_tokens=sum(len(c.token_ids) for c in state.completions),
                 )
 
 
@@ -254,10 +268,10 @@ def _sampling_options(
     )
 
 
-def _logprobs(token: SampledToken) -> dict[int, Logprob]:
-    out = {
-        tid: Logprob(logprob=lp, rank=rank) for rank, (tid, lp) in enumerate(token.top_logprobs, 1)
-    }
+def _logprobs(token: SampledToken, num_top: int | None) -> dict[int, Logprob]:
+    """The sampled token's logprob and the top ``num_top`` (vLLM's per-position dict)."""
+    top = enumerate(token.top_logprobs[: num_top or 0], 1)
+    out = {tid: Logprob(logprob=lp, rank=rank) for rank, (tid, lp) in top}
     assert token.logprob is not None
     out[token.token_id] = Logprob(logprob=token.logprob, rank=token.rank)
     return out

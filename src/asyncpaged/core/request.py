@@ -79,7 +79,12 @@ class Sequence:
 
 @dataclass(slots=True, eq=False)
 class Request:
-    """A sequence group: the unit of admission, preemption and swapping (all-or-nothing)."""
+    """A sequence group: the unit of admission, preemption and swapping (all-or-nothing).
+
+    A parallel-sampling request starts with one sequence; the step that computes the end of its
+    prompt samples ``num_samples`` tokens from it, and the other sequences (ids ``fork_ids``) are
+    forked from it then, sharing the prompt's blocks.
+    """
 
     request_id: str
     arrival: int  # admission order key (first come, first served)
@@ -87,6 +92,8 @@ class Request:
     stop: StopCriteria
     cache_salt: str | None = None
     status: RequestStatus = RequestStatus.WAITING
+    num_samples: int = 1  # sequences to sample from the prompt (best_of, or n)
+    fork_ids: tuple[int, ...] = ()  # seq ids for sequences 1.. of a parallel-sampling request
     swap_id: int | None = None
     num_swap_blocks: int = 0  # blocks of its last swap-out: what a swap-in takes back
     num_preemptions: int = 0

@@ -28,6 +28,8 @@ import bisect
 import itertools
 import math
 from collections.abc import Mapping
+from collections.abc import Sequence as SeqOf
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -70,6 +72,7 @@ class ScheduledSeq:
     slot_mapping: tuple[int, ...]
     block_table: tuple[int, ...]
     samples: bool
+    num_samples: int = 1  # > 1: the prompt's end of a parallel-sampling request (fan-out)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -88,6 +91,7 @@ class SeqUpdate:
     request_id: str
     seq_id: int
     index: int
+    row: tuple[int, int]  # (seq id, sample index) of the draw that produced the token
     new_token_ids: tuple[int, ...]
     finish_reason: str | None
     stop_reason: int | str | None
@@ -143,6 +147,8 @@ class Scheduler:
         self._swap_blocks: dict[int, int] = {}  # swap id -> blocks it maps
         self._pending_frees: list[int] = []
         self._pending_completes: list[int] = []
+        self._pending_forks: list[tuple[int, int]] = []
+        self._swapped_back: set[int] = set()  # seqs back on device since the last snapshot
         self._step_ids = itertools.count()
         self._preempted: tuple[str, ...] = ()
         self._watermark = math.ceil(config.watermark * config.num_device_blocks)
@@ -183,6 +189,7 @@ class Scheduler:
             self.swapped.remove(request)
             request.status = RequestStatus.RUNNING
             _insort(self.running, request)
+            self._swapped_back.update(s.seq_id for s in request.live_seqs)
 
     @property
     def has_unfinished(self) -> bool:
@@ -195,7 +202,7 @@ class Scheduler:
     @property
     def has_pending_txn_work(self) -> bool:
         """Frees or swap confirmations wait for the next transaction."""
-        return bool(self._pending_frees or self._pending_completes)
+        return bool(self._pending_frees or self._pending_completes or self._pending_forks)
 
     # ---- planning -------------------------------------------------------------------------
 
@@ -210,8 +217,13 @@ class Scheduler:
         )
         frees, self._pending_frees = self._pending_frees, []
         completes, self._pending_completes = self._pending_completes, []
+        forks, self._pending_forks = self._pending_forks, []
+        # Forks land in this transaction and swapped-in sequences were not on the device at the
+        # snapshot: count their partial last blocks as shared (a copy-on-write may be due).
+        shared = snap.shared_tails | {s for pair in forks for s in pair} | self._swapped_back
+        self._swapped_back = set()
         swap_outs: list[tuple[int, ...]] = []
-        appends = self._plan_running(plan, snap, frees, swap_outs)
+        appends = self._plan_running(plan, shared, snap, frees, swap_outs)
         swap_ins = [] if plan.preempted else self._plan_swap_ins(plan)
         admissions: list[Admission] = []
         if not plan.preempted and not self.swapped:
@@ -221,6 +233,7 @@ class Scheduler:
         self._preempted = tuple(plan.preempted)
         return StepTxn(
             complete_swaps=tuple(completes),
+            forks=tuple(forks),
             frees=tuple(frees),
             swap_outs=tuple(swap_outs),
             appends=tuple(appends),
@@ -231,7 +244,12 @@ class Scheduler:
         )
 
     def _plan_running(
-        self, plan: _Plan, snap: PoolSnapshot, frees: list[int], swap_outs: list[tuple[int, ...]]
+        self,
+        plan: _Plan,
+        shared: AbstractSet[int | str],
+        snap: PoolSnapshot,
+        frees: list[int],
+        swap_outs: list[tuple[int, ...]],
     ) -> list[AppendOp]:
         reports = {g.seq_ids: g for g in snap.groups}
         appends: list[AppendOp] = []
@@ -241,7 +259,6 @@ class Scheduler:
             chunks = _chunks(request, plan)
             if chunks is None:
                 break  # token or sequence budget spent
-            shared = snap.shared_tails
             need = sum(self._blocks_to_append(s, n, s.seq_id in shared) for s, n in chunks)
             while need > plan.free and need > plan.free + plan.coming:
                 victim = self.running[-1]
@@ -383,6 +400,8 @@ class Scheduler:
         n = len(grant.slot_mapping)
         seq.num_computed_tokens = start + n
         seq.has_blocks = True
+        samples = seq.num_computed_tokens == len(seq.token_ids)
+        fan_out = samples and len(request.seqs) == 1 and seq.num_generated == 0
         out.append(
             ScheduledSeq(
                 request_id=request.request_id,
@@ -391,7 +410,8 @@ class Scheduler:
                 start_pos=start,
                 slot_mapping=grant.slot_mapping,
                 block_table=grant.block_table,
-                samples=seq.num_computed_tokens == len(seq.token_ids),
+                samples=samples,
+                num_samples=request.num_samples if fan_out else 1,
             )
         )
         return n
@@ -402,8 +422,12 @@ class Scheduler:
 
     # ---- after the step -------------------------------------------------------------------
 
-    def update(self, output: SchedulerOutput, sampled: Mapping[int, int]) -> list[SeqUpdate]:
-        """Append each sampled token, apply the stop rules, queue frees of what finished."""
+    def update(self, output: SchedulerOutput, sampled: Mapping[int, SeqOf[int]]) -> list[SeqUpdate]:
+        """Append each sampled token, apply the stop rules, queue frees of what finished.
+
+        ``sampled[seq_id]`` holds one token per draw of that row: ``num_samples`` of them at a
+        fan-out, where sequence 0 takes the first and sequences 1.. are forked for the others.
+        """
         updates: list[SeqUpdate] = []
         for scheduled in output.seqs:
             request = self.requests.get(scheduled.request_id)
@@ -412,25 +436,49 @@ class Scheduler:
             seq = next(s for s in request.seqs if s.seq_id == scheduled.seq_id)
             if seq.is_finished:
                 continue
-            token = sampled[seq.seq_id]
-            seq.token_ids.append(token)
-            finished = self._check_stop(request, seq, token)
-            updates.append(
-                SeqUpdate(
-                    request_id=request.request_id,
-                    seq_id=seq.seq_id,
-                    index=seq.index,
-                    new_token_ids=(token,),
-                    finish_reason=seq.finish_reason,
-                    stop_reason=seq.stop_reason,
+            tokens = sampled[seq.seq_id]
+            children: list[Sequence] = []
+            if scheduled.num_samples > 1:
+                children = self._fan_out(request, seq, tokens[1:])
+            for i, (s, token) in enumerate(zip([seq, *children], tokens, strict=False)):
+                if s is seq:
+                    s.token_ids.append(token)
+                finished = self._check_stop(request, s, token)
+                updates.append(
+                    SeqUpdate(
+                        request_id=request.request_id,
+                        seq_id=s.seq_id,
+                        index=s.index,
+                        row=(seq.seq_id, i),
+                        new_token_ids=(token,),
+                        finish_reason=s.finish_reason,
+                        stop_reason=s.stop_reason,
+                    )
                 )
-            )
-            if finished:
-                self._release(seq)
-                if request.is_finished:
-                    self._finish(request)
-                    self.num_finished += 1
+                if finished:
+                    self._release(s)
+            if request.is_finished:
+                self._finish(request)
+                self.num_finished += 1
         return updates
+
+    def _fan_out(self, request: Request, seq: Sequence, tokens: SeqOf[int]) -> list[Sequence]:
+        """Create sequences 1.. of a parallel-sampling request from its first sequence."""
+        prompt = seq.token_ids[: seq.num_prompt_tokens]
+        children = []
+        for index, (child_id, token) in enumerate(zip(request.fork_ids, tokens, strict=True), 1):
+            child = Sequence(
+                seq_id=child_id,
+                index=index,
+                token_ids=[*prompt, token],
+                num_prompt_tokens=seq.num_prompt_tokens,
+                num_computed_tokens=seq.num_computed_tokens,
+                has_blocks=True,
+            )
+            request.seqs.append(child)
+            self._pending_forks.append((seq.seq_id, child_id))
+            children.append(child)
+        return children
 
     def finish_seq(self, request_id: str, seq_id: int, reason: str, stop: int | str | None) -> None:
         """End a sequence from outside (a stop string matched in its text)."""

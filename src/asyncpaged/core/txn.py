@@ -3,7 +3,7 @@
 The scheduler owns the queues and decides; the allocator owns the :class:`BlockPool` and applies
 one :class:`StepTxn` per step atomically, in this order::
 
-    complete_swaps -> frees -> swap_outs -> appends -> swap_ins -> admissions
+    complete_swaps -> forks -> frees -> swap_outs -> appends -> swap_ins -> admissions
 
 Everything up to ``swap_ins`` is *mandatory*: the scheduler planned it against the exact
 :class:`PoolSnapshot` the allocator returned after the previous transaction, and nothing else
@@ -50,6 +50,7 @@ class Admission:
 @dataclass(frozen=True, slots=True, kw_only=True)
 class StepTxn:
     complete_swaps: tuple[int, ...] = ()
+    forks: tuple[tuple[int, int], ...] = ()  # (parent, child): never allocates
     frees: tuple[int, ...] = ()
     swap_outs: tuple[tuple[int, ...], ...] = ()
     appends: tuple[AppendOp, ...] = ()
@@ -109,6 +110,8 @@ def apply_txn(pool: BlockPool, txn: StepTxn) -> TxnResult:
     """Apply one transaction to the pool (see the module docstring for order and guarantees)."""
     for swap_id in txn.complete_swaps:
         pool.complete_swap(swap_id)
+    for parent, child in txn.forks:
+        pool.fork(parent, child)
     for seq_id in txn.frees:
         pool.free(seq_id)
     swap_outs = []

@@ -43,6 +43,9 @@ class SequenceStep:
     do_sample: bool
     want_logprob: bool = False
     sampling: SamplingOptions | None = None
+    # Parallel sampling: when not empty, the row is sampled once per entry (sample ``i`` with
+    # ``fanout[i]``) instead of once with ``sampling``.
+    fanout: tuple[SamplingOptions | None, ...] = ()
 
     @property
     def wants_logprob(self) -> bool:
@@ -68,6 +71,7 @@ class SampledToken:
     logprob: float | None  # of the sampled token, if asked
     rank: int | None = None  # 1-based rank of the sampled token by raw logprob, if asked
     top_logprobs: tuple[tuple[int, float], ...] = ()  # (token id, logprob), best first
+    sample_index: int = 0  # which entry of the step's ``fanout`` drew it
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -179,30 +183,41 @@ class ModelRunner:
         sampling = [i for i, s in enumerate(plan.seqs) if s.do_sample]
         if not sampling:
             return StepResult(sampled=())
-        rows = [metadata.query_start_loc_host[i + 1] - 1 for i in sampling]
+        draws = [
+            (plan.seqs[i], k, opt)
+            for i in sampling
+            for k, opt in enumerate(plan.seqs[i].fanout or (plan.seqs[i].sampling,))
+        ]
+        rows = [
+            metadata.query_start_loc_host[i + 1] - 1
+            for i in sampling
+            for _ in range(len(plan.seqs[i].fanout) or 1)
+        ]
         logits = self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)])
-        sampling_seqs = [plan.seqs[i] for i in sampling]
         out = sample(
             logits,
-            [s.sampling for s in sampling_seqs],
-            want_logprobs=any(s.want_logprob for s in sampling_seqs),
+            [opt for _, _, opt in draws],
+            want_logprobs=any(s.want_logprob for s, _, _ in draws),
             generator=self.generator,
         )
-        return StepResult(sampled=_sampled_tokens(sampling_seqs, out))
+        return StepResult(sampled=_sampled_tokens(draws, out))
 
 
-def _sampled_tokens(seqs: list[SequenceStep], out: SamplerOutput) -> tuple[SampledToken, ...]:
+def _sampled_tokens(
+    draws: list[tuple[SequenceStep, int, SamplingOptions | None]], out: SamplerOutput
+) -> tuple[SampledToken, ...]:
     token_ids = out.token_ids.tolist()
     logprobs = out.logprobs.tolist() if out.logprobs is not None else None
     ranks = out.ranks.tolist() if out.ranks is not None else None
     top_ids = out.top_token_ids.tolist() if out.top_token_ids is not None else None
     top_logprobs = out.top_logprobs.tolist() if out.top_logprobs is not None else None
     sampled = []
-    for k, seq in enumerate(seqs):
+    for k, (seq, index, opt) in enumerate(draws):
         logprob, rank = None, None
-        if seq.wants_logprob and logprobs is not None and ranks is not None:
+        wants = seq.want_logprob or (opt is not None and opt.num_logprobs is not None)
+        if wants and logprobs is not None and ranks is not None:
             logprob, rank = float(logprobs[k]), int(ranks[k])
-        num_top = seq.sampling.num_logprobs if seq.sampling is not None else None
+        num_top = opt.num_logprobs if opt is not None else None
         top: tuple[tuple[int, float], ...] = ()
         if num_top and top_ids is not None and top_logprobs is not None:
             top = tuple(zip(top_ids[k][:num_top], top_logprobs[k][:num_top], strict=True))
@@ -213,6 +228,7 @@ def _sampled_tokens(seqs: list[SequenceStep], out: SamplerOutput) -> tuple[Sampl
                 logprob=logprob,
                 rank=rank,
                 top_logprobs=top,
+                sample_index=index,
             )
         )
     return tuple(sampled)

@@ -1,0 +1,117 @@
+"""Sharing in the engine: parallel sampling on forked blocks, best_of, tenant-salted prefixes."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import anyio
+import pytest
+
+from asyncpaged import RequestOutput, SamplingParams
+from tests.engine.conftest import running_engine
+from tests.engine.test_engine import MODEL, generate_all, make_prompts
+from tests.model.reference import HFReference
+
+pytestmark = pytest.mark.anyio
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+class PoolWatcher:
+    """Wraps the runner: records the pool's held and shared blocks at every step."""
+
+    def __init__(self, runner: Any, pool: Any) -> None:
+        self.runner, self.pool = runner, pool
+        self.held: list[int] = []
+        self.shared: list[int] = []
+
+    def execute(self, plan: Any) -> Any:
+        stats = self.pool.statistics()
+        self.held.append(stats.num_held_device_blocks)
+        self.shared.append(stats.num_shared_device_blocks)
+        return self.runner.execute(plan)
+
+
+async def test_n4_greedy_gives_identical_completions_on_shared_prompt_blocks(
+    tiny_checkpoint: Callable[[str], Path], hf_reference: Callable[[str], HFReference]
+) -> None:
+    path, ref = tiny_checkpoint(MODEL), hf_reference(MODEL)
+    prompt = make_prompts(7, seed=11, max_len=60)[-1][:50]
+    prompt = prompt + tuple(range(100, 100 + 50 - len(prompt)))  # 50 tokens: 3 full blocks + 2
+    params = SamplingParams(n=4, temperature=0.0, max_tokens=10, ignore_eos=True)
+    async with running_engine(path, num_device_blocks=32) as engine:
+        watcher = PoolWatcher(engine.runner, engine._allocator.pool)
+        engine._executor.runner = watcher  # type: ignore[assignment]
+        out = await engine.generate(list(prompt), params)
+        stats = engine.statistics()
+    want = ref.generate(prompt, 10)[0]
+    assert [c.index for c in out.outputs] == [0, 1, 2, 3]
+    assert all(c.token_ids == want for c in out.outputs)
+    # 3 full prompt blocks held once + one block per sequence for positions 48..59; without
+    # sharing it would be 4 x 4 = 16.
+    assert max(watcher.held) == 7
+    assert max(watcher.shared) >= 3
+    assert stats.num_cow_copies == 3  # the shared partial block: copied by 3 of the 4 writers
+
+
+async def test_seeded_parallel_sampling_is_the_same_shared_or_not(
+    tiny_checkpoint: Callable[[str], Path],
+) -> None:
+    path = tiny_checkpoint(MODEL)
+    prompt = list(make_prompts(1, seed=12)[0]) + [7] * 20
+    params = SamplingParams(n=3, temperature=0.9, top_p=0.95, seed=7, max_tokens=12,
+                            ignore_eos=True)  # fmt: skip
+    async with running_engine(path, num_device_blocks=64) as engine:
+        alone = await engine.generate(prompt, params)
+    # Prefix caching off, other requests around, and memory pressure: preemption by recompute
+    # re-prefills each sequence on its own (no fork sharing left).
+    others = make_prompts(6, seed=13)
+    async with running_engine(path, num_device_blocks=10, enable_prefix_caching=False,
+                              preemption_mode="recompute") as engine:  # fmt: skip
+        results: list[RequestOutput] = []
+
+        async def main_request() -> None:
+            results.append(await engine.generate(prompt, params))
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(generate_all, engine, others, SamplingParams(max_tokens=12, seed=1))
+            tg.start_soon(main_request)
+        crowded = results[0]
+        assert engine.statistics().num_preemptions > 0
+    tokens = [c.token_ids for c in alone.outputs]
+    assert tokens == [c.token_ids for c in crowded.outputs]
+    assert len({tuple(t) for t in tokens}) > 1  # the samples differ from each other
+
+
+async def test_best_of_returns_the_n_most_likely_candidates(
+    tiny_checkpoint: Callable[[str], Path],
+) -> None:
+    path = tiny_checkpoint(MODEL)
+    prompt = list(make_prompts(1, seed=14)[0])
+    common: dict[str, Any] = {"temperature": 1.0, "seed": 3, "max_tokens": 8, "ignore_eos": True}
+    async with running_engine(path, num_device_blocks=64) as engine:
+        every = await engine.generate(prompt, SamplingParams(n=4, logprobs=0, **common))
+        best = await engine.generate(prompt, SamplingParams(n=2, best_of=4, **common))
+    ranked = sorted(every.outputs, key=lambda c: -(c.cumulative_logprob or 0.0))
+    assert [c.token_ids for c in best.outputs] == [c.token_ids for c in ranked[:2]]
+    scores = [c.cumulative_logprob for c in best.outputs]
+    assert scores == pytest.approx([c.cumulative_logprob for c in ranked[:2]], abs=1e-4)
+
+
+async def test_cache_salt_isolates_tenants(tiny_checkpoint: Callable[[str], Path]) -> None:
+    path = tiny_checkpoint(MODEL)
+    prompt = list(range(10, 74))  # 64 tokens: 3 blocks can hit (never the last token's block)
+    params = SamplingParams(temperature=0.0, max_tokens=2)
+    async with running_engine(path, num_device_blocks=64) as engine:
+        await engine.generate(prompt, params, cache_salt="tenant-a")
+        await engine.generate(prompt, params, cache_salt="tenant-b")
+        assert engine.statistics().prefix_cache_hit_tokens == 0
+        await engine.generate(prompt, params)
+        assert engine.statistics().prefix_cache_hit_tokens == 0
+        await engine.generate(prompt, params, cache_salt="tenant-a")
+        assert engine.statistics().prefix_cache_hit_tokens == 48
