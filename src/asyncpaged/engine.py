@@ -22,6 +22,7 @@ from asyncpaged.actors.scheduler import SchedulerActor
 from asyncpaged.actors.swap_space import SwapSpaceActor
 from asyncpaged.config import EngineConfig, KVShape, num_blocks_for
 from asyncpaged.core.block_pool import BlockPool
+from asyncpaged.core.block_table import PinnedPrefix
 from asyncpaged.core.request import StopCriteria
 from asyncpaged.core.scheduler import Scheduler, SchedulerConfig
 from asyncpaged.core.txn import StepTxn, TxnResult
@@ -32,6 +33,7 @@ from asyncpaged.messages import (
     SchedulerInbox,
     SubmitRequest,
     SwapBlocks,
+    UnpinPrefix,
 )
 from asyncpaged.model.loader import load_config, load_tokenizer, resolve_dtype
 from asyncpaged.model.runner import ModelRunner
@@ -39,6 +41,15 @@ from asyncpaged.sampling_params import SamplingParams
 from asyncpaged.streams import RequestState, RequestStream
 
 log = structlog.get_logger("asyncpaged")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PrefixHandle:
+    """A pinned prefix (from :meth:`AsyncEngine.pin_prefix`)."""
+
+    pool_pin_id: int
+    num_tokens: int  # tokens in its pinned full blocks
+    num_blocks: int
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -199,6 +210,52 @@ class AsyncEngine:
         self._check_alive()
         await self._scheduler.wait_idle()
 
+    # ---- explicit shared prefixes -------------------------------------------------------------
+
+    async def pin_prefix(
+        self, prefix: str | Sequence[int], *, cache_salt: str | None = None
+    ) -> PrefixHandle:
+        """Compute ``prefix`` once and pin its full blocks in the prefix cache until
+        :meth:`unpin_prefix`: requests that start with it (and have the same ``cache_salt``) map
+        those blocks instead of computing them. Raises :class:`InvalidRequestError` for a prefix
+        shorter than one block. If cancelled midway, the prefix may still be computed (and is
+        then only cached, not pinned)."""
+        self._check_alive()
+        if not self.config.enable_prefix_caching:
+            raise InvalidRequestError("pin_prefix needs enable_prefix_caching=True.")
+        if isinstance(prefix, str):
+            text = prefix
+            ids: list[int] = await anyio.to_thread.run_sync(lambda: self.tokenizer.encode(text))
+        else:
+            ids = list(prefix)
+        if len(ids) < self.config.block_size:
+            raise InvalidRequestError(
+                f"a pinned prefix needs at least one full block of {self.config.block_size} "
+                f"tokens, got {len(ids)}."
+            )
+        pin_id = next(self._ids)
+        event: anyio.Event = anyio.Event()
+        slot: list[PinnedPrefix | None] = []
+        self._scheduler.pins[pin_id] = (event, slot)
+        try:
+            params = SamplingParams(temperature=0.0, max_tokens=1)
+            stream = self._submit_request(ids, params, f"pin-{pin_id}", cache_salt, pin_id)
+            await stream
+            await event.wait()
+        finally:
+            if not slot:
+                self._scheduler.pins.pop(pin_id, None)
+        pinned = slot[0]
+        if pinned is None:  # evicted before it could be pinned: only under extreme pressure
+            raise InvalidRequestError("the prefix was evicted before it could be pinned; retry.")
+        return PrefixHandle(pool_pin_id=pinned.pin_id, num_tokens=pinned.num_tokens,
+                            num_blocks=len(pinned.block_ids))  # fmt: skip
+
+    async def unpin_prefix(self, handle: PrefixHandle) -> None:
+        """Let a pinned prefix's blocks be evicted again (they stay cached until they are)."""
+        self._check_alive()
+        self._control.send_nowait(UnpinPrefix(pool_pin_id=handle.pool_pin_id))
+
     # ---- requests ---------------------------------------------------------------------------
 
     def generate(
@@ -216,9 +273,18 @@ class AsyncEngine:
         text prompt that is too long is found after tokenizing: awaiting the stream raises it).
         """
         self._check_alive()
-        params = params or SamplingParams()
         if priority != 0:
             raise InvalidRequestError("priority scheduling is not supported; use priority=0.")
+        return self._submit_request(prompt, params or SamplingParams(), request_id, cache_salt)
+
+    def _submit_request(
+        self,
+        prompt: str | Sequence[int],
+        params: SamplingParams,
+        request_id: str | None,
+        cache_salt: str | None,
+        pin_id: int | None = None,
+    ) -> RequestStream:
         rid = request_id if request_id is not None else f"req-{uuid.uuid4().hex[:12]}"
         if rid in self._live and not self._live[rid].finished:
             raise InvalidRequestError(f"request id {rid!r} is already in use.")
@@ -234,7 +300,7 @@ class AsyncEngine:
         self._live = {k: v for k, v in self._live.items() if not v.finished} | {rid: state}
         self._submit.send_nowait(
             SubmitRequest(state=state, prompt=text, prompt_token_ids=ids, params=params,
-                          cache_salt=cache_salt, priority=priority)
+                          cache_salt=cache_salt, priority=0, pin_id=pin_id)
         )  # fmt: skip
         return RequestStream(state, self._abort_nowait)
 

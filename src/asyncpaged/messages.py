@@ -30,6 +30,7 @@ class SubmitRequest:
     params: SamplingParams
     cache_salt: str | None
     priority: int
+    pin_id: int | None = None  # compute the prompt only to pin it (engine.pin_prefix)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -41,6 +42,11 @@ class AddRequest:
 @dataclass(frozen=True, slots=True, kw_only=True)
 class AbortRequest:
     request_id: str
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class UnpinPrefix:
+    pool_pin_id: int
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -66,4 +72,4 @@ class SwapDone:
     swap_id: int
 
 
-SchedulerInbox = AddRequest | AbortRequest | StepDone | SwapDone
+SchedulerInbox = AddRequest | AbortRequest | StepDone | SwapDone | UnpinPrefix

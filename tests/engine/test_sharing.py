@@ -9,7 +9,7 @@ from typing import Any
 import anyio
 import pytest
 
-from asyncpaged import RequestOutput, SamplingParams
+from asyncpaged import InvalidRequestError, RequestOutput, SamplingParams
 from tests.engine.conftest import running_engine
 from tests.engine.test_engine import MODEL, generate_all, make_prompts
 from tests.model.reference import HFReference
@@ -115,3 +115,24 @@ async def test_cache_salt_isolates_tenants(tiny_checkpoint: Callable[[str], Path
         assert engine.statistics().prefix_cache_hit_tokens == 0
         await engine.generate(prompt, params, cache_salt="tenant-a")
         assert engine.statistics().prefix_cache_hit_tokens == 48
+
+
+async def test_pinned_prefix_survives_eviction_until_unpinned(
+    tiny_checkpoint: Callable[[str], Path], hf_reference: Callable[[str], HFReference]
+) -> None:
+    path, ref = tiny_checkpoint(MODEL), hf_reference(MODEL)
+    prefix = list(range(20, 68))  # 48 tokens: 3 full blocks
+    greedy = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    async with running_engine(path, num_device_blocks=12) as engine:
+        handle = await engine.pin_prefix(prefix)
+        assert (handle.num_tokens, handle.num_blocks) == (48, 3)
+        # Churn through the rest of the cache: unpinned cached blocks get evicted.
+        await generate_all(engine, [tuple(range(60 + 40 * i, 100 + 40 * i)) for i in range(6)],
+                           greedy)  # fmt: skip
+        before = engine.statistics().prefix_cache_hit_tokens
+        out = await engine.generate([*prefix, 5, 6, 7], greedy)
+        assert engine.statistics().prefix_cache_hit_tokens - before == 48
+        assert out.outputs[0].token_ids == ref.generate((*prefix, 5, 6, 7), 6)[0]
+        await engine.unpin_prefix(handle)
+        with pytest.raises(InvalidRequestError, match="at least one full block"):
+            await engine.pin_prefix([1, 2, 3])

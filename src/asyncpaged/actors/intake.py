@@ -70,6 +70,7 @@ class IntakeActor:
                     stop=self._stop_criteria(msg.params, max_tokens),
                     cache_salt=msg.cache_salt,
                     num_samples=msg.params.num_sequences,
+                    pin_id=msg.pin_id,
                     fork_ids=tuple(
                         next(self._seq_ids) for _ in range(msg.params.num_sequences - 1)
                     ),

@@ -11,6 +11,7 @@ import structlog
 from anyio.abc import TaskStatus
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
+from asyncpaged.core.block_table import PinnedPrefix
 from asyncpaged.core.request import RequestStatus
 from asyncpaged.core.request import Sequence as Seq
 from asyncpaged.core.scheduler import Scheduler, SchedulerOutput, SchedulerStatistics
@@ -23,6 +24,7 @@ from asyncpaged.messages import (
     StepDone,
     SwapBlocks,
     SwapDone,
+    UnpinPrefix,
 )
 from asyncpaged.model.runner import SampledToken, SequenceStep, StepPlan
 from asyncpaged.model.sampler import SamplingOptions, derive_generator_key
@@ -70,6 +72,8 @@ class SchedulerActor:
         self._log = log.bind(actor="scheduler")
         self.num_steps = 0
         self.step_time_s = 0.0
+        # engine.pin_prefix waiters: pin id -> (event, what the pool pinned)
+        self.pins: dict[int, tuple[anyio.Event, list[PinnedPrefix | None]]] = {}
 
     # ---- queries ----------------------------------------------------------------------------
 
@@ -80,7 +84,7 @@ class SchedulerActor:
     def is_idle(self) -> bool:
         sched = self.scheduler
         return not (
-            self._in_flight or self._planning or sched.has_unfinished
+            self._in_flight or self._planning or self.pins or sched.has_unfinished
             or sched.has_swaps_in_flight or sched.has_pending_txn_work
         )  # fmt: skip
 
@@ -130,6 +134,10 @@ class SchedulerActor:
         result = await self._results.receive()
         self._planning = False
         self.snapshot = result.snapshot
+        for pin_id, pinned in result.pinned:
+            event, slot = self.pins.pop(pin_id)
+            slot.append(pinned)
+            event.set()
         out = self.scheduler.apply(txn, result)
         for plan in (*out.swap_outs, *out.swap_ins):
             self._swaps.send_nowait(SwapBlocks(plan=plan))
@@ -200,6 +208,8 @@ class SchedulerActor:
                 self._finish_step(out, result.sampled)
             case SwapDone(swap_id=swap_id):
                 self.scheduler.complete_swap(swap_id)
+            case UnpinPrefix(pool_pin_id=pool_pin_id):
+                self.scheduler.unpin(pool_pin_id)
 
     def _finish_step(self, out: SchedulerOutput, sampled: Iterable[SampledToken]) -> None:
         by_row = {(t.seq_id, t.sample_index): t for t in sampled}

@@ -94,6 +94,7 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     num_samples: int = 1  # sequences to sample from the prompt (best_of, or n)
     fork_ids: tuple[int, ...] = ()  # seq ids for sequences 1.. of a parallel-sampling request
+    pin_id: int | None = None  # compute the prompt, then pin its full blocks under this id
     swap_id: int | None = None
     num_swap_blocks: int = 0  # blocks of its last swap-out: what a swap-in takes back
     num_preemptions: int = 0

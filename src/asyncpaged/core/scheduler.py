@@ -41,6 +41,7 @@ from asyncpaged.core.txn import (
     AllocateOp,
     AppendOp,
     GroupReport,
+    PinOp,
     PoolSnapshot,
     SlotGrant,
     StepTxn,
@@ -148,7 +149,9 @@ class Scheduler:
         self._pending_frees: list[int] = []
         self._pending_completes: list[int] = []
         self._pending_forks: list[tuple[int, int]] = []
-        self._swapped_back: set[int] = set()  # seqs back on device since the last snapshot
+        self._swapped_back: set[int] = set()
+        self._pending_pins: list[PinOp] = []
+        self._pending_unpins: list[int] = []  # seqs back on device since the last snapshot
         self._step_ids = itertools.count()
         self._preempted: tuple[str, ...] = ()
         self._watermark = math.ceil(config.watermark * config.num_device_blocks)
@@ -202,7 +205,14 @@ class Scheduler:
     @property
     def has_pending_txn_work(self) -> bool:
         """Frees or swap confirmations wait for the next transaction."""
-        return bool(self._pending_frees or self._pending_completes or self._pending_forks)
+        return bool(
+            self._pending_frees or self._pending_completes or self._pending_forks
+            or self._pending_pins or self._pending_unpins
+        )  # fmt: skip
+
+    def unpin(self, pool_pin_id: int) -> None:
+        """Release a pinned prefix in the next transaction."""
+        self._pending_unpins.append(pool_pin_id)
 
     # ---- planning -------------------------------------------------------------------------
 
@@ -218,6 +228,8 @@ class Scheduler:
         frees, self._pending_frees = self._pending_frees, []
         completes, self._pending_completes = self._pending_completes, []
         forks, self._pending_forks = self._pending_forks, []
+        pins, self._pending_pins = self._pending_pins, []
+        unpins, self._pending_unpins = self._pending_unpins, []
         # Forks land in this transaction and swapped-in sequences were not on the device at the
         # snapshot: count their partial last blocks as shared (a copy-on-write may be due).
         shared = snap.shared_tails | {s for pair in forks for s in pair} | self._swapped_back
@@ -234,6 +246,8 @@ class Scheduler:
         return StepTxn(
             complete_swaps=tuple(completes),
             forks=tuple(forks),
+            pins=tuple(pins),
+            unpins=tuple(unpins),
             frees=tuple(frees),
             swap_outs=tuple(swap_outs),
             appends=tuple(appends),
@@ -515,8 +529,14 @@ class Scheduler:
             self._pending_frees.append(seq.seq_id)
 
     def _finish(self, request: Request) -> None:
-        """Drop a finished request from its queue; its blocks are freed by the next txn."""
+        """Drop a finished request from its queue; its blocks are freed by the next txn (after
+        its prefix is pinned, if it was computing one to pin)."""
         del self.requests[request.request_id]
+        if request.pin_id is not None and request.seqs[0].finish_reason != "abort":
+            seq = request.seqs[0]
+            prompt = tuple(seq.token_ids[: seq.num_prompt_tokens])
+            pin = PinOp(pin_id=request.pin_id, token_ids=prompt, extra_key=request.cache_salt)
+            self._pending_pins.append(pin)
         status = request.status
         request.status = RequestStatus.FINISHED
         if status is RequestStatus.WAITING:

@@ -3,7 +3,8 @@
 The scheduler owns the queues and decides; the allocator owns the :class:`BlockPool` and applies
 one :class:`StepTxn` per step atomically, in this order::
 
-    complete_swaps -> forks -> frees -> swap_outs -> appends -> swap_ins -> admissions
+    complete_swaps -> forks -> pins -> unpins -> frees -> swap_outs -> appends -> swap_ins
+    -> admissions
 
 Everything up to ``swap_ins`` is *mandatory*: the scheduler planned it against the exact
 :class:`PoolSnapshot` the allocator returned after the previous transaction, and nothing else
@@ -17,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from asyncpaged.core.block_pool import BlockPool
-from asyncpaged.core.block_table import Location, PoolStatistics, SeqId, SwapPlan
+from asyncpaged.core.block_table import Location, PinnedPrefix, PoolStatistics, SeqId, SwapPlan
 
 NUM_REPORTED_GROUPS = 8
 """Newest running groups whose release counts each snapshot carries (preemption candidates)."""
@@ -48,9 +49,18 @@ class Admission:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class PinOp:
+    pin_id: int
+    token_ids: tuple[int, ...]
+    extra_key: str | None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class StepTxn:
     complete_swaps: tuple[int, ...] = ()
     forks: tuple[tuple[int, int], ...] = ()  # (parent, child): never allocates
+    pins: tuple[PinOp, ...] = ()  # prefixes whose request computed them (before its frees)
+    unpins: tuple[int, ...] = ()
     frees: tuple[int, ...] = ()
     swap_outs: tuple[tuple[int, ...], ...] = ()
     appends: tuple[AppendOp, ...] = ()
@@ -100,6 +110,7 @@ class TxnResult:
     swap_outs: tuple[SwapPlan, ...]  # in ``StepTxn.swap_outs`` order
     swap_ins: tuple[SwapPlan, ...]
     admitted: tuple[tuple[str, tuple[SlotGrant, ...]], ...]  # a prefix of the admissions
+    pinned: tuple[tuple[int, PinnedPrefix | None], ...] = ()  # (pin id, what was pinned)
     snapshot: PoolSnapshot
 
 
@@ -112,6 +123,12 @@ def apply_txn(pool: BlockPool, txn: StepTxn) -> TxnResult:
         pool.complete_swap(swap_id)
     for parent, child in txn.forks:
         pool.fork(parent, child)
+    pinned = []
+    for pin in txn.pins:
+        full = len(pin.token_ids) >= pool.block_size and pool.enable_prefix_caching
+        pinned.append((pin.pin_id, pool.pin_prefix(pin.token_ids, pin.extra_key) if full else None))
+    for pool_pin_id in txn.unpins:
+        pool.unpin_prefix(pool_pin_id)
     for seq_id in txn.frees:
         pool.free(seq_id)
     swap_outs = []
@@ -145,6 +162,7 @@ def apply_txn(pool: BlockPool, txn: StepTxn) -> TxnResult:
         swap_outs=tuple(swap_outs),
         swap_ins=tuple(swap_ins),
         admitted=tuple(admitted),
+        pinned=tuple(pinned),
         snapshot=snapshot(pool, report),
     )
 
@@ -215,6 +233,7 @@ __all__ = [
     "AllocateOp",
     "AppendOp",
     "GroupReport",
+    "PinOp",
     "PoolSnapshot",
     "SlotGrant",
     "StepTxn",
