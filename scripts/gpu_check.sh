@@ -1,0 +1,62 @@
+#!/usr/bin/env bash
+# GPU check for the Triton kernels (issue 6). On a CUDA machine, from the repository root:
+#   scripts/gpu_check.sh            # results under $OUT if set, else ./results/gpu_check
+# 1. the kernel tests compiled natively (no TRITON_INTERPRET), incl. a >2^31-element cache test
+# 2. end-to-end greedy generation on a tiny checkpoint vs transformers (tests/kernels/test_backend.py)
+# 3. paged decode attention benchmark: GB/s and the ratio to contiguous SDPA
+# Budget: about 10 minutes; each stage has its own timeout. Python: $PYTHON, else .venv, else python3.
+set -euo pipefail
+
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+RESULTS="${OUT:-$PWD/results/gpu_check}"
+mkdir -p "$RESULTS"
+if [[ -n "${PYTHON:-}" ]]; then
+  PY="$PYTHON"
+elif [[ -x .venv/bin/python ]] && .venv/bin/python -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)' 2>/dev/null; then
+  PY=.venv/bin/python
+else
+  PY=python3
+fi
+
+log() { printf '\n=== %s ===\n' "$*" | tee -a "$RESULTS/summary.txt"; }
+
+log "environment ($PY)"
+"$PY" - <<'PYEOF' 2>&1 | tee -a "$RESULTS/summary.txt"
+import sys
+import torch, triton
+print("python", sys.version.split()[0], "torch", torch.__version__, "triton", triton.__version__)
+if not torch.cuda.is_available():
+    sys.exit("FAIL: torch sees no CUDA device (need a CUDA build of torch; set PYTHON=...)")
+print("device", torch.cuda.get_device_name(), "capability", torch.cuda.get_device_capability())
+PYEOF
+if ! "$PY" -c 'import asyncpaged.kernels' 2>/dev/null; then
+  echo "asyncpaged not importable with $PY: installing the repo (editable, no deps)"
+  "$PY" -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | tail -5
+fi
+nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv 2>&1 | tee -a "$RESULTS/summary.txt" || true
+
+status=0
+log "1+2. kernel tests natively + end-to-end vs transformers"
+export ASYNCPAGED_KERNELS_NATIVE=1
+unset TRITON_INTERPRET
+if timeout 300 "$PY" -m pytest tests/kernels -q -p no:cacheprovider --timeout 240 \
+    --ignore=tests/kernels/test_packaging.py \
+    --junitxml="$RESULTS/kernel_tests.xml" 2>&1 | tee "$RESULTS/kernel_tests.log"; then
+  echo "kernel tests: PASS" | tee -a "$RESULTS/summary.txt"
+else
+  status=1
+  echo "kernel tests: FAIL (see kernel_tests.log)" | tee -a "$RESULTS/summary.txt"
+fi
+tail -3 "$RESULTS/kernel_tests.log" >> "$RESULTS/summary.txt" || true
+
+log "3. paged decode benchmark"
+if timeout 240 "$PY" -m asyncpaged.kernels.benchmark --out "$RESULTS/bench_decode.json" 2>&1 \
+    | tee "$RESULTS/bench_decode.log"; then
+  cat "$RESULTS/bench_decode.log" >> "$RESULTS/summary.txt"
+else
+  status=1
+  echo "benchmark: FAIL (see bench_decode.log)" | tee -a "$RESULTS/summary.txt"
+fi
+
+log "done: status $status, results in $RESULTS"
+exit "$status"

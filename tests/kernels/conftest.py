@@ -1,0 +1,48 @@
+"""Kernel tests run the Triton kernels under the interpreter on the CPU (``TRITON_INTERPRET=1``).
+
+Triton decides interpret-vs-compile when a kernel is decorated and reads the variable again at
+launch (it lazily imports modules that assert it), so it is set here for the whole pytest process,
+before the kernel modules are imported; if another test folder imported them first they are
+re-imported. Nothing outside ``asyncpaged.kernels`` uses Triton, and ``pytest tests`` passes with
+it set. ``ASYNCPAGED_KERNELS_NATIVE=1`` on a CUDA machine (``scripts/gpu_check.sh``) compiles the
+same kernels natively instead.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+
+import pytest
+import torch
+
+NATIVE = os.environ.get("ASYNCPAGED_KERNELS_NATIVE") == "1"
+_MODULES = (
+    "asyncpaged.kernels._util",
+    "asyncpaged.kernels.cache_ops",
+    "asyncpaged.kernels.paged_attention",
+    "asyncpaged.kernels.backend",
+    "asyncpaged.kernels",
+)
+
+
+def _import_kernels(interpret: bool) -> None:
+    os.environ["TRITON_INTERPRET"] = "1" if interpret else "0"
+    stale = any(name in sys.modules for name in _MODULES)
+    importlib.import_module("asyncpaged.kernels")
+    if stale:
+        for name in _MODULES:
+            importlib.reload(sys.modules[name])
+
+
+_import_kernels(interpret=not NATIVE)
+
+
+@pytest.fixture(scope="session")
+def device() -> torch.device:
+    if NATIVE:
+        if not torch.cuda.is_available():
+            pytest.fail("ASYNCPAGED_KERNELS_NATIVE=1 needs a CUDA device")
+        return torch.device("cuda")
+    return torch.device("cpu")
