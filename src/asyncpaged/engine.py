@@ -37,7 +37,7 @@ from asyncpaged.messages import (
 )
 from asyncpaged.model.loader import load_config, load_tokenizer, resolve_dtype
 from asyncpaged.model.runner import ModelRunner
-from asyncpaged.sampling_params import SamplingParams
+from asyncpaged.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 from asyncpaged.streams import RequestState, RequestStream
 
 log = structlog.get_logger("asyncpaged")
@@ -118,6 +118,7 @@ class AsyncEngine:
         self.num_device_blocks, self.num_host_blocks = num_device, num_host
         pool = BlockPool(num_device, num_host, block_size=cfg.block_size,
                          enable_prefix_caching=cfg.enable_prefix_caching)  # fmt: skip
+        self._seq_ids = itertools.count()  # shared by intake and scheduler (one event loop)
         scheduler = Scheduler(
             SchedulerConfig(
                 block_size=cfg.block_size,
@@ -126,7 +127,8 @@ class AsyncEngine:
                 max_num_batched_tokens=cfg.max_num_batched_tokens,
                 preemption_mode=cfg.preemption_mode if num_host else "recompute",
                 watermark=cfg.watermark,
-            )
+            ),
+            new_seq_id=self._seq_ids.__next__,
         )
         self._build_actors(pool, scheduler)
         self._tg = anyio.create_task_group()
@@ -151,11 +153,12 @@ class AsyncEngine:
         self._swap_space = SwapSpaceActor(self.runner, swap_recv, sched_send.clone())
         self._scheduler = SchedulerActor(
             scheduler, self._allocator.snapshot(), sched_recv, txn_send, res_recv,
-            exec_send, swap_send, self._eos,
+            exec_send, swap_send, self._eos, self.tokenizer,
         )  # fmt: skip
         self._intake = IntakeActor(
-            self.tokenizer, self._check_ids, self._stop_criteria, intake_recv, sched_send.clone()
-        )
+            self.tokenizer, self._check_ids, self._stop_criteria, intake_recv, sched_send.clone(),
+            self._seq_ids,
+        )  # fmt: skip
         self._control = sched_send  # aborts
         self._submit = intake_send
 
@@ -202,6 +205,24 @@ class AsyncEngine:
             await self._tg.__aexit__(None, None, None)
         if self._dead is not None and exc is None:
             raise EngineDeadError("the engine stopped") from self._dead
+
+    def beam_search(
+        self,
+        prompt: str | Sequence[int],
+        params: BeamSearchParams,
+        *,
+        request_id: str | None = None,
+        cache_salt: str | None = None,
+    ) -> RequestStream:
+        """Beam search in the engine core: the beams of a request are sequences that fork and
+        free as they go, sharing their common blocks. The stream yields one final output whose
+        completions are the ``beam_width`` best hypotheses, best first (text, token ids, the
+        cumulative logprob; finish reason "stop" at EOS, else "length")."""
+        self._check_alive()
+        sampling = SamplingParams(temperature=0.0, max_tokens=params.max_tokens,
+                                  ignore_eos=params.ignore_eos, n=params.beam_width,
+                                  output_kind=RequestOutputKind.FINAL_ONLY)  # fmt: skip
+        return self._submit_request(prompt, sampling, request_id, cache_salt, beam=params)
 
     async def wait_idle(self) -> None:
         """Wait until every request has finished and every block it held is free again.
@@ -284,6 +305,7 @@ class AsyncEngine:
         request_id: str | None,
         cache_salt: str | None,
         pin_id: int | None = None,
+        beam: BeamSearchParams | None = None,
     ) -> RequestStream:
         rid = request_id if request_id is not None else f"req-{uuid.uuid4().hex[:12]}"
         if rid in self._live and not self._live[rid].finished:
@@ -296,11 +318,11 @@ class AsyncEngine:
             ids = tuple(prompt)
             self._check_ids(ids, params)
             text = None
-        state = RequestState(rid, text, params, time.monotonic())
+        state = RequestState(rid, text, params, time.monotonic(), beam=beam is not None)
         self._live = {k: v for k, v in self._live.items() if not v.finished} | {rid: state}
         self._submit.send_nowait(
             SubmitRequest(state=state, prompt=text, prompt_token_ids=ids, params=params,
-                          cache_salt=cache_salt, priority=0, pin_id=pin_id)
+                          cache_salt=cache_salt, priority=0, pin_id=pin_id, beam=beam)
         )  # fmt: skip
         return RequestStream(state, self._abort_nowait)
 

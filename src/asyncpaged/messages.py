@@ -16,7 +16,7 @@ from asyncpaged.core.block_table import SwapPlan
 from asyncpaged.core.request import Request
 from asyncpaged.core.scheduler import SchedulerOutput
 from asyncpaged.model.runner import StepPlan, StepResult
-from asyncpaged.sampling_params import SamplingParams
+from asyncpaged.sampling_params import BeamSearchParams, SamplingParams
 from asyncpaged.streams import RequestState
 
 
@@ -31,6 +31,7 @@ class SubmitRequest:
     cache_salt: str | None
     priority: int
     pin_id: int | None = None  # compute the prompt only to pin it (engine.pin_prefix)
+    beam: BeamSearchParams | None = None  # a beam search (engine.beam_search)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -26,6 +26,7 @@ import enum
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import Literal
 
 from asyncpaged.errors import InvalidRequestError
 
@@ -358,6 +359,7 @@ class BeamSearchParams:
     temperature: float = 0.0
     length_penalty: float = 1.0
     include_stop_str_in_output: bool = False
+    early_stopping: bool | Literal["never"] = False  # transformers' semantics (core/beam_search)
 
     def __post_init__(self) -> None:
         """Raise ``InvalidRequestError`` for a bad value; store floats as ``float``."""
@@ -367,9 +369,15 @@ class BeamSearchParams:
             raise InvalidRequestError(f"max_tokens must be at least 1, got {self.max_tokens}.")
         _check_bool("ignore_eos", self.ignore_eos)
         _check_bool("include_stop_str_in_output", self.include_stop_str_in_output)
+        if self.early_stopping not in (True, False, "never"):
+            raise InvalidRequestError(
+                f"early_stopping must be True, False or 'never', got {self.early_stopping!r}."
+            )
         temperature = _check_float("temperature", self.temperature)
         if temperature < 0.0:
             raise InvalidRequestError(f"temperature must be non-negative, got {temperature}.")
+        if temperature != 0.0:
+            raise InvalidRequestError("beam search supports temperature 0 only.")
         object.__setattr__(self, "temperature", temperature)
         object.__setattr__(
             self, "length_penalty", _check_float("length_penalty", self.length_penalty)

@@ -39,7 +39,13 @@ class RequestState:
     """Everything the engine knows of one request's outputs (owned by the scheduler actor)."""
 
     def __init__(
-        self, request_id: str, prompt: str | None, params: SamplingParams, arrival_time: float
+        self,
+        request_id: str,
+        prompt: str | None,
+        params: SamplingParams,
+        arrival_time: float,
+        *,
+        beam: bool = False,
     ) -> None:
         self.request_id = request_id
         self.prompt = prompt
@@ -50,6 +56,7 @@ class RequestState:
         ]
         # best_of > n ranks the candidates by cumulative logprob and shows the n best at the end.
         self.ranks_by_logprob = params.num_sequences > params.n
+        self.beam = beam  # completions are filled in at the end (finish_beams)
         for c in self.completions:
             if params.logprobs is not None:
                 c.logprobs = []
@@ -134,8 +141,28 @@ class RequestState:
 
     # ---- the reader's side ----------------------------------------------------------------
 
+    def finish_beams(self, hypotheses: list[tuple[list[int], float, bool]], tokenizer: Any) -> None:
+        """A beam search ended: (tokens, cumulative logprob, ended at EOS) per hypothesis, best
+        first, become the completions."""
+        now = time.monotonic()
+        self.metrics.first_token_time = self.metrics.first_token_time or now
+        self.metrics.last_token_time = self.metrics.finished_time = now
+        skip = self.params.skip_special_tokens
+        self.completions = [
+            _Completion(
+                index=i,
+                detokenizer=None,
+                token_ids=tokens,
+                text=tokenizer.decode(tokens, skip_special_tokens=skip) if tokenizer else "",
+                cumulative_logprob=logprob,
+                finish_reason="stop" if eos else "length",
+            )
+            for i, (tokens, logprob, eos) in enumerate(hypotheses)
+        ]
+        self._event.set()
+
     def _has_news(self, kind: RequestOutputKind) -> bool:
-        if self.ranks_by_logprob:
+        if self.ranks_by_logprob or self.beam:
             kind = RequestOutputKind.FINAL_ONLY
         if self.error is not None or self.rejection is not None or self.finished:
             return True

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import anyio
@@ -11,6 +11,7 @@ import structlog
 from anyio.abc import TaskStatus
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
+from asyncpaged.core.beam_search import BeamSearcher
 from asyncpaged.core.request import Request, StopCriteria
 from asyncpaged.core.request import Sequence as Seq
 from asyncpaged.errors import InvalidRequestError
@@ -34,6 +35,7 @@ class IntakeActor:
         stop_criteria: Callable[[Any, int], StopCriteria],
         inbox: MemoryObjectReceiveStream[SubmitRequest],
         outbox: MemoryObjectSendStream[SchedulerInbox],
+        seq_ids: Iterator[int],
     ) -> None:
         self.tokenizer = tokenizer
         self._validate_ids = validate_ids
@@ -42,7 +44,7 @@ class IntakeActor:
         self._outbox = outbox
         self._limiter = anyio.CapacityLimiter(1)
         self._arrivals = itertools.count()
-        self._seq_ids = itertools.count()
+        self._seq_ids = seq_ids
         self._log = log.bind(actor="intake")
 
     async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
@@ -69,12 +71,23 @@ class IntakeActor:
                     ],
                     stop=self._stop_criteria(msg.params, max_tokens),
                     cache_salt=msg.cache_salt,
-                    num_samples=msg.params.num_sequences,
+                    num_samples=msg.params.num_sequences if msg.beam is None else 1,
                     pin_id=msg.pin_id,
                     fork_ids=tuple(
-                        next(self._seq_ids) for _ in range(msg.params.num_sequences - 1)
+                        next(self._seq_ids)
+                        for _ in range(msg.params.num_sequences - 1 if msg.beam is None else 0)
                     ),
                 )
+                if msg.beam is not None:
+                    request.beam = BeamSearcher(
+                        width=msg.beam.beam_width,
+                        max_tokens=msg.beam.max_tokens,
+                        eos_token_id=request.stop.eos_token_id,
+                        length_penalty=msg.beam.length_penalty,
+                        early_stopping=msg.beam.early_stopping,
+                        ignore_eos=msg.beam.ignore_eos,
+                    )
+                    request.beam.start(request.seqs[0].seq_id)
                 await self._outbox.send(AddRequest(request=request, state=msg.state))
 
     async def _token_ids(self, msg: SubmitRequest) -> Sequence[int]:

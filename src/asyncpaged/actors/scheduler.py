@@ -12,7 +12,7 @@ from anyio.abc import TaskStatus
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from asyncpaged.core.block_table import PinnedPrefix
-from asyncpaged.core.request import RequestStatus
+from asyncpaged.core.request import Request, RequestStatus
 from asyncpaged.core.request import Sequence as Seq
 from asyncpaged.core.scheduler import Scheduler, SchedulerOutput, SchedulerStatistics
 from asyncpaged.core.txn import PoolSnapshot, StepTxn, TxnResult
@@ -56,8 +56,10 @@ class SchedulerActor:
         executor: MemoryObjectSendStream[ExecuteStep],
         swaps: MemoryObjectSendStream[SwapBlocks],
         eos_token_id: int | None,
+        tokenizer: Any = None,
     ) -> None:
         self.scheduler = scheduler
+        self._tokenizer = tokenizer
         self.snapshot = snapshot
         self.states: dict[str, RequestState] = {}
         self._inbox = inbox
@@ -158,12 +160,18 @@ class SchedulerActor:
                 if len(request.seqs) == 1
                 else next(q for q in request.seqs if q.seq_id == s.seq_id)
             )
-            params = state.params
 
-            def options(index: int, seq: Seq = seq, params: SamplingParams = params) -> Any:
+            def options(
+                index: int,
+                request: Request = request,
+                seq: Seq = seq,
+                params: SamplingParams = state.params,
+            ) -> SamplingOptions | None:
+                if request.beam is not None:  # each beam offers its 2k best continuations
+                    return SamplingOptions(temperature=0.0, num_logprobs=2 * request.beam.width)
                 return _sampling_options(
                     params, seq.token_ids, seq.num_prompt_tokens, index, self._eos
-                )
+                )  # fmt: skip
 
             steps.append(
                 SequenceStep(
@@ -216,7 +224,8 @@ class SchedulerActor:
         tokens: dict[int, list[int]] = {}
         for (seq_id, _), t in sorted(by_row.items()):
             tokens.setdefault(seq_id, []).append(t.token_id)
-        updates = self.scheduler.update(out, tokens)
+        top = {t.seq_id: t.top_logprobs for t in by_row.values() if t.sample_index == 0}
+        updates = self.scheduler.update(out, tokens, top)
         for upd in updates:
             state = self.states[upd.request_id]
             token = by_row[upd.row]
@@ -228,14 +237,26 @@ class SchedulerActor:
             )
             if matched is not None:
                 self.scheduler.finish_seq(upd.request_id, upd.seq_id, "stop", matched)
-            if state.finished and upd.request_id in self.states:
-                del self.states[upd.request_id]
-                self._log.info(
-                    "request_finished",
-                    request_id=upd.request_id,
-                    finish_reasons=[c.finish_reason for c in state.completions],
-                    num_tokens=sum(len(c.token_ids) for c in state.completions),
-                )
+            self._log_if_finished(upd.request_id, state)
+        for rid, hypotheses in self.scheduler.finished_beams:
+            state = self.states[rid]
+            eos = self._eos
+            state.finish_beams(
+                [(list(h.tokens), h.logprob, h.tokens[-1] == eos) for h in hypotheses],
+                self._tokenizer,
+            )
+            self._log_if_finished(rid, state)
+        self.scheduler.finished_beams.clear()
+
+    def _log_if_finished(self, request_id: str, state: RequestState) -> None:
+        if state.finished and request_id in self.states:
+            del self.states[request_id]
+            self._log.info(
+                "request_finished",
+                request_id=request_id,
+                finish_reasons=[c.finish_reason for c in state.completions],
+                num_tokens=sum(len(c.token_ids) for c in state.completions),
+            )
 
 
 def _sampling_options(

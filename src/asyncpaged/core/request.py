@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from asyncpaged.core.beam_search import BeamSearcher
 
 
 class RequestStatus(enum.Enum):
@@ -95,6 +99,8 @@ class Request:
     num_samples: int = 1  # sequences to sample from the prompt (best_of, or n)
     fork_ids: tuple[int, ...] = ()  # seq ids for sequences 1.. of a parallel-sampling request
     pin_id: int | None = None  # compute the prompt, then pin its full blocks under this id
+    beam: BeamSearcher | None = None  # a beam-search request: its live sequences are the beams
+    beam_top: dict[int, tuple[tuple[int, float], ...]] = field(default_factory=dict)
     swap_id: int | None = None
     num_swap_blocks: int = 0  # blocks of its last swap-out: what a swap-in takes back
     num_preemptions: int = 0

@@ -27,12 +27,13 @@ from __future__ import annotations
 import bisect
 import itertools
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from collections.abc import Sequence as SeqOf
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 from typing import Literal
 
+from asyncpaged.core.beam_search import Hypothesis
 from asyncpaged.core.block_table import SwapPlan
 from asyncpaged.core.request import Request, RequestStatus, Sequence
 from asyncpaged.core.txn import (
@@ -138,8 +139,12 @@ class Scheduler:
     * Every mandatory operation of a planned transaction fits the snapshot it was planned on.
     """
 
-    def __init__(self, config: SchedulerConfig) -> None:
+    def __init__(
+        self, config: SchedulerConfig, new_seq_id: Callable[[], int] | None = None
+    ) -> None:
         self.config = config
+        self._new_seq_id = new_seq_id or itertools.count(1 << 40).__next__
+        self.finished_beams: list[tuple[str, list[Hypothesis]]] = []  # drained by the caller
         self.requests: dict[str, Request] = {}
         self.waiting: list[Request] = []
         self.running: list[Request] = []
@@ -343,7 +348,9 @@ class Scheduler:
                 continue
             assert request.swap_id is None
             need = request.num_swap_blocks
-            if need + self._watermark > plan.free:
+            # Room for the group's next step too (a new or copied block per sequence), or it
+            # would preempt itself at once and swap out and in forever.
+            if need + len(request.live_seqs) + self._watermark > plan.free:
                 break  # first come, first served: no one overtakes
             plan.free -= need
             request.status = RequestStatus.SWAPPING_IN
@@ -436,19 +443,33 @@ class Scheduler:
 
     # ---- after the step -------------------------------------------------------------------
 
-    def update(self, output: SchedulerOutput, sampled: Mapping[int, SeqOf[int]]) -> list[SeqUpdate]:
+    def update(
+        self,
+        output: SchedulerOutput,
+        sampled: Mapping[int, SeqOf[int]],
+        top: Mapping[int, tuple[tuple[int, float], ...]] | None = None,
+    ) -> list[SeqUpdate]:
         """Append each sampled token, apply the stop rules, queue frees of what finished.
 
         ``sampled[seq_id]`` holds one token per draw of that row: ``num_samples`` of them at a
         fan-out, where sequence 0 takes the first and sequences 1.. are forked for the others.
+        For beam-search requests ``top[seq_id]`` (each beam's best tokens and logprobs) drives
+        the beam step instead, once every beam of the request has reported.
         """
         updates: list[SeqUpdate] = []
+        beams: list[Request] = []
         for scheduled in output.seqs:
             request = self.requests.get(scheduled.request_id)
             if request is None or not scheduled.samples:
                 continue  # aborted meanwhile, or a prefill chunk short of the prompt's end
             seq = next(s for s in request.seqs if s.seq_id == scheduled.seq_id)
             if seq.is_finished:
+                continue
+            if request.beam is not None:
+                assert top is not None, "beam search needs the top logprobs"
+                request.beam_top[seq.seq_id] = top[seq.seq_id]
+                if len(request.beam_top) == len(request.live_seqs):
+                    beams.append(request)
                 continue
             tokens = sampled[seq.seq_id]
             children: list[Sequence] = []
@@ -474,7 +495,49 @@ class Scheduler:
             if request.is_finished:
                 self._finish(request)
                 self.num_finished += 1
+        for request in beams:
+            self._beam_step(request)
         return updates
+
+    def _beam_step(self, request: Request) -> None:
+        """All beams reported: advance the search, fork, drop, or finish the request."""
+        assert request.beam is not None
+        choices = request.beam.step(request.beam_top)
+        request.beam_top.clear()
+        live = {s.seq_id: s for s in request.live_seqs}
+        bases = {sid: list(s.token_ids) for sid, s in live.items()}
+        kept: list[Sequence] = []
+        for index, choice in enumerate(choices):
+            parent = live[choice.parent]
+            if all(s is not parent for s in kept):
+                parent.token_ids.append(choice.token)
+                parent.index = index
+                kept.append(parent)
+                continue
+            child = Sequence(
+                seq_id=self._new_seq_id(),
+                index=index,
+                token_ids=[*bases[parent.seq_id], choice.token],
+                num_prompt_tokens=parent.num_prompt_tokens,
+                num_computed_tokens=parent.num_computed_tokens,
+                has_blocks=True,
+            )
+            self._pending_forks.append((parent.seq_id, child.seq_id))
+            kept.append(child)
+        for seq in live.values():
+            if all(s is not seq for s in kept):
+                seq.finish_reason = "stop"  # pruned beam
+                self._release(seq)
+        request.seqs = kept or list(live.values())
+        if not request.beam.done:
+            request.beam.assign([s.seq_id for s in kept])
+        else:
+            for seq in request.live_seqs:
+                seq.finish_reason = "stop"
+                self._release(seq)
+            self.finished_beams.append((request.request_id, list(request.beam.finished)))
+            self._finish(request)
+            self.num_finished += 1
 
     def _fan_out(self, request: Request, seq: Sequence, tokens: SeqOf[int]) -> list[Sequence]:
         """Create sequences 1.. of a parallel-sampling request from its first sequence."""
@@ -570,7 +633,9 @@ def _chunks(request: Request, plan: _Plan) -> list[tuple[Sequence, int]] | None:
     if plan.seats_left < len(seqs) or plan.budget_left < len(seqs):
         return None
     share = plan.budget_left // len(seqs)
-    return [(s, min(s.num_uncomputed, share)) for s in seqs]
+    # A beam that reported waits (nothing to compute) until its siblings have too.
+    chunks = [(s, min(s.num_uncomputed, share)) for s in seqs if s.num_uncomputed]
+    return chunks or None
 
 
 def _insort(queue: list[Request], request: Request) -> None:
