@@ -208,6 +208,23 @@ class BlockPoolMachine(RuleBasedStateMachine):
         assert self.pool.block_ids(child) == self.pool.block_ids(parent)
         self.model[child] = ModelSeq(list(seq.tokens), seq.extra_key)
 
+    @precondition(lambda self: self.has(Location.DEVICE))
+    @rule(data=st.data(), width=st.integers(1, 3), drop_parent=st.booleans())
+    def beam_churn(self, data: st.DataObject, width: int, drop_parent: bool) -> None:
+        """A beam step: the parent forks into ``width`` candidates and is dropped or kept."""
+        parent = self.live(data, Location.DEVICE)
+        seq = self.model[parent]
+        free_before = self.pool.num_free_device_blocks
+        for _ in range(width):
+            child = next(self.ids)
+            self.pool.fork(parent, child)
+            self.model[child] = ModelSeq(list(seq.tokens), seq.extra_key)
+        if drop_parent:
+            self.pool.free(parent)
+            del self.model[parent]
+        assert self.pool.num_free_device_blocks >= free_before  # forks never allocate
+        self.note("beam churn")
+
     @precondition(lambda self: self.has())
     @rule(data=st.data())
     def free(self, data: st.DataObject) -> None:

@@ -13,12 +13,14 @@ from __future__ import annotations
 
 import hashlib
 import itertools
+import math
 from dataclasses import dataclass, field
 
 import hypothesis.strategies as st
 from hypothesis import event, given
 
 from asyncpaged.core import BlockPool, SwapDirection
+from asyncpaged.core.beam_search import BeamSearcher, Hypothesis
 from asyncpaged.core.request import Request, Sequence, StopCriteria
 from asyncpaged.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from asyncpaged.core.txn import apply_txn, snapshot
@@ -26,6 +28,7 @@ from asyncpaged.core.txn import apply_txn, snapshot
 BS = 4
 VOCAB = 5
 EOS = 4
+BEAM_WIDTH = 2
 Content = tuple[str | None, tuple[int, ...]]
 
 
@@ -33,6 +36,36 @@ def next_token(salt: str | None, tokens: list[int] | tuple[int, ...], draw: int 
     """The fake model: a hash of the context; ``draw`` tells the fan-out's draws apart."""
     digest = hashlib.sha256(repr((salt, tuple(tokens), draw)).encode()).digest()
     return digest[0] % VOCAB
+
+
+def fake_top(
+    salt: str | None, tokens: list[int] | tuple[int, ...]
+) -> tuple[tuple[int, float], ...]:
+    """The fake model's next-token logprobs, best first (ties by token id)."""
+    logits = [
+        hashlib.sha256(repr((salt, tuple(tokens), v)).encode()).digest()[1] / 32.0
+        for v in range(VOCAB)
+    ]
+    top = max(logits)
+    norm = top + math.log(sum(math.exp(x - top) for x in logits))
+    return tuple(sorted(((v, x - norm) for v, x in enumerate(logits)), key=lambda p: (-p[1], p[0])))
+
+
+def reference_beams(
+    prompt: list[int], salt: str | None, searcher: BeamSearcher
+) -> list[Hypothesis]:
+    """The beam search of one request run alone on the fake model."""
+    histories = {0: list(prompt)}
+    searcher.start(0)
+    ids = itertools.count(1)
+    while True:
+        choices = searcher.step({b: fake_top(salt, h)[: 2 * searcher.width]
+                                 for b, h in histories.items()})  # fmt: skip
+        if searcher.done:
+            return searcher.finished
+        new = {next(ids): [*histories[c.parent], c.token] for c in choices}
+        searcher.assign(list(new))
+        histories = new
 
 
 def reference_output(
@@ -67,7 +100,9 @@ class FakeWorld:
             for off in range(BS):
                 dst[d * BS + off] = src.get(s * BS + off)
 
-    def execute(self, out: SchedulerOutput, requests: dict[str, Request]) -> dict[int, list[int]]:
+    def execute(
+        self, out: SchedulerOutput, requests: dict[str, Request]
+    ) -> tuple[dict[int, list[int]], dict[int, tuple[tuple[int, float], ...]]]:
         self.copy_blocks(self.device, self.device, out.copy_on_write)
         for plan in (*out.swap_outs, *out.swap_ins):
             self.swaps[plan.swap_id] = (plan.direction, plan.block_mapping)
@@ -76,6 +111,7 @@ class FakeWorld:
                     for off in range(BS):
                         self.device[d * BS + off] = None
         sampled: dict[int, list[int]] = {}
+        tops: dict[int, tuple[tuple[int, float], ...]] = {}
         for sch in out.seqs:  # a real layer writes every new K/V before any attention reads
             request = requests[sch.request_id]
             seq = next(s for s in request.seqs if s.seq_id == sch.seq_id)
@@ -93,12 +129,14 @@ class FakeWorld:
                 slot = sch.block_table[pos // BS] * BS + pos % BS
                 want = (request.cache_salt, tuple(seq.token_ids[: pos + 1]))
                 assert self.device.get(slot) == want, f"{sch.request_id} reads bad KV at {pos}"
+            if request.beam is not None:
+                tops[sch.seq_id] = fake_top(request.cache_salt, seq.token_ids)[: 2 * BEAM_WIDTH]
             first = seq.num_generated == 0
             sampled[sch.seq_id] = [
                 next_token(request.cache_salt, seq.token_ids, draw if first else 0)
                 for draw in range(sch.num_samples)
             ]
-        return sampled
+        return sampled, tops
 
     def complete(self, swap_id: int) -> None:
         direction, pairs = self.swaps.pop(swap_id)
@@ -147,6 +185,8 @@ def test_scheduler_outputs_equal_running_each_request_alone(data: st.DataObject)
     max_len = (num_device - 1) * BS  # a request alone always fits
     ids = itertools.count()
     expected: dict[tuple[str, int], list[int]] = {}
+    expected_beams: dict[str, list[Hypothesis]] = {}
+    got_beams: dict[str, list[Hypothesis]] = {}
     outputs: dict[tuple[str, int], list[int]] = {}
     aborted: set[str] = set()
     every: dict[str, Request] = {}
@@ -155,16 +195,31 @@ def test_scheduler_outputs_equal_running_each_request_alone(data: st.DataObject)
 
     def add() -> None:
         prompt, salt, stop = data.draw(request_specs(max_len))
-        num_samples = data.draw(st.sampled_from([1, 1, 2, 3]), label="samples")
+        num_samples = data.draw(st.sampled_from([1, 1, 2, 3, 0]), label="samples (0: beams)")
         rid = f"r{next(ids)}"
         seq = Sequence(seq_id=next(seq_ids), index=0, token_ids=list(prompt),
                        num_prompt_tokens=len(prompt))  # fmt: skip
+        beam = None
+        if num_samples == 0:
+            num_samples = 1
+            knobs = {
+                "width": BEAM_WIDTH,
+                "max_tokens": stop.max_tokens,
+                "eos_token_id": EOS,
+                "ignore_eos": stop.ignore_eos,
+                "length_penalty": data.draw(st.sampled_from([0.0, 1.0, 2.0])),
+                "early_stopping": data.draw(st.sampled_from([False, True, "never"])),
+            }
+            beam = BeamSearcher(**knobs)
+            beam.start(seq.seq_id)
+            expected_beams[rid] = reference_beams(prompt, salt, BeamSearcher(**knobs))
         fork_ids = tuple(next(seq_ids) for _ in range(num_samples - 1))
         request = Request(request_id=rid, arrival=int(rid[1:]), seqs=[seq], stop=stop,
-                          cache_salt=salt, num_samples=num_samples, fork_ids=fork_ids)  # fmt: skip
+                          cache_salt=salt, num_samples=num_samples, fork_ids=fork_ids,
+                          beam=beam)  # fmt: skip
         sched.add_request(request)
         every[rid] = request
-        for i in range(num_samples):
+        for i in range(0 if beam else num_samples):
             expected[(rid, i)] = reference_output(prompt, salt, stop, i)
             outputs[(rid, i)] = []
 
@@ -201,9 +256,12 @@ def test_scheduler_outputs_equal_running_each_request_alone(data: st.DataObject)
             newest_kept = max((r.arrival for r in sched.running), default=-1)
             assert newest_kept < min(every[r].arrival for r in out.preempted)
         saw_preemption |= bool(out.preempted)
-        sampled = world.execute(out, every)
-        for upd in sched.update(out, sampled):
+        sampled, tops = world.execute(out, every)
+        for upd in sched.update(out, sampled, tops):
             outputs[(upd.request_id, upd.index)].extend(upd.new_token_ids)
+        for rid, hypotheses in sched.finished_beams:
+            got_beams[rid] = hypotheses
+        sched.finished_beams.clear()
         pool.check_invariants()
         # Swaps land at random later steps; requests arrive and get aborted at random.
         for swap_id in sorted(world.swaps):
@@ -231,6 +289,11 @@ def test_scheduler_outputs_equal_running_each_request_alone(data: st.DataObject)
         event("aborted")
     if any(len(r.seqs) > 1 for r in every.values()):
         event("forked")
+    for rid, want_beams in expected_beams.items():
+        if rid in aborted:
+            continue
+        event("beam search")
+        assert got_beams[rid] == want_beams, rid
     for (rid, index), want in expected.items():
         got = outputs[(rid, index)]
         if rid in aborted:
