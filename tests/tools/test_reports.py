@@ -51,3 +51,13 @@ def test_pool_bench_times_every_operation() -> None:
     result = bench_pool(1000, num_ops=200)
     assert set(result) == set(OPS)
     assert all(0 < us < 10_000 for us in result.values())
+
+
+def test_sharing_saves_memory_and_more_with_more_sequences() -> None:
+    from asyncpaged.tools.sharing_report import beam_search_saving, parallel_sampling_saving
+
+    two = parallel_sampling_saving(SHAREGPT, 2, num_requests=20)
+    six = parallel_sampling_saving(SHAREGPT, 6, num_requests=20)
+    assert 0.0 < two < six < 0.5
+    beams = beam_search_saving(ALPACA, 4, num_requests=8)
+    assert 0.2 < beams < 0.9
