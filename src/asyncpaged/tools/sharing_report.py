@@ -39,21 +39,21 @@ def parallel_sampling_saving(
 ) -> float:
     rng = random.Random(seed)
     held = unshared = 0
-    for r in range(num_requests):
+    for _r in range(num_requests):
         n_in, _ = dist.sample(rng, 2048)
         outs = [max(1, dist.sample(rng, 2048 - n_in)[1]) for _ in range(n)]
         pool = BlockPool(10_000, block_size=BLOCK_SIZE, enable_prefix_caching=False)
-        pool.allocate((r, 0), [0] * n_in)
+        pool.allocate(0, [0] * n_in)
         for i in range(1, n):
-            pool.fork((r, 0), (r, i))
+            pool.fork(0, i)
         lengths = [n_in] * n
         for step in range(max(outs)):
             for i in range(n):
                 if step < outs[i]:
-                    assert pool.append((r, i), (1,)) is not None
+                    assert pool.append(i, (1,)) is not None
                     lengths[i] += 1
                 elif step == outs[i]:
-                    pool.free((r, i))
+                    pool.free(i)
             live = [lengths[i] for i in range(n) if step < outs[i]]
             held += pool.statistics().num_held_device_blocks
             unshared += _unshared(live)
@@ -65,7 +65,7 @@ def beam_search_saving(
 ) -> float:
     rng = random.Random(seed)
     held = unshared = 0
-    for r in range(num_requests):
+    for _ in range(num_requests):
         n_in, n_out = dist.sample(rng, 2048)
         searcher = BeamSearcher(width=width, max_tokens=max(2, n_out), eos_token_id=None)
         pool = BlockPool(20_000, block_size=BLOCK_SIZE, enable_prefix_caching=False)
@@ -120,8 +120,10 @@ PAPER = {
 
 
 def run(args: argparse.Namespace) -> int:
-    lines = [f"KV memory saved by sharing (block size {BLOCK_SIZE}, seed {args.seed})",
-             f"{'workload':<9} {'mode':<9} {'n=2':>7} {'n=4':>7} {'n=6':>7}  paper (n=2..6)"]  # fmt: skip
+    lines = [
+        f"KV memory saved by sharing (block size {BLOCK_SIZE}, seed {args.seed})",
+        f"{'workload':<9} {'mode':<9} {'n=2':>7} {'n=4':>7} {'n=6':>7}  paper (n=2..6)",
+    ]
     for name in ("alpaca", "sharegpt"):
         dist = DISTRIBUTIONS[name]
         ps = [parallel_sampling_saving(dist, n, num_requests=args.num_requests, seed=args.seed)
@@ -131,7 +133,7 @@ def run(args: argparse.Namespace) -> int:
         for mode, values in (("parallel", ps), ("beam", bs)):
             cells = " ".join(f"{v:>7.1%}" for v in values)
             lines.append(f"{name:<9} {mode:<9} {cells}  {PAPER[(mode, name)]}")
-    print("\n".join(lines))  # noqa: T201 - a command's output
+    print("\n".join(lines))
     return 0
 
 
