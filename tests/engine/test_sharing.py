@@ -136,3 +136,18 @@ async def test_pinned_prefix_survives_eviction_until_unpinned(
         await engine.unpin_prefix(handle)
         with pytest.raises(InvalidRequestError, match="at least one full block"):
             await engine.pin_prefix([1, 2, 3])
+
+
+async def test_aborting_a_parallel_sampling_request_frees_all_its_sequences(
+    tiny_checkpoint: Callable[[str], Path],
+) -> None:
+    path = tiny_checkpoint(MODEL)
+    params = SamplingParams(n=3, temperature=1.0, seed=5, max_tokens=200, ignore_eos=True)
+    async with running_engine(path, num_device_blocks=64) as engine:
+        stream = engine.generate(list(range(10, 40)), params, request_id="par")
+        await anyio.sleep(0.1)
+        await engine.abort("par")
+        out = await stream
+        assert [c.finish_reason for c in out.outputs] == ["abort"] * 3
+        assert all(0 < len(c.token_ids) < 200 for c in out.outputs)
+    # running_engine's leak oracle: every block of the 3 sequences is free again.

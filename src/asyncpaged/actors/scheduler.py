@@ -137,6 +137,8 @@ class SchedulerActor:
         self._planning = False
         self.snapshot = result.snapshot
         for pin_id, pinned in result.pinned:
+            self._log.info("prefix_pinned", pin_id=pin_id, num_blocks=len(pinned.block_ids)
+                           if pinned else 0)  # fmt: skip
             event, slot = self.pins.pop(pin_id)
             slot.append(pinned)
             event.set()
@@ -218,6 +220,7 @@ class SchedulerActor:
                 self.scheduler.complete_swap(swap_id)
             case UnpinPrefix(pool_pin_id=pool_pin_id):
                 self.scheduler.unpin(pool_pin_id)
+                self._log.info("prefix_unpinned", pool_pin_id=pool_pin_id)
 
     def _finish_step(self, out: SchedulerOutput, sampled: Iterable[SampledToken]) -> None:
         by_row = {(t.seq_id, t.sample_index): t for t in sampled}
