@@ -37,6 +37,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     watermark: float = 0.01
     seed: int = 0
+    attention_backend: Literal["auto", "torch", "triton"] = "auto"  # auto: Triton on CUDA
 
     def __post_init__(self) -> None:
         checks = [
@@ -55,6 +56,9 @@ class EngineConfig:
             (self.max_model_len is None or self.max_model_len >= 2,
              f"max_model_len must be at least 2, got {self.max_model_len}."),
             (0.0 <= self.watermark < 1.0, f"watermark must be in [0, 1), got {self.watermark}."),
+            (self.attention_backend in ("auto", "torch", "triton"),
+             f"attention_backend must be 'auto', 'torch' or 'triton', got "
+             f"{self.attention_backend!r}."),
         ]  # fmt: skip
         for ok, message in checks:
             if not ok:

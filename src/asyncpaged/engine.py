@@ -35,12 +35,25 @@ from asyncpaged.messages import (
     SwapBlocks,
     UnpinPrefix,
 )
+from asyncpaged.model.attention import AttentionBackend, TorchAttentionBackend
 from asyncpaged.model.loader import load_config, load_tokenizer, resolve_dtype
 from asyncpaged.model.runner import ModelRunner
 from asyncpaged.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 from asyncpaged.streams import RequestState, RequestStream
 
 log = structlog.get_logger("asyncpaged")
+
+
+def _attention_backend(cfg: EngineConfig) -> AttentionBackend:
+    """Triton kernels on CUDA, the torch path elsewhere, unless the config names one."""
+    if cfg.attention_backend == "torch" or (
+        cfg.attention_backend == "auto" and torch.device(cfg.device).type != "cuda"
+    ):
+        return TorchAttentionBackend()
+    from asyncpaged.kernels.backend import make_attention_backend
+
+    backend: AttentionBackend = make_attention_backend(cfg.device, "triton")
+    return backend
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -108,9 +121,10 @@ class AsyncEngine:
             getattr(hf_config, "max_position_embeddings", 2048)
         )
         self.vocab_size = int(hf_config.vocab_size)
+        backend = _attention_backend(cfg)
         self.runner = await anyio.to_thread.run_sync(
             lambda: ModelRunner(cfg.model, dtype, num_device, cfg.block_size, num_host,
-                                device=cfg.device, seed=cfg.seed)
+                                device=cfg.device, seed=cfg.seed, attn_backend=backend)
         )  # fmt: skip
         self.tokenizer = await anyio.to_thread.run_sync(load_tokenizer, cfg.model)
         eos = getattr(self.tokenizer, "eos_token_id", None)
