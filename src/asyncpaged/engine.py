@@ -106,7 +106,8 @@ class AsyncEngine:
         self._tg: TaskGroup | None = None
         self._dead: BaseException | None = None
         self._closed = False
-        self._live: dict[str, RequestState] = {}
+        self._live: dict[str, RequestState] = {}  # submitted; finished ones pruned lazily
+        self._live_pruned_at = 64
         self._ids = itertools.count()
 
     # ---- lifecycle ----------------------------------------------------------------------------
@@ -322,7 +323,7 @@ class AsyncEngine:
         beam: BeamSearchParams | None = None,
     ) -> RequestStream:
         rid = request_id if request_id is not None else f"req-{uuid.uuid4().hex[:12]}"
-        if rid in self._live and not self._live[rid].finished:
+        if rid in self._live and not self._live[rid].is_done:
             raise InvalidRequestError(f"request id {rid!r} is already in use.")
         if isinstance(prompt, str):
             if not prompt:
@@ -333,7 +334,10 @@ class AsyncEngine:
             self._check_ids(ids, params)
             text = None
         state = RequestState(rid, text, params, time.monotonic(), beam=beam is not None)
-        self._live = {k: v for k, v in self._live.items() if not v.finished} | {rid: state}
+        self._live[rid] = state
+        if len(self._live) >= 2 * self._live_pruned_at:  # amortized O(1) per request
+            self._live = {k: v for k, v in self._live.items() if not v.is_done}
+            self._live_pruned_at = max(64, len(self._live))
         self._submit.send_nowait(
             SubmitRequest(state=state, prompt=text, prompt_token_ids=ids, params=params,
                           cache_salt=cache_salt, priority=0, pin_id=pin_id, beam=beam)

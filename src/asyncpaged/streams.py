@@ -82,6 +82,11 @@ class RequestState:
         self._event.set()
 
     @property
+    def is_done(self) -> bool:
+        """Finished, refused, or failed: its request id is free again."""
+        return self.finished or self.rejection is not None or self.error is not None
+
+    @property
     def finished(self) -> bool:
         return self.error is None and all(c.finish_reason is not None for c in self.completions)
 

@@ -199,7 +199,9 @@ async def test_invalid_requests_raise_and_the_engine_keeps_serving(
             engine.generate([5, 6], SamplingParams(n=32, max_tokens=40, temperature=1.0))
         long_text = engine.tokenizer.decode(list(range(4, 300)))
         with pytest.raises(InvalidRequestError, match="max_model_len"):
-            await engine.generate(long_text)  # found after tokenizing, never queued
+            await engine.generate(long_text, request_id="long")  # found after tokenizing
+        ok = await engine.generate([5, 6, 7], GREEDY, request_id="long")  # the id is free again
+        assert ok.outputs[0].token_ids == ref.generate((5, 6, 7), 10)[0]
         stream = engine.generate([5, 6, 7], GREEDY, request_id="dup")
         with pytest.raises(InvalidRequestError, match="already in use"):
             engine.generate([5, 6, 7], GREEDY, request_id="dup")

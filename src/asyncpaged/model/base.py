@@ -7,6 +7,7 @@ to ignore, a tied LM head) through the hooks below.
 
 from __future__ import annotations
 
+from abc import ABCMeta, abstractmethod
 from typing import Any, ClassVar
 
 import torch
@@ -16,7 +17,7 @@ from asyncpaged.model.attention import AttentionBackend, AttentionMetadata, Torc
 from asyncpaged.model.kv_cache import PagedKVCache
 
 
-class CausalLM(nn.Module):
+class CausalLM(nn.Module, metaclass=ABCMeta):
     """A decoder-only LM over a flat token batch (no padding) and a paged KV cache."""
 
     #: Prefix of the transformers base model ("model.", "transformer."); checkpoints saved from the
@@ -36,6 +37,7 @@ class CausalLM(nn.Module):
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         self.attn_backend: AttentionBackend = TorchAttentionBackend()
 
+    @abstractmethod
     def forward(
         self,
         input_ids: torch.Tensor,
@@ -44,11 +46,10 @@ class CausalLM(nn.Module):
         kv_cache: PagedKVCache,
     ) -> torch.Tensor:
         """input_ids [T], positions [T] -> final hidden states [T, H] (after the final norm)."""
-        raise NotImplementedError
 
+    @abstractmethod
     def lm_head_weight(self) -> torch.Tensor:
         """[V, H] output embedding (the input embedding when tied)."""
-        raise NotImplementedError
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, H] (rows that sample) -> float32 logits [N, V]."""
