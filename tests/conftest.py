@@ -7,7 +7,10 @@ randomized search (``dev`` is a quick one for editing).
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 
+import pytest
+import structlog
 from hypothesis import HealthCheck, settings
 
 settings.register_profile(
@@ -29,3 +32,10 @@ settings.register_profile(
 )
 settings.register_profile("dev", max_examples=30, stateful_step_count=30, deadline=None)
 settings.load_profile(os.environ.get("ASYNCPAGED_HYPOTHESIS_PROFILE", "ci"))
+
+
+@pytest.fixture(autouse=True)
+def _reset_structlog() -> Iterator[None]:
+    """The command line configures structlog (it is an application); undo it after each test."""
+    yield
+    structlog.reset_defaults()

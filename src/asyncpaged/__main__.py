@@ -7,15 +7,31 @@ import sys
 from collections.abc import Sequence
 
 
+def _configure_logging(level: str) -> None:
+    """The command line is an application: it routes the library's structlog events to stderr."""
+    import logging
+    import sys
+
+    import structlog
+
+    structlog.configure(
+        wrapper_class=structlog.make_filtering_bound_logger(getattr(logging, level.upper())),
+        logger_factory=structlog.PrintLoggerFactory(sys.stderr),
+    )
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="asyncpaged", description=__doc__)
+    parser.add_argument("--log-level", default="warning", help="engine events on stderr")
     sub = parser.add_subparsers(dest="command", required=True)
-    from asyncpaged.tools import pool_bench, sharing_report, waste_report
+    from asyncpaged.tools import demo, pool_bench, sharing_report, waste_report
 
+    demo.add_parser(sub)
     waste_report.add_parser(sub)
     pool_bench.add_parser(sub)
     sharing_report.add_parser(sub)
     args = parser.parse_args(argv)
+    _configure_logging(args.log_level)
     result: int = args.func(args)
     return result
 

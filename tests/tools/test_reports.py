@@ -61,3 +61,15 @@ def test_sharing_saves_memory_and_more_with_more_sequences() -> None:
     assert 0.0 < two < six < 0.5
     beams = beam_search_saving(ALPACA, 4, num_requests=8)
     assert 0.2 < beams < 0.9
+
+
+def test_demo_and_generate_commands(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    from asyncpaged.testing.tiny_models import build_tiny_checkpoint
+
+    model = str(build_tiny_checkpoint("llama-gqa", tmp_path / "m"))
+    assert main(["demo", "--model", model, "--num-streams", "3", "--max-tokens", "4"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert sorted(line[:3] for line in out if line.startswith("[")) == ["[0]", "[1]", "[2]"]
+    assert out[-1].startswith("running 0  waiting 0  swapped 0")
+    assert main(["generate", "--model", model, "The block", "--max-tokens", "4"]) == 0
+    assert capsys.readouterr().out.startswith("The block")
