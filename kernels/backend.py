@@ -13,6 +13,7 @@ before this package is imported).
 from __future__ import annotations
 
 import itertools
+from collections.abc import Sequence
 from typing import Literal
 
 import torch
@@ -21,7 +22,7 @@ from asyncpaged.model.attention import AttentionBackend, AttentionMetadata, Torc
 from asyncpaged.model.kv_cache import PagedKVCache
 
 from ._util import is_interpreted
-from .cache_ops import reshape_and_cache
+from .cache_ops import copy_blocks, reshape_and_cache
 from .paged_attention import (
     TilePlan,
     _paged_attention_kernel,
@@ -64,6 +65,10 @@ class TritonAttentionBackend(AttentionBackend):
         if block_q not in self._plans:
             self._plans[block_q] = plan_tiles(query_lens, block_q, md.query_start_loc.device)
         return self._plans[block_q]
+
+    def copy_blocks(self, kv_cache: PagedKVCache, pairs: Sequence[tuple[int, int]]) -> None:
+        """Copy-on-write with the all-layer Triton kernel (one launch)."""
+        copy_blocks(kv_cache.key, kv_cache.value, pairs)
 
     def forward(
         self,

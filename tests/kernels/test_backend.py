@@ -78,3 +78,49 @@ def test_factory_picks_by_device_and_name() -> None:
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_factory_picks_triton_on_cuda() -> None:
     assert isinstance(make_attention_backend("cuda"), TritonAttentionBackend)
+
+
+def test_backend_copy_on_write_uses_the_kernel_and_matches_torch() -> None:
+    from asyncpaged.model.kv_cache import PagedKVCache
+
+    device = torch.device("cuda" if NATIVE else "cpu")
+
+    def cache() -> PagedKVCache:
+        c = PagedKVCache(num_layers=3, num_blocks=12, block_size=16, num_kv_heads=2, head_dim=64,
+                         dtype=torch.float32, device=device, fill_value=float("nan"))  # fmt: skip
+        g = torch.Generator(device="cpu").manual_seed(0)
+        c.key[:, :6] = torch.randn(c.key[:, :6].shape, generator=g).to(device)
+        c.value[:, :6] = torch.randn(c.value[:, :6].shape, generator=g).to(device)
+        return c
+
+    pairs = ((1, 7), (4, 9), (0, 11))
+    want, got = cache(), cache()
+    TorchAttentionBackend().copy_blocks(want, pairs)
+    TritonAttentionBackend().copy_blocks(got, pairs)
+    assert torch.equal(got.key.isnan(), want.key.isnan())  # untouched blocks stay NaN
+    assert torch.equal(got.key.nan_to_num(), want.key.nan_to_num())
+    assert torch.equal(got.value.nan_to_num(), want.value.nan_to_num())
+    assert not got.key[:, 7].isnan().any()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (scripts/gpu_check.sh)")
+def test_cuda_swap_round_trip_on_a_side_stream() -> None:
+    from asyncpaged.model.kv_cache import PagedKVCache, swap_in, swap_out
+
+    def cache(device: str, n: int, pin: bool = False) -> PagedKVCache:
+        return PagedKVCache(num_layers=2, num_blocks=n, block_size=16, num_kv_heads=2, head_dim=64,
+                            dtype=torch.float16, device=device, fill_value=float("nan"),
+                            pin_memory=pin)  # fmt: skip
+
+    gpu, host = cache("cuda", 8), cache("cpu", 8, pin=True)
+    gpu.key.normal_()
+    gpu.value.normal_()
+    stream = torch.cuda.Stream()
+    swap_out(gpu, host, ((1, 5), (3, 0)), stream)
+    assert torch.equal(host.key[:, 5], gpu.key[:, 1].cpu())
+    assert host.key[:, 1].isnan().all()
+    back = cache("cuda", 8)
+    swap_in(back, host, ((5, 2), (0, 6)), stream)
+    assert torch.equal(back.value[:, 2], gpu.value[:, 1])
+    assert torch.equal(back.key[:, 6], gpu.key[:, 3])
+    assert back.key[:, 0].isnan().all()

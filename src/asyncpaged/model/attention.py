@@ -90,6 +90,10 @@ class AttentionBackend(ABC):
     ) -> torch.Tensor:
         """query [T, Hq, D], key/value [T, Hkv, D] -> attention output [T, Hq, D]."""
 
+    def copy_blocks(self, kv_cache: PagedKVCache, pairs: Sequence[tuple[int, int]]) -> None:
+        """Copy-on-write before a step: block ``src`` onto ``dst`` in every layer."""
+        kv_cache.copy_blocks(pairs)
+
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class _DecodeGroup:

@@ -48,8 +48,10 @@ class PagedKVCache:
         dtype: torch.dtype,
         device: torch.device | str = "cpu",
         fill_value: float | None = None,
+        pin_memory: bool = False,
     ) -> None:
-        """Allocate the cache; ``fill_value`` (e.g. NaN in tests) poisons unused memory."""
+        """Allocate the cache; ``fill_value`` (e.g. NaN in tests) poisons unused memory;
+        ``pin_memory`` page-locks a host cache that swaps with a CUDA one (async copies)."""
         self.num_layers = num_layers
         self.num_blocks = num_blocks
         self.block_size = block_size
@@ -57,12 +59,11 @@ class PagedKVCache:
         self.head_dim = head_dim
         key_shape = (num_layers, num_blocks, num_kv_heads, head_dim, block_size)
         value_shape = (num_layers, num_blocks, num_kv_heads, block_size, head_dim)
-        if fill_value is None:
-            self.key = torch.zeros(key_shape, dtype=dtype, device=device)
-            self.value = torch.zeros(value_shape, dtype=dtype, device=device)
-        else:
-            self.key = torch.full(key_shape, fill_value, dtype=dtype, device=device)
-            self.value = torch.full(value_shape, fill_value, dtype=dtype, device=device)
+        fill = 0.0 if fill_value is None else fill_value
+        self.key = torch.full(key_shape, fill, dtype=dtype, device=device, pin_memory=pin_memory)
+        self.value = torch.full(
+            value_shape, fill, dtype=dtype, device=device, pin_memory=pin_memory
+        )
 
     @property
     def dtype(self) -> torch.dtype:
@@ -118,27 +119,56 @@ def _check_compatible(a: PagedKVCache, b: PagedKVCache) -> None:
     assert a.dtype == b.dtype, f"caches differ in dtype: {a.dtype} vs {b.dtype}"
 
 
-def swap_blocks(src: PagedKVCache, dst: PagedKVCache, pairs: Sequence[tuple[int, int]]) -> None:
-    """Copy block ``s`` of ``src`` onto block ``d`` of ``dst`` for each (s, d), in every layer."""
+def swap_blocks(
+    src: PagedKVCache,
+    dst: PagedKVCache,
+    pairs: Sequence[tuple[int, int]],
+    stream: torch.cuda.Stream | None = None,
+) -> None:
+    """Copy block ``s`` of ``src`` onto block ``d`` of ``dst`` for each (s, d), in every layer.
+
+    Returns when the copy has landed. With a CUDA ``stream`` (a swap between a CUDA cache and a
+    pinned host cache) the transfer runs on that side stream, non-blocking, so the forward on the
+    default stream goes on meanwhile; the blocks it moves belong to no scheduled sequence, and
+    the step that last wrote them has finished (the runner synchronizes at each step's end).
+    """
     _check_compatible(src, dst)
     if not pairs:
         return
     src_idx, dst_idx = _pair_indices(pairs, src.key.device)
     dst_idx = dst_idx.to(dst.key.device)
-    # Blocking copies: a non-blocking device-to-host copy would be read before it lands.
-    dst.key[:, dst_idx] = src.key[:, src_idx].to(dst.key.device)
-    dst.value[:, dst_idx] = src.value[:, src_idx].to(dst.value.device)
+    if stream is None:
+        dst.key[:, dst_idx] = src.key[:, src_idx].to(dst.key.device)
+        dst.value[:, dst_idx] = src.value[:, src_idx].to(dst.value.device)
+        return
+    landed: list[tuple[torch.Tensor, torch.Tensor]] = []
+    with torch.cuda.stream(stream):
+        for s_t, d_t in ((src.key, dst.key), (src.value, dst.value)):
+            block = s_t[:, src_idx]  # gathered on the source's device
+            if d_t.is_cuda:
+                d_t[:, dst_idx] = block.pin_memory().to(d_t.device, non_blocking=True)
+            else:
+                landed.append((d_t, block.to("cpu", non_blocking=True)))
+    stream.synchronize()
+    for d_t, block in landed:  # device -> host: only readable once the stream is done
+        d_t[:, dst_idx] = block
 
 
 def swap_out(
-    device_cache: PagedKVCache, host_cache: PagedKVCache, pairs: Sequence[tuple[int, int]]
+    device_cache: PagedKVCache,
+    host_cache: PagedKVCache,
+    pairs: Sequence[tuple[int, int]],
+    stream: torch.cuda.Stream | None = None,
 ) -> None:
     """Copy (device block, host block) pairs from the device cache to the host cache."""
-    swap_blocks(device_cache, host_cache, pairs)
+    swap_blocks(device_cache, host_cache, pairs, stream)
 
 
 def swap_in(
-    device_cache: PagedKVCache, host_cache: PagedKVCache, pairs: Sequence[tuple[int, int]]
+    device_cache: PagedKVCache,
+    host_cache: PagedKVCache,
+    pairs: Sequence[tuple[int, int]],
+    stream: torch.cuda.Stream | None = None,
 ) -> None:
     """Copy (host block, device block) pairs from the host cache back to the device cache."""
-    swap_blocks(host_cache, device_cache, pairs)
+    swap_blocks(host_cache, device_cache, pairs, stream)

@@ -117,6 +117,8 @@ class ModelRunner:
         self.dtype = self.model.lm_head_weight().dtype
         self.block_size = block_size
 
+        on_cuda = self.device.type == "cuda"
+
         def make_cache(n: int, device: torch.device) -> PagedKVCache:
             return PagedKVCache(
                 num_layers=self.model.num_layers,
@@ -127,19 +129,24 @@ class ModelRunner:
                 dtype=self.dtype,
                 device=device,
                 fill_value=kv_fill_value,
+                pin_memory=on_cuda and device.type == "cpu",
             )
 
         self.kv_cache = make_cache(num_blocks, self.device)
         self.host_kv_cache = make_cache(num_host_blocks, torch.device("cpu"))
+        # Swaps on CUDA: pinned host blocks, non-blocking copies on a side stream.
+        self._swap_stream = (
+            torch.cuda.Stream(self.device) if on_cuda else None  # type: ignore[no-untyped-call]
+        )
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
 
     def swap_out(self, pairs: tuple[tuple[int, int], ...]) -> None:
         """Copy (device block, host block) pairs to the host cache."""
-        swap_out(self.kv_cache, self.host_kv_cache, pairs)
+        swap_out(self.kv_cache, self.host_kv_cache, pairs, self._swap_stream)
 
     def swap_in(self, pairs: tuple[tuple[int, int], ...]) -> None:
         """Copy (host block, device block) pairs back to the device cache."""
-        swap_in(self.kv_cache, self.host_kv_cache, pairs)
+        swap_in(self.kv_cache, self.host_kv_cache, pairs, self._swap_stream)
 
     def _check(self, seq: SequenceStep) -> None:
         num_new = len(seq.token_ids)
@@ -155,7 +162,7 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> StepResult:
         """Run one step: copy-on-write, forward over the flat batch, sampling."""
-        self.kv_cache.copy_blocks(plan.copy_pairs)
+        self.model.attn_backend.copy_blocks(self.kv_cache, plan.copy_pairs)
         if not plan.seqs:
             return StepResult(sampled=())
         input_ids: list[int] = []
