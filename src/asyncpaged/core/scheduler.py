@@ -245,8 +245,9 @@ class Scheduler:
         admissions: list[Admission] = []
         if not plan.preempted and not self.swapped:
             admissions = self._plan_admissions(plan)
-        newest = [*self.running, *(self.requests[a.request_id] for a in admissions)]
-        report = tuple(tuple(s.seq_id for s in r.live_seqs) for r in newest[-NUM_REPORTED_GROUPS:])
+        # The newest running groups; the allocator adds the groups it admits.
+        newest = self.running[-NUM_REPORTED_GROUPS:]
+        report = tuple(tuple(s.seq_id for s in r.live_seqs) for r in newest)
         self._preempted = tuple(plan.preempted)
         return StepTxn(
             complete_swaps=tuple(completes),
@@ -278,6 +279,9 @@ class Scheduler:
             chunks = _chunks(request, plan)
             if chunks is None:
                 break  # token or sequence budget spent
+            if not chunks:
+                i += 1  # beams that reported wait for their siblings: nothing to compute
+                continue
             need = sum(self._blocks_to_append(s, n, s.seq_id in shared) for s, n in chunks)
             while need > plan.free and need > plan.free + plan.coming:
                 victim = self.running[-1]
@@ -628,14 +632,14 @@ class Scheduler:
 
 
 def _chunks(request: Request, plan: _Plan) -> list[tuple[Sequence, int]] | None:
-    """(sequence, tokens to compute) for a running request, or None if over budget."""
+    """(sequence, tokens to compute) for a running request, or None if over budget; empty when
+    none of its sequences has anything to compute this step."""
     seqs = request.live_seqs
     if plan.seats_left < len(seqs) or plan.budget_left < len(seqs):
         return None
     share = plan.budget_left // len(seqs)
     # A beam that reported waits (nothing to compute) until its siblings have too.
-    chunks = [(s, min(s.num_uncomputed, share)) for s in seqs if s.num_uncomputed]
-    return chunks or None
+    return [(s, min(s.num_uncomputed, share)) for s in seqs if s.num_uncomputed]
 
 
 def _insort(queue: list[Request], request: Request) -> None:
