@@ -1,0 +1,246 @@
+"""Train asyncpaged's built-in default model: a tiny Llama on Python's own documentation.
+
+Everything comes from the running Python, offline: the reference-manual topics in
+``pydoc_data.topics.topics`` (all of them but the held-out ``HELD_OUT_TOPICS``) plus the
+``__doc__`` of importable standard-library modules and of the callables in their ``__all__``.
+A byte-level BPE tokenizer is trained by ``tokenizers`` on the same text (special tokens
+``<pad>``, ``<s>``, ``</s>``, ``<unk>`` are ids 0-3), then a ``LlamaForCausalLM`` is trained on
+``<s> document </s>`` concatenated into one stream, cut into random windows. The result is saved
+with ``save_pretrained`` (float32) as a Hugging Face checkpoint directory.
+
+Deterministic for a given Python / torch build: the corpus order is sorted, torch is seeded and
+the window order comes from a seeded generator. (The stdlib docstrings differ between Python
+versions, so a different interpreter trains on slightly different text.)
+
+Usage::
+
+    python scripts/train_default_model.py --steps 1600 --threads 2 \
+        --out src/asyncpaged/default_model/checkpoint
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib
+import io
+import json
+import math
+import pathlib
+import sys
+import time
+import warnings
+
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+SPECIAL_TOKENS = ["<pad>", "<s>", "</s>", "<unk>"]
+# Kept out of training so a test can compare trained vs random-init loss on unseen docs text.
+HELD_OUT_TOPICS = ("global", "nonlocal")
+# Importing these has side effects (a browser, printing, GUI) or they are not documentation.
+SKIP_MODULES = frozenset(
+    {"antigravity", "this", "idlelib", "tkinter", "turtle", "turtledemo", "__main__", "pydoc_data"}
+)
+MIN_DOC_CHARS = 40
+
+
+def stdlib_docstrings() -> list[str]:
+    """Module docstrings plus docstrings of the public callables each module lists in __all__."""
+    docs: list[str] = []
+    for name in sorted(sys.stdlib_module_names):
+        if name.startswith("_") or name in SKIP_MODULES:
+            continue
+        try:
+            with (
+                warnings.catch_warnings(),
+                contextlib.redirect_stdout(io.StringIO()),
+                contextlib.redirect_stderr(io.StringIO()),
+            ):
+                warnings.simplefilter("ignore")
+                module = importlib.import_module(name)
+        except Exception:  # a platform without the module just skips it
+            continue
+        docs.append(module.__doc__ or "")
+        for attr in sorted(getattr(module, "__all__", None) or []):
+            obj = getattr(module, attr, None)
+            if obj is not None and callable(obj):
+                doc = getattr(obj, "__doc__", None)
+                if isinstance(doc, str):
+                    docs.append(doc)
+    return docs
+
+
+def build_corpus() -> list[str]:
+    """Topics first (sorted by key), then deduplicated stdlib docstrings; all stripped."""
+    from pydoc_data.topics import topics
+
+    seen: set[str] = set()
+    corpus: list[str] = []
+    candidates = [topics[k] for k in sorted(topics) if k not in HELD_OUT_TOPICS]
+    candidates += stdlib_docstrings()
+    held_out = {topics[k].strip() for k in HELD_OUT_TOPICS}
+    for doc in candidates:
+        text = doc.strip()
+        if len(text) >= MIN_DOC_CHARS and text not in seen and text not in held_out:
+            seen.add(text)
+            corpus.append(text)
+    return corpus
+
+
+def train_tokenizer(corpus: list[str], vocab_size: int) -> PreTrainedTokenizerFast:
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        min_frequency=2,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(corpus, trainer=trainer)
+    for i, special in enumerate(SPECIAL_TOKENS):
+        assert tok.token_to_id(special) == i, (special, tok.token_to_id(special))
+    # Prompts start with <s>, like every training document does.
+    tok.post_processor = processors.TemplateProcessing(
+        single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", 1)]
+    )
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token="<s>",
+        eos_token="</s>",
+        pad_token="<pad>",
+        unk_token="<unk>",
+        model_max_length=512,
+        clean_up_tokenization_spaces=False,
+    )
+
+
+def encode_stream(tokenizer: PreTrainedTokenizerFast, corpus: list[str]) -> torch.Tensor:
+    ids: list[int] = []
+    bos, eos = tokenizer.bos_token_id, tokenizer.eos_token_id
+    assert isinstance(bos, int)
+    assert isinstance(eos, int)
+    for doc in corpus:
+        ids.append(bos)
+        ids.extend(tokenizer.encode(doc, add_special_tokens=False))
+        ids.append(eos)
+    return torch.tensor(ids, dtype=torch.long)
+
+
+def lr_at(step: int, steps: int, peak: float, warmup: int) -> float:
+    if step < warmup:
+        return peak * (step + 1) / warmup
+    progress = (step - warmup) / max(1, steps - warmup)
+    return peak * (0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * progress)))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=1600)
+    parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("checkpoint"))
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--seq-len", type=int, default=128)
+    parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--warmup", type=int, default=100)
+    parser.add_argument("--vocab", type=int, default=3072)
+    parser.add_argument("--hidden", type=int, default=192)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--heads", type=int, default=6)
+    parser.add_argument("--kv-heads", type=int, default=2)
+    parser.add_argument("--intermediate", type=int, default=512)
+    parser.add_argument("--log-every", type=int, default=50)
+    args = parser.parse_args()
+
+    start = time.perf_counter()
+    torch.manual_seed(args.seed)
+    torch.set_num_threads(args.threads)
+    torch.use_deterministic_algorithms(True)
+    torch.set_flush_denormal(True)  # denormals slow CPU matmuls badly
+
+    corpus = build_corpus()
+    tokenizer = train_tokenizer(corpus, args.vocab)
+    data = encode_stream(tokenizer, corpus)
+    chars = sum(len(d) for d in corpus)
+    print(
+        f"corpus: {len(corpus)} documents, {chars} chars, {data.numel()} tokens "
+        f"(vocab {len(tokenizer)}); {time.perf_counter() - start:.1f}s",
+        flush=True,
+    )
+
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=args.hidden,
+        intermediate_size=args.intermediate,
+        num_hidden_layers=args.layers,
+        num_attention_heads=args.heads,
+        num_key_value_heads=args.kv_heads,
+        max_position_embeddings=512,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=True,
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+    )
+    model = LlamaForCausalLM(config)
+    model.train()
+    n_params = sum(p.numel() for p in model.parameters())
+    print(f"model: {n_params} parameters", flush=True)
+
+    decay = [p for n, p in model.named_parameters() if p.ndim >= 2]
+    no_decay = [p for n, p in model.named_parameters() if p.ndim < 2]
+    optimizer = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=args.lr,
+        betas=(0.9, 0.95),
+    )
+    gen = torch.Generator().manual_seed(args.seed)
+    window = args.seq_len + 1
+    offsets = torch.arange(window)
+    running = 0.0
+    train_start = time.perf_counter()
+    for step in range(args.steps):
+        for group in optimizer.param_groups:
+            group["lr"] = lr_at(step, args.steps, args.lr, args.warmup)
+        starts = torch.randint(0, data.numel() - window, (args.batch,), generator=gen)
+        batch = data[starts[:, None] + offsets[None, :]]
+        loss = model(input_ids=batch, labels=batch).loss
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        running += loss.item()
+        if (step + 1) % args.log_every == 0 or step + 1 == args.steps:
+            count = (step % args.log_every) + 1
+            elapsed = time.perf_counter() - train_start
+            print(
+                f"step {step + 1}/{args.steps} loss {running / count:.4f} "
+                f"lr {optimizer.param_groups[0]['lr']:.2e} {elapsed:.0f}s",
+                flush=True,
+            )
+            running = 0.0
+
+    model.eval()
+    args.out.mkdir(parents=True, exist_ok=True)
+    model.generation_config = GenerationConfig(
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    model.save_pretrained(args.out, safe_serialization=True)
+    tokenizer.save_pretrained(args.out)
+    # transformers 5 writes its own class name; the generic fast class loads in 4.x and 5.x.
+    tok_config_path = args.out / "tokenizer_config.json"
+    tok_config = json.loads(tok_config_path.read_text())
+    tok_config["tokenizer_class"] = "PreTrainedTokenizerFast"
+    tok_config_path.write_text(json.dumps(tok_config, indent=2, sort_keys=True) + "\n")
+    total = sum(f.stat().st_size for f in args.out.iterdir() if f.is_file())
+    print(f"saved to {args.out}: {total} bytes", flush=True)
+    print(f"total time {time.perf_counter() - start:.0f}s", flush=True)
+
+
+if __name__ == "__main__":
+    main()
