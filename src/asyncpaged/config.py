@@ -21,6 +21,9 @@ class EngineConfig:
     preemption then always recomputes). ``max_model_len`` defaults to the model's
     ``max_position_embeddings``. ``watermark`` is the share of device blocks kept free when
     admitting new requests, so that running ones rarely need preempting right after.
+
+    ``packed_linears`` and ``screened_lm_head`` are exact CPU float32 speed-ups (see
+    docs/tuning.md); turning them off changes speed, not tokens. They do nothing elsewhere.
     """
 
     model: str
@@ -38,6 +41,8 @@ class EngineConfig:
     watermark: float = 0.01
     seed: int = 0
     attention_backend: Literal["auto", "torch", "triton"] = "auto"  # auto: Triton on CUDA
+    packed_linears: bool = True  # CPU fp32: oneDNN pre-packed weights (exact)
+    screened_lm_head: bool = True  # CPU fp32: greedy argmax through a bf16 screen (exact)
 
     def __post_init__(self) -> None:
         checks = [

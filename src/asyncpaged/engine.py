@@ -125,7 +125,9 @@ class AsyncEngine:
         backend = _attention_backend(cfg)
         self.runner = await anyio.to_thread.run_sync(
             lambda: ModelRunner(cfg.model, dtype, num_device, cfg.block_size, num_host,
-                                device=cfg.device, seed=cfg.seed, attn_backend=backend)
+                                device=cfg.device, seed=cfg.seed, attn_backend=backend,
+                                packed_linears=cfg.packed_linears,
+                                screened_lm_head=cfg.screened_lm_head)
         )  # fmt: skip
         self.tokenizer = await anyio.to_thread.run_sync(load_tokenizer, cfg.model)
         eos = getattr(self.tokenizer, "eos_token_id", None)

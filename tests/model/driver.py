@@ -55,8 +55,9 @@ class SimSequence:
 
 
 class Driver:
-    def __init__(self, runner: ModelRunner, *, seed: int = 0) -> None:
+    def __init__(self, runner: ModelRunner, *, seed: int = 0, want_logprob: bool = True) -> None:
         self.runner = runner
+        self.want_logprob = want_logprob  # False: plain greedy rows (the screened LM head path)
         self.block_size = runner.block_size
         rng = random.Random(seed)
         self.free = list(range(runner.kv_cache.num_blocks))
@@ -107,7 +108,7 @@ class Driver:
             slot_mapping=slots,
             block_table=tuple(seq.blocks),
             do_sample=do_sample,
-            want_logprob=True,
+            want_logprob=self.want_logprob,
             sampling=seq.step_sampling() if do_sample else None,
         )
 
@@ -128,8 +129,9 @@ class Driver:
             seq = by_id[sampled.seq_id]
             seq.output.append(sampled.token_id)
             seq.sampled.append(sampled)
-            assert sampled.logprob is not None
-            seq.logprobs.append(sampled.logprob)
+            if self.want_logprob:
+                assert sampled.logprob is not None
+                seq.logprobs.append(sampled.logprob)
         assert {s.seq_id for s in result.sampled} == {st.seq_id for st in steps if st.do_sample}
         for seq in chosen:
             if seq.is_finished:

@@ -55,7 +55,7 @@ def _make_sequences(seed: int, *, chunked: bool = True) -> list[SimSequence]:
     return seqs
 
 
-def _runner(path: Path, num_blocks: int = 64) -> ModelRunner:
+def _runner(path: Path, num_blocks: int = 64, **levers: bool) -> ModelRunner:
     return ModelRunner(
         path,
         "float32",
@@ -63,6 +63,7 @@ def _runner(path: Path, num_blocks: int = 64) -> ModelRunner:
         block_size=16,
         num_host_blocks=16,
         kv_fill_value=float("nan"),
+        **levers,
     )
 
 
@@ -70,8 +71,40 @@ def _assert_matches(seqs: list[SimSequence], ref: HFReference) -> None:
     for seq in seqs:
         tokens, logprobs = ref.generate(seq.prompt, seq.max_new_tokens)
         assert seq.output == tokens, f"seq {seq.seq_id} (prompt len {len(seq.prompt)}) diverged"
-        for got, want in zip(seq.logprobs, logprobs, strict=True):
-            assert abs(got - want) <= LOGPROB_TOL, (seq.seq_id, got, want)
+        if seq.logprobs:
+            for got, want in zip(seq.logprobs, logprobs, strict=True):
+                assert abs(got - want) <= LOGPROB_TOL, (seq.seq_id, got, want)
+
+
+@pytest.mark.parametrize("packed", [True, False], ids=["packed", "plain-linear"])
+@pytest.mark.parametrize("screened", [True, False], ids=["screened-head", "full-head"])
+@pytest.mark.parametrize("name", ["llama-gqa", "llama-mha", "opt", "gpt2"])
+def test_cpu_levers_keep_greedy_equal_to_transformers(
+    name: str,
+    packed: bool,
+    screened: bool,
+    tiny_checkpoint: Callable[[str], Path],
+    hf_reference: Callable[[str], HFReference],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Plain greedy rows (no logprobs) take the screened head; each lever on and off."""
+    from asyncpaged.model import lm_head, packed_linear
+
+    screens: list[int] = []
+    original = lm_head.ScreenedLMHead.argmax
+
+    def spy(self: lm_head.ScreenedLMHead, hidden: torch.Tensor) -> torch.Tensor:
+        screens.append(hidden.shape[0])
+        return original(self, hidden)
+
+    monkeypatch.setattr(lm_head.ScreenedLMHead, "argmax", spy)
+    runner = _runner(tiny_checkpoint(name), packed_linears=packed, screened_lm_head=screened)
+    num_packed = sum(packed_linear.PACKED_ATTR in m.__dict__ for m in runner.model.modules())
+    assert (num_packed > 0) == (packed and packed_linear.packing_supported())
+    seqs = _make_sequences(seed=4)
+    Driver(runner, seed=5, want_logprob=False).run(seqs)
+    assert bool(screens) == screened
+    _assert_matches(seqs, hf_reference(name))
 
 
 @pytest.mark.parametrize("name", FAMILIES)

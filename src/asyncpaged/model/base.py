@@ -15,6 +15,9 @@ from torch import nn
 
 from asyncpaged.model.attention import AttentionBackend, AttentionMetadata, TorchAttentionBackend
 from asyncpaged.model.kv_cache import PagedKVCache
+from asyncpaged.model.packed_linear import linear
+
+__all__ = ["CausalLM", "linear"]
 
 
 class CausalLM(nn.Module, metaclass=ABCMeta):
@@ -62,8 +65,3 @@ class CausalLM(nn.Module, metaclass=ABCMeta):
 
     def is_transposed_checkpoint_key(self, name: str) -> bool:
         return name.endswith(self.transposed_suffixes) and name.endswith(".weight")
-
-
-def linear(layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    """Typed ``layer(x)``: x [..., in] -> [..., out]."""
-    return torch.nn.functional.linear(x, layer.weight, layer.bias)

@@ -20,7 +20,9 @@ import torch
 from asyncpaged.model.attention import AttentionBackend, AttentionMetadata
 from asyncpaged.model.base import CausalLM
 from asyncpaged.model.kv_cache import PagedKVCache, swap_in, swap_out
+from asyncpaged.model.lm_head import ScreenedLMHead
 from asyncpaged.model.loader import load_model
+from asyncpaged.model.packed_linear import pack_linears
 from asyncpaged.model.sampler import SamplerOutput, SamplingOptions, sample
 
 
@@ -100,10 +102,15 @@ class ModelRunner:
         attn_backend: AttentionBackend | None = None,
         kv_fill_value: float | None = None,
         seed: int = 0,
+        packed_linears: bool = True,
+        screened_lm_head: bool = True,
     ) -> None:
         """Load the checkpoint and allocate caches; ``kv_fill_value`` poisons them (tests: NaN).
 
-        ``seed`` seeds the generator of random rows without a per-request seed.
+        ``seed`` seeds the generator of random rows without a per-request seed. The two exact CPU
+        levers apply to float32 models on CPU only: ``packed_linears`` pre-packs the layers'
+        weights for oneDNN (``packed_linear``), ``screened_lm_head`` picks greedy tokens through
+        a bf16 screen (``lm_head``) when every row of a step is plain greedy.
         """
         if num_blocks <= 0 or block_size <= 0 or num_host_blocks < 0:
             raise ValueError(
@@ -116,6 +123,12 @@ class ModelRunner:
             self.model.attn_backend = attn_backend
         self.dtype = self.model.lm_head_weight().dtype
         self.block_size = block_size
+        cpu_fp32 = self.device.type == "cpu" and self.dtype == torch.float32
+        if packed_linears and cpu_fp32:
+            pack_linears(self.model, batch_hint=64, keep=(self.model.lm_head_weight(),))
+        self.screened_head = (
+            ScreenedLMHead(self.model.lm_head_weight()) if screened_lm_head and cpu_fp32 else None
+        )
 
         on_cuda = self.device.type == "cuda"
 
@@ -200,7 +213,14 @@ class ModelRunner:
             for i in sampling
             for _ in range(len(plan.seqs[i].fanout) or 1)
         ]
-        logits = self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)])
+        hidden = hidden[torch.tensor(rows, device=self.device)]
+        if self.screened_head is not None and all(_plain_greedy(s, o) for s, _, o in draws):
+            token_ids = self.screened_head.argmax(hidden)
+            none = None
+            out = SamplerOutput(token_ids=token_ids, logprobs=none, ranks=none,
+                                top_token_ids=none, top_logprobs=none)  # fmt: skip
+            return StepResult(sampled=_sampled_tokens(draws, out))
+        logits = self.model.compute_logits(hidden)
         out = sample(
             logits,
             [opt for _, _, opt in draws],
@@ -208,6 +228,18 @@ class ModelRunner:
             generator=self.generator,
         )
         return StepResult(sampled=_sampled_tokens(draws, out))
+
+
+def _plain_greedy(seq: SequenceStep, opt: SamplingOptions | None) -> bool:
+    """A row whose token is the plain argmax of its logits (no logprobs, masks or penalties)."""
+    if seq.want_logprob:
+        return False
+    return opt is None or (
+        opt.is_greedy
+        and not opt.has_penalties
+        and not opt.min_tokens_mask_ids
+        and opt.num_logprobs is None
+    )
 
 
 def _sampled_tokens(

@@ -1,0 +1,78 @@
+"""Pre-packed oneDNN fp32 linears for the CPU path (an exact lever, on by default).
+
+``F.linear`` re-lays the weight out for oneDNN on every call; packing each weight once
+(``torch.ops.mkldnn._reorder_linear_weight``) and calling ``torch.ops.mkldnn._linear_pointwise``
+skips that. These are private torch ops, so everything falls back to ``F.linear``: when the ops
+are missing, the tensors are not fp32 on CPU, or packing fails. The packed weight replaces the
+plain one (``layer.weight`` becomes an empty placeholder), so weights are not held twice.
+
+The result is fp32 math with a different summation order than ``F.linear``, which is how any two
+GEMM shapes already differ; greedy output stays equal to transformers (tests check both ways).
+"""
+
+from __future__ import annotations
+
+import structlog
+import torch
+from torch import nn
+
+_log = structlog.get_logger(__name__)
+
+PACKED_ATTR = "packed_weight"
+
+
+def packing_supported() -> bool:
+    """Whether this torch build has the oneDNN linear ops."""
+    return bool(
+        torch.backends.mkldnn.is_available()  # type: ignore[no-untyped-call]
+        and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+        and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+    )
+
+
+def pack_linears(model: nn.Module, batch_hint: int, keep: tuple[torch.Tensor, ...] = ()) -> int:
+    """Pack every fp32 CPU ``nn.Linear`` of ``model`` in place; returns how many were packed.
+
+    Weights in ``keep`` (the LM head, read elsewhere) and weights shared by two modules (a tied
+    embedding) are left alone.
+    """
+    if not packing_supported():
+        _log.info("packed_linears_unavailable")
+        return 0
+    shared = _shared_weight_ids(model) | {id(w) for w in keep}
+    count = 0
+    for module in model.modules():
+        if not isinstance(module, nn.Linear) or PACKED_ATTR in module.__dict__:
+            continue
+        weight = module.weight
+        if weight.dtype != torch.float32 or weight.device.type != "cpu" or id(weight) in shared:
+            continue
+        try:
+            packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), batch_hint)
+        except RuntimeError as exc:  # pragma: no cover - depends on the torch build
+            _log.warning("packed_linears_failed", error=str(exc))
+            return count
+        module.__dict__[PACKED_ATTR] = packed
+        module.weight = nn.Parameter(torch.empty(0), requires_grad=False)
+        count += 1
+    _log.debug("packed_linears", count=count, batch_hint=batch_hint)
+    return count
+
+
+def _shared_weight_ids(model: nn.Module) -> set[int]:
+    seen: dict[int, int] = {}
+    for module in model.modules():
+        for param in module.parameters(recurse=False):
+            seen[id(param)] = seen.get(id(param), 0) + 1
+    return {pid for pid, n in seen.items() if n > 1}
+
+
+def linear(layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    """``layer(x)`` for x [..., in] -> [..., out], through the packed weight when there is one."""
+    packed = layer.__dict__.get(PACKED_ATTR)
+    if packed is not None:
+        out: torch.Tensor = torch.ops.mkldnn._linear_pointwise(
+            x, packed, layer.bias, "none", [], ""
+        )
+        return out
+    return torch.nn.functional.linear(x, layer.weight, layer.bias)
