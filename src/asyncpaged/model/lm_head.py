@@ -28,6 +28,9 @@ from __future__ import annotations
 
 import torch
 
+from asyncpaged.model.packed_linear import packing_supported
+
+SCREEN_CHUNK = 64  # scores are scanned as chunk maxima first: nonzero() over [N, V] is slow
 BF16_UNIT_ROUNDOFF = 2.0**-8
 FP32_UNIT_ROUNDOFF = 2.0**-24
 
@@ -50,18 +53,30 @@ class ScreenedLMHead:
         u, g = BF16_UNIT_ROUNDOFF, hidden * FP32_UNIT_ROUNDOFF / (1 - hidden * FP32_UNIT_ROUNDOFF)
         self.coef_products = ((2 * u + u * u) + g * (1 + u) ** 2) * 1.01
         self.coef_output = u / (1 - u) * 1.01
+        self._packed_bf16: torch.Tensor | None = None
+        if weight.device.type == "cpu" and packing_supported():
+            try:  # oneDNN's pre-packed bf16 weight: same products, about 20% faster
+                self._packed_bf16 = torch.ops.mkldnn._reorder_linear_weight(self.weight_bf16, 64)
+            except RuntimeError:  # pragma: no cover - depends on the torch build
+                self._packed_bf16 = None
 
     def screen(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """hidden [N, H] fp32 -> (candidate rows [K], candidate token ids [K]), row-major."""
-        scores = torch.nn.functional.linear(hidden.to(torch.bfloat16), self.weight_bf16)  # [N, V]
-        low, high = torch.aminmax(scores, dim=-1)  # bf16 [N]
-        high32 = high.float()
-        magnitude = torch.maximum(high32.abs(), low.float().abs())
+        scores = self._screen_logits(hidden.to(torch.bfloat16)).float()  # [N, V]
+        high, low = scores.amax(dim=-1), scores.amin(dim=-1)  # (aminmax is 50x slower)
+        magnitude = torch.maximum(high.abs(), low.abs())
         norms = torch.linalg.vector_norm(hidden, dim=-1)  # [N]
         bound = self.coef_products * norms * self.max_row_norm + self.coef_output * magnitude
-        threshold = high32 - 2 * bound - 1e-30  # [N]
-        rows, cols = torch.nonzero(scores >= threshold[:, None], as_tuple=True)
-        return rows, cols
+        threshold = high - 2 * bound - 1e-30  # [N]
+        return _at_least(scores, threshold, SCREEN_CHUNK)
+
+    def _screen_logits(self, hidden_bf16: torch.Tensor) -> torch.Tensor:
+        if self._packed_bf16 is not None:
+            out: torch.Tensor = torch.ops.mkldnn._linear_pointwise(
+                hidden_bf16, self._packed_bf16, None, "none", [], ""
+            )
+            return out
+        return torch.nn.functional.linear(hidden_bf16, self.weight_bf16)
 
     def argmax(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, H] fp32 -> [N] int64, the argmax of the fp32 logits (ties: lowest id)."""
@@ -79,3 +94,18 @@ class ScreenedLMHead:
         token_ids = torch.full((num_rows,), vocab, dtype=torch.int64, device=hidden.device)
         token_ids.scatter_reduce_(0, rows[is_best], cols[is_best], reduce="amin")
         return token_ids
+
+
+def _at_least(
+    scores: torch.Tensor, threshold: torch.Tensor, chunk: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rows, cols) of ``scores [N, V] >= threshold[:, None]``, row-major, via chunk maxima."""
+    num_rows, vocab = scores.shape
+    pad = -vocab % chunk
+    if pad:
+        scores = torch.nn.functional.pad(scores, (0, pad), value=float("-inf"))
+    chunks = scores.view(num_rows, -1, chunk)  # [N, C, chunk]
+    hit_rows, hit_chunks = torch.nonzero(chunks.amax(dim=-1) >= threshold[:, None], as_tuple=True)
+    inside = chunks[hit_rows, hit_chunks] >= threshold[hit_rows][:, None]  # [K', chunk]
+    which, offset = torch.nonzero(inside, as_tuple=True)
+    return hit_rows[which], hit_chunks[which] * chunk + offset
