@@ -90,6 +90,7 @@ class EngineStatistics:
     num_aborted: int
     num_steps: int
     step_time_s: float
+    compute_time_s: float
 
 
 class AsyncEngine:
@@ -428,4 +429,5 @@ class AsyncEngine:
             num_aborted=sched.num_aborted,
             num_steps=self._scheduler.num_steps,
             step_time_s=self._scheduler.step_time_s,
+            compute_time_s=self._scheduler.compute_time_s,
         )

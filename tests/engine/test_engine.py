@@ -70,6 +70,7 @@ async def test_64_concurrent_requests_match_transformers(
         assert out.prompt_token_ids == list(prompt)
     assert stats.num_finished == 64
     assert stats.num_steps < 64 * 11  # requests were batched together
+    assert 0 < stats.compute_time_s < stats.step_time_s  # the forward is timed inside the step
 
 
 @pytest.mark.parametrize("mode", ["recompute", "swap"])

@@ -74,6 +74,7 @@ class SchedulerActor:
         self._log = log.bind(actor="scheduler")
         self.num_steps = 0
         self.step_time_s = 0.0
+        self.compute_time_s = 0.0
         # engine.pin_prefix waiters: pin id -> (event, what the pool pinned)
         self.pins: dict[int, tuple[anyio.Event, list[PinnedPrefix | None]]] = {}
 
@@ -215,6 +216,7 @@ class SchedulerActor:
                 self._in_flight = None
                 self.num_steps += 1
                 self.step_time_s += duration
+                self.compute_time_s += result.compute_s
                 self._finish_step(out, result.sampled)
             case SwapDone(swap_id=swap_id):
                 self.scheduler.complete_swap(swap_id)

@@ -12,6 +12,7 @@ run them beside steps; the scheduler guarantees they never touch blocks of a sch
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -78,9 +79,14 @@ class SampledToken:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class StepResult:
-    """One entry per sequence with ``do_sample``, in plan order."""
+    """One entry per sequence with ``do_sample``, in plan order.
+
+    ``compute_s``: seconds spent in the model forward, the LM head and sampling (the rest of
+    ``execute`` is building inputs and results: the runner's overhead).
+    """
 
     sampled: tuple[SampledToken, ...]
+    compute_s: float = 0.0
 
 
 class ModelRunner:
@@ -194,15 +200,13 @@ class ModelRunner:
             slot_mapping=slots,
             device=self.device,
         )
-        hidden = self.model(
-            torch.tensor(input_ids, dtype=torch.int64, device=self.device),
-            torch.tensor(positions, dtype=torch.int64, device=self.device),
-            metadata,
-            self.kv_cache,
-        )  # [T, H]
+        input_tensor = torch.tensor(input_ids, dtype=torch.int64, device=self.device)
+        position_tensor = torch.tensor(positions, dtype=torch.int64, device=self.device)
+        began = time.perf_counter()
+        hidden = self.model(input_tensor, position_tensor, metadata, self.kv_cache)  # [T, H]
         sampling = [i for i, s in enumerate(plan.seqs) if s.do_sample]
         if not sampling:
-            return StepResult(sampled=())
+            return StepResult(sampled=(), compute_s=time.perf_counter() - began)
         draws = [
             (plan.seqs[i], k, opt)
             for i in sampling
@@ -219,7 +223,8 @@ class ModelRunner:
             none = None
             out = SamplerOutput(token_ids=token_ids, logprobs=none, ranks=none,
                                 top_token_ids=none, top_logprobs=none)  # fmt: skip
-            return StepResult(sampled=_sampled_tokens(draws, out))
+            compute_s = time.perf_counter() - began
+            return StepResult(sampled=_sampled_tokens(draws, out), compute_s=compute_s)
         logits = self.model.compute_logits(hidden)
         out = sample(
             logits,
@@ -227,7 +232,8 @@ class ModelRunner:
             want_logprobs=any(s.want_logprob for s, _, _ in draws),
             generator=self.generator,
         )
-        return StepResult(sampled=_sampled_tokens(draws, out))
+        compute_s = time.perf_counter() - began
+        return StepResult(sampled=_sampled_tokens(draws, out), compute_s=compute_s)
 
 
 def _plain_greedy(seq: SequenceStep, opt: SamplingOptions | None) -> bool:

@@ -24,7 +24,7 @@ import math
 import random
 from collections import deque
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from asyncpaged.core import BlockPool
 
@@ -83,6 +83,15 @@ class WasteResult:
     num_preemptions: int
 
 
+class StepSample(NamedTuple):
+    """The cache after one step of :func:`simulate` (recorded when it is given a ``trace``)."""
+
+    num_tokens: int  # tokens whose K/V are stored
+    num_reserved_slots: int  # slots held for them (whole blocks, or whole reservations)
+    num_running: int
+    num_waiting: int
+
+
 class _Reservation:
     """Contiguous per-request reservation of ``size(n_in, n_out)`` slots."""
 
@@ -124,7 +133,13 @@ def simulate(
     max_model_len: int = 2048,
     watermark_fraction: float = 0.01,
     seed: int = 0,
+    trace: list[StepSample] | None = None,
 ) -> WasteResult:
+    """Run one workload through one allocator; the result averages over the contended steps.
+
+    With ``trace``, one :class:`StepSample` per step is appended to it: every step, including
+    the drain at the end when nothing waits any more.
+    """
     rng = random.Random(seed)
     lengths = [dist.sample(rng, max_model_len) for _ in range(num_requests)]
     waiting: deque[int] = deque(range(num_requests))
@@ -187,6 +202,8 @@ def simulate(
             reserved = pool.statistics().num_held_device_blocks * block_size
         else:
             reserved = contiguous.reserved()  # type: ignore[union-attr]
+        if trace is not None:
+            trace.append(StepSample(tokens, reserved, len(running), len(waiting)))
         if waiting:  # steady state: the budget is contended
             utils.append((tokens, tokens / reserved))
             concurrency.append(len(running))
