@@ -17,7 +17,25 @@ from asyncpaged.model.attention import AttentionBackend, AttentionMetadata, Torc
 from asyncpaged.model.kv_cache import PagedKVCache
 from asyncpaged.model.packed_linear import linear
 
-__all__ = ["CausalLM", "linear"]
+__all__ = ["CausalLM", "Embedding", "Linear", "linear"]
+
+
+class Linear(nn.Linear):
+    """``nn.Linear`` built uninitialised (``torch.empty``): its weights come from the checkpoint.
+
+    Building on the meta device instead costs about 0.8 s of one-time torch imports per process,
+    and a random init of a large model costs seconds.
+    """
+
+    def reset_parameters(self) -> None:
+        """No init: the loader assigns every parameter."""
+
+
+class Embedding(nn.Embedding):
+    """``nn.Embedding`` built uninitialised, like :class:`Linear`."""
+
+    def reset_parameters(self) -> None:
+        """No init: the loader assigns every parameter."""
 
 
 class CausalLM(nn.Module, metaclass=ABCMeta):

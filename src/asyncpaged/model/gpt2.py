@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from asyncpaged.model.attention import AttentionMetadata
-from asyncpaged.model.base import CausalLM, linear
+from asyncpaged.model.base import CausalLM, Embedding, Linear, linear
 from asyncpaged.model.errors import UnsupportedModelError
 from asyncpaged.model.kv_cache import PagedKVCache
 
@@ -33,8 +33,8 @@ class GPT2Attention(nn.Module):
         self.num_heads = config.num_attention_heads
         self.head_dim = hidden // self.num_heads
         self.layer_idx = layer_idx
-        self.c_attn = nn.Linear(hidden, 3 * hidden)
-        self.c_proj = nn.Linear(hidden, hidden)
+        self.c_attn = Linear(hidden, 3 * hidden)
+        self.c_proj = Linear(hidden, hidden)
         scale = self.head_dim**-0.5 if getattr(config, "scale_attn_weights", True) else 1.0
         if getattr(config, "scale_attn_by_inverse_layer_idx", False):
             scale /= float(layer_idx + 1)
@@ -54,8 +54,8 @@ class GPT2MLP(nn.Module):
     def __init__(self, config: Any) -> None:
         super().__init__()
         inner = config.n_inner or 4 * config.hidden_size
-        self.c_fc = nn.Linear(config.hidden_size, inner)
-        self.c_proj = nn.Linear(inner, config.hidden_size)
+        self.c_fc = Linear(config.hidden_size, inner)
+        self.c_proj = Linear(inner, config.hidden_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return linear(self.c_proj, gelu_new(linear(self.c_fc, x)))  # [T, I] -> [T, H]
@@ -81,8 +81,8 @@ class GPT2Block(nn.Module):
 class _GPT2Model(nn.Module):
     def __init__(self, config: Any) -> None:
         super().__init__()
-        self.wte = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.wpe = nn.Embedding(config.max_position_embeddings, config.hidden_size)
+        self.wte = Embedding(config.vocab_size, config.hidden_size)
+        self.wpe = Embedding(config.max_position_embeddings, config.hidden_size)
         self.h = nn.ModuleList(GPT2Block(config, i) for i in range(config.num_hidden_layers))
         self.ln_f = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_epsilon)
 
@@ -114,7 +114,7 @@ class GPT2LMHeadModel(CausalLM):
         )
         self.transformer = _GPT2Model(config)
         if not self.tie_word_embeddings:
-            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+            self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
 
     def lm_head_weight(self) -> torch.Tensor:
         if self.tie_word_embeddings:

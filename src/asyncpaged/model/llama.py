@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from asyncpaged.model.attention import AttentionMetadata
-from asyncpaged.model.base import CausalLM, linear
+from asyncpaged.model.base import CausalLM, Embedding, Linear, linear
 from asyncpaged.model.errors import UnsupportedModelError
 from asyncpaged.model.kv_cache import PagedKVCache
 from asyncpaged.model.rotary import RotaryEmbedding, apply_rotary
@@ -50,10 +50,10 @@ class LlamaAttention(nn.Module):
         self.layer_idx, self.sliding_window = layer_idx, window
         qkv_bias = config.model_type == "qwen2" or bool(getattr(config, "attention_bias", False))
         o_bias = config.model_type != "qwen2" and bool(getattr(config, "attention_bias", False))
-        self.q_proj = nn.Linear(hidden, self.num_heads * head_dim, bias=qkv_bias)
-        self.k_proj = nn.Linear(hidden, self.num_kv_heads * head_dim, bias=qkv_bias)
-        self.v_proj = nn.Linear(hidden, self.num_kv_heads * head_dim, bias=qkv_bias)
-        self.o_proj = nn.Linear(self.num_heads * head_dim, hidden, bias=o_bias)
+        self.q_proj = Linear(hidden, self.num_heads * head_dim, bias=qkv_bias)
+        self.k_proj = Linear(hidden, self.num_kv_heads * head_dim, bias=qkv_bias)
+        self.v_proj = Linear(hidden, self.num_kv_heads * head_dim, bias=qkv_bias)
+        self.o_proj = Linear(self.num_heads * head_dim, hidden, bias=o_bias)
         self.scale = head_dim**-0.5
 
     def forward(
@@ -89,9 +89,9 @@ class LlamaMLP(nn.Module):
         bias = bool(getattr(config, "mlp_bias", False))
         if getattr(config, "hidden_act", "silu") != "silu":
             raise UnsupportedModelError(f"hidden_act {config.hidden_act!r} is not supported.")
-        self.gate_proj = nn.Linear(hidden, inter, bias=bias)
-        self.up_proj = nn.Linear(hidden, inter, bias=bias)
-        self.down_proj = nn.Linear(inter, hidden, bias=bias)
+        self.gate_proj = Linear(hidden, inter, bias=bias)
+        self.up_proj = Linear(hidden, inter, bias=bias)
+        self.down_proj = Linear(inter, hidden, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x [T, H] -> [T, I] -> [T, H]
@@ -112,7 +112,7 @@ class LlamaModel(nn.Module):
     def __init__(self, config: Any, head_dim: int) -> None:
         super().__init__()
         windows = _sliding_windows(config, config.num_hidden_layers)
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
             LlamaDecoderLayer(config, i, head_dim, windows[i])
             for i in range(config.num_hidden_layers)
@@ -135,7 +135,7 @@ class LlamaForCausalLM(CausalLM):
         )
         self.model = LlamaModel(config, head_dim)
         if not self.tie_word_embeddings:
-            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+            self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         self.rotary = RotaryEmbedding(config, head_dim, torch.device("cpu"))
 
     def lm_head_weight(self) -> torch.Tensor:

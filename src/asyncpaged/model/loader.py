@@ -129,7 +129,7 @@ def _canonical_name(name: str, model: CausalLM, expected: dict[str, torch.Size])
 def load_weights(
     model: CausalLM, directory: str | Path, dtype: torch.dtype, device: torch.device
 ) -> None:
-    """Fill ``model`` (built on the meta device) from the checkpoint, strictly by name and shape."""
+    """Fill ``model`` (built uninitialised) from the checkpoint, strictly by name and shape."""
     expected = {name: p.shape for name, p in model.named_parameters()}
     loaded: dict[str, torch.Tensor] = {}
     unexpected: list[str] = []
@@ -174,8 +174,7 @@ def load_model(
         )
     torch_device = torch.device(device)
     torch_dtype = resolve_dtype(dtype, config, torch_device)
-    with torch.device("meta"):
-        model = family(config)
+    model = family(config)  # uninitialised parameters (base.Linear / base.Embedding)
     load_weights(model, directory, torch_dtype, torch_device)
     model.eval().requires_grad_(False)
     return model

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from asyncpaged.model.attention import AttentionMetadata
-from asyncpaged.model.base import CausalLM, linear
+from asyncpaged.model.base import CausalLM, Embedding, Linear, linear
 from asyncpaged.model.errors import UnsupportedModelError
 from asyncpaged.model.kv_cache import PagedKVCache
 
@@ -30,10 +30,10 @@ class OPTAttention(nn.Module):
         self.head_dim = hidden // self.num_heads
         self.layer_idx = layer_idx
         self.scaling = self.head_dim**-0.5
-        self.q_proj = nn.Linear(hidden, hidden, bias=bias)
-        self.k_proj = nn.Linear(hidden, hidden, bias=bias)
-        self.v_proj = nn.Linear(hidden, hidden, bias=bias)
-        self.out_proj = nn.Linear(hidden, hidden, bias=bias)
+        self.q_proj = Linear(hidden, hidden, bias=bias)
+        self.k_proj = Linear(hidden, hidden, bias=bias)
+        self.v_proj = Linear(hidden, hidden, bias=bias)
+        self.out_proj = Linear(hidden, hidden, bias=bias)
 
     def forward(
         self, x: torch.Tensor, model: CausalLM, md: AttentionMetadata, kv_cache: PagedKVCache
@@ -54,8 +54,8 @@ class OPTDecoderLayer(nn.Module):
         affine = bool(getattr(config, "layer_norm_elementwise_affine", True))
         self.self_attn = OPTAttention(config, layer_idx)
         self.self_attn_layer_norm = nn.LayerNorm(hidden, elementwise_affine=affine)
-        self.fc1 = nn.Linear(hidden, config.ffn_dim, bias=bias)
-        self.fc2 = nn.Linear(config.ffn_dim, hidden, bias=bias)
+        self.fc1 = Linear(hidden, config.ffn_dim, bias=bias)
+        self.fc2 = Linear(config.ffn_dim, hidden, bias=bias)
         self.final_layer_norm = nn.LayerNorm(hidden, elementwise_affine=affine)
         self.pre_ln = bool(config.do_layer_norm_before)
         if config.activation_function not in _ACTIVATIONS:
@@ -84,12 +84,10 @@ class OPTDecoder(nn.Module):
     def __init__(self, config: Any) -> None:
         super().__init__()
         hidden, proj = config.hidden_size, config.word_embed_proj_dim
-        self.embed_tokens = nn.Embedding(config.vocab_size, proj)
-        self.embed_positions = nn.Embedding(
-            config.max_position_embeddings + POSITION_OFFSET, hidden
-        )
-        self.project_in = nn.Linear(proj, hidden, bias=False) if proj != hidden else None
-        self.project_out = nn.Linear(hidden, proj, bias=False) if proj != hidden else None
+        self.embed_tokens = Embedding(config.vocab_size, proj)
+        self.embed_positions = Embedding(config.max_position_embeddings + POSITION_OFFSET, hidden)
+        self.project_in = Linear(proj, hidden, bias=False) if proj != hidden else None
+        self.project_out = Linear(hidden, proj, bias=False) if proj != hidden else None
         has_final_ln = config.do_layer_norm_before and not getattr(
             config, "_remove_final_layer_norm", False
         )
@@ -120,7 +118,7 @@ class OPTForCausalLM(CausalLM):
         )
         self.model = _OPTModel(config)
         if not self.tie_word_embeddings:
-            self.lm_head = nn.Linear(config.word_embed_proj_dim, config.vocab_size, bias=False)
+            self.lm_head = Linear(config.word_embed_proj_dim, config.vocab_size, bias=False)
 
     def lm_head_weight(self) -> torch.Tensor:
         if self.tie_word_embeddings:
