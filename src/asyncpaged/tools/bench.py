@@ -1,0 +1,19 @@
+"""``asyncpaged bench {throughput,latency,memory}``: the benchmarks against transformers.
+
+Each mode is its own module (``bench_throughput``, ``bench_latency``, ``bench_memory``) with an
+``add_parser`` and a ``run``; the reference workload they share is in ``bench_workload``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def add_parser(sub: Any) -> None:
+    from asyncpaged.tools import bench_latency, bench_memory, bench_throughput
+
+    parser = sub.add_parser("bench", help="throughput, latency and memory benchmarks")
+    modes = parser.add_subparsers(dest="mode", required=True)
+    bench_throughput.add_parser(modes)
+    bench_latency.add_parser(modes)
+    bench_memory.add_parser(modes)

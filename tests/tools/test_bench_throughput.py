@@ -1,0 +1,107 @@
+"""``asyncpaged bench throughput`` end to end on the quick workload, in real worker processes."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+from structlog.testing import capture_logs
+
+from asyncpaged.tools import bench_throughput
+from asyncpaged.tools.bench_engines import EngineRun, WorkerSpec, run_one
+from asyncpaged.tools.bench_throughput import check_runs, compare_tokens, summarize
+from asyncpaged.tools.bench_workload import make_workload
+
+ENGINES = ("asyncpaged", "hf-single", "hf-static-8", "hf-cb")
+
+
+def parse(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    bench_throughput.add_parser(parser.add_subparsers(dest="mode", required=True))
+    return parser.parse_args(["throughput", *argv])
+
+
+def test_compare_tokens_reports_the_first_difference() -> None:
+    ref = [[1, 2, 3], [4, 5, 6], [7, 8]]
+    assert compare_tokens(ref, ref).is_match
+    check = compare_tokens(ref, [[1, 2, 3], [4, 9, 6], [7]])
+    assert (check.num_mismatched, check.first_request, check.first_position) == (2, 1, 1)
+    assert (check.expected, check.got) == (5, 9)
+    short = compare_tokens(ref, [[1, 2, 3], [4, 5, 6]])
+    assert (short.first_request, short.first_position, short.expected) == (2, 0, 7)
+    assert short.got is None
+
+
+def test_engines_option_rejects_unknown_names() -> None:
+    assert parse(["--engines", "hf-cb, asyncpaged"]).engines == ["hf-cb", "asyncpaged"]
+    with pytest.raises(SystemExit):
+        parse(["--engines", "asyncpaged,vllm"])
+
+
+def test_a_failed_worker_is_reported_not_raised(tmp_path: Path) -> None:
+    spec = WorkerSpec(engine="no-such-engine", model_dir=str(tmp_path), quick=True,
+                      num_requests=2, threads=1, progress=False)  # fmt: skip
+    with capture_logs() as logs:
+        failed = run_one(spec, repeat=0)
+    assert failed.error == "worker exited with status 1"
+    assert [e["event"] for e in logs] == ["bench_worker_failed"]
+    ok = EngineRun(engine="hf-single", repeat=0, tokens=((1, 2),), wall_s=1.0, setup_s=1.0)
+    summary = summarize(make_workload(quick=True, num_requests=1), [ok, failed], {}, {})
+    assert summary["all_matched"] is False
+    assert summary["medians"]["no-such-engine"]["num_runs"] == 0
+    text = bench_throughput.format_table(summary)
+    assert any(ln.split() == ["no-such-engine", "failed"] for ln in text.splitlines())
+    assert "no-such-engine (repeat 0): worker exited with status 1" in text
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_quick_workload_all_engines_match_and_a_planted_mismatch_is_reported(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = f"--quick --num-requests 6 --engines {','.join(ENGINES)} --no-progress".split()
+    argv += ["--output", str(tmp_path / "out"), "--model-dir", str(tmp_path / "model")]
+    assert bench_throughput.run(parse(argv)) == 0
+    table = capsys.readouterr().out
+    assert "all tokens match hf-single: yes" in table
+    summary: dict[str, Any] = json.loads((tmp_path / "out" / "throughput.json").read_text())
+    assert summary["workload"]["name"] == "quick"
+    assert summary["workload"]["num_requests"] == 6
+    assert {"cpu_model", "torch", "transformers"} <= set(summary["machine"])
+    assert summary["settings"]["threads"] == 1
+    assert summary["all_matched"] is True
+    assert list(summary["medians"]) == list(ENGINES)
+    runs = summary["runs"]
+    assert [r["engine"] for r in runs] == list(ENGINES)
+    for r in runs:
+        assert r["error"] is None
+        assert r["match"] is True
+        assert r["threads"] == 1
+        assert r["wall_s"] > 0 and r["setup_s"] > 0 and r["peak_rss_mib"] > 50
+        assert [len(t) for t in r["tokens"]] == summary["workload"]["max_tokens"]
+    for m in summary["medians"].values():
+        assert m["num_runs"] == 1 and m["match"] is True and m["tok_per_s"] > 0
+    names = {t["name"] for t in summary["targets"]}
+    assert names == {"asyncpaged / hf-cb tok/s", "asyncpaged setup s"}  # no hf-static-64 here
+    assert (tmp_path / "out" / "throughput.png").stat().st_size > 0
+
+    # Plant one wrong token in hf-cb's output: the comparison must find it, and the summary say so.
+    engine_runs = [EngineRun.from_worker(r["repeat"], r) for r in runs]
+    cb = engine_runs[-1]
+    bad = [list(t) for t in cb.tokens]
+    bad[3][5] += 1
+    engine_runs[-1] = EngineRun.from_worker(0, {**runs[-1], "tokens": bad})
+    check = check_runs(engine_runs)[("hf-cb", 0)]
+    assert check is not None and not check.is_match
+    assert (check.num_mismatched, check.first_request, check.first_position) == (1, 3, 5)
+    assert check.got == check.expected + 1  # type: ignore[operator]
+    planted = summarize(make_workload(quick=True, num_requests=6), engine_runs, {}, {})
+    assert planted["all_matched"] is False
+    assert planted["medians"]["hf-cb"]["match"] is False
+    assert planted["medians"]["asyncpaged"]["match"] is True
+    text = bench_throughput.format_table(planted)
+    assert "hf-cb (repeat 0): 1/6 requests differ; first: request 3 position 5" in text
+    assert "all tokens match hf-single: NO" in text
