@@ -1,22 +1,50 @@
-"""Triton kernels for the CUDA path, shipped as ``asyncpaged.kernels`` (source: top-level kernels/).
+"""Kernels of asyncpaged, shipped as ``asyncpaged.kernels`` (source: the top-level kernels/).
+
+CUDA (Triton; tests run them under ``TRITON_INTERPRET=1``):
 
 * ``reshape_and_cache`` / ``copy_blocks`` (``cache_ops``): write new K/V into slots; batched CoW.
 * ``paged_attention`` (``paged_attention``): varlen decode/prefill/chunked prefill, split-K.
 * ``TritonAttentionBackend`` / ``make_attention_backend`` (``backend``): the model-runner backend.
 
-Every kernel has a pure-torch reference next to it; tests run them under ``TRITON_INTERPRET=1``.
+CPU (C++ through ctypes, built on first use by ``cpu_build``):
+
+* ``paged_decode_attention`` / ``CpuAttentionBackend`` / ``make_cpu_attention_backend``
+  (``cpu_attention``): paged decode attention, prefills on the torch path.
+
+Every kernel has a pure-torch reference next to it. Names are imported lazily, so the CPU path
+never imports Triton.
 """
 
 from __future__ import annotations
 
-from .backend import TritonAttentionBackend, make_attention_backend
-from .cache_ops import copy_blocks, reshape_and_cache
-from .paged_attention import paged_attention
+import importlib
+from typing import Any
+
+_EXPORTS = {
+    "TritonAttentionBackend": "backend",
+    "make_attention_backend": "backend",
+    "copy_blocks": "cache_ops",
+    "reshape_and_cache": "cache_ops",
+    "paged_attention": "paged_attention",
+    "CpuAttentionBackend": "cpu_attention",
+    "make_cpu_attention_backend": "cpu_attention",
+    "paged_decode_attention": "cpu_attention",
+}
 
 __all__ = [
+    "CpuAttentionBackend",
     "TritonAttentionBackend",
     "copy_blocks",
     "make_attention_backend",
+    "make_cpu_attention_backend",
     "paged_attention",
+    "paged_decode_attention",
     "reshape_and_cache",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f"{__name__}.{module}"), name)

@@ -40,7 +40,8 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     watermark: float = 0.01
     seed: int = 0
-    attention_backend: Literal["auto", "torch", "triton"] = "auto"  # auto: Triton on CUDA
+    # auto: Triton on CUDA; on CPU the native C++ decode kernel if it builds, else torch
+    attention_backend: Literal["auto", "torch", "triton", "cpu"] = "auto"
     packed_linears: bool = True  # CPU fp32: oneDNN pre-packed weights (exact)
     screened_lm_head: bool = True  # CPU fp32: greedy argmax through a bf16 screen (exact)
 
@@ -61,8 +62,8 @@ class EngineConfig:
             (self.max_model_len is None or self.max_model_len >= 2,
              f"max_model_len must be at least 2, got {self.max_model_len}."),
             (0.0 <= self.watermark < 1.0, f"watermark must be in [0, 1), got {self.watermark}."),
-            (self.attention_backend in ("auto", "torch", "triton"),
-             f"attention_backend must be 'auto', 'torch' or 'triton', got "
+            (self.attention_backend in ("auto", "torch", "triton", "cpu"),
+             f"attention_backend must be 'auto', 'torch', 'triton' or 'cpu', got "
              f"{self.attention_backend!r}."),
         ]  # fmt: skip
         for ok, message in checks:

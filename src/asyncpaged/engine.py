@@ -45,15 +45,29 @@ log = structlog.get_logger("asyncpaged")
 
 
 def _attention_backend(cfg: EngineConfig) -> AttentionBackend:
-    """Triton kernels on CUDA, the torch path elsewhere, unless the config names one."""
-    if cfg.attention_backend == "torch" or (
-        cfg.attention_backend == "auto" and torch.device(cfg.device).type != "cuda"
-    ):
+    """ "auto": Triton on CUDA; on CPU the native C++ decode kernel, or the torch path when it
+    cannot be built here (no compiler). "cpu" demands the native kernel."""
+    device = torch.device(cfg.device).type
+    choice = cfg.attention_backend
+    if choice == "torch" or (choice == "auto" and device not in ("cpu", "cuda")):
         return TorchAttentionBackend()
-    from asyncpaged.kernels.backend import make_attention_backend
+    if choice == "triton" or (choice == "auto" and device == "cuda"):
+        from asyncpaged.kernels.backend import make_attention_backend
 
-    backend: AttentionBackend = make_attention_backend(cfg.device, "triton")
-    return backend
+        triton_backend: AttentionBackend = make_attention_backend(cfg.device, "triton")
+        return triton_backend
+    from asyncpaged.kernels.cpu_attention import CpuAttentionBackend
+
+    native = CpuAttentionBackend()
+    if native.is_native:
+        cpu_backend: AttentionBackend = native
+        return cpu_backend
+    if choice == "cpu":
+        raise InvalidRequestError(
+            "attention_backend='cpu' needs the native CPU kernel, which could not be built here "
+            "(see the cpu_kernel_unavailable log event); use 'auto' or 'torch'."
+        )
+    return TorchAttentionBackend()
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

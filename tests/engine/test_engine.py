@@ -53,15 +53,22 @@ async def generate_all(engine: Any, prompts: list[tuple[int, ...]], params: Samp
     return results  # type: ignore[return-value]
 
 
+@pytest.mark.parametrize("attention", ["cpu", "torch"])
 async def test_64_concurrent_requests_match_transformers(
-    tiny_checkpoint: Callable[[str], Path], hf_reference: Callable[[str], HFReference]
+    attention: str,
+    tiny_checkpoint: Callable[[str], Path],
+    hf_reference: Callable[[str], HFReference],
 ) -> None:
+    from asyncpaged.kernels.cpu_attention import CpuAttentionBackend
+
     path, ref = tiny_checkpoint(MODEL), hf_reference(MODEL)
     prompts = make_prompts(64, seed=0)
     with anyio.fail_after(120):
         async with running_engine(
-            path, num_device_blocks=256, max_num_batched_tokens=128
+            path, num_device_blocks=256, max_num_batched_tokens=128, attention_backend=attention
         ) as engine:
+            backend = engine.runner.model.attn_backend
+            assert isinstance(backend, CpuAttentionBackend) == (attention == "cpu")
             outs = await generate_all(engine, prompts, GREEDY)
             stats = engine.statistics()
     for prompt, out in zip(prompts, outs, strict=True):
@@ -353,3 +360,27 @@ async def test_lifecycle_events_are_logged(tiny_checkpoint: Callable[[str], Path
     assert events.count("request_finished") == 6
     assert "request_preempted" in events
     assert all(e["log_level"] != "info" or "token" not in e["event"] for e in logs)
+
+
+async def test_without_a_compiler_auto_takes_the_torch_path_and_cpu_refuses(
+    tiny_checkpoint: Callable[[str], Path],
+    hf_reference: Callable[[str], HFReference],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from asyncpaged.kernels import cpu_build
+
+    from asyncpaged.model.attention import TorchAttentionBackend
+
+    monkeypatch.setattr(cpu_build, "find_compiler", lambda: None)
+    monkeypatch.setattr(cpu_build, "_loaded", {})
+    monkeypatch.setattr(cpu_build, "_warned", set())
+    path, ref = tiny_checkpoint(MODEL), hf_reference(MODEL)
+    prompts = make_prompts(4, seed=3)
+    async with running_engine(path, num_device_blocks=64) as engine:
+        assert type(engine.runner.model.attn_backend) is TorchAttentionBackend
+        outs = await generate_all(engine, prompts, GREEDY)
+    for prompt, out in zip(prompts, outs, strict=True):
+        assert out.outputs[0].token_ids == ref.generate(prompt, 10)[0]
+    with pytest.raises(InvalidRequestError, match="native CPU kernel"):
+        async with running_engine(path, num_device_blocks=64, attention_backend="cpu"):
+            pass

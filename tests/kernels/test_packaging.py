@@ -66,6 +66,7 @@ def test_wheel_ships_asyncpaged_kernels_and_every_package(tmp_path: Path) -> Non
     names = zipfile.ZipFile(wheel).namelist()
     assert "asyncpaged/kernels/__init__.py" in names
     assert "asyncpaged/kernels/paged_attention.py" in names
+    assert "asyncpaged/kernels/csrc/paged_decode.cpp" in names  # the CPU kernel builds from it
     assert not [n for n in names if n.startswith("kernels/")], "top-level kernels/ in the wheel"
     shipped = {n.rsplit("/", 1)[0].replace("/", ".") for n in names if n.endswith("__init__.py")}
     missing = _packages_in_src() - shipped

@@ -1,0 +1,203 @@
+"""Decode attention per layer: the native CPU kernel vs contiguous torch attention and the torch
+paged backend, with cold KV.
+
+Usage: ``python bench/cpu_attention.py [--threads 1] [--batches 8 32 64] [--contexts 128 512 2048]``
+
+Workload: ``batch`` decoding sequences of ``context`` tokens each, 8 query heads, 2 KV heads,
+head_dim 64, block size 16. Each layer's block tables are a full random shuffle of its pool, and
+the layers are visited in turn with enough of them that the KV working set is > 4x a 32 MB L3,
+so every call reads cold memory (as in a real multi-layer model). Paths, timed per layer call:
+
+* ``cpp``: ``paged_decode_attention`` (the kernel alone, output preallocated);
+* ``cpp_backend``: ``CpuAttentionBackend.forward`` (slot mapping -1: nothing written);
+* ``torch_backend``: ``TorchAttentionBackend.forward`` on the same metadata;
+* ``contig_*``: fp32 K/V per layer in contiguous ``[B, Hkv, L, D]``, query heads packed per KV
+  head (``q.view(B, Hkv, G, D)``): ``sdpa`` (4-D SDPA), ``matmul`` (``q @ K^T``, softmax,
+  ``@ V``), ``sdpa_gqa`` (SDPA over ``[B, Hq, 1, D]`` with ``enable_gqa``). ``best contig`` is the
+  fastest of them and the denominator of ``cpp/contig``.
+
+With ``--dtypes float32 bfloat16`` the paged cache is also run in bf16 storage (contiguous stays
+fp32: the baseline is the best fp32 torch path). Paths are interleaved round by round and the
+table reports medians; run one process per thread count.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import random
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from asyncpaged.kernels.cpu_attention import CpuAttentionBackend, paged_decode_attention
+
+from asyncpaged.model.attention import AttentionMetadata, TorchAttentionBackend
+from asyncpaged.model.kv_cache import PagedKVCache
+
+HEADS, KV_HEADS, HEAD_DIM, BLOCK = 8, 2, 64, 16
+L3_BYTES = 32 * 2**20
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--threads", type=int, default=1, help="torch and kernel threads")
+    parser.add_argument("--batches", type=int, nargs="+", default=[8, 32, 64])
+    parser.add_argument("--contexts", type=int, nargs="+", default=[128, 512, 2048])
+    parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
+    parser.add_argument("--rounds", type=int, default=7, help="timed rounds over all layers")
+    parser.add_argument("--warmup", type=int, default=1, help="untimed rounds first")
+    parser.add_argument("--cold-factor", type=float, default=4.0, help="KV set / L3")
+    parser.add_argument("--seed", type=int, default=0)
+    return parser.parse_args()
+
+
+Path = Callable[[int], object]
+
+
+def make_case(
+    batch: int, context: int, dtype: torch.dtype, cold_factor: float, seed: int
+) -> tuple[int, dict[str, Path]]:
+    """The layer count (enough to keep KV cold) and every path, for one case."""
+    group = HEADS // KV_HEADS
+    blocks_per_seq = -(-context // BLOCK)
+    num_blocks = batch * blocks_per_seq
+    bytes_per_layer = 2 * num_blocks * BLOCK * KV_HEADS * HEAD_DIM * dtype.itemsize
+    num_layers = max(2, math.ceil(cold_factor * L3_BYTES / bytes_per_layer))
+    cache = PagedKVCache(
+        num_layers=num_layers,
+        num_blocks=num_blocks,
+        block_size=BLOCK,
+        num_kv_heads=KV_HEADS,
+        head_dim=HEAD_DIM,
+        dtype=dtype,
+    )
+    gen = torch.Generator().manual_seed(seed)
+    for t in (cache.key, cache.value):
+        t.copy_(torch.randn(t.shape, generator=gen))
+    pool = list(range(num_blocks))
+    random.Random(seed).shuffle(pool)  # a fully shuffled block table
+    tables = [pool[i * blocks_per_seq : (i + 1) * blocks_per_seq] for i in range(batch)]
+    md = AttentionMetadata.build(
+        query_lens=[1] * batch,
+        context_lens=[context] * batch,
+        block_tables=tables,
+        slot_mapping=[-1] * batch,
+        device=torch.device("cpu"),
+    )
+    query = torch.randn(num_layers, batch, HEADS, HEAD_DIM, generator=gen)
+    new_kv = torch.zeros(batch, KV_HEADS, HEAD_DIM)
+    scale = HEAD_DIM**-0.5
+    out = torch.empty(batch, HEADS, HEAD_DIM)
+    torch_backend, cpu_backend = TorchAttentionBackend(), CpuAttentionBackend()
+    assert cpu_backend.is_native, "the CPU kernel did not build (see the log)"
+
+    def cpp(layer: int) -> object:
+        k, v = cache.layer(layer)
+        return paged_decode_attention(
+            query[layer], k, v, md.block_tables, md.context_lens, scale, out=out
+        )
+
+    def backend_path(backend: TorchAttentionBackend) -> Path:
+        def run(layer: int) -> object:
+            return backend.forward(layer, query[layer], new_kv, new_kv, cache, md, scale=scale)
+
+        return run
+
+    # Contiguous fp32 K/V [layers, B, Hkv, L, D], the same values as the paged cache.
+    blocks = torch.tensor(tables).view(-1)
+    keys = cache.key[:, blocks].float().view(num_layers, batch, blocks_per_seq, KV_HEADS, HEAD_DIM,
+                                             BLOCK)  # fmt: skip
+    keys = keys.permute(0, 1, 3, 2, 5, 4).reshape(num_layers, batch, KV_HEADS, -1, HEAD_DIM)
+    values = cache.value[:, blocks].float().view(num_layers, batch, blocks_per_seq, KV_HEADS,
+                                                 BLOCK, HEAD_DIM)  # fmt: skip
+    values = values.permute(0, 1, 3, 2, 4, 5).reshape(num_layers, batch, KV_HEADS, -1, HEAD_DIM)
+    keys, values = keys[:, :, :, :context].contiguous(), values[:, :, :, :context].contiguous()
+
+    def contig_sdpa(layer: int) -> object:
+        q = query[layer].view(batch, KV_HEADS, group, HEAD_DIM)
+        return F.scaled_dot_product_attention(q, keys[layer], values[layer], scale=scale)
+
+    def contig_matmul(layer: int) -> object:
+        q = query[layer].view(batch, KV_HEADS, group, HEAD_DIM)
+        probs = torch.softmax(q @ keys[layer].transpose(2, 3) * scale, dim=-1)
+        return probs @ values[layer]
+
+    def contig_sdpa_gqa(layer: int) -> object:
+        q = query[layer].view(batch, HEADS, 1, HEAD_DIM)
+        return F.scaled_dot_product_attention(
+            q, keys[layer], values[layer], scale=scale, enable_gqa=True
+        )
+
+    paths: dict[str, Path] = {
+        "cpp": cpp,
+        "cpp_backend": backend_path(cpu_backend),
+        "torch_backend": backend_path(torch_backend),
+        "contig_sdpa": contig_sdpa,
+        "contig_matmul": contig_matmul,
+        "contig_sdpa_gqa": contig_sdpa_gqa,
+    }
+    with torch.inference_mode():
+        want = paths["contig_sdpa"](0)
+        assert isinstance(want, torch.Tensor)
+        for name, fn in paths.items():
+            got = fn(0)
+            assert isinstance(got, torch.Tensor)
+            error = (got.reshape(want.shape).float() - want).abs().max().item()
+            assert error < 1e-4, f"{name} disagrees with contiguous SDPA by {error}"
+    return num_layers, paths
+
+
+def time_case(
+    num_layers: int, paths: dict[str, Path], rounds: int, warmup: int
+) -> dict[str, float]:
+    """Median seconds per layer call of each path, interleaved round by round."""
+    samples: dict[str, list[float]] = {name: [] for name in paths}
+    with torch.inference_mode():
+        for round_idx in range(warmup + rounds):
+            order = list(paths) if round_idx % 2 == 0 else list(reversed(paths))
+            for name in order:
+                fn = paths[name]
+                t0 = time.perf_counter()
+                for layer in range(num_layers):
+                    fn(layer)
+                if round_idx >= warmup:
+                    samples[name].append((time.perf_counter() - t0) / num_layers)
+    return {name: statistics.median(s) for name, s in samples.items()}
+
+
+def main() -> None:
+    args = parse_args()
+    torch.set_num_threads(args.threads)
+    print(
+        f"decode attention per layer call (median us), {HEADS} heads / {KV_HEADS} KV heads x "
+        f"{HEAD_DIM}, block {BLOCK}, shuffled tables, KV set > {args.cold_factor:g}x 32 MB, "
+        f"threads {args.threads}, {args.rounds} rounds"
+    )
+    header = (
+        f"{'kv':<5}{'B':>4}{'ctx':>6}{'cpp':>9}{'cpp_be':>9}{'torch_be':>10}{'sdpa':>9}"
+        f"{'matmul':>9}{'sdpa_gqa':>10}{'cpp/contig':>12}{'cpp/torch_be':>14}"
+    )
+    print(header)
+    for dtype_name in args.dtypes:
+        dtype = getattr(torch, dtype_name)
+        for batch in args.batches:
+            for context in args.contexts:
+                num_layers, paths = make_case(batch, context, dtype, args.cold_factor, args.seed)
+                t = time_case(num_layers, paths, args.rounds, args.warmup)
+                best = min(t["contig_sdpa"], t["contig_matmul"], t["contig_sdpa_gqa"])
+                us = {name: f"{v * 1e6:.0f}" for name, v in t.items()}
+                print(
+                    f"{'bf16' if dtype == torch.bfloat16 else 'fp32':<5}{batch:>4}{context:>6}"
+                    f"{us['cpp']:>9}{us['cpp_backend']:>9}{us['torch_backend']:>10}"
+                    f"{us['contig_sdpa']:>9}{us['contig_matmul']:>9}{us['contig_sdpa_gqa']:>10}"
+                    f"{t['cpp'] / best:>11.2f}x{t['cpp'] / t['torch_backend']:>13.2f}x",
+                    flush=True,
+                )
+                del paths
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,257 @@
+"""Build the native CPU kernels with g++ on first use, cached on disk, loaded through ctypes.
+
+``load_library(target)`` compiles ``csrc/paged_decode.cpp`` for one build target and returns the
+loaded library, or ``None`` when there is no compiler or the build fails (a warning is logged
+once; callers fall back to torch). Targets, best first:
+
+=========  ===========================  ===========================================
+target     flags                        CPU needs (``/proc/cpuinfo`` flags)
+=========  ===========================  ===========================================
+avx512     ``-march=x86-64-v4``, 64 B   the x86-64-v4 set (avx512 f/bw/cd/dq/vl)
+avx2       ``-march=x86-64-v3``, 32 B   the x86-64-v3 set (avx2, fma, bmi1/2, ...)
+baseline   ``-march=x86-64``, 16 B      nothing (no ``-march`` off x86)
+=========  ===========================  ===========================================
+
+The default is the best target the CPU runs; ``ASYNCPAGED_CPU_TARGET`` overrides it (a target
+the CPU cannot run is refused with a warning, since it would die on an illegal instruction).
+
+The shared library lives in ``ASYNCPAGED_CACHE_DIR`` (default ``~/.cache/asyncpaged/kernels``),
+named by a hash of the source, the flags, the compiler's version and the target. It is compiled
+to a temporary file in that folder and moved into place with ``os.replace``, so processes that
+build at the same time never see a partial file. Nothing here imports Triton.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Final
+
+import structlog
+
+log = structlog.get_logger(__name__)
+
+TARGETS: Final = ("avx512", "avx2", "baseline")
+SOURCE: Final = Path(__file__).resolve().parent / "csrc" / "paged_decode.cpp"
+COMMON_FLAGS: Final = (
+    "-O3",
+    "-shared",
+    "-fPIC",
+    "-fopenmp",
+    "-std=c++17",
+    "-ffp-contract=fast",  # strict -std=c++17 turns FMA contraction off otherwise
+)
+# Vector width (bytes) the source is built for, per target.
+VEC_BYTES: Final = {"avx512": 64, "avx2": 32, "baseline": 16}
+_X86_V2: Final = frozenset({"cx16", "lahf_lm", "popcnt", "sse4_1", "sse4_2", "ssse3"})
+_X86_V3: Final = _X86_V2 | {"avx", "avx2", "bmi1", "bmi2", "f16c", "fma", "abm", "movbe"}
+_X86_V4: Final = _X86_V3 | {"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"}
+_REQUIRED_FLAGS: Final = {"avx512": _X86_V4, "avx2": _X86_V3, "baseline": frozenset[str]()}
+_MARCH: Final = {"avx512": "x86-64-v4", "avx2": "x86-64-v3", "baseline": "x86-64"}
+
+_lock = threading.Lock()
+_loaded: dict[str, ctypes.CDLL | None] = {}  # target -> library (None: unavailable)
+_warned: set[str] = set()
+_compiler_versions: dict[str, str] = {}
+
+
+def is_x86() -> bool:
+    return platform.machine().lower() in {"x86_64", "amd64"}
+
+
+@functools.cache
+def cpu_flags() -> frozenset[str]:
+    """The feature flags of the first CPU in ``/proc/cpuinfo`` (empty where there is none)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return frozenset()
+    for line in text.splitlines():
+        if line.startswith("flags"):
+            return frozenset(line.partition(":")[2].split())
+    return frozenset()
+
+
+@functools.cache
+def supported_targets() -> tuple[str, ...]:
+    """The targets this CPU runs, best first (always ends with ``baseline``)."""
+    if not is_x86():
+        return ("baseline",)
+    flags = cpu_flags()
+    return tuple(t for t in TARGETS if _REQUIRED_FLAGS[t] <= flags)
+
+
+def missing_cpu_flags(target: str) -> frozenset[str]:
+    """CPU flags ``target`` needs that this CPU lacks (all of them off x86, but baseline)."""
+    _check_target(target)
+    if not is_x86():
+        return frozenset() if target == "baseline" else frozenset({"x86-64"})
+    return _REQUIRED_FLAGS[target] - cpu_flags()
+
+
+def select_target() -> str:
+    """``ASYNCPAGED_CPU_TARGET`` if set and runnable here, else the best supported target."""
+    supported = supported_targets()
+    wanted = os.environ.get("ASYNCPAGED_CPU_TARGET", "").strip()
+    if not wanted:
+        return supported[0]
+    _check_target(wanted)
+    if wanted not in supported:
+        _warn_once(
+            f"target:{wanted}",
+            "cpu_kernel_target_refused",
+            target=wanted,
+            missing_flags=sorted(missing_cpu_flags(wanted)),
+            using=supported[0],
+        )
+        return supported[0]
+    return wanted
+
+
+def cache_dir() -> Path:
+    default = Path.home() / ".cache" / "asyncpaged" / "kernels"
+    return Path(os.environ.get("ASYNCPAGED_CACHE_DIR") or default)
+
+
+def find_compiler() -> str | None:
+    """The path of ``g++``, or ``None``."""
+    return shutil.which("g++")
+
+
+def compile_flags(target: str) -> tuple[str, ...]:
+    _check_target(target)
+    march = (f"-march={_MARCH[target]}",) if is_x86() else ()
+    return (*COMMON_FLAGS, *march, f"-DASYNCPAGED_VEC_BYTES={VEC_BYTES[target]}")
+
+
+def library_path(source: Path, target: str, compiler: str, directory: Path) -> Path:
+    """Where the build of ``source`` for ``target`` is cached (the name hashes every input)."""
+    digest = hashlib.sha256()
+    for part in (
+        source.read_bytes(),
+        "\0".join(compile_flags(target)).encode(),
+        _compiler_version(compiler).encode(),
+        target.encode(),
+        platform.machine().encode(),
+    ):
+        digest.update(hashlib.sha256(part).digest())
+    return directory / f"{source.stem}-{target}-{digest.hexdigest()[:20]}.so"
+
+
+def build(source: Path, target: str, directory: Path | None = None) -> Path | None:
+    """The cached library of ``source`` for ``target``, compiled now if missing; ``None`` when
+    there is no compiler or the build fails (warned once per reason)."""
+    compiler = find_compiler()
+    if compiler is None:
+        _warn_once("no-compiler", "cpu_kernel_unavailable", reason="g++ not found on PATH")
+        return None
+    directory = cache_dir() if directory is None else directory
+    path = library_path(source, target, compiler, directory)
+    if path.exists():
+        return path
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        fd, tmp_name = tempfile.mkstemp(prefix=f".{path.stem}.", suffix=".so", dir=directory)
+    except OSError as exc:
+        _warn_once(f"cache:{directory}", "cpu_kernel_unavailable", reason=repr(exc))
+        return None
+    os.close(fd)
+    tmp = Path(tmp_name)
+    command = [compiler, *compile_flags(target), str(source), "-o", str(tmp)]
+    log.info("cpu_kernel_compile_started", target=target, path=str(path))
+    start = time.perf_counter()
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, check=False, timeout=600)
+        if done.returncode != 0:
+            _warn_once(
+                f"compile:{target}:{path.name}",
+                "cpu_kernel_unavailable",
+                reason="compile failed",
+                target=target,
+                command=" ".join(command),
+                stderr=done.stderr[-2000:],
+            )
+            return None
+        os.replace(tmp, path)
+    except (OSError, subprocess.SubprocessError) as exc:
+        _warn_once(f"compile:{target}:{path.name}", "cpu_kernel_unavailable", reason=repr(exc))
+        return None
+    finally:
+        tmp.unlink(missing_ok=True)
+    seconds = round(time.perf_counter() - start, 2)
+    log.info("cpu_kernel_compiled", target=target, path=str(path), seconds=seconds)
+    return path
+
+
+def load_library(target: str | None = None) -> ctypes.CDLL | None:
+    """The paged-decode library for ``target`` (default: ``select_target()``), built on first
+    use and kept for the process; ``None`` when unavailable (callers fall back to torch)."""
+    target = select_target() if target is None else target
+    _check_target(target)
+    with _lock:
+        if target not in _loaded:
+            _loaded[target] = _load(target)
+        return _loaded[target]
+
+
+def _load(target: str) -> ctypes.CDLL | None:
+    if target not in supported_targets():
+        _warn_once(f"target:{target}", "cpu_kernel_unavailable", reason="CPU lacks the target")
+        return None
+    path = build(SOURCE, target)
+    if path is None:
+        return None
+    try:
+        lib = ctypes.CDLL(str(path))
+    except OSError as exc:
+        _warn_once(f"load:{path}", "cpu_kernel_unavailable", reason=repr(exc), path=str(path))
+        return None
+    _declare(lib)
+    assert lib.asyncpaged_vec_bytes() == VEC_BYTES[target], f"{path} is not a {target} build"
+    return lib
+
+
+def _declare(lib: ctypes.CDLL) -> None:
+    """Argument types of the entry points (see csrc/paged_decode.cpp)."""
+    ptr, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32
+    lib.asyncpaged_vec_bytes.argtypes = []
+    lib.asyncpaged_vec_bytes.restype = i32
+    lib.asyncpaged_paged_decode.restype = i32
+    lib.asyncpaged_paged_decode.argtypes = [
+        ptr, i64,  # out, out_row_stride
+        ptr, i64, i64,  # query, query_row_stride, num_query_rows
+        ptr, ptr, i32,  # key_cache, value_cache, kv_dtype
+        i64, i64, i64, i64,  # num_blocks, num_kv_heads, head_dim, block_size
+        ptr, i64, i64, i64,  # block_tables, stride, max_blocks_per_seq, num_table_rows
+        ptr, ptr, ptr, i64,  # context_lens, seq_indices, query_rows, num_items
+        i64, ctypes.c_float, i64, i32,  # num_heads, scale, sliding_window, num_threads
+    ]  # fmt: skip
+
+
+def _compiler_version(compiler: str) -> str:
+    if compiler not in _compiler_versions:
+        done = subprocess.run(
+            [compiler, "--version"], capture_output=True, text=True, check=False, timeout=60
+        )
+        _compiler_versions[compiler] = done.stdout.strip() or done.stderr.strip()
+    return _compiler_versions[compiler]
+
+
+def _check_target(target: str) -> None:
+    if target not in TARGETS:
+        raise ValueError(f"CPU target must be one of {TARGETS}, got {target!r}.")
+
+
+def _warn_once(key: str, event: str, **fields: object) -> None:
+    if key not in _warned:
+        _warned.add(key)
+        log.warning(event, **fields)

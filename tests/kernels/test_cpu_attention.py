@@ -1,0 +1,478 @@
+"""The native CPU paged decode kernel (``kernels/csrc/paged_decode.cpp``) and its backend.
+
+Every case is checked against a float64 reference on random data, in a cache where every slot no
+sequence owns, and block 0 (the padding entry of the block tables), hold NaN: a stray read shows
+as NaN. Block tables are scattered over a pool of 2048 blocks. The build targets the CPU cannot
+run are skipped with the missing flags; without g++ the kernel tests skip and the fallback tests
+still run. Builds are cached under ``ASYNCPAGED_CACHE_DIR`` (the first run compiles each target,
+about 5-10 s each).
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import structlog
+import torch
+from asyncpaged.kernels import cpu_attention, cpu_build
+from asyncpaged.kernels.cpu_attention import (
+    CpuAttentionBackend,
+    make_cpu_attention_backend,
+    paged_decode_attention,
+    reference_paged_decode,
+)
+
+from asyncpaged.model.attention import AttentionMetadata, TorchAttentionBackend
+from asyncpaged.model.kv_cache import PagedKVCache
+
+NUM_BLOCKS, BLOCK = 2048, 16
+LENGTHS = (1, 15, 16, 17, 257)
+NAN = float("nan")
+
+needs_compiler = pytest.mark.skipif(cpu_build.find_compiler() is None, reason="g++ not found")
+
+
+@dataclass
+class Case:
+    query: torch.Tensor  # [S, Hq, D]
+    key_cache: torch.Tensor  # [NUM_BLOCKS, Hkv, D, BLOCK]
+    value_cache: torch.Tensor  # [NUM_BLOCKS, Hkv, BLOCK, D]
+    block_tables: torch.Tensor  # [S, width], padded with block 0
+    context_lens: torch.Tensor  # [S]
+    scale: float
+
+    def run(
+        self,
+        window: int | None = None,
+        *,
+        num_threads: int | None = None,
+        target: str | None = None,
+    ) -> torch.Tensor:
+        return paged_decode_attention(
+            self.query, self.key_cache, self.value_cache, self.block_tables, self.context_lens,
+            self.scale, window, num_threads=num_threads, target=target,
+        )  # fmt: skip
+
+    def reference(self, window: int | None = None) -> torch.Tensor:
+        return reference_paged_decode(
+            self.query, self.key_cache, self.value_cache, self.block_tables,
+            self.context_lens, self.scale, window,
+        )  # fmt: skip
+
+
+def make_case(
+    *,
+    head_dim: int = 64,
+    kv_heads: int = 2,
+    heads: int = 8,
+    dtype: torch.dtype = torch.float32,
+    lengths: tuple[int, ...] = LENGTHS,
+    seed: int = 0,
+    query_scale: float = 1.0,
+) -> Case:
+    """Random K/V for each sequence's positions only, in blocks drawn from the whole pool."""
+    rng = random.Random(seed)
+    gen = torch.Generator().manual_seed(seed)
+    key_cache = torch.full((NUM_BLOCKS, kv_heads, head_dim, BLOCK), NAN, dtype=dtype)
+    value_cache = torch.full((NUM_BLOCKS, kv_heads, BLOCK, head_dim), NAN, dtype=dtype)
+    counts = [-(-n // BLOCK) for n in lengths]
+    pool = rng.sample(range(1, NUM_BLOCKS), sum(counts))  # block 0 stays NaN: the padding
+    tables = torch.zeros(len(lengths), max(counts) + 2, dtype=torch.int64)
+    for i, (n, count) in enumerate(zip(lengths, counts, strict=True)):
+        tables[i, :count] = torch.tensor(pool[:count])
+        pool = pool[count:]
+        pos = torch.arange(n)
+        blocks, offsets = tables[i, pos // BLOCK], pos % BLOCK
+        key_cache[blocks, :, :, offsets] = torch.randn(n, kv_heads, head_dim, generator=gen).to(
+            dtype
+        )
+        value_cache[blocks, :, offsets, :] = torch.randn(n, kv_heads, head_dim, generator=gen).to(
+            dtype
+        )
+    query = torch.randn(len(lengths), heads, head_dim, generator=gen) * query_scale
+    return Case(
+        query=query,
+        key_cache=key_cache,
+        value_cache=value_cache,
+        block_tables=tables,
+        context_lens=torch.tensor(lengths, dtype=torch.int64),
+        scale=head_dim**-0.5,
+    )
+
+
+def assert_matches(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> None:
+    assert got.dtype == torch.float32
+    assert not got.isnan().any(), "NaN in the output: a masked or padding slot was read"
+    tol = 2e-4 if dtype == torch.bfloat16 else 5e-5  # the reference reads the same bf16 values
+    torch.testing.assert_close(got.double(), want, atol=tol, rtol=tol)
+
+
+@pytest.fixture(params=cpu_build.TARGETS)
+def target(request: pytest.FixtureRequest) -> str:
+    name: str = request.param
+    missing = cpu_build.missing_cpu_flags(name)
+    if missing:
+        pytest.skip(f"this CPU cannot run the {name} build: lacks {sorted(missing)}")
+    if cpu_build.find_compiler() is None:
+        pytest.skip("g++ not found")
+    assert cpu_build.load_library(name) is not None, f"the {name} build failed (see the log)"
+    return name
+
+
+@needs_compiler
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("heads", [2, 8, 12], ids=["group1", "group4", "group6"])
+@pytest.mark.parametrize("head_dim", [64, 80, 96, 128])
+def test_matches_reference(head_dim: int, heads: int, dtype: torch.dtype) -> None:
+    case = make_case(head_dim=head_dim, heads=heads, dtype=dtype, seed=head_dim + heads)
+    assert_matches(case.run(num_threads=1), case.reference(), dtype)
+    # Few sequences: one KV head per work item (with many, the kernel takes KV heads in pairs).
+    few = make_case(head_dim=head_dim, heads=heads, dtype=dtype, lengths=(17, 257), seed=1)
+    assert_matches(few.run(num_threads=1), few.reference(), dtype)
+
+
+@needs_compiler
+@pytest.mark.parametrize("window", [1, 15, 16, 17, 100, 400])
+def test_sliding_window_attends_the_last_window_positions(window: int) -> None:
+    case = make_case(heads=12, lengths=(*LENGTHS, 33, 130), seed=window)
+    assert_matches(case.run(window), case.reference(window), torch.float32)
+
+
+@pytest.fixture(scope="module")
+def target_cases() -> list[tuple[Case, int | None, torch.Tensor]]:
+    """(case, window, float64 reference), built once for every target and thread count."""
+    cases = []
+    for dtype, head_dim, heads, window in (
+        (torch.float32, 80, 12, None),
+        (torch.bfloat16, 128, 8, None),
+        (torch.float32, 64, 2, 17),
+        (torch.bfloat16, 96, 12, 40),
+    ):
+        case = make_case(head_dim=head_dim, heads=heads, dtype=dtype, lengths=(*LENGTHS, 64, 3))
+        cases.append((case, window, case.reference(window)))
+    return cases
+
+
+@needs_compiler
+@pytest.mark.parametrize("threads", [1, 2])
+def test_each_build_target(
+    target: str, threads: int, target_cases: list[tuple[Case, int | None, torch.Tensor]]
+) -> None:
+    for case, window, want in target_cases:
+        got = case.run(window, num_threads=threads, target=target)
+        assert_matches(got, want, case.key_cache.dtype)
+
+
+@needs_compiler
+def test_large_scores_need_the_max_subtracted() -> None:
+    case = make_case(heads=8, query_scale=40.0)  # scores in the hundreds: exp overflows alone
+    assert_matches(case.run(), case.reference(), torch.float32)
+
+
+@needs_compiler
+def test_many_groups_and_mha() -> None:
+    for kv_heads, heads in ((1, 16), (4, 4), (3, 21)):
+        case = make_case(kv_heads=kv_heads, heads=heads, head_dim=64, lengths=(1, 31, 300))
+        assert_matches(case.run(), case.reference(), torch.float32)
+
+
+@needs_compiler
+def test_block_offsets_past_int32() -> None:
+    """Blocks whose element offset is > 2**31 (a 4 GiB bf16 cache per K/V, allocated lazily:
+    only the used blocks are touched) must be read at the right address."""
+    num_blocks, heads, kv_heads, head_dim = 1_100_000, 8, 2, 64  # block = 2048 elements
+    gen = torch.Generator().manual_seed(7)
+    key_cache = torch.empty((num_blocks, kv_heads, head_dim, BLOCK), dtype=torch.bfloat16)
+    value_cache = torch.empty((num_blocks, kv_heads, BLOCK, head_dim), dtype=torch.bfloat16)
+    lengths = (40, 17)
+    tables = torch.tensor([[1_099_999, 1_050_001, 1_048_577], [1_048_576, 3, 0]])
+    for i, n in enumerate(lengths):
+        blocks = tables[i, : -(-n // BLOCK)]
+        key_cache[blocks] = NAN
+        value_cache[blocks] = NAN
+        pos = torch.arange(n)
+        rows, offsets = tables[i, pos // BLOCK], pos % BLOCK
+        key_cache[rows, :, :, offsets] = torch.randn(n, kv_heads, head_dim, generator=gen).to(
+            torch.bfloat16
+        )
+        value_cache[rows, :, offsets, :] = torch.randn(n, kv_heads, head_dim, generator=gen).to(
+            torch.bfloat16
+        )
+    case = Case(
+        query=torch.randn(2, heads, head_dim, generator=gen),
+        key_cache=key_cache,
+        value_cache=value_cache,
+        block_tables=tables,
+        context_lens=torch.tensor(lengths),
+        scale=0.125,
+    )
+    assert_matches(case.run(), case.reference(), torch.bfloat16)
+
+
+@needs_compiler
+def test_strided_query_rows_and_preallocated_out() -> None:
+    case = make_case(heads=8)
+    num_seqs = case.query.shape[0]
+    wide = torch.full((num_seqs, 10, 64), NAN)
+    wide[:, 1:9] = case.query  # rows [Hq, D] are contiguous, the row stride is 10 * D
+    out_wide = torch.full((num_seqs, 9, 64), NAN)
+    out = out_wide[:, :8]
+    returned = paged_decode_attention(
+        wide[:, 1:9], case.key_cache, case.value_cache, case.block_tables, case.context_lens,
+        case.scale, out=out,
+    )  # fmt: skip
+    assert returned is out
+    assert_matches(out, case.reference(), torch.float32)
+    assert out_wide[:, 8].isnan().all(), "wrote outside out"
+
+
+@needs_compiler
+def test_rejects_bad_inputs_with_clear_errors() -> None:
+    case = make_case(lengths=(5, 40))
+    with pytest.raises(ValueError, match="query must be float32"):
+        paged_decode_attention(
+            case.query.double(), case.key_cache, case.value_cache, case.block_tables,
+            case.context_lens, case.scale,
+        )  # fmt: skip
+    with pytest.raises(ValueError, match="head_dim must be one of"):
+        small = make_case(head_dim=8, lengths=(5,))
+        small.run()
+    with pytest.raises(ValueError, match="sliding_window must be > 0"):
+        case.run(0)
+    with pytest.raises(ValueError, match="int64"):
+        paged_decode_attention(
+            case.query, case.key_cache, case.value_cache, case.block_tables.int(),
+            case.context_lens, case.scale,
+        )  # fmt: skip
+    bad_table = case.block_tables.clone()
+    bad_table[1, 2] = NUM_BLOCKS  # in use (40 tokens = 3 blocks), out of range
+    with pytest.raises(ValueError, match="outside"):
+        paged_decode_attention(
+            case.query, case.key_cache, case.value_cache, bad_table, case.context_lens,
+            case.scale,
+        )  # fmt: skip
+    too_long = torch.tensor([5, 16 * case.block_tables.shape[1] + 1])
+    with pytest.raises(ValueError, match="longer than its block table"):
+        paged_decode_attention(
+            case.query, case.key_cache, case.value_cache, case.block_tables, too_long,
+            case.scale,
+        )  # fmt: skip
+
+
+# --- the backend ---------------------------------------------------------------------------------
+
+
+def _mixed_step(
+    dtype: torch.dtype, head_dim: int, seed: int
+) -> tuple[PagedKVCache, AttentionMetadata, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A step of decodes and prefills (one chunked, on a cached prefix) over a NaN cache whose
+    cached prefixes are already written; returns the cache, metadata, query and new K/V."""
+    rng = random.Random(seed)
+    gen = torch.Generator().manual_seed(seed)
+    cache = PagedKVCache(
+        num_layers=2, num_blocks=300, block_size=BLOCK, num_kv_heads=2, head_dim=head_dim,
+        dtype=dtype, fill_value=NAN,
+    )  # fmt: skip
+    free = rng.sample(range(1, 300), 299)
+    shapes = [(16, 1), (0, 7), (40, 1), (256, 1), (20, 13), (0, 1), (99, 1)]  # (cached, new)
+    tables, slots = [], []
+    for cached, new in shapes:
+        ctx = cached + new
+        table = [free.pop() for _ in range(-(-ctx // BLOCK))]
+        all_slots = [table[p // BLOCK] * BLOCK + p % BLOCK for p in range(ctx)]
+        if cached:
+            k, v = (torch.randn(cached, 2, head_dim, generator=gen) for _ in range(2))
+            cache.write(1, k, v, torch.tensor(all_slots[:cached]))
+        tables.append(table)
+        slots.extend(all_slots[cached:])
+    md = AttentionMetadata.build(
+        query_lens=[n for _, n in shapes],
+        context_lens=[c + n for c, n in shapes],
+        block_tables=tables,
+        slot_mapping=slots,
+        device=torch.device("cpu"),
+    )
+    num_tokens = len(slots)
+    query = torch.randn(num_tokens, 8, head_dim, generator=gen)
+    key = torch.randn(num_tokens, 2, head_dim, generator=gen)
+    value = torch.randn(num_tokens, 2, head_dim, generator=gen)
+    return cache, md, query, key, value
+
+
+@pytest.fixture
+def launches(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Counts the kernel launches (``len``) made through ``cpu_attention._launch``."""
+    calls: list[int] = []
+    real = cpu_attention._launch
+
+    def spy(*args: Any, **kwargs: Any) -> None:
+        calls.append(1)
+        real(*args, **kwargs)
+
+    monkeypatch.setattr(cpu_attention, "_launch", spy)
+    return calls
+
+
+@needs_compiler
+@pytest.mark.parametrize("window", [None, 12])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_backend_equals_torch_backend_on_a_mixed_step(
+    dtype: torch.dtype, window: int | None, launches: list[int]
+) -> None:
+    backend = CpuAttentionBackend()
+    assert backend.is_native
+    outs, caches = [], []
+    for impl in (TorchAttentionBackend(), backend):
+        cache, md, query, key, value = _mixed_step(dtype, 64, seed=3)
+        outs.append(
+            impl.forward(1, query, key, value, cache, md, scale=0.125, sliding_window=window)
+        )
+        caches.append(cache)
+    assert launches == [1]
+    want, got = outs
+    assert got.dtype == want.dtype and got.shape == want.shape
+    assert not got.isnan().any()
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
+    for name in ("key", "value"):  # K/V written exactly as the parent writes them
+        a, b = getattr(caches[0], name), getattr(caches[1], name)
+        assert torch.equal(a.nan_to_num(7.0), b.nan_to_num(7.0))
+
+
+@needs_compiler
+def test_backend_with_a_bf16_model(launches: list[int]) -> None:
+    """bf16 activations and cache: fp32 math inside, a bf16 output, as the parent does."""
+    outs = []
+    for impl in (TorchAttentionBackend(), CpuAttentionBackend()):
+        cache, md, query, key, value = _mixed_step(torch.bfloat16, 64, seed=6)
+        bf16 = (t.to(torch.bfloat16) for t in (query, key, value))
+        outs.append(impl.forward(1, *bf16, cache, md, scale=0.125, sliding_window=20))
+    assert launches == [1]
+    want, got = outs
+    assert got.dtype == want.dtype == torch.bfloat16
+    torch.testing.assert_close(got, want)
+
+
+@needs_compiler
+def test_backend_falls_back_per_call_for_unsupported_shapes(launches: list[int]) -> None:
+    backend = CpuAttentionBackend()
+    for dtype, head_dim in ((torch.float32, 8), (torch.float16, 64)):
+        cache, md, query, key, value = _mixed_step(dtype, head_dim, seed=4)
+        want_cache, *_ = _mixed_step(dtype, head_dim, seed=4)
+        got = backend.forward(1, query, key, value, cache, md, scale=0.3)
+        want = TorchAttentionBackend().forward(1, query, key, value, want_cache, md, scale=0.3)
+        torch.testing.assert_close(got, want)
+    assert launches == []
+
+
+def test_factory_falls_back_without_a_compiler(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(cpu_build, "find_compiler", lambda: None)
+    monkeypatch.setattr(cpu_build, "_loaded", {})
+    monkeypatch.setattr(cpu_build, "_warned", set())
+    with structlog.testing.capture_logs() as logs:
+        first = make_cpu_attention_backend()
+        second = make_cpu_attention_backend()
+    assert type(first) is TorchAttentionBackend and type(second) is TorchAttentionBackend
+    assert not cpu_attention.is_available()
+    warnings = [e for e in logs if e["event"] == "cpu_kernel_unavailable"]
+    assert len(warnings) == 1 and warnings[0]["log_level"] == "warning", logs
+    # The engine path on the fallback: one mixed step, same numbers as the torch backend.
+    cache, md, query, key, value = _mixed_step(torch.float32, 64, seed=5)
+    want_cache, *_ = _mixed_step(torch.float32, 64, seed=5)
+    got = first.forward(1, query, key, value, cache, md, scale=0.125)
+    want = TorchAttentionBackend().forward(1, query, key, value, want_cache, md, scale=0.125)
+    torch.testing.assert_close(got, want)
+    with pytest.raises(RuntimeError, match="unavailable"):
+        paged_decode_attention(
+            query[:1], cache.key[1], cache.value[1], md.block_tables[:1], md.context_lens[:1],
+            0.125,
+        )  # fmt: skip
+
+
+@needs_compiler
+def test_runner_greedy_tokens_match_torch_backend(tmp_path: Path) -> None:
+    """The engine path: ``ModelRunner`` with the kernel (tiny Mistral: head_dim 16, sliding
+    window 12, GQA) generates what the torch backend generates."""
+    from asyncpaged.model.runner import ModelRunner
+    from asyncpaged.testing.tiny_models import build_tiny_checkpoint
+    from tests.model.driver import Driver, SimSequence
+
+    checkpoint = build_tiny_checkpoint("mistral", tmp_path / "mistral")
+
+    def generate(backend: TorchAttentionBackend) -> list[list[int]]:
+        runner = ModelRunner(checkpoint, "float32", num_blocks=64, attn_backend=backend,
+                             kv_fill_value=NAN)  # fmt: skip
+        seqs = [
+            SimSequence(seq_id=0, prompt=tuple(range(5, 22)), max_new_tokens=8),
+            SimSequence(seq_id=1, prompt=tuple(range(30, 45)), max_new_tokens=6, start_step=1),
+            SimSequence(  # chunked prefill across three steps while others decode
+                seq_id=2, prompt=tuple(range(50, 90)), max_new_tokens=5, chunk_sizes=(16, 9, 15)
+            ),
+        ]
+        Driver(runner, seed=1).run(seqs)
+        return [s.output for s in seqs]
+
+    backend = make_cpu_attention_backend()
+    assert isinstance(backend, CpuAttentionBackend)
+    assert generate(backend) == generate(TorchAttentionBackend())
+
+
+# --- the build -----------------------------------------------------------------------------------
+
+_TINY_SOURCE = 'extern "C" int asyncpaged_vec_bytes() { return ASYNCPAGED_VEC_BYTES; }\n'
+
+
+@needs_compiler
+def test_build_is_cached_keyed_and_atomic(tmp_path: Path) -> None:
+    source = tmp_path / "tiny.cpp"
+    source.write_text(_TINY_SOURCE)
+    cache = tmp_path / "cache"
+    with structlog.testing.capture_logs() as logs:
+        first = cpu_build.build(source, "baseline", cache)
+        again = cpu_build.build(source, "baseline", cache)
+    assert first is not None and first == again and first.parent == cache
+    events = [e["event"] for e in logs]
+    assert events == ["cpu_kernel_compile_started", "cpu_kernel_compiled"], logs
+    assert logs[1]["seconds"] >= 0 and logs[1]["path"] == str(first)
+    assert sorted(p.name for p in cache.iterdir()) == [first.name], "temporary files left"
+    source.write_text(_TINY_SOURCE + "// changed\n")
+    assert cpu_build.build(source, "baseline", cache) != first  # the key hashes the source
+    if "avx2" in cpu_build.supported_targets():
+        assert cpu_build.build(source, "avx2", cache) not in (None, first)
+
+
+def test_build_failure_returns_none_and_warns_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    if cpu_build.find_compiler() is None:
+        pytest.skip("g++ not found")
+    monkeypatch.setattr(cpu_build, "_warned", set())
+    source = tmp_path / "broken.cpp"
+    source.write_text("this is not C++\n")
+    with structlog.testing.capture_logs() as logs:
+        assert cpu_build.build(source, "baseline", tmp_path / "cache") is None
+        assert cpu_build.build(source, "baseline", tmp_path / "cache") is None
+    warnings = [e for e in logs if e["event"] == "cpu_kernel_unavailable"]
+    assert len(warnings) == 1 and "stderr" in warnings[0]
+    assert list((tmp_path / "cache").iterdir()) == []
+
+
+def test_target_selection(monkeypatch: pytest.MonkeyPatch) -> None:
+    best = cpu_build.supported_targets()[0]
+    assert cpu_build.supported_targets()[-1] == "baseline"
+    monkeypatch.delenv("ASYNCPAGED_CPU_TARGET", raising=False)
+    assert cpu_build.select_target() == best
+    monkeypatch.setenv("ASYNCPAGED_CPU_TARGET", "baseline")
+    assert cpu_build.select_target() == "baseline"
+    monkeypatch.setenv("ASYNCPAGED_CPU_TARGET", "sse9")
+    with pytest.raises(ValueError, match="CPU target must be one of"):
+        cpu_build.select_target()
+    monkeypatch.setattr(cpu_build, "supported_targets", lambda: ("avx2", "baseline"))
+    monkeypatch.setattr(cpu_build, "_warned", set())
+    monkeypatch.setenv("ASYNCPAGED_CPU_TARGET", "avx512")
+    with structlog.testing.capture_logs() as logs:
+        assert cpu_build.select_target() == "avx2"  # refused: it would die on SIGILL
+    assert [e["event"] for e in logs] == ["cpu_kernel_target_refused"]
