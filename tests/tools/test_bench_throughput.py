@@ -84,6 +84,10 @@ def test_quick_workload_all_engines_match_and_a_planted_mismatch_is_reported(
         assert [len(t) for t in r["tokens"]] == summary["workload"]["max_tokens"]
     for m in summary["medians"].values():
         assert m["num_runs"] == 1 and m["match"] is True and m["tok_per_s"] > 0
+    (profile,) = [r["profile"] for r in runs if r["engine"] == "asyncpaged"]
+    assert 0 < profile["compute_s"] < profile["step_s"] < runs[0]["wall_s"]
+    assert profile["num_steps"] >= max(summary["workload"]["max_tokens"])
+    assert "asyncpaged profile (" in table and "outside the model compute" in table
     names = {t["name"] for t in summary["targets"]}
     assert names == {"asyncpaged / hf-cb tok/s", "asyncpaged setup s"}  # no hf-static-64 here
     assert (tmp_path / "out" / "throughput.png").stat().st_size > 0

@@ -145,15 +145,26 @@ async def _run_asyncpaged(spec: WorkerSpec, workload: Workload) -> dict[str, Any
                 tokens[i] = list(out.outputs[0].token_ids)
                 bar.update(1)
 
+            before = engine.statistics()
             start = time.perf_counter()
             async with anyio.create_task_group() as tg:
                 for i in range(workload.num_requests):
                     tg.start_soon(one, i)
             wall_s = time.perf_counter() - start
+            after = engine.statistics()
     settings = {"num_device_blocks": num_blocks, "block_size": spec.block_size,
                 "max_num_seqs": spec.max_num_seqs,
                 "max_num_batched_tokens": spec.max_num_batched_tokens}  # fmt: skip
-    return {"tokens": tokens, "wall_s": wall_s, "setup_s": setup_s, "settings": settings}
+    # The profile: how much of the timed wall went into the model forward, LM head and
+    # sampling (compute), the rest of the executor's step (inputs, results, thread hop), and
+    # everything else (scheduling, allocation, output processing, detokenization).
+    profile = {
+        "compute_s": after.compute_time_s - before.compute_time_s,
+        "step_s": after.step_time_s - before.step_time_s,
+        "num_steps": after.num_steps - before.num_steps,
+    }
+    return {"tokens": tokens, "wall_s": wall_s, "setup_s": setup_s, "settings": settings,
+            "profile": profile}  # fmt: skip
 
 
 # ---- transformers generate --------------------------------------------------------------------
@@ -298,6 +309,7 @@ class EngineRun:
     peak_rss_mib: float = 0.0
     threads: int = 0
     settings: dict[str, Any] | None = None
+    profile: dict[str, float] | None = None  # asyncpaged only: compute_s, step_s, num_steps
     error: str | None = None
 
     @classmethod
@@ -310,6 +322,7 @@ class EngineRun:
             tokens=tokens,
             **numbers,
             settings=data.get("settings"),
+            profile=data.get("profile"),
         )
 
 
