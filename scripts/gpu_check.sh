@@ -40,7 +40,7 @@ log "1+2. kernel tests natively + end-to-end vs transformers"
 export ASYNCPAGED_KERNELS_NATIVE=1
 unset TRITON_INTERPRET
 if timeout 300 "$PY" -m pytest tests/kernels -q -p no:cacheprovider --timeout 240 \
-    --ignore=tests/kernels/test_packaging.py \
+    --ignore=tests/kernels/test_packaging.py --ignore=tests/kernels/test_cpu_attention.py \
     --junitxml="$RESULTS/kernel_tests.xml" 2>&1 | tee "$RESULTS/kernel_tests.log"; then
   echo "kernel tests: PASS" | tee -a "$RESULTS/summary.txt"
 else
