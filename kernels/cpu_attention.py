@@ -24,6 +24,7 @@ from asyncpaged.model.attention import (
     AttentionMetadata,
     TorchAttentionBackend,
     _prefill_one,
+    _write,
 )
 from asyncpaged.model.kv_cache import PagedKVCache
 
@@ -263,7 +264,7 @@ class CpuAttentionBackend(TorchAttentionBackend):
                 layer_idx, query, key, value, kv_cache, metadata,
                 scale=scale, sliding_window=sliding_window,
             )  # fmt: skip
-        kv_cache.write(layer_idx, key, value, metadata.slot_mapping)
+        _write(kv_cache, layer_idx, key, value, metadata)
         key_cache, value_cache = kv_cache.layer(layer_idx)
         q = query if query.dtype == torch.float32 and _rows_dense(query) else query.float()
         q = q if _rows_dense(q) else q.contiguous()

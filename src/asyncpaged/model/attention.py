@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from asyncpaged.model.kv_cache import PagedKVCache
+from asyncpaged.model.kv_cache import PagedKVCache, SlotTargets
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -40,6 +40,8 @@ class AttentionMetadata:
     context_lens_host: tuple[int, ...]
     decode_indices: tuple[int, ...]  # sequences with exactly one new token
     prefill_indices: tuple[int, ...]  # sequences with more than one new token
+    slot_targets: SlotTargets  # slot_mapping split by block_size (the K/V write)
+    block_size: int
 
     @classmethod
     def build(
@@ -50,6 +52,7 @@ class AttentionMetadata:
         block_tables: Sequence[Sequence[int]],
         slot_mapping: Sequence[int],
         device: torch.device,
+        block_size: int = 16,
     ) -> AttentionMetadata:
         starts = [0]
         for n in query_lens:
@@ -57,11 +60,14 @@ class AttentionMetadata:
         width = max((len(t) for t in block_tables), default=0) or 1
         padded = [list(t) + [0] * (width - len(t)) for t in block_tables]
         lens = torch.tensor(list(context_lens), dtype=torch.int64)
+        slots = torch.tensor(list(slot_mapping), dtype=torch.int64, device=device)
         return cls(
             query_start_loc=torch.tensor(starts, dtype=torch.int64, device=device),
             context_lens=lens.to(device),
             block_tables=torch.tensor(padded, dtype=torch.int64, device=device).view(-1, width),
-            slot_mapping=torch.tensor(list(slot_mapping), dtype=torch.int64, device=device),
+            slot_mapping=slots,
+            slot_targets=SlotTargets.of(slots, block_size),
+            block_size=block_size,
             token_context_lens=torch.repeat_interleave(
                 lens, torch.tensor(list(query_lens), dtype=torch.int64)
             ).to(device),
@@ -93,6 +99,20 @@ class AttentionBackend(ABC):
     def copy_blocks(self, kv_cache: PagedKVCache, pairs: Sequence[tuple[int, int]]) -> None:
         """Copy-on-write before a step: block ``src`` onto ``dst`` in every layer."""
         kv_cache.copy_blocks(pairs)
+
+
+def _write(
+    kv_cache: PagedKVCache,
+    layer_idx: int,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    md: AttentionMetadata,
+) -> None:
+    """The layer's K/V write, with the step's precomputed targets when they fit the cache."""
+    targets = md.slot_targets
+    if kv_cache.block_size != md.block_size:
+        targets = SlotTargets.of(md.slot_mapping, kv_cache.block_size)
+    kv_cache.write_targets(layer_idx, key, value, targets)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -138,7 +158,7 @@ class TorchAttentionBackend(AttentionBackend):
         scale: float,
         sliding_window: int | None = None,
     ) -> torch.Tensor:
-        kv_cache.write(layer_idx, key, value, metadata.slot_mapping)
+        _write(kv_cache, layer_idx, key, value, metadata)
         key_cache, value_cache = kv_cache.layer(layer_idx)
         out = torch.empty_like(query)  # [T, Hq, D]
         if metadata.decode_indices:

@@ -26,6 +26,7 @@ Host (swap) caches use the same layout, so swap is a per-block copy.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -81,11 +82,15 @@ class PagedKVCache:
         self, layer_idx: int, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor
     ) -> None:
         """Store new rows: key/value [T, kv_heads, D] into slots [T] (int64; -1 skips the row)."""
-        keep = slot_mapping >= 0
-        if not bool(keep.all()):
-            key, value, slot_mapping = key[keep], value[keep], slot_mapping[keep]
-        blocks = slot_mapping // self.block_size  # [T]
-        offsets = slot_mapping % self.block_size  # [T]
+        self.write_targets(layer_idx, key, value, SlotTargets.of(slot_mapping, self.block_size))
+
+    def write_targets(
+        self, layer_idx: int, key: torch.Tensor, value: torch.Tensor, targets: SlotTargets
+    ) -> None:
+        """``write`` with the slots already split into blocks and offsets (once per step)."""
+        if targets.rows is not None:
+            key, value = key[targets.rows], value[targets.rows]
+        blocks, offsets = targets.blocks, targets.offsets
         key_cache, value_cache = self.layer(layer_idx)
         # Advanced indices on dims 0 and 3 (2) around a slice: the indexed view is [T, kv_heads, D].
         key_cache[blocks, :, :, offsets] = key.to(key_cache.dtype)
@@ -101,6 +106,27 @@ class PagedKVCache:
         src, dst = _pair_indices(pairs, self.key.device)
         self.key[:, dst] = self.key[:, src]
         self.value[:, dst] = self.value[:, src]
+
+
+@dataclass(frozen=True, slots=True)
+class SlotTargets:
+    """Where a step's new K/V rows go: rows ``rows`` (None = all) into ``(blocks, offsets)``.
+
+    Layer-independent, so a step computes it once (``AttentionMetadata.slot_targets``).
+    """
+
+    rows: torch.Tensor | None  # [R] int64 rows with a slot (slot -1 rows are skipped)
+    blocks: torch.Tensor  # [R] int64
+    offsets: torch.Tensor  # [R] int64
+
+    @classmethod
+    def of(cls, slot_mapping: torch.Tensor, block_size: int) -> SlotTargets:
+        keep = slot_mapping >= 0
+        rows = None
+        if not bool(keep.all()):
+            rows = torch.nonzero(keep).flatten()
+            slot_mapping = slot_mapping[rows]
+        return cls(rows, slot_mapping // block_size, slot_mapping % block_size)
 
 
 def _pair_indices(

@@ -199,6 +199,7 @@ class ModelRunner:
             block_tables=[s.block_table for s in plan.seqs],
             slot_mapping=slots,
             device=self.device,
+            block_size=self.block_size,
         )
         input_tensor = torch.tensor(input_ids, dtype=torch.int64, device=self.device)
         position_tensor = torch.tensor(positions, dtype=torch.int64, device=self.device)
