@@ -24,6 +24,8 @@ class EngineConfig:
 
     ``packed_linears`` and ``screened_lm_head`` are exact CPU float32 speed-ups (see
     docs/tuning.md); turning them off changes speed, not tokens. They do nothing elsewhere.
+    ``kv_cache_dtype`` stores K/V in another dtype than the model's ("auto"): "bfloat16" halves KV
+    memory and decode-attention bytes but is not bit-exact (attention math stays float32).
     """
 
     model: str
@@ -42,6 +44,7 @@ class EngineConfig:
     seed: int = 0
     # auto: Triton on CUDA; on CPU the native C++ decode kernel if it builds, else torch
     attention_backend: Literal["auto", "torch", "triton", "cpu"] = "auto"
+    kv_cache_dtype: Literal["auto", "float32", "float16", "bfloat16"] = "auto"  # auto: model's
     packed_linears: bool = True  # CPU fp32: oneDNN pre-packed weights (exact)
     screened_lm_head: bool = True  # CPU fp32: greedy argmax through a bf16 screen (exact)
 
@@ -62,6 +65,9 @@ class EngineConfig:
             (self.max_model_len is None or self.max_model_len >= 2,
              f"max_model_len must be at least 2, got {self.max_model_len}."),
             (0.0 <= self.watermark < 1.0, f"watermark must be in [0, 1), got {self.watermark}."),
+            (self.kv_cache_dtype in ("auto", "float32", "float16", "bfloat16"),
+             f"kv_cache_dtype must be 'auto', 'float32', 'float16' or 'bfloat16', got "
+             f"{self.kv_cache_dtype!r}."),
             (self.attention_backend in ("auto", "torch", "triton", "cpu"),
              f"attention_backend must be 'auto', 'torch', 'triton' or 'cpu', got "
              f"{self.attention_backend!r}."),

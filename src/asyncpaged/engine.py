@@ -131,7 +131,8 @@ class AsyncEngine:
         cfg = self.config
         hf_config = await anyio.to_thread.run_sync(load_config, cfg.model)
         dtype = resolve_dtype(cfg.dtype, hf_config, torch.device(cfg.device))
-        shape = KVShape.from_hf_config(hf_config, dtype.itemsize)
+        kv_dtype = dtype if cfg.kv_cache_dtype == "auto" else getattr(torch, cfg.kv_cache_dtype)
+        shape = KVShape.from_hf_config(hf_config, kv_dtype.itemsize)
         num_device, num_host = num_blocks_for(cfg, shape)
         self.max_model_len = cfg.max_model_len or int(
             getattr(hf_config, "max_position_embeddings", 2048)
@@ -141,6 +142,7 @@ class AsyncEngine:
         self.runner = await anyio.to_thread.run_sync(
             lambda: ModelRunner(cfg.model, dtype, num_device, cfg.block_size, num_host,
                                 device=cfg.device, seed=cfg.seed, attn_backend=backend,
+                                kv_cache_dtype=kv_dtype,
                                 packed_linears=cfg.packed_linears,
                                 screened_lm_head=cfg.screened_lm_head)
         )  # fmt: skip
@@ -167,7 +169,8 @@ class AsyncEngine:
         await self._tg.__aenter__()
         await self._tg.start(self._supervise)
         log.info("engine_started", model=cfg.model, num_device_blocks=num_device,
-                 num_host_blocks=num_host, dtype=str(dtype))  # fmt: skip
+                 num_host_blocks=num_host, dtype=str(dtype),
+                 kv_cache_dtype=str(kv_dtype))  # fmt: skip
         return self
 
     def _build_actors(self, pool: BlockPool, scheduler: Scheduler) -> None:

@@ -108,13 +108,15 @@ class ModelRunner:
         attn_backend: AttentionBackend | None = None,
         kv_fill_value: float | None = None,
         seed: int = 0,
+        kv_cache_dtype: torch.dtype | None = None,
         packed_linears: bool = True,
         screened_lm_head: bool = True,
     ) -> None:
         """Load the checkpoint and allocate caches; ``kv_fill_value`` poisons them (tests: NaN).
 
-        ``seed`` seeds the generator of random rows without a per-request seed. The two exact CPU
-        levers apply to float32 models on CPU only: ``packed_linears`` pre-packs the layers'
+        ``seed`` seeds the generator of random rows without a per-request seed.
+        ``kv_cache_dtype`` (None: the model's dtype) is the dtype K/V are stored in. The two exact
+        CPU levers apply to float32 models on CPU only: ``packed_linears`` pre-packs the layers'
         weights for oneDNN (``packed_linear``), ``screened_lm_head`` picks greedy tokens through
         a bf16 screen (``lm_head``) when every row of a step is plain greedy.
         """
@@ -128,6 +130,7 @@ class ModelRunner:
         if attn_backend is not None:
             self.model.attn_backend = attn_backend
         self.dtype = self.model.lm_head_weight().dtype
+        self.kv_cache_dtype = kv_cache_dtype or self.dtype
         self.block_size = block_size
         cpu_fp32 = self.device.type == "cpu" and self.dtype == torch.float32
         if packed_linears and cpu_fp32:
@@ -145,7 +148,7 @@ class ModelRunner:
                 block_size=block_size,
                 num_kv_heads=self.model.num_kv_heads,
                 head_dim=self.model.head_dim,
-                dtype=self.dtype,
+                dtype=self.kv_cache_dtype,
                 device=device,
                 fill_value=kv_fill_value,
                 pin_memory=on_cuda and device.type == "cpu",
