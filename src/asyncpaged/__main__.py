@@ -24,13 +24,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="asyncpaged", description=__doc__)
     parser.add_argument("--log-level", default="warning", help="engine events on stderr")
     sub = parser.add_subparsers(dest="command", required=True)
-    from asyncpaged.tools import bench, demo, pool_bench, sharing_report, waste_report
+    from asyncpaged.tools import bench, demo, pool_bench, sharing_report, simulate, waste_report
 
     demo.add_parser(sub)
     bench.add_parser(sub)
     waste_report.add_parser(sub)
     pool_bench.add_parser(sub)
     sharing_report.add_parser(sub)
+    simulate.add_parser(sub)
     args = parser.parse_args(argv)
     _configure_logging(args.log_level)
     result: int = args.func(args)
