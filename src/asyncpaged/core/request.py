@@ -109,8 +109,8 @@ class Request:
 
     @property
     def live_seqs(self) -> list[Sequence]:
-        return [s for s in self.seqs if not s.is_finished]
+        return [s for s in self.seqs if s.finish_reason is None]
 
     @property
     def is_finished(self) -> bool:
-        return all(s.is_finished for s in self.seqs)
+        return all(s.finish_reason is not None for s in self.seqs)

@@ -466,7 +466,9 @@ class Scheduler:
             request = self.requests.get(scheduled.request_id)
             if request is None or not scheduled.samples:
                 continue  # aborted meanwhile, or a prefill chunk short of the prompt's end
-            seq = next(s for s in request.seqs if s.seq_id == scheduled.seq_id)
+            seq = request.seqs[0]
+            if seq.seq_id != scheduled.seq_id:
+                seq = next(s for s in request.seqs if s.seq_id == scheduled.seq_id)
             if seq.is_finished:
                 continue
             if request.beam is not None:
@@ -476,10 +478,10 @@ class Scheduler:
                     beams.append(request)
                 continue
             tokens = sampled[seq.seq_id]
-            children: list[Sequence] = []
+            family = [seq]
             if scheduled.num_samples > 1:
-                children = self._fan_out(request, seq, tokens[1:])
-            for i, (s, token) in enumerate(zip([seq, *children], tokens, strict=False)):
+                family.extend(self._fan_out(request, seq, tokens[1:]))
+            for i, (s, token) in enumerate(zip(family, tokens, strict=False)):
                 if s is seq:
                     s.token_ids.append(token)
                 finished = self._check_stop(request, s, token)
@@ -496,7 +498,7 @@ class Scheduler:
                 )
                 if finished:
                     self._release(s)
-            if request.is_finished:
+            if seq.finish_reason is not None if len(request.seqs) == 1 else request.is_finished:
                 self._finish(request)
                 self.num_finished += 1
         for request in beams:
@@ -578,14 +580,16 @@ class Scheduler:
     def _check_stop(self, request: Request, seq: Sequence, token: int) -> bool:
         """Set the sequence's finish reason if ``token`` ends it; True if it did."""
         stop = request.stop
-        if seq.num_generated >= stop.min_tokens:
+        num_tokens = len(seq.token_ids)
+        num_generated = num_tokens - seq.num_prompt_tokens
+        if num_generated >= stop.min_tokens:
             if token == stop.eos_token_id and not stop.ignore_eos:
                 seq.finish_reason = "stop"
             elif token in stop.stop_token_ids:
                 seq.finish_reason, seq.stop_reason = "stop", token
         if seq.finish_reason is None and (
-            seq.num_generated >= stop.max_tokens
-            or (stop.max_model_len is not None and len(seq.token_ids) >= stop.max_model_len)
+            num_generated >= stop.max_tokens
+            or (stop.max_model_len is not None and num_tokens >= stop.max_model_len)
         ):
             seq.finish_reason = "length"
         return seq.finish_reason is not None
@@ -634,6 +638,13 @@ class Scheduler:
 def _chunks(request: Request, plan: _Plan) -> list[tuple[Sequence, int]] | None:
     """(sequence, tokens to compute) for a running request, or None if over budget; empty when
     none of its sequences has anything to compute this step."""
+    if len(request.seqs) == 1:  # the common case, without the list building below
+        seq = request.seqs[0]
+        if seq.finish_reason is None:
+            if plan.seats_left < 1 or plan.budget_left < 1:
+                return None
+            todo = len(seq.token_ids) - seq.num_computed_tokens
+            return [(seq, min(todo, plan.budget_left))] if todo else []
     seqs = request.live_seqs
     if plan.seats_left < len(seqs) or plan.budget_left < len(seqs):
         return None

@@ -15,6 +15,7 @@ does not fit (keeping ``watermark_blocks`` free) stops the rest.
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass
 
 from asyncpaged.core.block_pool import BlockPool
@@ -208,15 +209,19 @@ def snapshot(pool: BlockPool, report_groups: tuple[tuple[int, ...], ...] = ()) -
     for group in report_groups:
         if not all(pool.has_seq(s) and pool.location(s) is Location.DEVICE for s in group):
             continue
-        holders: dict[int, int] = {}
-        for sid in group:
-            for b in pool.block_ids(sid):
-                holders[b] = holders.get(b, 0) + 1
-        exclusive = sum(1 for b, n in holders.items() if device.ref_cnt[b] == n)
+        if len(group) == 1:  # the common case: a block of one table is exclusive at refcount 1
+            blocks = pool.block_ids(group[0])
+            exclusive = operator.countOf(map(device.ref_cnt.__getitem__, blocks), 1)
+            distinct = len(blocks)
+        else:
+            holders: dict[int, int] = {}
+            for sid in group:
+                for b in pool.block_ids(sid):
+                    holders[b] = holders.get(b, 0) + 1
+            exclusive = sum(1 for b, n in holders.items() if device.ref_cnt[b] == n)
+            distinct = len(holders)
         reports.append(
-            GroupReport(
-                seq_ids=group, num_exclusive_blocks=exclusive, num_distinct_blocks=len(holders)
-            )
+            GroupReport(seq_ids=group, num_exclusive_blocks=exclusive, num_distinct_blocks=distinct)
         )
     return PoolSnapshot(
         num_free_device_blocks=pool.num_free_device_blocks,
