@@ -65,6 +65,28 @@ def test_reservation_admits_only_what_fits_beside_other_reservations() -> None:
     pool.check_invariants()
 
 
+def test_a_reservation_needs_one_contiguous_extent_and_freed_extents_merge() -> None:
+    """External fragmentation: 4 blocks free in two 2-block holes refuse a 3-block reservation."""
+    pool = ReservingBlockPool(10, block_size=4)
+    sizes = {"a": 3, "b": 2, "c": 3, "d": 2}  # extents [0,3) [3,5) [5,8) [8,10)
+    for i, (key, blocks) in enumerate(sizes.items()):
+        pool.reserve(key, blocks * 4)
+        assert pool.allocate(i, (0,) * 4, extra_key=key) is not None
+    pool.free(1)  # b
+    pool.free(3)  # d
+    assert pool.num_free_device_blocks == 8  # held: one block each of a and c
+    assert pool.num_fragmented_blocks == 2  # two holes of 2
+    pool.reserve("e", 3 * 4)
+    pool.reserve("f", 2 * 4)
+    assert pool.num_blocks_to_allocate((0,) * 4, extra_key="e") > 10  # no 3-block hole
+    assert pool.num_blocks_to_allocate((0,) * 4, extra_key="f") <= pool.num_free_device_blocks
+    pool.free(2)  # c: [3,5) + [5,8) + [8,10) merge into one 7-block extent
+    assert pool.num_fragmented_blocks == 0
+    assert pool.num_blocks_to_allocate((0,) * 4, extra_key="e") == 3 + (3 - 1)  # + a outstanding
+    assert pool.allocate(4, (0,) * 4, extra_key="e") is not None
+    pool.check_invariants()
+
+
 @pytest.mark.parametrize("system", ["paged", "orca-max", "orca-pow2", "orca-oracle"])
 def test_every_request_finishes_with_its_tokens(system: str) -> None:
     requests = trace(24)

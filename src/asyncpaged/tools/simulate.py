@@ -34,7 +34,8 @@ def sustainable_rate(results: list[SimResult], system: str, limit_s: float) -> f
 def format_table(results: list[SimResult]) -> str:
     head = (
         f"{'system':<12} {'rate':>5} {'req/s':>6} {'tok/s':>7} {'norm lat':>8} {'util':>6} "
-        f"{'util@pk':>7} {'batch':>6} {'max':>4} {'preempt':>7} {'swap MB':>8} {'wall s':>6}"
+        f"{'util@pk':>7} {'KV mem':>6} {'batch':>6} {'max':>4} {'preempt':>7} {'swap MB':>8} "
+        f"{'wall s':>6}"
     )
     lines = [head, "-" * len(head)]
     for r in results:
@@ -42,7 +43,8 @@ def format_table(results: list[SimResult]) -> str:
         lines.append(
             f"{r.system:<12} {r.rate:>5.2f} {r.throughput_rps:>6.2f} "
             f"{r.throughput_tokens_per_s:>7.0f} {r.normalized_latency_s:>8.3f} "
-            f"{r.kv_util_mean:>6.1%} {r.kv_util_peak:>7.1%} {r.batch_size_mean:>6.1f} "
+            f"{r.kv_util_mean:>6.1%} {r.kv_util_peak:>7.1%} {r.kv_occupancy_mean:>6.1%} "
+            f"{r.batch_size_mean:>6.1f} "
             f"{r.batch_size_max:>4} {r.num_preemptions:>7} {swap_mb:>8.0f} {r.wall_s:>6.1f}"
         )
     return "\n".join(lines)
