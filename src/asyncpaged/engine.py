@@ -138,7 +138,7 @@ class AsyncEngine:
             getattr(hf_config, "max_position_embeddings", 2048)
         )
         self.vocab_size = int(hf_config.vocab_size)
-        backend = _attention_backend(cfg)
+        backend = await anyio.to_thread.run_sync(_attention_backend, cfg)  # may compile (g++)
         self.runner = await anyio.to_thread.run_sync(
             lambda: ModelRunner(cfg.model, dtype, num_device, cfg.block_size, num_host,
                                 device=cfg.device, seed=cfg.seed, attn_backend=backend,
