@@ -55,6 +55,11 @@ def test_a_failed_worker_is_reported_not_raised(tmp_path: Path) -> None:
     text = bench_throughput.format_table(summary)
     assert any(ln.split() == ["no-such-engine", "failed"] for ln in text.splitlines())
     assert "no-such-engine (repeat 0): worker exited with status 1" in text
+    # Without the reference engine nothing is checked, and the report says so (not "NO").
+    alone = EngineRun(engine="asyncpaged", repeat=0, tokens=((1, 2),), wall_s=1.0, setup_s=1.0)
+    unchecked = summarize(make_workload(quick=True, num_requests=1), [alone], {}, {})
+    assert unchecked["all_matched"] is None
+    assert "tokens not checked: hf-single did not run" in bench_throughput.format_table(unchecked)
 
 
 @pytest.mark.slow
