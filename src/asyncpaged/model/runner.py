@@ -223,10 +223,13 @@ class ModelRunner:
         ]
         hidden = hidden[torch.tensor(rows, device=self.device)]
         if self.screened_head is not None and all(_plain_greedy(s, o) for s, _, o in draws):
-            token_ids = self.screened_head.argmax(hidden)
-            none = None
-            out = SamplerOutput(token_ids=token_ids, logprobs=none, ranks=none,
-                                top_token_ids=none, top_logprobs=none)  # fmt: skip
+            out = SamplerOutput(
+                token_ids=self.screened_head.argmax(hidden),
+                logprobs=None,
+                ranks=None,
+                top_token_ids=None,
+                top_logprobs=None,
+            )
             compute_s = time.perf_counter() - began
             return StepResult(sampled=_sampled_tokens(draws, out), compute_s=compute_s)
         logits = self.model.compute_logits(hidden)
