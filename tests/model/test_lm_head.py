@@ -104,6 +104,11 @@ def test_nan_hidden_state_falls_back_to_the_full_head() -> None:
     assert torch.equal(got, torch.nn.functional.linear(h, weight).argmax(-1))
 
 
+def test_no_rows_give_no_tokens() -> None:
+    got = ScreenedLMHead(torch.randn(100, 16)).argmax(torch.randn(0, 16))
+    assert got.shape == (0,) and got.dtype == torch.int64
+
+
 def test_rejects_non_fp32_weights() -> None:
     with pytest.raises(ValueError, match="float32"):
         ScreenedLMHead(torch.randn(10, 4, dtype=torch.bfloat16))

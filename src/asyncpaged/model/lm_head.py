@@ -81,9 +81,11 @@ class ScreenedLMHead:
     def argmax(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, H] fp32 -> [N] int64, the argmax of the fp32 logits (ties: lowest id)."""
         num_rows = hidden.shape[0]
+        if num_rows == 0:
+            return torch.empty(0, dtype=torch.int64, device=hidden.device)
         rows, cols = self.screen(hidden)
         counts = torch.bincount(rows, minlength=num_rows)
-        if num_rows == 0 or bool((counts == 0).any()):  # NaN/inf hidden states: no screen
+        if bool((counts == 0).any()):  # NaN/inf hidden states: no screen
             logits = torch.nn.functional.linear(hidden, self.weight)
             return torch.argmax(logits, dim=-1)
         values = (hidden[rows] * self.weight[cols]).sum(dim=-1)  # [K] fp32 rescore
