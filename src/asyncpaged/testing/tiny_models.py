@@ -137,7 +137,6 @@ _MODEL_CLASSES = {
 def build_tokenizer() -> Any:
     """A byte-level BPE tokenizer of ``VOCAB_SIZE`` ids with <pad>/<s>/</s>/<unk> as ids 0-3."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
 
     tok = Tokenizer(models.BPE(unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -149,12 +148,17 @@ def build_tokenizer() -> Any:
         show_progress=False,
     )
     tok.train_from_iterator([_CORPUS], trainer)
+    return as_transformers_tokenizer(tok)
+
+
+def as_transformers_tokenizer(tok: Any) -> Any:
+    """A ``tokenizers.Tokenizer`` whose ids 0-3 are <pad>/<s>/</s>/<unk>, as a transformers
+    fast tokenizer (what ``save_pretrained`` writes and ``AutoTokenizer`` loads)."""
+    from transformers import PreTrainedTokenizerFast
+
+    pad, bos, eos, unk = SPECIAL_TOKENS
     return PreTrainedTokenizerFast(  # type: ignore[no-untyped-call]
-        tokenizer_object=tok,
-        pad_token="<pad>",
-        bos_token="<s>",
-        eos_token="</s>",
-        unk_token="<unk>",
+        tokenizer_object=tok, pad_token=pad, bos_token=bos, eos_token=eos, unk_token=unk
     )
 
 

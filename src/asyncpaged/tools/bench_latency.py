@@ -26,7 +26,6 @@ default: see docs on benchmark hygiene).
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import random
 import sys
@@ -42,7 +41,7 @@ from typing import TYPE_CHECKING, Any
 import anyio
 
 from asyncpaged.tools.bench_workload import Workload, build_checkpoint, make_workload
-from asyncpaged.tools.plotting import PlottingUnavailableError, pyplot
+from asyncpaged.tools.plotting import pyplot, save_report
 
 if TYPE_CHECKING:
     from asyncpaged.engine import AsyncEngine
@@ -312,8 +311,6 @@ def run(args: argparse.Namespace) -> int:
     )
     print(header)
     print(format_table(results))
-    out_dir = Path(args.output)
-    out_dir.mkdir(parents=True, exist_ok=True)
     report = {
         "workload": workload.describe(),
         "model_config": workload.model_config,
@@ -321,11 +318,7 @@ def run(args: argparse.Namespace) -> int:
         "seed": args.seed,
         "results": [r.to_json() for r in results],
     }
-    (out_dir / "latency.json").write_text(json.dumps(report, indent=2) + "\n")
-    try:
-        plot(results, out_dir / "latency.png", header)
-    except PlottingUnavailableError as exc:
-        print(f"latency.png skipped: {exc}", file=sys.stderr)
+    save_report(Path(args.output), "latency", report, lambda png: plot(results, png, header))
     return 0
 
 

@@ -18,15 +18,13 @@ against the step, one column per workload).
 from __future__ import annotations
 
 import argparse
-import json
-import sys
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from itertools import pairwise
 from pathlib import Path
 from typing import Any
 
-from asyncpaged.tools.plotting import PlottingUnavailableError, pyplot
+from asyncpaged.tools.plotting import pyplot, save_report
 from asyncpaged.tools.waste_report import (
     ALLOCATORS,
     DISTRIBUTIONS,
@@ -200,8 +198,6 @@ def run(args: argparse.Namespace) -> int:
         "paged's mean / this one's; steps to drain: until every request finished):"
     )
     print(format_concurrency_table(runs))
-    out_dir = Path(args.output)
-    out_dir.mkdir(parents=True, exist_ok=True)
     report = {
         "budget_tokens": args.budget_tokens,
         "num_requests": args.num_requests,
@@ -210,11 +206,7 @@ def run(args: argparse.Namespace) -> int:
         "seed": args.seed,
         "results": [r.to_json() for r in runs],
     }
-    (out_dir / "memory.json").write_text(json.dumps(report, indent=2) + "\n")
-    try:
-        plot(runs, out_dir / "memory.png", header)
-    except PlottingUnavailableError as exc:
-        print(f"memory.png skipped: {exc}", file=sys.stderr)
+    save_report(Path(args.output), "memory", report, lambda png: plot(runs, png, header))
     return 0
 
 

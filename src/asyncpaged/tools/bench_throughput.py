@@ -16,7 +16,6 @@ is 1 if an engine failed or any tokens differed, else 0 (a missed target is repo
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import statistics
@@ -33,7 +32,7 @@ from asyncpaged.tools.bench_engines import (
     run_engines,
 )
 from asyncpaged.tools.bench_workload import Workload, build_checkpoint, make_workload
-from asyncpaged.tools.plotting import PlottingUnavailableError, pyplot
+from asyncpaged.tools.plotting import pyplot, save_report
 
 TARGETS = (  # (name, engine the ratio is taken against or None for setup, target)
     ("asyncpaged / hf-static-64 tok/s", "hf-static-64", 2.2),
@@ -323,14 +322,8 @@ def run(args: argparse.Namespace) -> int:
     settings = {"engines": engines, "repeats": args.repeats, **asdict(base)}
     del settings["engine"], settings["progress"]
     summary = summarize(workload, runs, settings, machine_info())
-    out = Path(args.output)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "throughput.json").write_text(json.dumps(summary, indent=1))
     print(format_table(summary))
-    try:
-        plot(summary, out / "throughput.png")
-    except PlottingUnavailableError as exc:
-        print(f"no plot ({exc})")
+    save_report(Path(args.output), "throughput", summary, lambda png: plot(summary, png), indent=1)
     failed = any(r["error"] is not None for r in summary["runs"])
     return 1 if failed or summary["all_matched"] is False else 0
 

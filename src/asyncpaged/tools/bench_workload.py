@@ -118,18 +118,12 @@ def build_checkpoint(workload: Workload, directory: Path) -> Path:
 def build_word_tokenizer(vocab_size: int) -> Any:
     """A tokenizer whose vocabulary is ``<pad> <s> </s> <unk>`` then ``w4 .. w{vocab-1}``."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
 
-    specials = ["<pad>", "<s>", "</s>", "<unk>"]
-    vocab = {tok: i for i, tok in enumerate(specials)}
+    from asyncpaged.testing.tiny_models import SPECIAL_TOKENS, as_transformers_tokenizer
+
+    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS)}
     vocab.update({f"w{i}": i for i in range(NUM_SPECIAL, vocab_size)})
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tok.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
-    return PreTrainedTokenizerFast(  # type: ignore[no-untyped-call]
-        tokenizer_object=tok,
-        pad_token="<pad>",
-        bos_token="<s>",
-        eos_token="</s>",
-        unk_token="<unk>",
-    )
+    return as_transformers_tokenizer(tok)
