@@ -67,17 +67,19 @@ def plot_latency(results: list[SimResult], path: Path, title: str) -> None:
 
 
 def plot_utilization(results: list[SimResult], path: Path, title: str) -> None:
-    """Mean KV utilization of each system at the highest rate it was run at."""
+    """Share of KV memory holding token states (the paper's Figure 2) for each system at the
+    highest rate it was run at, over the steps while requests waited."""
     plt = pyplot()
     last = {r.system: r for r in sorted(results, key=lambda r: r.rate)}
     names = list(last)
-    stored = [last[n].kv_util_mean * 100 for n in names]
+    stored = [last[n].kv_occupancy_mean * 100 for n in names]
     fig, ax = plt.subplots(figsize=(6, 4))
     ax.bar(names, stored, label="token states")
-    ax.bar(names, [100 - s for s in stored], bottom=stored, label="reserved, unused", alpha=0.4)
+    other = [100 - s for s in stored]
+    ax.bar(names, other, bottom=stored, label="reserved, fragmented or free", alpha=0.4)
     for i, s in enumerate(stored):
         ax.text(i, s / 2, f"{s:.1f}%", ha="center")
-    ax.set_ylabel("share of reserved KV slots (%)")
+    ax.set_ylabel("share of KV memory (%)")
     ax.set_title(title)
     ax.legend(loc="upper right")
     fig.tight_layout()
