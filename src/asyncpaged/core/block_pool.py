@@ -16,6 +16,7 @@ changing anything; a broken internal invariant is an ``AssertionError``.
 from __future__ import annotations
 
 import itertools
+import operator
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from types import MappingProxyType
@@ -60,6 +61,9 @@ class BlockPool:
       (copy-on-write), so a write never changes what another sequence reads.
     * Only full device blocks are registered in the prefix cache, under the chained hash of their
       tokens and extra key; the last token of a prompt is never served from the cache.
+    * Only forks share a partial block, so every device table whose partial last block has
+      another holder is in ``_forked`` (tables created by or forked from :meth:`fork`, dropped
+      at :meth:`free`); :meth:`shared_tails` checks those alone.
     * Every operation is O(blocks touched), never O(pool size), except the test-only
       :meth:`check_invariants` and :meth:`state`.
     """
@@ -84,6 +88,7 @@ class BlockPool:
         self._tables: dict[SeqId, BlockTable] = {}
         self._pins: dict[int, tuple[int, ...]] = {}
         self._swaps: dict[int, _Swap] = {}
+        self._forked: set[SeqId] = set()
         self._ids = itertools.count()
         self.num_cow_copies = 0
         self.prefix_query_tokens = 0
@@ -103,6 +108,41 @@ class BlockPool:
     def tables(self) -> Mapping[SeqId, BlockTable]:
         """A read-only view of every block table (do not mutate the tables)."""
         return MappingProxyType(self._tables)
+
+    def shared_tails(self) -> frozenset[SeqId]:
+        """Device sequences whose partial last block is shared: their next append copies it."""
+        if not self._forked:
+            return frozenset()
+        bs, ref_cnt, tables = self.block_size, self.device.ref_cnt, self._tables
+        return frozenset(
+            sid
+            for sid in self._forked
+            if (table := tables[sid]).location is Location.DEVICE
+            and table.num_tokens % bs
+            and ref_cnt[table.block_ids[-1]] > 1
+        )
+
+    def release_counts(self, seq_ids: Sequence[SeqId]) -> tuple[int, int] | None:
+        """(blocks that freeing the group would release, distinct blocks it holds), or None
+        unless every sequence of the group is on the device."""
+        tables = self._tables
+        ref_cnt = self.device.ref_cnt
+        if len(seq_ids) == 1:  # the common case: a block of one table is exclusive at refcount 1
+            table = tables.get(seq_ids[0])
+            if table is None or table.location is not Location.DEVICE:
+                return None
+            return operator.countOf(map(ref_cnt.__getitem__, table.block_ids), 1), len(
+                table.block_ids
+            )
+        holders: dict[int, int] = {}
+        for sid in seq_ids:
+            table = tables.get(sid)
+            if table is None or table.location is not Location.DEVICE:
+                return None
+            for b in table.block_ids:
+                holders[b] = holders.get(b, 0) + 1
+        exclusive = sum(1 for b, n in holders.items() if ref_cnt[b] == n)
+        return exclusive, len(holders)
 
     def has_seq(self, seq_id: SeqId) -> bool:
         return seq_id in self._tables
@@ -240,6 +280,7 @@ class BlockPool:
         for block in parent.block_ids:
             self.device.incref(block)
         self._tables[child_id] = parent.copy(child_id)
+        self._forked.update((parent_id, child_id))
 
     def free(self, seq_id: SeqId) -> None:
         """Drop the sequence and its references, tail first, wherever its blocks are.
@@ -248,6 +289,7 @@ class BlockPool:
         """
         table = self._table(seq_id)
         del self._tables[seq_id]
+        self._forked.discard(seq_id)
         self._pool_of(table).release(table.block_ids)
 
     # ---- swap -----------------------------------------------------------------------------
@@ -395,6 +437,13 @@ class BlockPool:
         from asyncpaged.core.pool_invariants import check_block_pool
 
         check_block_pool(self, self._tables, self._pins, [s.plan for s in self._swaps.values()])
+        assert self.shared_tails() == frozenset(
+            sid
+            for sid, t in self._tables.items()
+            if t.location is Location.DEVICE
+            and t.num_tokens % self.block_size
+            and self.device.ref_cnt[t.block_ids[-1]] > 1
+        ), "a shared partial last block outside the forked tables"
 
     # ---- internals ------------------------------------------------------------------------
 
@@ -472,6 +521,32 @@ class BlockPool:
             blocks.append(block)
             hashes.append(parent)
         return blocks, hashes
+
+    def append_token(self, seq_id: SeqId, token: int) -> int | None:
+        """The decode fast path of :meth:`append`: the slot of one token appended into the
+        sequence's exclusive partial last block (no allocation, no copy). None, with nothing
+        changed, when that does not apply (use :meth:`append`)."""
+        table = self._tables.get(seq_id)
+        if table is None or table.location is not Location.DEVICE:
+            return None
+        bs, device = self.block_size, self.device
+        offset = table.num_tokens % bs
+        if not offset:
+            return None
+        block = table.block_ids[-1]
+        if device.ref_cnt[block] != 1:
+            return None
+        device.fill(block, 1)
+        table.num_tokens += 1
+        if self.enable_prefix_caching:
+            table.partial_token_ids.append(token)
+            if offset + 1 == bs:
+                parent = table.block_hashes[-1] if table.block_hashes else ROOT_HASH
+                block_hash = hash_block(parent, table.partial_token_ids, table.extra_key)
+                table.block_hashes.append(block_hash)
+                table.partial_token_ids.clear()
+                device.register(block, block_hash)
+        return block * bs + offset
 
     def _write(self, table: BlockTable, token_ids: Sequence[int]) -> tuple[int, ...]:
         """Reserve slots for ``token_ids`` at the end of ``table`` (capacity already checked).

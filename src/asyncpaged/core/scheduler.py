@@ -40,11 +40,8 @@ from asyncpaged.core.txn import (
     NUM_REPORTED_GROUPS,
     Admission,
     AllocateOp,
-    AppendOp,
-    GroupReport,
     PinOp,
     PoolSnapshot,
-    SlotGrant,
     StepTxn,
     TxnResult,
 )
@@ -159,6 +156,7 @@ class Scheduler:
         self._pending_unpins: list[int] = []  # seqs back on device since the last snapshot
         self._step_ids = itertools.count()
         self._preempted: tuple[str, ...] = ()
+        self._planned: list[tuple[Request, Sequence]] = []  # the last plan's appends
         self._watermark = math.ceil(config.watermark * config.num_device_blocks)
         self.num_preemptions = self.num_swap_outs = self.num_swap_ins = 0
         self.num_recomputes = self.num_finished = self.num_aborted = 0
@@ -256,7 +254,8 @@ class Scheduler:
             unpins=tuple(unpins),
             frees=tuple(frees),
             swap_outs=tuple(swap_outs),
-            appends=tuple(appends),
+            append_seq_ids=tuple(seq_id for seq_id, _ in appends),
+            append_token_ids=tuple(tokens for _, tokens in appends),
             swap_ins=tuple(swap_ins),
             admissions=tuple(admissions),
             watermark_blocks=self._watermark if self.running else 0,
@@ -270,22 +269,38 @@ class Scheduler:
         snap: PoolSnapshot,
         frees: list[int],
         swap_outs: list[tuple[int, ...]],
-    ) -> list[AppendOp]:
-        reports = {g.seq_ids: g for g in snap.groups}
-        appends: list[AppendOp] = []
+    ) -> list[tuple[int, tuple[int, ...]]]:
+        bs = self.config.block_size
+        appends: list[tuple[int, tuple[int, ...]]] = []  # (seq id, tokens)
+        planned = self._planned = []
+        running = self.running
         i = 0
-        while i < len(self.running):
-            request = self.running[i]
-            chunks = _chunks(request, plan)
-            if chunks is None:
-                break  # token or sequence budget spent
-            if not chunks:
-                i += 1  # beams that reported wait for their siblings: nothing to compute
-                continue
-            need = sum(self._blocks_to_append(s, n, s.seq_id in shared) for s, n in chunks)
+        while i < len(running):
+            request = running[i]
+            seqs = request.seqs
+            if len(seqs) == 1 and seqs[0].finish_reason is None:  # the common case, inline
+                if plan.seats_left < 1 or plan.budget_left < 1:
+                    break  # token or sequence budget spent
+                seq = seqs[0]
+                have = seq.num_computed_tokens
+                n = min(len(seq.token_ids) - have, plan.budget_left)
+                if not n:
+                    i += 1
+                    continue
+                chunks = [(seq, n)]
+                need = -(-(have + n) // bs) - -(-have // bs) + (seq.seq_id in shared)
+            else:
+                some = _chunks(request, plan)
+                if some is None:
+                    break  # token or sequence budget spent
+                chunks = some
+                if not chunks:
+                    i += 1  # beams that reported wait for their siblings: nothing to compute
+                    continue
+                need = sum(self._blocks_to_append(s, n, s.seq_id in shared) for s, n in chunks)
             while need > plan.free and need > plan.free + plan.coming:
-                victim = self.running[-1]
-                self._preempt(victim, plan, reports, frees, swap_outs)
+                victim = running[-1]
+                self._preempt(victim, plan, snap, frees, swap_outs)
                 if victim is request:
                     break
             if request.status is not RequestStatus.RUNNING or need > plan.free:
@@ -294,7 +309,8 @@ class Scheduler:
             for seq, n in chunks:
                 start = seq.num_computed_tokens
                 tokens = tuple(seq.token_ids[start : start + n])
-                appends.append(AppendOp(seq_id=seq.seq_id, token_ids=tokens))
+                appends.append((seq.seq_id, tokens))
+                planned.append((request, seq))
                 plan.budget_left -= n
                 plan.seats_left -= 1
             i += 1
@@ -309,7 +325,7 @@ class Scheduler:
         self,
         request: Request,
         plan: _Plan,
-        reports: Mapping[tuple[int, ...], GroupReport],
+        snap: PoolSnapshot,
         frees: list[int],
         swap_outs: list[tuple[int, ...]],
     ) -> None:
@@ -320,7 +336,7 @@ class Scheduler:
         group = tuple(s.seq_id for s in request.live_seqs)
         # Without a report (an old request, or one that came back since the snapshot) assume
         # it frees nothing and bound its distinct blocks by its tables' lengths.
-        report = reports.get(group)
+        report = next((g for g in snap.groups if g.seq_ids == group), None)
         exclusive = report.num_exclusive_blocks if report else 0
         bs = self.config.block_size
         distinct = (
@@ -385,11 +401,16 @@ class Scheduler:
     def apply(self, txn: StepTxn, result: TxnResult) -> SchedulerOutput:
         """Settle admissions and swaps and build the step the executor runs."""
         seqs: list[ScheduledSeq] = []
-        by_seq = {s.seq_id: (r, s) for r in self.running for s in r.live_seqs}
         num_tokens = 0
-        for grant in result.appended:
-            request, seq = by_seq[grant.seq_id]
-            num_tokens += self._schedule(seqs, request, seq, seq.num_computed_tokens, grant)
+        # The allocator grants every planned append, in plan order.
+        appended = zip(
+            self._planned, txn.append_token_ids, result.append_slots, result.append_tables,
+            strict=True,
+        )  # fmt: skip
+        for (request, seq), tokens, slots, table in appended:
+            num_tokens += self._schedule(
+                seqs, request, seq, seq.num_computed_tokens, tokens, slots, table
+            )
         for plan in result.swap_outs:
             request = self._swap_owner(plan)
             request.swap_id = plan.swap_id
@@ -408,7 +429,11 @@ class Scheduler:
             for grant in grants:
                 seq = by_id[grant.seq_id]
                 request.num_cached_tokens = max(request.num_cached_tokens, grant.num_cached_tokens)
-                num_tokens += self._schedule(seqs, request, seq, grant.num_cached_tokens, grant)
+                start = grant.num_cached_tokens
+                tokens = tuple(seq.token_ids[start : start + len(grant.slot_mapping)])
+                num_tokens += self._schedule(
+                    seqs, request, seq, start, tokens, grant.slot_mapping, grant.block_table
+                )
         return SchedulerOutput(
             step_id=next(self._step_ids),
             seqs=tuple(seqs),
@@ -420,9 +445,16 @@ class Scheduler:
         )
 
     def _schedule(
-        self, out: list[ScheduledSeq], request: Request, seq: Sequence, start: int, grant: SlotGrant
+        self,
+        out: list[ScheduledSeq],
+        request: Request,
+        seq: Sequence,
+        start: int,
+        tokens: tuple[int, ...],
+        slots: tuple[int, ...],
+        table: tuple[int, ...],
     ) -> int:
-        n = len(grant.slot_mapping)
+        n = len(slots)
         seq.num_computed_tokens = start + n
         seq.has_blocks = True
         samples = seq.num_computed_tokens == len(seq.token_ids)
@@ -431,10 +463,10 @@ class Scheduler:
             ScheduledSeq(
                 request_id=request.request_id,
                 seq_id=seq.seq_id,
-                token_ids=tuple(seq.token_ids[start : start + n]),
+                token_ids=tokens,
                 start_pos=start,
-                slot_mapping=grant.slot_mapping,
-                block_table=grant.block_table,
+                slot_mapping=slots,
+                block_table=table,
                 samples=samples,
                 num_samples=request.num_samples if fan_out else 1,
             )
@@ -478,6 +510,26 @@ class Scheduler:
                     beams.append(request)
                 continue
             tokens = sampled[seq.seq_id]
+            if scheduled.num_samples == 1 and len(request.seqs) == 1:  # the common case, inline
+                token = tokens[0]
+                seq.token_ids.append(token)
+                finished = self._check_stop(request, seq, token)
+                updates.append(
+                    SeqUpdate(
+                        request_id=request.request_id,
+                        seq_id=seq.seq_id,
+                        index=seq.index,
+                        row=(seq.seq_id, 0),
+                        new_token_ids=(token,),
+                        finish_reason=seq.finish_reason,
+                        stop_reason=seq.stop_reason,
+                    )
+                )
+                if finished:
+                    self._release(seq)
+                    self._finish(request)
+                    self.num_finished += 1
+                continue
             family = [seq]
             if scheduled.num_samples > 1:
                 family.extend(self._fan_out(request, seq, tokens[1:]))

@@ -15,22 +15,15 @@ does not fit (keeping ``watermark_blocks`` free) stops the rest.
 
 from __future__ import annotations
 
-import operator
 from dataclasses import dataclass
 
 from asyncpaged.core.block_pool import BlockPool
-from asyncpaged.core.block_table import Location, PinnedPrefix, PoolStatistics, SeqId, SwapPlan
+from asyncpaged.core.block_table import PinnedPrefix, PoolStatistics, SeqId, SwapPlan
 
 NUM_REPORTED_GROUPS = 8
 """Newest running groups whose release counts each snapshot carries (preemption candidates)."""
 
 # ---- messages -----------------------------------------------------------------------------
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class AppendOp:
-    seq_id: int
-    token_ids: tuple[int, ...]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -64,7 +57,10 @@ class StepTxn:
     unpins: tuple[int, ...] = ()
     frees: tuple[int, ...] = ()
     swap_outs: tuple[tuple[int, ...], ...] = ()
-    appends: tuple[AppendOp, ...] = ()
+    # Appends to running sequences, column-wise (one entry per sequence, no per-sequence
+    # objects: a step appends to every running sequence): its id and the tokens it appends.
+    append_seq_ids: tuple[int, ...] = ()
+    append_token_ids: tuple[tuple[int, ...], ...] = ()
     swap_ins: tuple[tuple[int, ...], ...] = ()
     admissions: tuple[Admission, ...] = ()
     watermark_blocks: int = 0
@@ -106,7 +102,9 @@ class PoolSnapshot:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class TxnResult:
-    appended: tuple[SlotGrant, ...]  # in ``StepTxn.appends`` order
+    # Per ``StepTxn.append_seq_ids`` entry, in order: the new tokens' slots, the block table after.
+    append_slots: tuple[tuple[int, ...], ...]
+    append_tables: tuple[tuple[int, ...], ...]
     copy_on_write: tuple[tuple[int, int], ...]
     swap_outs: tuple[SwapPlan, ...]  # in ``StepTxn.swap_outs`` order
     swap_ins: tuple[SwapPlan, ...]
@@ -137,13 +135,18 @@ def apply_txn(pool: BlockPool, txn: StepTxn) -> TxnResult:
         plan = pool.swap_out(group)
         assert plan is not None, f"planned swap-out of {group} does not fit"
         swap_outs.append(plan)
-    appended: list[SlotGrant] = []
+    append_slots: list[tuple[int, ...]] = []
     cow: list[tuple[int, int]] = []
-    for op in txn.appends:
-        result = pool.append(op.seq_id, op.token_ids)
-        assert result is not None, f"planned append to {op.seq_id} does not fit"
-        cow.extend(result.copy_on_write)
-        appended.append(_grant(pool, op.seq_id, 0, result.slot_mapping))
+    for seq_id, token_ids in zip(txn.append_seq_ids, txn.append_token_ids, strict=True):
+        slot = pool.append_token(seq_id, token_ids[0]) if len(token_ids) == 1 else None
+        if slot is not None:
+            append_slots.append((slot,))
+        else:
+            result = pool.append(seq_id, token_ids)
+            assert result is not None, f"planned append to {seq_id} does not fit"
+            cow.extend(result.copy_on_write)
+            append_slots.append(result.slot_mapping)
+    append_tables = tuple(map(pool.block_ids, txn.append_seq_ids))
     swap_ins = []
     for group in txn.swap_ins:
         plan = pool.swap_in(group)
@@ -158,7 +161,8 @@ def apply_txn(pool: BlockPool, txn: StepTxn) -> TxnResult:
     admitted_groups = tuple(tuple(g.seq_id for g in grants) for _, grants in admitted)
     report = (*txn.report_groups, *admitted_groups)[-NUM_REPORTED_GROUPS:]
     return TxnResult(
-        appended=tuple(appended),
+        append_slots=tuple(append_slots),
+        append_tables=append_tables,
         copy_on_write=tuple(cow),
         swap_outs=tuple(swap_outs),
         swap_ins=tuple(swap_ins),
@@ -197,32 +201,17 @@ def _grant(pool: BlockPool, seq_id: int, cached: int, slots: tuple[int, ...]) ->
 
 def snapshot(pool: BlockPool, report_groups: tuple[tuple[int, ...], ...] = ()) -> PoolSnapshot:
     """The exact numbers the scheduler plans the next step with."""
-    device = pool.device
-    shared = frozenset(
-        sid
-        for sid, table in pool.tables().items()
-        if table.location is Location.DEVICE
-        and table.num_tokens % pool.block_size
-        and device.ref_cnt[table.block_ids[-1]] > 1
-    )
+    shared = pool.shared_tails()
     reports = []
     for group in report_groups:
-        if not all(pool.has_seq(s) and pool.location(s) is Location.DEVICE for s in group):
-            continue
-        if len(group) == 1:  # the common case: a block of one table is exclusive at refcount 1
-            blocks = pool.block_ids(group[0])
-            exclusive = operator.countOf(map(device.ref_cnt.__getitem__, blocks), 1)
-            distinct = len(blocks)
-        else:
-            holders: dict[int, int] = {}
-            for sid in group:
-                for b in pool.block_ids(sid):
-                    holders[b] = holders.get(b, 0) + 1
-            exclusive = sum(1 for b, n in holders.items() if device.ref_cnt[b] == n)
-            distinct = len(holders)
-        reports.append(
-            GroupReport(seq_ids=group, num_exclusive_blocks=exclusive, num_distinct_blocks=distinct)
-        )
+        counts = pool.release_counts(group)
+        if counts is not None:
+            exclusive, distinct = counts
+            reports.append(
+                GroupReport(
+                    seq_ids=group, num_exclusive_blocks=exclusive, num_distinct_blocks=distinct
+                )
+            )
     return PoolSnapshot(
         num_free_device_blocks=pool.num_free_device_blocks,
         num_free_host_blocks=pool.num_free_host_blocks,
@@ -236,7 +225,6 @@ __all__ = [
     "NUM_REPORTED_GROUPS",
     "Admission",
     "AllocateOp",
-    "AppendOp",
     "GroupReport",
     "PinOp",
     "PoolSnapshot",
