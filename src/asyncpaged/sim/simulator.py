@@ -43,6 +43,17 @@ log = structlog.get_logger("asyncpaged")
 SYSTEMS = ("paged", "orca-max", "orca-pow2", "orca-oracle")
 
 
+class _ZeroTokens(dict[int, tuple[int, ...]]):
+    """``n`` -> ``n`` zero tokens (what every simulated draw samples), built once per ``n``."""
+
+    def __missing__(self, n: int) -> tuple[int, ...]:
+        zeros = self[n] = (0,) * n
+        return zeros
+
+
+_ZEROS = _ZeroTokens()
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class SimConfig:
     """The engine settings a simulation runs with (the scheduler's, and the pool's size).
@@ -223,8 +234,8 @@ class SimEngine:
         self._start_swaps(out)
         duration = 0.0
         if out.seqs and self.cost is not None:
-            chunks = [(s.start_pos, len(s.token_ids)) for s in out.seqs]
-            rows = sum(s.num_samples for s in out.seqs if s.samples)
+            chunks = [(s.start_pos, len(s.slot_mapping)) for s in out.seqs]
+            rows = sum([s.num_samples for s in out.seqs if s.samples])
             duration = self.cost.step_time_s(chunks, rows, paged=cfg.is_paged)
         stats = result.snapshot.statistics
         outstanding = getattr(self.pool, "num_outstanding_blocks", 0)
@@ -261,15 +272,18 @@ class SimEngine:
             heapq.heappush(self._swaps, (done, plan.swap_id))
 
     def _finish_step(self, out: SchedulerOutput) -> None:
-        sampled: dict[int, list[int]] = {}
+        zeros = _ZEROS
+        sampled = {s.seq_id: zeros[s.num_samples] for s in out.seqs if s.samples}
         top: dict[int, tuple[tuple[int, float], ...]] = {}
-        for s in out.seqs:
-            if s.samples:
-                sampled[s.seq_id] = [0] * s.num_samples
-                if self._has_beams:
-                    top[s.seq_id] = self._fake_top(s.request_id)
+        if self._has_beams:
+            top = {s.seq_id: self._fake_top(s.request_id) for s in out.seqs if s.samples}
         updates = self.scheduler.update(out, sampled, top)
-        finished = {u.request_id for u in updates if u.request_id not in self.scheduler.requests}
+        requests = self.scheduler.requests
+        finished = {
+            u.request_id
+            for u in updates
+            if u.finish_reason is not None and u.request_id not in requests
+        }
         finished.update(rid for rid, _ in self.scheduler.finished_beams)
         self.scheduler.finished_beams.clear()
         for rid in finished:
