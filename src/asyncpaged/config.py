@@ -26,6 +26,11 @@ class EngineConfig:
     docs/tuning.md); turning them off changes speed, not tokens. They do nothing elsewhere.
     ``kv_cache_dtype`` stores K/V in another dtype than the model's ("auto"): "bfloat16" halves KV
     memory and decode-attention bytes but is not bit-exact (attention math stays float32).
+
+    ``tensor_parallel_size`` > 1 splits the model over that many ranks (docs/distributed.md):
+    spawned worker processes, or the ranks of a ``torchrun`` launch. Every rank holds the same
+    blocks with its share of the KV heads, so ``kv_cache_bytes`` and ``swap_space_bytes`` are
+    budgets *per rank* (as in vLLM): the same budget holds N times the blocks.
     """
 
     model: str
@@ -47,6 +52,7 @@ class EngineConfig:
     kv_cache_dtype: Literal["auto", "float32", "float16", "bfloat16"] = "auto"  # auto: model's
     packed_linears: bool = True  # CPU fp32: oneDNN pre-packed weights (exact)
     screened_lm_head: bool = True  # CPU fp32: greedy argmax through a bf16 screen (exact)
+    tensor_parallel_size: int = 1  # ranks the model is split over (torch.distributed)
 
     def __post_init__(self) -> None:
         checks = [
@@ -68,6 +74,8 @@ class EngineConfig:
             (self.kv_cache_dtype in ("auto", "float32", "float16", "bfloat16"),
              f"kv_cache_dtype must be 'auto', 'float32', 'float16' or 'bfloat16', got "
              f"{self.kv_cache_dtype!r}."),
+            (self.tensor_parallel_size >= 1,
+             f"tensor_parallel_size must be at least 1, got {self.tensor_parallel_size}."),
             (self.attention_backend in ("auto", "torch", "triton", "cpu"),
              f"attention_backend must be 'auto', 'torch', 'triton' or 'cpu', got "
              f"{self.attention_backend!r}."),
@@ -92,9 +100,14 @@ class KVShape:
         )
 
     @classmethod
-    def from_hf_config(cls, config: Any, dtype_bytes: int) -> KVShape:
+    def from_hf_config(
+        cls, config: Any, dtype_bytes: int, tensor_parallel_size: int = 1
+    ) -> KVShape:
+        """One rank's block: its share of the KV heads (all of them without tensor parallelism;
+        the engine checks divisibility before it gets here)."""
         heads = int(config.num_attention_heads)
         kv_heads = int(getattr(config, "num_key_value_heads", None) or heads)
+        kv_heads //= tensor_parallel_size
         head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // heads)
         return cls(
             num_layers=int(config.num_hidden_layers),

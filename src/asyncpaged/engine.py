@@ -9,6 +9,7 @@ import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
 from types import TracebackType
+from typing import Any
 
 import anyio
 import structlog
@@ -26,6 +27,7 @@ from asyncpaged.core.block_table import PinnedPrefix
 from asyncpaged.core.request import StopCriteria
 from asyncpaged.core.scheduler import Scheduler, SchedulerConfig
 from asyncpaged.core.txn import StepTxn, TxnResult
+from asyncpaged.distributed import TensorParallelRunner, check_tensor_parallel, worker_spec
 from asyncpaged.errors import EngineDeadError, InvalidRequestError
 from asyncpaged.messages import (
     AbortRequest,
@@ -35,39 +37,12 @@ from asyncpaged.messages import (
     SwapBlocks,
     UnpinPrefix,
 )
-from asyncpaged.model.attention import AttentionBackend, TorchAttentionBackend
 from asyncpaged.model.loader import load_config, load_tokenizer, resolve_dtype
-from asyncpaged.model.runner import ModelRunner
+from asyncpaged.model.runner import ModelRunner, StepRunner, select_attention_backend
 from asyncpaged.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 from asyncpaged.streams import RequestState, RequestStream
 
 log = structlog.get_logger("asyncpaged")
-
-
-def _attention_backend(cfg: EngineConfig) -> AttentionBackend:
-    """ "auto": Triton on CUDA; on CPU the native C++ decode kernel, or the torch path when it
-    cannot be built here (no compiler). "cpu" demands the native kernel."""
-    device = torch.device(cfg.device).type
-    choice = cfg.attention_backend
-    if choice == "torch" or (choice == "auto" and device not in ("cpu", "cuda")):
-        return TorchAttentionBackend()
-    if choice == "triton" or (choice == "auto" and device == "cuda"):
-        from asyncpaged.kernels.backend import make_attention_backend
-
-        triton_backend: AttentionBackend = make_attention_backend(cfg.device, "triton")
-        return triton_backend
-    from asyncpaged.kernels.cpu_attention import CpuAttentionBackend
-
-    native = CpuAttentionBackend()
-    if native.is_native:
-        cpu_backend: AttentionBackend = native
-        return cpu_backend
-    if choice == "cpu":
-        raise InvalidRequestError(
-            "attention_backend='cpu' needs the native CPU kernel, which could not be built here "
-            "(see the cpu_kernel_unavailable log event); use 'auto' or 'torch'."
-        )
-    return TorchAttentionBackend()
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -124,6 +99,8 @@ class AsyncEngine:
         self._live: dict[str, RequestState] = {}  # submitted; finished ones pruned lazily
         self._live_pruned_at = 64
         self._ids = itertools.count()
+        self._tp: TensorParallelRunner | None = None  # tensor_parallel_size > 1
+        self._dead_event = anyio.Event()  # set with _dead
 
     # ---- lifecycle ----------------------------------------------------------------------------
 
@@ -132,20 +109,48 @@ class AsyncEngine:
         hf_config = await anyio.to_thread.run_sync(load_config, cfg.model)
         dtype = resolve_dtype(cfg.dtype, hf_config, torch.device(cfg.device))
         kv_dtype = dtype if cfg.kv_cache_dtype == "auto" else getattr(torch, cfg.kv_cache_dtype)
-        shape = KVShape.from_hf_config(hf_config, kv_dtype.itemsize)
+        tp_size = cfg.tensor_parallel_size
+        if tp_size > 1:
+            check_tensor_parallel(hf_config, tp_size)  # before any process starts
+        shape = KVShape.from_hf_config(hf_config, kv_dtype.itemsize, tp_size)  # one rank's share
         num_device, num_host = num_blocks_for(cfg, shape)
         self.max_model_len = cfg.max_model_len or int(
             getattr(hf_config, "max_position_embeddings", 2048)
         )
         self.vocab_size = int(hf_config.vocab_size)
-        backend = await anyio.to_thread.run_sync(_attention_backend, cfg)  # may compile (g++)
-        self.runner = await anyio.to_thread.run_sync(
-            lambda: ModelRunner(cfg.model, dtype, num_device, cfg.block_size, num_host,
-                                device=cfg.device, seed=cfg.seed, attn_backend=backend,
-                                kv_cache_dtype=kv_dtype,
-                                packed_linears=cfg.packed_linears,
-                                screened_lm_head=cfg.screened_lm_head)
-        )  # fmt: skip
+        step_runner: StepRunner
+        if tp_size > 1:
+            spec = worker_spec(cfg, dtype, kv_dtype, num_device, num_host)
+            self._tp = await anyio.to_thread.run_sync(
+                TensorParallelRunner.start, spec, tp_size, cfg.device
+            )
+            self.runner, step_runner = self._tp.runner, self._tp
+        else:
+            backend = await anyio.to_thread.run_sync(  # may compile (g++)
+                select_attention_backend, cfg.device, cfg.attention_backend
+            )
+            self.runner = await anyio.to_thread.run_sync(
+                lambda: ModelRunner(cfg.model, dtype, num_device, cfg.block_size, num_host,
+                                    device=cfg.device, seed=cfg.seed, attn_backend=backend,
+                                    kv_cache_dtype=kv_dtype,
+                                    packed_linears=cfg.packed_linears,
+                                    screened_lm_head=cfg.screened_lm_head)
+            )  # fmt: skip
+            step_runner = self.runner  # TP=1: the executor drives the runner itself
+        try:
+            await self._start(hf_config, num_device, num_host, step_runner)
+        except BaseException:
+            await self._close_tensor_parallel(graceful=True)
+            raise
+        log.info("engine_started", model=cfg.model, num_device_blocks=num_device,
+                 num_host_blocks=num_host, dtype=str(dtype), kv_cache_dtype=str(kv_dtype),
+                 tensor_parallel_size=tp_size)  # fmt: skip
+        return self
+
+    async def _start(
+        self, hf_config: Any, num_device: int, num_host: int, step_runner: StepRunner
+    ) -> None:
+        cfg = self.config
         self.tokenizer = await anyio.to_thread.run_sync(load_tokenizer, cfg.model)
         eos = getattr(self.tokenizer, "eos_token_id", None)
         self._eos = eos if eos is not None else getattr(hf_config, "eos_token_id", None)
@@ -164,16 +169,12 @@ class AsyncEngine:
             ),
             new_seq_id=self._seq_ids.__next__,
         )
-        self._build_actors(pool, scheduler)
+        self._build_actors(pool, scheduler, step_runner)
         self._tg = anyio.create_task_group()
         await self._tg.__aenter__()
         await self._tg.start(self._supervise)
-        log.info("engine_started", model=cfg.model, num_device_blocks=num_device,
-                 num_host_blocks=num_host, dtype=str(dtype),
-                 kv_cache_dtype=str(kv_dtype))  # fmt: skip
-        return self
 
-    def _build_actors(self, pool: BlockPool, scheduler: Scheduler) -> None:
+    def _build_actors(self, pool: BlockPool, scheduler: Scheduler, runner: StepRunner) -> None:
         sched_send, sched_recv = anyio.create_memory_object_stream[SchedulerInbox](math.inf)
         txn_send, txn_recv = anyio.create_memory_object_stream[StepTxn](1)
         res_send, res_recv = anyio.create_memory_object_stream[TxnResult](1)
@@ -184,8 +185,8 @@ class AsyncEngine:
         )
         intake_send, intake_recv = anyio.create_memory_object_stream[SubmitRequest](math.inf)
         self._allocator = AllocatorActor(pool, txn_recv, res_send)
-        self._executor = ExecutorActor(self.runner, exec_recv, sched_send.clone())
-        self._swap_space = SwapSpaceActor(self.runner, swap_recv, sched_send.clone())
+        self._executor = ExecutorActor(runner, exec_recv, sched_send.clone())
+        self._swap_space = SwapSpaceActor(runner, swap_recv, sched_send.clone())
         self._scheduler = SchedulerActor(
             scheduler, self._allocator.snapshot(), sched_recv, txn_send, res_recv,
             exec_send, swap_send, self._eos, self.tokenizer,
@@ -198,22 +199,40 @@ class AsyncEngine:
         self._submit = intake_send
 
     async def _supervise(self, *, task_status: anyio.abc.TaskStatus[None]) -> None:
-        """Run the actors; on failure fail every waiter instead of cancelling the host."""
+        """Run the actors (and the tensor-parallel watchdog); on failure fail every waiter
+        instead of cancelling the host."""
         try:
             async with anyio.create_task_group() as tg:
                 for actor in (self._allocator, self._executor, self._swap_space,
                               self._scheduler, self._intake):  # fmt: skip
                     await tg.start(actor.run)
+                if self._tp is not None:
+                    tg.start_soon(self._tp.watch, self._fail)
                 task_status.started()
         except Exception as exc:  # the engine failed: every waiter learns why
             while isinstance(exc, ExceptionGroup) and len(exc.exceptions) == 1:
                 exc = exc.exceptions[0]
+            self._fail(exc)
+
+    def _fail(self, exc: BaseException) -> None:
+        """Mark the engine dead and fail every waiter (the first cause wins). The watchdog calls
+        it at once, before the actors have stopped: a worker's death reaches every waiter even
+        while a step's thread is still unwinding."""
+        if self._dead is None:
             self._dead = exc
+            self._dead_event.set()
             log.error("engine_failed", error=repr(exc))
-            for state in self._live.values():
-                state.fail(exc)
-            for state in self._scheduler.states.values():
-                state.fail(exc)
+        for state in self._live.values():
+            state.fail(self._dead)
+        for state in self._scheduler.states.values():
+            state.fail(self._dead)
+
+    async def _close_tensor_parallel(self, *, graceful: bool) -> None:
+        """Stop and join every tensor-parallel rank (shielded: runs even when cancelled)."""
+        if self._tp is not None:
+            tp = self._tp
+            with anyio.CancelScope(shield=True):
+                await anyio.to_thread.run_sync(lambda: tp.close(graceful=graceful))
 
     async def __aexit__(
         self,
@@ -224,7 +243,8 @@ class AsyncEngine:
         """Abort what is unfinished, wait for in-flight work, stop the actors.
 
         If cancelled midway, the actors are cancelled at once (a forward already running still
-        finishes in its thread before the task group exits)."""
+        finishes in its thread before the task group exits). Tensor-parallel ranks are stopped
+        and joined last, even when cancelled."""
         assert self._tg is not None
         self._closed = True
         try:
@@ -232,12 +252,15 @@ class AsyncEngine:
                 for rid in list(self._scheduler.states):
                     self._abort_nowait(rid)
                 with anyio.fail_after(60):
-                    await self._scheduler.wait_idle()
+                    await self._wait_idle_or_dead()
         finally:
             self._submit.close()
             self._control.close()
             self._tg.cancel_scope.cancel()
-            await self._tg.__aexit__(None, None, None)
+            try:
+                await self._tg.__aexit__(None, None, None)
+            finally:
+                await self._close_tensor_parallel(graceful=self._dead is None)
         if self._dead is not None and exc is None:
             raise EngineDeadError("the engine stopped") from self._dead
 
@@ -262,9 +285,23 @@ class AsyncEngine:
     async def wait_idle(self) -> None:
         """Wait until every request has finished and every block it held is free again.
 
-        Cancelling it only stops the waiting."""
+        Cancelling it only stops the waiting. If the engine fails meanwhile, raises
+        :class:`EngineDeadError`."""
         self._check_alive()
-        await self._scheduler.wait_idle()
+        await self._wait_idle_or_dead()
+        self._check_alive()
+
+    async def _wait_idle_or_dead(self) -> None:
+        """Wait until the scheduler is idle or the engine has failed (which it then never is)."""
+        async with anyio.create_task_group() as tg:
+
+            async def stop_when_dead() -> None:
+                await self._dead_event.wait()
+                tg.cancel_scope.cancel()
+
+            tg.start_soon(stop_when_dead)
+            await self._scheduler.wait_idle()
+            tg.cancel_scope.cancel()
 
     # ---- explicit shared prefixes -------------------------------------------------------------
 

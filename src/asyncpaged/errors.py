@@ -7,6 +7,8 @@ AsyncPagedError
  +-- BlockPoolError (also ValueError): a call the block pool refuses (unknown sequence,
  |    duplicate id, operation on a sequence in the wrong place); the pool is left unchanged.
  +-- EngineDeadError: the engine failed; every waiter gets it, with the cause chained.
+ +-- WorkerDiedError: a tensor-parallel worker process exited or its process group broke; it
+      reaches waiters as the ``__cause__`` of an EngineDeadError.
 """
 
 from __future__ import annotations
@@ -29,3 +31,7 @@ class BlockPoolError(AsyncPagedError, ValueError):
 
 class EngineDeadError(AsyncPagedError):
     """The engine stopped because of an error; the original error is ``__cause__``."""
+
+
+class WorkerDiedError(AsyncPagedError):
+    """A tensor-parallel worker rank exited (or its collective failed) while the engine ran."""

@@ -9,7 +9,7 @@ from anyio.abc import TaskStatus
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from asyncpaged.messages import ExecuteStep, SchedulerInbox, StepDone
-from asyncpaged.model.runner import ModelRunner
+from asyncpaged.model.runner import StepRunner
 
 
 class ExecutorActor:
@@ -17,12 +17,13 @@ class ExecutorActor:
 
     The forward runs in a worker thread (capacity-1 limiter) so the event loop stays free. A
     cancelled engine waits for the running forward to end rather than abandoning the thread,
-    which would keep writing the KV cache.
+    which would keep writing the KV cache. ``runner`` is the ``ModelRunner`` itself, or under
+    tensor parallelism the rank-0 runner that also broadcasts each step to the other ranks.
     """
 
     def __init__(
         self,
-        runner: ModelRunner,
+        runner: StepRunner,
         inbox: MemoryObjectReceiveStream[ExecuteStep],
         events: MemoryObjectSendStream[SchedulerInbox],
     ) -> None:

@@ -8,19 +8,21 @@ from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStre
 
 from asyncpaged.core.block_table import SwapDirection
 from asyncpaged.messages import SchedulerInbox, SwapBlocks, SwapDone
-from asyncpaged.model.runner import ModelRunner
+from asyncpaged.model.runner import StepRunner
 
 
 class SwapSpaceActor:
     """Owns the host KV tensors; runs each swap's copies in its own worker thread.
 
     The copies touch only blocks the pool holds in flight for the swap, which no step reads or
-    writes, so they run concurrently with the executor's forward.
+    writes, so they run concurrently with the executor's forward. Under tensor parallelism the
+    runner's ``swap_out`` / ``swap_in`` first send the swap to every other rank (each moves its
+    share of the same blocks), ordered with the steps.
     """
 
     def __init__(
         self,
-        runner: ModelRunner,
+        runner: StepRunner,
         inbox: MemoryObjectReceiveStream[SwapBlocks],
         events: MemoryObjectSendStream[SchedulerInbox],
     ) -> None:

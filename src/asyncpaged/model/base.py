@@ -8,16 +8,29 @@ to ignore, a tied LM head) through the hooks below.
 from __future__ import annotations
 
 from abc import ABCMeta, abstractmethod
-from typing import Any, ClassVar
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, ClassVar, Literal
 
 import torch
 from torch import nn
 
 from asyncpaged.model.attention import AttentionBackend, AttentionMetadata, TorchAttentionBackend
+from asyncpaged.model.errors import UnsupportedModelError
 from asyncpaged.model.kv_cache import PagedKVCache
 from asyncpaged.model.packed_linear import linear
 
-__all__ = ["CausalLM", "Embedding", "Linear", "linear"]
+__all__ = [
+    "SINGLE_SHARD",
+    "CausalLM",
+    "Embedding",
+    "Linear",
+    "ShardRule",
+    "TensorShard",
+    "column_parallel",
+    "linear",
+    "row_parallel",
+]
 
 
 class Linear(nn.Linear):
@@ -38,6 +51,92 @@ class Embedding(nn.Embedding):
         """No init: the loader assigns every parameter."""
 
 
+# ---- tensor parallelism ------------------------------------------------------------------------
+#
+# A split linear records how it is split in its __dict__ (SHARD_ATTR), for the loader: "column" =
+# along dim 0 of the [out, in] weight (output features; its bias too), "row" = along dim 1 (input
+# features; its outputs are partial sums, and its bias lives on rank 0 only).
+ShardKind = Literal["column", "row"]
+SHARD_ATTR = "tp_shard_kind"
+
+
+@dataclass(frozen=True, slots=True)
+class ShardRule:
+    """How the loader slices one checkpoint tensor for this rank.
+
+    ``dim`` is the split dimension in the model's layout; ``num_fused`` > 1 means the dimension
+    holds that many equal parts (GPT-2's fused q|k|v), each split on its own, so a rank gets its
+    share of every part, concatenated.
+    """
+
+    dim: int
+    num_fused: int = 1
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TensorShard:
+    """Which tensor-parallel shard of the model this process holds (Megatron-style).
+
+    Invariants: ``0 <= rank < world_size``; ``all_reduce`` is None exactly when ``world_size`` is
+    1 (nothing is reduced, and the model is the plain single-device one). ``all_reduce`` sums a
+    tensor in place over every rank; every rank calls it in the same order.
+    """
+
+    rank: int = 0
+    world_size: int = 1
+    all_reduce: Callable[[torch.Tensor], None] | None = None
+
+    def __post_init__(self) -> None:
+        assert 0 <= self.rank < self.world_size, f"rank {self.rank} of {self.world_size}"
+        assert (self.all_reduce is None) == (self.world_size == 1), "all_reduce iff world_size > 1"
+
+    def split(self, total: int, what: str) -> int:
+        """This rank's share of ``total`` (heads, KV heads, MLP width): ``total / world_size``."""
+        if total % self.world_size:
+            raise UnsupportedModelError(
+                f"tensor_parallel_size={self.world_size} must divide {what} ({total})."
+            )
+        return total // self.world_size
+
+    def reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """Sum the partial outputs of a row-parallel layer over the ranks (in place)."""
+        if self.all_reduce is not None:
+            self.all_reduce(x)
+        return x
+
+
+SINGLE_SHARD = TensorShard()
+
+
+def column_parallel(
+    in_features: int,
+    out_features: int,
+    shard: TensorShard,
+    *,
+    bias: bool = True,
+    num_fused: int = 1,
+) -> Linear:
+    """A linear whose output features are split: ``out_features`` is the full width; the rank
+    holds ``out_features / world_size`` rows (of each of ``num_fused`` fused parts)."""
+    layer = Linear(in_features, shard.split(out_features, "a layer's output width"), bias=bias)
+    kind: ShardKind = "column"
+    layer.__dict__[SHARD_ATTR] = (kind, num_fused)
+    return layer
+
+
+def row_parallel(in_features: int, out_features: int, shard: TensorShard, *, bias: bool = True
+                 ) -> Linear:  # fmt: skip
+    """A linear whose input features are split; its outputs are partial sums until
+    ``shard.reduce``. The bias lives on rank 0 only, so the sum adds it exactly once."""
+    layer = Linear(
+        shard.split(in_features, "a layer's input width"), out_features,
+        bias=bias and shard.rank == 0,
+    )  # fmt: skip
+    kind: ShardKind = "row"
+    layer.__dict__[SHARD_ATTR] = (kind, 1)
+    return layer
+
+
 class CausalLM(nn.Module, metaclass=ABCMeta):
     """A decoder-only LM over a flat token batch (no padding) and a paged KV cache."""
 
@@ -49,12 +148,22 @@ class CausalLM(nn.Module, metaclass=ABCMeta):
     #: Checkpoint key suffixes that are buffers, not weights (ignored when present).
     ignored_suffixes: ClassVar[tuple[str, ...]] = ("rotary_emb.inv_freq",)
 
-    def __init__(self, config: Any, *, num_layers: int, num_kv_heads: int, head_dim: int) -> None:
+    def __init__(
+        self,
+        config: Any,
+        *,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        shard: TensorShard = SINGLE_SHARD,
+    ) -> None:
+        """``num_kv_heads`` is this rank's share (``shard.split`` of the model's KV heads)."""
         super().__init__()
         self.config = config
         self.num_layers = num_layers
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
+        self.shard = shard
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         self.attn_backend: AttentionBackend = TorchAttentionBackend()
 
@@ -80,6 +189,32 @@ class CausalLM(nn.Module, metaclass=ABCMeta):
         if self.tie_word_embeddings and name == "lm_head.weight":
             return True  # some tied checkpoints store the copy anyway
         return name.endswith(self.ignored_suffixes)
+
+    def shard_rules(self) -> dict[str, ShardRule]:
+        """Parameter name -> how its checkpoint tensor is sliced for this rank (absent names
+        are replicated). Empty for a single shard."""
+        if self.shard.world_size == 1:
+            return {}
+        rules: dict[str, ShardRule] = {}
+        for prefix, module in self.named_modules():
+            tag = module.__dict__.get(SHARD_ATTR)
+            if tag is None:
+                continue
+            kind, num_fused = tag
+            rules[f"{prefix}.weight"] = ShardRule(0 if kind == "column" else 1, num_fused)
+            if kind == "column":
+                rules[f"{prefix}.bias"] = ShardRule(0, num_fused)
+        return rules
+
+    def dropped_checkpoint_keys(self) -> set[str]:
+        """Checkpoint tensors this rank does not hold: row-parallel biases (rank 0 has them)."""
+        if self.shard.rank == 0:
+            return set()
+        return {
+            f"{prefix}.bias"
+            for prefix, module in self.named_modules()
+            if module.__dict__.get(SHARD_ATTR, ("",))[0] == "row"
+        }
 
     def is_transposed_checkpoint_key(self, name: str) -> bool:
         return name.endswith(self.transposed_suffixes) and name.endswith(".weight")

@@ -3,6 +3,11 @@
 Parameter names are the transformers ones (``model.layers.0.self_attn.q_proj.weight`` ...).
 Differences between the three: Qwen2 has q/k/v biases; Llama may have ``attention_bias`` /
 ``mlp_bias``; Mistral (all layers) and Qwen2 (``layer_types``) may use a sliding window.
+
+Tensor parallel (``TensorShard``): q/k/v and gate/up are column-parallel (a rank holds
+``heads / N`` query heads, ``kv_heads / N`` KV heads and ``intermediate / N`` MLP columns);
+o_proj and down_proj are row-parallel, each followed by an all-reduce. Embeddings, norms and the
+LM head are replicated.
 """
 
 from __future__ import annotations
@@ -13,7 +18,16 @@ import torch
 from torch import nn
 
 from asyncpaged.model.attention import AttentionMetadata
-from asyncpaged.model.base import CausalLM, Embedding, Linear, linear
+from asyncpaged.model.base import (
+    SINGLE_SHARD,
+    CausalLM,
+    Embedding,
+    Linear,
+    TensorShard,
+    column_parallel,
+    linear,
+    row_parallel,
+)
 from asyncpaged.model.errors import UnsupportedModelError
 from asyncpaged.model.kv_cache import PagedKVCache
 from asyncpaged.model.rotary import RotaryEmbedding, apply_rotary
@@ -43,17 +57,23 @@ def _sliding_windows(config: Any, num_layers: int) -> list[int | None]:
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config: Any, layer_idx: int, head_dim: int, window: int | None) -> None:
+    def __init__(
+        self, config: Any, layer_idx: int, head_dim: int, window: int | None, shard: TensorShard
+    ) -> None:
         super().__init__()
-        hidden, self.num_heads = config.hidden_size, config.num_attention_heads
-        self.num_kv_heads, self.head_dim = config.num_key_value_heads, head_dim
+        hidden, heads, kv_heads = (
+            config.hidden_size, config.num_attention_heads, config.num_key_value_heads
+        )  # fmt: skip
+        self.num_heads = shard.split(heads, "num_attention_heads")  # this rank's heads
+        self.num_kv_heads = shard.split(kv_heads, "num_key_value_heads")
+        self.head_dim, self.shard = head_dim, shard
         self.layer_idx, self.sliding_window = layer_idx, window
         qkv_bias = config.model_type == "qwen2" or bool(getattr(config, "attention_bias", False))
         o_bias = config.model_type != "qwen2" and bool(getattr(config, "attention_bias", False))
-        self.q_proj = Linear(hidden, self.num_heads * head_dim, bias=qkv_bias)
-        self.k_proj = Linear(hidden, self.num_kv_heads * head_dim, bias=qkv_bias)
-        self.v_proj = Linear(hidden, self.num_kv_heads * head_dim, bias=qkv_bias)
-        self.o_proj = Linear(self.num_heads * head_dim, hidden, bias=o_bias)
+        self.q_proj = column_parallel(hidden, heads * head_dim, shard, bias=qkv_bias)
+        self.k_proj = column_parallel(hidden, kv_heads * head_dim, shard, bias=qkv_bias)
+        self.v_proj = column_parallel(hidden, kv_heads * head_dim, shard, bias=qkv_bias)
+        self.o_proj = row_parallel(heads * head_dim, hidden, shard, bias=o_bias)
         self.scale = head_dim**-0.5
 
     def forward(
@@ -79,42 +99,46 @@ class LlamaAttention(nn.Module):
             scale=self.scale,
             sliding_window=self.sliding_window,
         )  # [T, Hq, D]
-        return linear(self.o_proj, o.reshape(num_tokens, -1))  # [T, H]
+        # o [T, Hq/N, D] -> partial [T, H] on each rank -> summed over the ranks
+        return self.shard.reduce(linear(self.o_proj, o.reshape(num_tokens, -1)))  # [T, H]
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, config: Any) -> None:
+    def __init__(self, config: Any, shard: TensorShard) -> None:
         super().__init__()
         hidden, inter = config.hidden_size, config.intermediate_size
         bias = bool(getattr(config, "mlp_bias", False))
         if getattr(config, "hidden_act", "silu") != "silu":
             raise UnsupportedModelError(f"hidden_act {config.hidden_act!r} is not supported.")
-        self.gate_proj = Linear(hidden, inter, bias=bias)
-        self.up_proj = Linear(hidden, inter, bias=bias)
-        self.down_proj = Linear(inter, hidden, bias=bias)
+        self.shard = shard
+        self.gate_proj = column_parallel(hidden, inter, shard, bias=bias)
+        self.up_proj = column_parallel(hidden, inter, shard, bias=bias)
+        self.down_proj = row_parallel(inter, hidden, shard, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # x [T, H] -> [T, I] -> [T, H]
+        # x [T, H] -> [T, I/N] -> partial [T, H] -> summed over the ranks
         gated = torch.nn.functional.silu(linear(self.gate_proj, x)) * linear(self.up_proj, x)
-        return linear(self.down_proj, gated)
+        return self.shard.reduce(linear(self.down_proj, gated))
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: Any, layer_idx: int, head_dim: int, window: int | None) -> None:
+    def __init__(
+        self, config: Any, layer_idx: int, head_dim: int, window: int | None, shard: TensorShard
+    ) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(config, layer_idx, head_dim, window)
-        self.mlp = LlamaMLP(config)
+        self.self_attn = LlamaAttention(config, layer_idx, head_dim, window, shard)
+        self.mlp = LlamaMLP(config, shard)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config: Any, head_dim: int) -> None:
+    def __init__(self, config: Any, head_dim: int, shard: TensorShard) -> None:
         super().__init__()
         windows = _sliding_windows(config, config.num_hidden_layers)
         self.embed_tokens = Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, i, head_dim, windows[i])
+            LlamaDecoderLayer(config, i, head_dim, windows[i], shard)
             for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -123,17 +147,18 @@ class LlamaModel(nn.Module):
 class LlamaForCausalLM(CausalLM):
     """Llama / Mistral / Qwen2 (transformers ``*ForCausalLM`` checkpoints)."""
 
-    def __init__(self, config: Any) -> None:
+    def __init__(self, config: Any, shard: TensorShard = SINGLE_SHARD) -> None:
         head_dim = getattr(config, "head_dim", None) or (
             config.hidden_size // config.num_attention_heads
         )
         super().__init__(
             config,
             num_layers=config.num_hidden_layers,
-            num_kv_heads=config.num_key_value_heads,
+            num_kv_heads=shard.split(config.num_key_value_heads, "num_key_value_heads"),
             head_dim=head_dim,
+            shard=shard,
         )
-        self.model = LlamaModel(config, head_dim)
+        self.model = LlamaModel(config, head_dim, shard)
         if not self.tie_word_embeddings:
             self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         self.rotary = RotaryEmbedding(config, head_dim, torch.device("cpu"))

@@ -5,27 +5,34 @@ A directory holds ``config.json`` (read with ``transformers.AutoConfig``), weigh
 as a fallback, read with ``torch.load(weights_only=True)``), and tokenizer files. Every failure is a
 typed ``ModelLoadError`` (a ``ValueError``) naming the file or tensor at fault.
 
+Tensor parallel: a model built for one shard (``TensorShard``) declares which parameters are split
+(``CausalLM.shard_rules``); the loader reads only this rank's slice of those from safetensors
+(``safe_open(...).get_slice``: the rest of the tensor is never read), and skips the row-parallel
+biases that only rank 0 holds. ``.bin`` files are read whole and then sliced.
+
 dtype: ``"float32"``, ``"bfloat16"``, ``"float16"`` or ``"auto"`` (the checkpoint's dtype, except
 that half precision becomes float32 on CPU, where half-precision GEMMs are slow or inexact).
 """
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from asyncpaged.model.base import CausalLM
+from asyncpaged.model.base import SINGLE_SHARD, CausalLM, ShardRule, TensorShard
 from asyncpaged.model.errors import CheckpointError, UnsupportedModelError
 from asyncpaged.model.gpt2 import GPT2LMHeadModel
 from asyncpaged.model.llama import LlamaForCausalLM
 from asyncpaged.model.opt import OPTForCausalLM
 
 #: transformers architecture name -> family class
-MODEL_REGISTRY: dict[str, Callable[[Any], CausalLM]] = {
+MODEL_REGISTRY: dict[str, Callable[[Any, TensorShard], CausalLM]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": LlamaForCausalLM,
@@ -98,8 +105,20 @@ def _weight_files(directory: Path) -> list[Path]:
     )
 
 
-def iter_checkpoint_tensors(directory: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield (name, tensor) for every tensor in the directory's weight files, on CPU."""
+@dataclass(frozen=True, slots=True)
+class CheckpointEntry:
+    """One stored tensor, read lazily: ``read(index)`` returns ``tensor[index]`` (the whole tensor
+    for None) and, from safetensors, reads only those bytes."""
+
+    name: str
+    shape: torch.Size
+    read: Callable[[tuple[slice, ...] | None], torch.Tensor]
+
+
+def iter_checkpoint_entries(directory: str | Path) -> Iterator[CheckpointEntry]:
+    """Yield a lazy entry for every tensor in the directory's weight files (CPU tensors).
+
+    An entry is only readable until the next one is yielded (its file may be closed then)."""
     for file in _weight_files(Path(directory)):
         if file.suffix == ".safetensors":
             from safetensors import safe_open
@@ -107,7 +126,9 @@ def iter_checkpoint_tensors(directory: str | Path) -> Iterator[tuple[str, torch.
             try:
                 with safe_open(str(file), framework="pt", device="cpu") as f:
                     for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
-                        yield name, f.get_tensor(name)
+                        part = f.get_slice(name)
+                        read = functools.partial(_read_safetensors, f, name, part)
+                        yield CheckpointEntry(name, torch.Size(part.get_shape()), read)
             except Exception as exc:  # safetensors raises its own error types
                 if isinstance(exc, CheckpointError):
                     raise
@@ -117,7 +138,41 @@ def iter_checkpoint_tensors(directory: str | Path) -> Iterator[tuple[str, torch.
                 state = torch.load(str(file), map_location="cpu", weights_only=True)
             except Exception as exc:  # pickle and zip errors vary by torch version
                 raise CheckpointError(f"cannot read {str(file)!r}: {exc}") from exc
-            yield from state.items()
+            for name, whole in state.items():
+                yield CheckpointEntry(name, whole.shape, functools.partial(_index, whole))
+
+
+def _read_safetensors(
+    file: Any, name: str, part: Any, index: tuple[slice, ...] | None
+) -> torch.Tensor:
+    tensor: torch.Tensor = file.get_tensor(name) if index is None else part[index]
+    return tensor
+
+
+def _index(tensor: torch.Tensor, index: tuple[slice, ...] | None) -> torch.Tensor:
+    return tensor if index is None else tensor[index]
+
+
+def iter_checkpoint_tensors(directory: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (name, tensor) for every tensor in the directory's weight files, on CPU."""
+    for entry in iter_checkpoint_entries(directory):
+        yield entry.name, entry.read(None)
+
+
+def _read_shard(entry: CheckpointEntry, rule: ShardRule, dim: int, shard: TensorShard
+                ) -> torch.Tensor:  # fmt: skip
+    """This rank's slice of ``entry`` along stored dimension ``dim`` (of each fused part)."""
+    part = entry.shape[dim] // rule.num_fused
+    width = part // shard.world_size
+    pieces = []
+    for k in range(rule.num_fused):
+        start = k * part + shard.rank * width
+        index = tuple(
+            slice(start, start + width) if d == dim else slice(None)
+            for d in range(len(entry.shape))
+        )
+        pieces.append(entry.read(index))
+    return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=dim)
 
 
 def _canonical_name(name: str, model: CausalLM, expected: dict[str, torch.Size]) -> str:
@@ -129,25 +184,39 @@ def _canonical_name(name: str, model: CausalLM, expected: dict[str, torch.Size])
 def load_weights(
     model: CausalLM, directory: str | Path, dtype: torch.dtype, device: torch.device
 ) -> None:
-    """Fill ``model`` (built uninitialised) from the checkpoint, strictly by name and shape."""
+    """Fill ``model`` (built uninitialised) from the checkpoint, strictly by name and shape.
+
+    A tensor-parallel shard reads only its slice of each split parameter."""
     expected = {name: p.shape for name, p in model.named_parameters()}
+    rules = model.shard_rules()
+    dropped = model.dropped_checkpoint_keys()
     loaded: dict[str, torch.Tensor] = {}
     unexpected: list[str] = []
-    for raw_name, tensor in iter_checkpoint_tensors(directory):
+    for entry in iter_checkpoint_entries(directory):
+        raw_name = entry.name
         name = _canonical_name(raw_name, model, expected)
         if name not in expected:
-            if not model.is_ignored_checkpoint_key(name):
+            if not (model.is_ignored_checkpoint_key(name) or name in dropped):
                 unexpected.append(raw_name)
             continue
-        want = expected[name]
-        if model.is_transposed_checkpoint_key(name):
-            want = torch.Size(reversed(want))
-        if tensor.shape != want:
+        transposed = model.is_transposed_checkpoint_key(name)
+        rule = rules.get(name)
+        want = list(expected[name])  # the full (unsharded) shape, in the model's layout
+        if rule is not None:
+            want[rule.dim] *= model.shard.world_size
+        if transposed:
+            want.reverse()
+        if entry.shape != torch.Size(want):
             raise CheckpointError(
-                f"tensor {raw_name!r} has shape {tuple(tensor.shape)} in the checkpoint, but the "
+                f"tensor {raw_name!r} has shape {tuple(entry.shape)} in the checkpoint, but the "
                 f"config implies {tuple(want)}."
             )
-        stored = tensor.t() if model.is_transposed_checkpoint_key(name) else tensor
+        if rule is None:
+            tensor = entry.read(None)
+        else:
+            stored_dim = len(want) - 1 - rule.dim if transposed else rule.dim
+            tensor = _read_shard(entry, rule, stored_dim, model.shard)
+        stored = tensor.t() if transposed else tensor
         loaded[name] = stored.to(device=device, dtype=dtype).contiguous()
     missing = sorted(set(expected) - set(loaded))
     if missing or unexpected:
@@ -160,9 +229,13 @@ def load_weights(
 
 
 def load_model(
-    path: str | Path, dtype: str | torch.dtype = "auto", device: str | torch.device = "cpu"
+    path: str | Path,
+    dtype: str | torch.dtype = "auto",
+    device: str | torch.device = "cpu",
+    shard: TensorShard = SINGLE_SHARD,
 ) -> CausalLM:
-    """Build the family for ``path``'s architecture and load its weights; eval mode, no grad."""
+    """Build the family for ``path``'s architecture and load its weights (only ``shard``'s part
+    of the split ones); eval mode, no grad."""
     directory = Path(path)
     config = load_config(directory)
     architectures = list(getattr(config, "architectures", None) or [])
@@ -174,7 +247,7 @@ def load_model(
         )
     torch_device = torch.device(device)
     torch_dtype = resolve_dtype(dtype, config, torch_device)
-    model = family(config)  # uninitialised parameters (base.Linear / base.Embedding)
+    model = family(config, shard)  # uninitialised parameters (base.Linear / base.Embedding)
     load_weights(model, directory, torch_dtype, torch_device)
     model.eval().requires_grad_(False)
     return model

@@ -3,6 +3,10 @@
 Parameter names are the transformers ones (``model.decoder.layers.0.fc1.weight`` ...).
 ``do_layer_norm_before`` picks pre-LN (every size but 350m) or post-LN; ``word_embed_proj_dim`` !=
 ``hidden_size`` adds ``project_in`` / ``project_out`` around the decoder (opt-350m).
+
+Tensor parallel (``TensorShard``): q/k/v and fc1 are column-parallel (``heads / N`` heads and
+``ffn_dim / N`` MLP columns per rank), out_proj and fc2 row-parallel, each followed by an
+all-reduce; embeddings, positions, LayerNorms, project_in/out and the LM head are replicated.
 """
 
 from __future__ import annotations
@@ -13,7 +17,16 @@ import torch
 from torch import nn
 
 from asyncpaged.model.attention import AttentionMetadata
-from asyncpaged.model.base import CausalLM, Embedding, Linear, linear
+from asyncpaged.model.base import (
+    SINGLE_SHARD,
+    CausalLM,
+    Embedding,
+    Linear,
+    TensorShard,
+    column_parallel,
+    linear,
+    row_parallel,
+)
 from asyncpaged.model.errors import UnsupportedModelError
 from asyncpaged.model.kv_cache import PagedKVCache
 
@@ -23,17 +36,17 @@ _ACTIVATIONS = {"relu": torch.relu, "gelu": torch.nn.functional.gelu}
 
 
 class OPTAttention(nn.Module):
-    def __init__(self, config: Any, layer_idx: int) -> None:
+    def __init__(self, config: Any, layer_idx: int, shard: TensorShard) -> None:
         super().__init__()
         hidden, bias = config.hidden_size, bool(getattr(config, "enable_bias", True))
-        self.num_heads = config.num_attention_heads
-        self.head_dim = hidden // self.num_heads
-        self.layer_idx = layer_idx
+        self.num_heads = shard.split(config.num_attention_heads, "num_attention_heads")
+        self.head_dim = hidden // config.num_attention_heads
+        self.layer_idx, self.shard = layer_idx, shard
         self.scaling = self.head_dim**-0.5
-        self.q_proj = Linear(hidden, hidden, bias=bias)
-        self.k_proj = Linear(hidden, hidden, bias=bias)
-        self.v_proj = Linear(hidden, hidden, bias=bias)
-        self.out_proj = Linear(hidden, hidden, bias=bias)
+        self.q_proj = column_parallel(hidden, hidden, shard, bias=bias)
+        self.k_proj = column_parallel(hidden, hidden, shard, bias=bias)
+        self.v_proj = column_parallel(hidden, hidden, shard, bias=bias)
+        self.out_proj = row_parallel(hidden, hidden, shard, bias=bias)
 
     def forward(
         self, x: torch.Tensor, model: CausalLM, md: AttentionMetadata, kv_cache: PagedKVCache
@@ -44,18 +57,20 @@ class OPTAttention(nn.Module):
         k = linear(self.k_proj, x).view(num_tokens, self.num_heads, -1)  # [T, Hkv=Hq, D]
         v = linear(self.v_proj, x).view(num_tokens, self.num_heads, -1)  # [T, Hkv=Hq, D]
         o = model.attn_backend.forward(self.layer_idx, q, k, v, kv_cache, md, scale=1.0)
-        return linear(self.out_proj, o.reshape(num_tokens, -1))  # [T, H]
+        # o [T, Hq/N, D] -> partial [T, H] on each rank -> summed over the ranks
+        return self.shard.reduce(linear(self.out_proj, o.reshape(num_tokens, -1)))  # [T, H]
 
 
 class OPTDecoderLayer(nn.Module):
-    def __init__(self, config: Any, layer_idx: int) -> None:
+    def __init__(self, config: Any, layer_idx: int, shard: TensorShard) -> None:
         super().__init__()
         hidden, bias = config.hidden_size, bool(getattr(config, "enable_bias", True))
         affine = bool(getattr(config, "layer_norm_elementwise_affine", True))
-        self.self_attn = OPTAttention(config, layer_idx)
+        self.self_attn = OPTAttention(config, layer_idx, shard)
         self.self_attn_layer_norm = nn.LayerNorm(hidden, elementwise_affine=affine)
-        self.fc1 = Linear(hidden, config.ffn_dim, bias=bias)
-        self.fc2 = Linear(config.ffn_dim, hidden, bias=bias)
+        self.shard = shard
+        self.fc1 = column_parallel(hidden, config.ffn_dim, shard, bias=bias)
+        self.fc2 = row_parallel(config.ffn_dim, hidden, shard, bias=bias)
         self.final_layer_norm = nn.LayerNorm(hidden, elementwise_affine=affine)
         self.pre_ln = bool(config.do_layer_norm_before)
         if config.activation_function not in _ACTIVATIONS:
@@ -74,14 +89,15 @@ class OPTDecoderLayer(nn.Module):
         if not self.pre_ln:
             h = self.self_attn_layer_norm(h)
         x = self.final_layer_norm(h) if self.pre_ln else h
-        h = h + linear(self.fc2, self.act(linear(self.fc1, x)))  # [T, ffn] -> [T, H]
+        # [T, ffn/N] -> partial [T, H] -> summed over the ranks
+        h = h + self.shard.reduce(linear(self.fc2, self.act(linear(self.fc1, x))))
         if not self.pre_ln:
             h = self.final_layer_norm(h)
         return h
 
 
 class OPTDecoder(nn.Module):
-    def __init__(self, config: Any) -> None:
+    def __init__(self, config: Any, shard: TensorShard) -> None:
         super().__init__()
         hidden, proj = config.hidden_size, config.word_embed_proj_dim
         self.embed_tokens = Embedding(config.vocab_size, proj)
@@ -96,27 +112,28 @@ class OPTDecoder(nn.Module):
             nn.LayerNorm(hidden, elementwise_affine=affine) if has_final_ln else None
         )
         self.layers = nn.ModuleList(
-            OPTDecoderLayer(config, i) for i in range(config.num_hidden_layers)
+            OPTDecoderLayer(config, i, shard) for i in range(config.num_hidden_layers)
         )
 
 
 class _OPTModel(nn.Module):
-    def __init__(self, config: Any) -> None:
+    def __init__(self, config: Any, shard: TensorShard) -> None:
         super().__init__()
-        self.decoder = OPTDecoder(config)
+        self.decoder = OPTDecoder(config, shard)
 
 
 class OPTForCausalLM(CausalLM):
     """transformers ``OPTForCausalLM`` checkpoints (LM head tied to the embedding by default)."""
 
-    def __init__(self, config: Any) -> None:
+    def __init__(self, config: Any, shard: TensorShard = SINGLE_SHARD) -> None:
         super().__init__(
             config,
             num_layers=config.num_hidden_layers,
-            num_kv_heads=config.num_attention_heads,
+            num_kv_heads=shard.split(config.num_attention_heads, "num_attention_heads"),
             head_dim=config.hidden_size // config.num_attention_heads,
+            shard=shard,
         )
-        self.model = _OPTModel(config)
+        self.model = _OPTModel(config, shard)
         if not self.tie_word_embeddings:
             self.lm_head = Linear(config.word_embed_proj_dim, config.vocab_size, bias=False)
 

@@ -8,6 +8,11 @@ Order inside ``execute``: copy-on-write pairs, then the forward (which writes th
 their slots), then logits only for the sampling rows (each sampling sequence's last new token),
 then the sampler. Swap copies are separate calls (``swap_out`` / ``swap_in``) so a swap worker can
 run them beside steps; the scheduler guarantees they never touch blocks of a scheduled sequence.
+
+Tensor parallel: a runner built with a ``TensorShard`` holds one rank's shard of the weights and
+a KV cache with that rank's share of the KV heads (the same block ids as every other rank). Rank 0
+runs ``execute`` (it samples); the other ranks run ``execute_forward`` on the same plan, which
+does everything but the LM head and sampling (``asyncpaged.distributed`` drives them).
 """
 
 from __future__ import annotations
@@ -15,11 +20,13 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal, Protocol
 
 import torch
 
-from asyncpaged.model.attention import AttentionBackend, AttentionMetadata
-from asyncpaged.model.base import CausalLM
+from asyncpaged.errors import InvalidRequestError
+from asyncpaged.model.attention import AttentionBackend, AttentionMetadata, TorchAttentionBackend
+from asyncpaged.model.base import SINGLE_SHARD, CausalLM, TensorShard
 from asyncpaged.model.kv_cache import PagedKVCache, swap_in, swap_out
 from asyncpaged.model.lm_head import ScreenedLMHead
 from asyncpaged.model.loader import load_model
@@ -89,11 +96,53 @@ class StepResult:
     compute_s: float = 0.0
 
 
+class StepRunner(Protocol):
+    """What the executor and swap actors drive: a :class:`ModelRunner`, or, under tensor
+    parallelism, ``asyncpaged.distributed.TensorParallelRunner`` (which also drives the other
+    ranks)."""
+
+    def execute(self, plan: StepPlan) -> StepResult: ...
+
+    def swap_out(self, pairs: tuple[tuple[int, int], ...]) -> None: ...
+
+    def swap_in(self, pairs: tuple[tuple[int, int], ...]) -> None: ...
+
+
+AttentionChoice = Literal["auto", "torch", "triton", "cpu"]
+
+
+def select_attention_backend(device: str, choice: AttentionChoice) -> AttentionBackend:
+    """ "auto": Triton on CUDA; on CPU the native C++ decode kernel, or the torch path when it
+    cannot be built here (no compiler). "cpu" demands the native kernel."""
+    device_type = torch.device(device).type
+    if choice == "torch" or (choice == "auto" and device_type not in ("cpu", "cuda")):
+        return TorchAttentionBackend()
+    if choice == "triton" or (choice == "auto" and device_type == "cuda"):
+        from asyncpaged.kernels.backend import make_attention_backend
+
+        triton_backend: AttentionBackend = make_attention_backend(device, "triton")
+        return triton_backend
+    from asyncpaged.kernels.cpu_attention import CpuAttentionBackend
+
+    native = CpuAttentionBackend()
+    if native.is_native:
+        cpu_backend: AttentionBackend = native
+        return cpu_backend
+    if choice == "cpu":
+        raise InvalidRequestError(
+            "attention_backend='cpu' needs the native CPU kernel, which could not be built here "
+            "(see the cpu_kernel_unavailable log event); use 'auto' or 'torch'."
+        )
+    return TorchAttentionBackend()
+
+
 class ModelRunner:
-    """Model weights, the device KV cache and the host (swap) KV cache of one model.
+    """Model weights, the device KV cache and the host (swap) KV cache of one model (of one
+    tensor-parallel shard of it).
 
     Invariants: the device and host caches share layout and dtype; a block id names the same block
-    in every layer; ``execute`` never reads a slot outside the plan's block tables.
+    in every layer; ``execute`` never reads a slot outside the plan's block tables; the caches hold
+    ``model.num_kv_heads`` heads, this shard's share.
     """
 
     def __init__(
@@ -111,6 +160,7 @@ class ModelRunner:
         kv_cache_dtype: torch.dtype | None = None,
         packed_linears: bool = True,
         screened_lm_head: bool = True,
+        shard: TensorShard = SINGLE_SHARD,
     ) -> None:
         """Load the checkpoint and allocate caches; ``kv_fill_value`` poisons them (tests: NaN).
 
@@ -118,7 +168,9 @@ class ModelRunner:
         ``kv_cache_dtype`` (None: the model's dtype) is the dtype K/V are stored in. The two exact
         CPU levers apply to float32 models on CPU only: ``packed_linears`` pre-packs the layers'
         weights for oneDNN (``packed_linear``), ``screened_lm_head`` picks greedy tokens through
-        a bf16 screen (``lm_head``) when every row of a step is plain greedy.
+        a bf16 screen (``lm_head``) when every row of a step is plain greedy. ``shard`` picks a
+        tensor-parallel shard of the weights and KV heads (a rank other than 0 never samples, so
+        it builds no screened head).
         """
         if num_blocks <= 0 or block_size <= 0 or num_host_blocks < 0:
             raise ValueError(
@@ -126,7 +178,7 @@ class ModelRunner:
                 f"{num_blocks}, {block_size}, {num_host_blocks}."
             )
         self.device = torch.device(device)
-        self.model: CausalLM = load_model(checkpoint_path, dtype, self.device)
+        self.model: CausalLM = load_model(checkpoint_path, dtype, self.device, shard)
         if attn_backend is not None:
             self.model.attn_backend = attn_backend
         self.dtype = self.model.lm_head_weight().dtype
@@ -135,9 +187,8 @@ class ModelRunner:
         cpu_fp32 = self.device.type == "cpu" and self.dtype == torch.float32
         if packed_linears and cpu_fp32:
             pack_linears(self.model, batch_hint=64, keep=(self.model.lm_head_weight(),))
-        self.screened_head = (
-            ScreenedLMHead(self.model.lm_head_weight()) if screened_lm_head and cpu_fp32 else None
-        )
+        screened = screened_lm_head and cpu_fp32 and shard.rank == 0
+        self.screened_head = ScreenedLMHead(self.model.lm_head_weight()) if screened else None
 
         on_cuda = self.device.type == "cuda"
 
@@ -181,12 +232,8 @@ class ModelRunner:
             f"sequence {seq.seq_id}: {len(seq.block_table)} blocks cannot hold {context} tokens"
         )
 
-    @torch.inference_mode()
-    def execute(self, plan: StepPlan) -> StepResult:
-        """Run one step: copy-on-write, forward over the flat batch, sampling."""
-        self.model.attn_backend.copy_blocks(self.kv_cache, plan.copy_pairs)
-        if not plan.seqs:
-            return StepResult(sampled=())
+    def _inputs(self, plan: StepPlan) -> tuple[AttentionMetadata, torch.Tensor, torch.Tensor]:
+        """The step's attention metadata, token ids [T] and positions [T]."""
         input_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
@@ -206,6 +253,24 @@ class ModelRunner:
         )
         input_tensor = torch.tensor(input_ids, dtype=torch.int64, device=self.device)
         position_tensor = torch.tensor(positions, dtype=torch.int64, device=self.device)
+        return metadata, input_tensor, position_tensor
+
+    @torch.inference_mode()
+    def execute_forward(self, plan: StepPlan) -> None:
+        """A tensor-parallel rank other than 0: copy-on-write and the forward (its all-reduces
+        pair with rank 0's ``execute`` of the same plan); no LM head, no sampling."""
+        self.model.attn_backend.copy_blocks(self.kv_cache, plan.copy_pairs)
+        if plan.seqs:
+            metadata, input_tensor, position_tensor = self._inputs(plan)
+            self.model(input_tensor, position_tensor, metadata, self.kv_cache)
+
+    @torch.inference_mode()
+    def execute(self, plan: StepPlan) -> StepResult:
+        """Run one step: copy-on-write, forward over the flat batch, sampling."""
+        self.model.attn_backend.copy_blocks(self.kv_cache, plan.copy_pairs)
+        if not plan.seqs:
+            return StepResult(sampled=())
+        metadata, input_tensor, position_tensor = self._inputs(plan)
         began = time.perf_counter()
         hidden = self.model(input_tensor, position_tensor, metadata, self.kv_cache)  # [T, H]
         sampling = [i for i, s in enumerate(plan.seqs) if s.do_sample]

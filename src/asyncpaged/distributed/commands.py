@@ -1,0 +1,103 @@
+"""What rank 0 tells the other tensor-parallel ranks, in order, over the control group.
+
+::
+
+    rank 0                                   rank r (1 .. N-1)
+    WorkerSpec ──────── once, at start ────► build its ModelRunner shard
+               ◄─────── WorkerReady ──────── (gathered: pid, KV bytes, or the load error)
+    RunStep ─────────── every step ────────► execute_forward (all-reduces pair with rank 0's)
+    SwapCommand ─────── every swap ────────► swap_out / swap_in of its share of the blocks
+    Shutdown ────────── at close ──────────► leave the loop, destroy the group, exit
+
+Commands are frozen dataclasses of numbers and tuples, pickled by
+``torch.distributed.broadcast_object_list``. A step carries only what a non-sampling rank reads:
+per sequence the new tokens, the cached-token count, the slot mapping and the whole block table
+(no diffs: a table is a few dozen ints), plus the copy-on-write pairs; sampling options stay on
+rank 0.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from asyncpaged.core.block_table import SwapDirection
+from asyncpaged.model.runner import AttentionChoice, SequenceStep, StepPlan
+
+# (seq_id, token_ids, num_computed_tokens, slot_mapping, block_table)
+WireSequence = tuple[int, tuple[int, ...], int, tuple[int, ...], tuple[int, ...]]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class WorkerSpec:
+    """How every rank builds its shard: the engine's settings that the runner needs.
+
+    ``dtype`` and ``kv_cache_dtype`` are torch dtype names ("float32"); ``device_type`` is
+    "cpu" or "cuda" (a CUDA rank uses its local rank's device); ``num_threads`` sets each rank's
+    torch intra-op threads (rank 0's at start).
+    """
+
+    model: str
+    dtype: str
+    kv_cache_dtype: str
+    num_device_blocks: int
+    num_host_blocks: int
+    block_size: int
+    device_type: str
+    attention_backend: AttentionChoice
+    packed_linears: bool
+    seed: int
+    num_threads: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class WorkerReady:
+    """A rank's reply to the spec: its KV cache bytes, or the error that stopped its load."""
+
+    rank: int
+    pid: int
+    kv_cache_bytes: int = 0
+    host_kv_cache_bytes: int = 0
+    num_kv_heads: int = 0
+    error: BaseException | None = None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RunStep:
+    """Run the forward of one step (copy-on-write pairs first)."""
+
+    seqs: tuple[WireSequence, ...]
+    copy_pairs: tuple[tuple[int, int], ...]
+
+    @classmethod
+    def of(cls, plan: StepPlan) -> RunStep:
+        seqs = tuple(
+            (s.seq_id, s.token_ids, s.num_computed_tokens, s.slot_mapping, s.block_table)
+            for s in plan.seqs
+        )
+        return cls(seqs=seqs, copy_pairs=plan.copy_pairs)
+
+    def plan(self) -> StepPlan:
+        """The step as a plan that samples nothing (what a rank other than 0 runs)."""
+        seqs = tuple(
+            SequenceStep(seq_id=seq_id, token_ids=tokens, num_computed_tokens=computed,
+                         slot_mapping=slots, block_table=table, do_sample=False)
+            for seq_id, tokens, computed, slots, table in self.seqs
+        )  # fmt: skip
+        return StepPlan(seqs=seqs, copy_pairs=self.copy_pairs)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SwapCommand:
+    """Copy blocks between this rank's device and host caches: (device, host) pairs for OUT,
+    (host, device) pairs for IN, as in ``SwapPlan.block_mapping``."""
+
+    direction: SwapDirection
+    pairs: tuple[tuple[int, int], ...]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Shutdown:
+    """Leave the worker loop."""
+
+
+Command = RunStep | SwapCommand | Shutdown

@@ -1,0 +1,97 @@
+"""Tensor parallelism (TP=2 over gloo on CPU) against TP=1 and transformers, token for token.
+
+Each model runs one workload on a TP=1 engine and on a TP=2 engine (one spawned worker): 12
+requests of mixed lengths in a small device pool, so steps mix prefill chunks with decodes and
+the scheduler preempts both by swap (host pool of 3 blocks) and, when the host pool cannot take a
+request, by recompute. The engines are shared by the tests of a model (module-scoped runs).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import anyio
+import pytest
+
+from asyncpaged import AsyncEngine, EngineConfig
+from asyncpaged.model.errors import UnsupportedModelError
+from tests.distributed.conftest import EngineRun, host_bytes, make_prompts, run_engine
+from tests.model.reference import HFReference
+
+MODELS = ["llama-gqa", "opt"]  # Llama family with GQA (4 heads, 2 KV heads); OPT (4 heads)
+MAX_TOKENS = 24
+NUM_DEVICE_BLOCKS = 24
+NUM_HOST_BLOCKS = 3
+
+
+@pytest.fixture(scope="module", params=MODELS)
+def runs(
+    request: pytest.FixtureRequest, tiny_checkpoint: Callable[[str], Path]
+) -> tuple[str, EngineRun, EngineRun]:
+    """(model, TP=1 run, TP=2 run) of the same workload with the same pool sizes in blocks."""
+    name: str = request.param
+    path = tiny_checkpoint(name)
+    prompts = make_prompts(12, seed=0)
+    common = {"num_device_blocks": NUM_DEVICE_BLOCKS, "preemption_mode": "swap",
+              "max_num_batched_tokens": 64}  # fmt: skip
+    tp1 = run_engine(path, prompts, MAX_TOKENS, **common,
+                     swap_space_bytes=host_bytes(path, NUM_HOST_BLOCKS, 1))  # fmt: skip
+    tp2 = run_engine(path, prompts, MAX_TOKENS, **common, tensor_parallel_size=2,
+                     swap_space_bytes=host_bytes(path, NUM_HOST_BLOCKS, 2))  # fmt: skip
+    return name, tp1, tp2
+
+
+def test_tp2_tokens_equal_tp1_with_mixed_steps_swap_and_recompute(
+    runs: tuple[str, EngineRun, EngineRun],
+) -> None:
+    name, tp1, tp2 = runs
+    # the workload exercised what it claims to, identically on both engines
+    assert tp2.num_mixed_steps > 0 and tp2.num_swap_outs > 0 and tp2.num_recomputes > 0, tp2
+    assert (tp1.num_swap_outs, tp1.num_recomputes) == (tp2.num_swap_outs, tp2.num_recomputes)
+    for one, two in zip(tp1.outputs, tp2.outputs, strict=True):
+        assert one.prompt_token_ids == two.prompt_token_ids
+        assert two.outputs[0].token_ids == one.outputs[0].token_ids, (name, one.prompt_token_ids)
+        assert len(two.outputs[0].token_ids) == MAX_TOKENS
+
+
+def test_tp2_tokens_equal_transformers(
+    runs: tuple[str, EngineRun, EngineRun], hf_reference: Callable[[str], HFReference]
+) -> None:
+    name, _, tp2 = runs
+    ref = hf_reference(name)
+    for out in tp2.outputs:
+        want, _ = ref.generate(tuple(out.prompt_token_ids), MAX_TOKENS)
+        assert out.outputs[0].token_ids == want, (name, out.prompt_token_ids)
+
+
+def test_per_rank_kv_memory_is_half(runs: tuple[str, EngineRun, EngineRun]) -> None:
+    _, tp1, tp2 = runs
+    (kv_bytes,) = tp1.kv_cache_bytes  # the same number of blocks on every engine and rank
+    assert tp2.kv_cache_bytes == [kv_bytes // 2, kv_bytes // 2]
+    assert tp2.num_kv_heads == [tp1.num_kv_heads[0] // 2] * 2
+
+
+def test_shutdown_joins_every_rank(runs: tuple[str, EngineRun, EngineRun]) -> None:
+    _, _, tp2 = runs
+    assert tp2.worker_exitcodes == [0]  # told to shut down, exited cleanly, joined
+    assert len(tp2.worker_pids) == 1
+    for pid in tp2.worker_pids:
+        assert not Path(f"/proc/{pid}").exists(), f"worker {pid} left as a zombie or alive"
+
+
+@pytest.mark.parametrize(("name", "size"), [("llama-gqa", 4), ("opt", 3)])
+def test_indivisible_heads_are_refused_before_any_process_starts(
+    name: str, size: int, tiny_checkpoint: Callable[[str], Path]
+) -> None:
+    import multiprocessing
+
+    config = EngineConfig(model=str(tiny_checkpoint(name)), tensor_parallel_size=size)
+
+    async def main() -> None:
+        async with AsyncEngine(config):
+            pass
+
+    with pytest.raises(UnsupportedModelError, match=f"tensor_parallel_size={size} must divide"):
+        anyio.run(main)
+    assert not multiprocessing.active_children()
