@@ -5,11 +5,13 @@ from __future__ import annotations
 import math
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from asyncpaged.core.txn import Admission, AllocateOp, StepTxn, apply_txn
 from asyncpaged.sim.cost_model import CostModel
 from asyncpaged.sim.presets import GPUS, MODELS
-from asyncpaged.sim.reservation import ReservingBlockPool
+from asyncpaged.sim.reservation import BuddySpace, ReservingBlockPool
 from asyncpaged.sim.results import simulate, summarize
 from asyncpaged.sim.simulator import SimConfig, SimEngine
 from asyncpaged.sim.workload import SimRequest, WorkloadSpec, generate
@@ -42,7 +44,7 @@ def trace(num: int, **kw: int) -> list[SimRequest]:
 
 
 def test_reservation_admits_only_what_fits_beside_other_reservations() -> None:
-    pool = ReservingBlockPool(20, block_size=4)
+    pool = ReservingBlockPool(20, block_size=4, placement="first-fit")
     pool.reserve("a", 40)  # 10 blocks
     pool.reserve("b", 36)  # 9 blocks
     pool.reserve("c", 8)  # 2 blocks
@@ -67,7 +69,7 @@ def test_reservation_admits_only_what_fits_beside_other_reservations() -> None:
 
 def test_a_reservation_needs_one_contiguous_extent_and_freed_extents_merge() -> None:
     """External fragmentation: 4 blocks free in two 2-block holes refuse a 3-block reservation."""
-    pool = ReservingBlockPool(10, block_size=4)
+    pool = ReservingBlockPool(10, block_size=4, placement="first-fit")
     sizes = {"a": 3, "b": 2, "c": 3, "d": 2}  # extents [0,3) [3,5) [5,8) [8,10)
     for i, (key, blocks) in enumerate(sizes.items()):
         pool.reserve(key, blocks * 4)
@@ -162,3 +164,74 @@ def test_paged_keeps_kv_utilization_high_where_max_reservation_wastes_it() -> No
     assert paged.batch_size_mean > 5 * orca.batch_size_mean
     assert paged.throughput_rps > 3 * orca.throughput_rps
     assert len(generate(workload)) == paged.num_requests
+
+
+def test_buddy_placement_rounds_up_splits_and_merges_buddies() -> None:
+    """A 16-block space: 3 blocks take a 4-block buddy, and only merged buddies make room."""
+    space = BuddySpace(16)
+    assert space.take(3) == (0, 4)  # 16 -> 8 + 8 -> 4 + 4: the lowest 4
+    assert space.take(4) == (4, 4)
+    assert space.take(5) == (8, 8)
+    assert not space.fits(1)
+    space.release(4, 4)
+    assert space.free_extents() == [(4, 4)]
+    assert not space.fits(5)  # 4 free blocks, but an 8-block reservation needs a buddy of 8
+    space.release(0, 4)  # 0-4 and 4-8 are buddies: they merge into 0-8
+    assert space.free_extents() == [(0, 8)]
+    space.release(8, 8)
+    assert space.free_extents() == [(0, 16)]
+
+
+def test_a_space_that_is_not_a_power_of_two_never_merges_across_arenas() -> None:
+    space = BuddySpace(12)  # arenas [0, 8) and [8, 12)
+    assert space.free_extents() == [(0, 8), (8, 4)]
+    assert not space.fits(9)
+    a, b = space.take(4), space.take(4)
+    assert (a, b) == ((8, 4), (0, 4))  # the smallest extent that holds it first
+    space.release(*a)
+    space.release(*b)
+    assert space.free_extents() == [(0, 8), (8, 4)]
+
+
+@settings(max_examples=200, deadline=None, derandomize=True)
+@given(
+    size=st.integers(1, 70),
+    ops=st.lists(st.tuples(st.booleans(), st.integers(1, 40), st.integers(0, 10)), max_size=40),
+)
+def test_buddy_space_against_an_occupancy_model(
+    size: int, ops: list[tuple[bool, int, int]]
+) -> None:
+    """Extents are aligned powers of two, never overlap, and free space is exactly what is not
+    taken; ``fits`` agrees with ``take``; two free buddies of one arena are always merged."""
+    space = BuddySpace(size)
+    taken: list[tuple[int, int]] = []
+    for is_take, n, pick in ops:
+        if is_take:
+            if not space.fits(n):
+                assert all(k < n for _, k in space.free_extents())
+                continue
+            start, length = space.take(n)
+            assert n <= length < 2 * n and length & (length - 1) == 0 and start % length == 0
+            assert all(start + length <= s or s + k <= start for s, k in taken)
+            taken.append((start, length))
+        elif taken:
+            space.release(*taken.pop(pick % len(taken)))
+        free = space.free_extents()
+        cells = sorted(c for s, k in [*free, *taken] for c in range(s, s + k))
+        assert cells == list(range(size))
+        for start, length in free:
+            if length < _arena_size(size, start):
+                assert (start ^ length, length) not in free, "free buddies left unmerged"
+    if not taken:
+        assert space.free_extents() == BuddySpace(size).free_extents()
+
+
+def _arena_size(size: int, address: int) -> int:
+    """The power-of-two arena (binary digits of ``size``, largest first) holding ``address``."""
+    start = 0
+    for bit in reversed(range(size.bit_length())):
+        if size >> bit & 1:
+            if address < start + (1 << bit):
+                return 1 << bit
+            start += 1 << bit
+    raise AssertionError(f"{address} is outside a space of {size}")

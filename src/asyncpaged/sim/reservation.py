@@ -21,16 +21,23 @@ Contiguity (external fragmentation): a reservation also takes one contiguous ext
 address space of ``num_device_blocks`` blocks, first fit, as a system that gives each request one
 contiguous KV buffer must. A request whose reservation fits in the free blocks but in no single
 free extent is refused (its need is reported as more than the pool), so it waits, FCFS, like the
-others behind it. Freed extents merge with their free neighbours.
+others behind it. Freed extents merge with their free neighbours. With ``placement="buddy"``
+(the simulator's default: the vLLM paper's reimplementation of Orca places each request's KV
+with the buddy allocation algorithm, §6.1) the extent is the reservation rounded up to a power of
+two, split from and merged back into power-of-two buddies (:class:`BuddySpace`); the rounding is
+internal fragmentation that no other request can use.
 """
 
 from __future__ import annotations
 
 import bisect
 from collections.abc import Sequence
+from typing import Literal
 
 from asyncpaged.core.block_pool import BlockPool
 from asyncpaged.core.block_table import AppendResult, SeqAllocation, SeqId
+
+Placement = Literal["first-fit", "buddy"]
 
 
 class ReservingBlockPool(BlockPool):
@@ -44,11 +51,17 @@ class ReservingBlockPool(BlockPool):
     """
 
     def __init__(
-        self, num_device_blocks: int, num_host_blocks: int = 0, *, block_size: int = 16
+        self,
+        num_device_blocks: int,
+        num_host_blocks: int = 0,
+        *,
+        block_size: int = 16,
+        placement: Placement = "buddy",
     ) -> None:
         super().__init__(
             num_device_blocks, num_host_blocks, block_size=block_size, enable_prefix_caching=False
         )
+        self._buddy = BuddySpace(num_device_blocks) if placement == "buddy" else None
         self._reserved_by_key: dict[str, int] = {}  # extra key -> reserved blocks
         self._group: dict[SeqId, str] = {}  # seq -> its request's key
         self._members: dict[str, int] = {}
@@ -78,7 +91,7 @@ class ReservingBlockPool(BlockPool):
         if extra_key is None or extra_key in self._members:
             return real  # no reservation, or an op of a request already holding one
         reserved = self._reserved_by_key.get(extra_key, 0)
-        if self._first_fit(max(real, reserved)) is None:
+        if not self._fits(max(real, reserved)):
             return self.device.num_blocks + 1  # no contiguous room: external fragmentation
         return max(real, reserved) + self.num_outstanding_blocks
 
@@ -140,14 +153,23 @@ class ReservingBlockPool(BlockPool):
     def num_fragmented_blocks(self) -> int:
         """Free address space outside the largest free extent (unusable for a reservation
         bigger than that extent)."""
-        lengths = [n for _, n in self._free_extents]
+        extents = self._buddy.free_extents() if self._buddy else self._free_extents
+        lengths = [n for _, n in extents]
         return sum(lengths) - max(lengths, default=0)
+
+    def _fits(self, size: int) -> bool:
+        if self._buddy is not None:
+            return self._buddy.fits(size)
+        return self._first_fit(size) is not None
 
     def _first_fit(self, size: int) -> int | None:
         """Index in the free list of the first extent of at least ``size`` blocks."""
         return next((i for i, (_, n) in enumerate(self._free_extents) if n >= size), None)
 
     def _take_extent(self, key: str, size: int) -> None:
+        if self._buddy is not None:
+            self._extent[key] = self._buddy.take(size)
+            return
         index = self._first_fit(size)
         assert index is not None, "the admission check found a contiguous extent"
         start, length = self._free_extents[index]
@@ -159,6 +181,9 @@ class ReservingBlockPool(BlockPool):
 
     def _release_extent(self, key: str) -> None:
         start, size = self._extent.pop(key)
+        if self._buddy is not None:
+            self._buddy.release(start, size)
+            return
         extents = self._free_extents
         i = bisect.bisect(extents, (start, 0))
         if i < len(extents) and start + size == extents[i][0]:  # merge the next one
@@ -173,3 +198,60 @@ class ReservingBlockPool(BlockPool):
         old = self.outstanding(key)
         self._held[key] += delta
         self.num_outstanding_blocks += self.outstanding(key) - old
+
+
+class BuddySpace:
+    """A binary buddy allocator over an address space of ``size`` blocks.
+
+    A request of ``n`` blocks takes an aligned extent of the next power of two (the rest of it
+    is internal fragmentation), split from the smallest free extent that holds it (lowest
+    address first); a freed extent merges with its free buddy. A space that is not a power of two
+    is the aligned power-of-two arenas of its binary digits, largest first, which never merge.
+
+    Invariants: free extents are aligned to their size, disjoint, inside one arena each, and no
+    free extent's buddy (inside its arena) is free at the same size.
+    """
+
+    def __init__(self, size: int) -> None:
+        self._free: dict[int, list[int]] = {}  # extent size -> sorted free start addresses
+        self._arenas: list[tuple[int, int]] = []  # (start, size), by start
+        start = 0
+        for bit in reversed(range(size.bit_length())):
+            if size >> bit & 1:
+                self._arenas.append((start, 1 << bit))
+                self._free.setdefault(1 << bit, []).append(start)
+                start += 1 << bit
+
+    def free_extents(self) -> list[tuple[int, int]]:
+        """The free (start, size) extents, by start."""
+        return sorted((start, k) for k, starts in self._free.items() for start in starts)
+
+    def fits(self, n: int) -> bool:
+        want = _pow2(n)
+        return any(k >= want and starts for k, starts in self._free.items())
+
+    def take(self, n: int) -> tuple[int, int]:
+        """The (start, size) of a new extent for ``n`` blocks; the caller checked :meth:`fits`."""
+        want = _pow2(n)
+        size = min(k for k, starts in self._free.items() if k >= want and starts)
+        start = self._free[size].pop(0)
+        while size > want:  # split, keeping the lower half
+            size //= 2
+            bisect.insort(self._free.setdefault(size, []), start + size)
+        return start, size
+
+    def release(self, start: int, size: int) -> None:
+        arena_start, arena_size = self._arenas[bisect.bisect(self._arenas, (start, 1 << 62)) - 1]
+        while size < arena_size:
+            buddy = arena_start + ((start - arena_start) ^ size)
+            starts = self._free.get(size, [])
+            i = bisect.bisect_left(starts, buddy)
+            if i == len(starts) or starts[i] != buddy:
+                break
+            del starts[i]
+            start, size = min(start, buddy), size * 2
+        bisect.insort(self._free.setdefault(size, []), start)
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()

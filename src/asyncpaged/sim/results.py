@@ -12,6 +12,7 @@ import structlog
 from asyncpaged.core.scheduler import PreemptionMode
 from asyncpaged.sim.cost_model import CostModel
 from asyncpaged.sim.presets import GPUS, MODELS, GpuSpec, ModelShape, num_kv_blocks
+from asyncpaged.sim.reservation import Placement
 from asyncpaged.sim.simulator import SimConfig, SimEngine, StepRecord
 from asyncpaged.sim.workload import SimRequest, WorkloadSpec, generate
 
@@ -70,12 +71,14 @@ def simulate(
     max_num_batched_tokens: int | None = None,
     paged_overhead: float = 0.2,
     enable_prefix_caching: bool | None = None,
+    placement: Placement = "buddy",
     seed: int = 0,
 ) -> SimResult:
     """Run a workload through the engine's scheduler and block pool on a simulated GPU.
 
     ``enable_prefix_caching`` defaults to on exactly when the workload has a shared prefix
     (then prompts are that prefix plus per-request tokens); the baselines never cache.
+    ``placement`` is how the baselines place each request's contiguous reservation.
     """
     shape = MODELS[model] if isinstance(model, str) else model
     spec = GPUS[gpu] if isinstance(gpu, str) else gpu
@@ -103,6 +106,7 @@ def simulate(
         )
         and system == "paged",
         max_model_len=shape.max_model_len,
+        placement=placement,
     )
     cost = CostModel(model=shape, gpu=spec, num_gpus=num_gpus, paged_overhead=paged_overhead)
     engine = SimEngine(config, cost, seed=seed, record_decisions=False)

@@ -35,7 +35,7 @@ from asyncpaged.core.request import Request, RequestStatus, Sequence, StopCriter
 from asyncpaged.core.scheduler import PreemptionMode, Scheduler, SchedulerConfig, SchedulerOutput
 from asyncpaged.core.txn import apply_txn, snapshot
 from asyncpaged.sim.cost_model import CostModel
-from asyncpaged.sim.reservation import ReservingBlockPool
+from asyncpaged.sim.reservation import Placement, ReservingBlockPool
 from asyncpaged.sim.workload import SimRequest
 
 log = structlog.get_logger("asyncpaged")
@@ -71,6 +71,7 @@ class SimConfig:
     watermark: float = 0.01
     enable_prefix_caching: bool = False
     max_model_len: int = 2048
+    placement: Placement = "buddy"  # of the baselines' contiguous reservations
 
     def __post_init__(self) -> None:
         if self.system not in SYSTEMS:
@@ -145,7 +146,10 @@ class SimEngine:
             )
         else:
             self.pool = ReservingBlockPool(
-                config.num_device_blocks, config.num_host_blocks, block_size=config.block_size
+                config.num_device_blocks,
+                config.num_host_blocks,
+                block_size=config.block_size,
+                placement=config.placement,
             )
         self.scheduler = Scheduler(
             SchedulerConfig(

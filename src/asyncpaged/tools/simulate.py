@@ -147,6 +147,7 @@ def run(args: argparse.Namespace) -> int:
                     swap_space_bytes=args.swap_space_gib << 30,
                     preemption_mode=args.preemption_mode,
                     paged_overhead=args.paged_overhead,
+                    placement=args.placement,
                     seed=args.seed,
                 )
             )
@@ -156,7 +157,8 @@ def run(args: argparse.Namespace) -> int:
         f"{title}: {blocks} KV blocks of {args.block_size} tokens "
         f"({blocks * args.block_size} tokens, {model.kv_bytes_per_token / 1024:.0f} KiB each), "
         f"{args.num_requests} requests per run, n={args.n}, beam={args.beam_width}, "
-        f"shared prefix {args.shared_prefix_len}; {wall:.1f} s in all.",
+        f"shared prefix {args.shared_prefix_len}, baseline placement {args.placement}; "
+        f"{wall:.1f} s in all.",
         format_table(results),
         "",
         f"highest rate with normalized latency <= {args.latency_limit} s/token:",
@@ -202,6 +204,13 @@ def add_parser(sub: Any) -> None:
         type=float,
         default=0.2,
         help="extra attention-kernel time of paging (the paper: 0.20-0.26)",
+    )
+    p.add_argument(
+        "--placement",
+        default="buddy",
+        choices=("buddy", "first-fit"),
+        help="how the orca-* baselines place each request's contiguous reservation (the paper's "
+        "Orca: buddy allocation)",
     )
     p.add_argument("--latency-limit", type=float, default=0.4, help="s/token for the summary")
     p.add_argument("--seed", type=int, default=0)
