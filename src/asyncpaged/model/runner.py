@@ -31,7 +31,14 @@ from asyncpaged.model.kv_cache import PagedKVCache, swap_in, swap_out
 from asyncpaged.model.lm_head import ScreenedLMHead
 from asyncpaged.model.loader import load_model
 from asyncpaged.model.packed_linear import pack_linears
-from asyncpaged.model.sampler import SamplerOutput, SamplingOptions, sample
+from asyncpaged.model.sampler import (
+    SamplerOutput,
+    SamplingOptions,
+    is_screenable,
+    sample,
+    sample_from_candidates,
+    screened_top_k,
+)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -167,8 +174,9 @@ class ModelRunner:
         ``seed`` seeds the generator of random rows without a per-request seed.
         ``kv_cache_dtype`` (None: the model's dtype) is the dtype K/V are stored in. The two exact
         CPU levers apply to float32 models on CPU only: ``packed_linears`` pre-packs the layers'
-        weights for oneDNN (``packed_linear``), ``screened_lm_head`` picks greedy tokens through
-        a bf16 screen (``lm_head``) when every row of a step is plain greedy. ``shard`` picks a
+        weights for oneDNN (``packed_linear``), ``screened_lm_head`` picks greedy and top-k
+        tokens through a bf16 screen (``lm_head``) when every row of a step qualifies
+        (``sampler.is_screenable``, no logprob asked): the full head's tokens. ``shard`` picks a
         tensor-parallel shard of the weights and KV heads (a rank other than 0 never samples, so
         it builds no screened head).
         """
@@ -297,6 +305,10 @@ class ModelRunner:
             )
             compute_s = time.perf_counter() - began
             return StepResult(sampled=_sampled_tokens(draws, out), compute_s=compute_s)
+        screened = self._sample_screened(draws, hidden)
+        if screened is not None:
+            compute_s = time.perf_counter() - began
+            return StepResult(sampled=_sampled_tokens(draws, screened), compute_s=compute_s)
         logits = self.model.compute_logits(hidden)
         out = sample(
             logits,
@@ -306,6 +318,22 @@ class ModelRunner:
         )
         compute_s = time.perf_counter() - began
         return StepResult(sampled=_sampled_tokens(draws, out), compute_s=compute_s)
+
+    def _sample_screened(
+        self, draws: list[tuple[SequenceStep, int, SamplingOptions | None]], hidden: torch.Tensor
+    ) -> SamplerOutput | None:
+        """Greedy and top-k rows from the screened head's candidates, the same tokens as
+        ``sample`` on the full logits; None (nothing drawn yet): use the full head."""
+        head = self.screened_head
+        if head is None or not all(
+            not seq.want_logprob and is_screenable(opt, head.vocab_size) for seq, _, opt in draws
+        ):
+            return None
+        opts = [opt for _, _, opt in draws]
+        candidates = head.topk_candidates(hidden, screened_top_k(opts))
+        if candidates is None:  # NaN/inf hidden states
+            return None
+        return sample_from_candidates(candidates, opts, generator=self.generator)
 
 
 def _plain_greedy(seq: SequenceStep, opt: SamplingOptions | None) -> bool:

@@ -13,15 +13,22 @@ min-p comes before top-k/top-p as in vLLM v1 (it is an argmax-invariant logits p
 vLLM v0 applied it last). ``q`` of a row with a seed is drawn from a ``torch.Generator`` seeded with
 the row's ``generator_key`` alone, so its token never depends on the other rows of the batch or
 their order; rows without a seed share the caller's generator.
+
+``sample_from_candidates`` gives the same tokens from the top-k candidates of the bf16-screened
+LM head (``lm_head.TopKCandidates``) for the rows ``is_screenable`` admits, without the fp32 GEMM
+over the whole vocabulary: it reads the same random stream and sums over full-width rows that
+hold -inf wherever ``sample`` has -inf after top-k.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
+from asyncpaged.model.lm_head import TopKCandidates
 from asyncpaged.model.logits_processors import (
     apply_min_p,
     apply_min_tokens_mask,
@@ -33,6 +40,7 @@ SAMPLING_EPS = 1e-5
 """Temperatures below this sample greedily (vLLM's ``_SAMPLING_EPS``)."""
 
 _MASK64 = (1 << 64) - 1
+_NEG_INF = float("-inf")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -210,6 +218,16 @@ def _sample_random(
 ) -> torch.Tensor:
     """Rows that sample (temperature >= eps): logits [R, V] -> [R] int64 token ids."""
     device, vocab_size = logits.device, logits.shape[1]
+    probs = _random_probs(logits, opts)  # [R, V]
+    # Exponential race: argmax(p / q) with q ~ Exp(1) picks token v with probability p[v].
+    q = _exponential_draws(opts, vocab_size, device, generator)
+    q.clamp_min_(torch.finfo(torch.float32).tiny)  # never divide by zero
+    return torch.argmax(probs / q, dim=-1)
+
+
+def _random_probs(logits: torch.Tensor, opts: Sequence[SamplingOptions]) -> torch.Tensor:
+    """Temperature, min-p, top-k, top-p, softmax: logits [R, V] -> probabilities [R, V]."""
+    device, vocab_size = logits.device, logits.shape[1]
     temperature = torch.tensor([o.temperature for o in opts], dtype=torch.float32, device=device)
     logits = logits / temperature[:, None]
     if any(o.min_p > 0.0 for o in opts):
@@ -223,9 +241,18 @@ def _sample_random(
     if any(o.top_p < 1.0 for o in opts):
         top_p = torch.tensor([o.top_p for o in opts], dtype=torch.float32, device=device)
     logits = apply_top_k_top_p(logits, top_k, top_p)
-    probs = torch.softmax(logits, dim=-1)  # [R, V]
-    # Exponential race: argmax(p / q) with q ~ Exp(1) picks token v with probability p[v].
-    q = torch.empty_like(probs)
+    return torch.softmax(logits, dim=-1)
+
+
+def _exponential_draws(
+    opts: Sequence[SamplingOptions],
+    vocab_size: int,
+    device: torch.device,
+    generator: torch.Generator | None,
+) -> torch.Tensor:
+    """q [R, V] float32 ~ Exp(1): one draw of all unseeded rows from ``generator``, then each
+    seeded row from a fresh generator seeded with its ``generator_key``."""
+    q = torch.empty(len(opts), vocab_size, dtype=torch.float32, device=device)
     unseeded = [r for r, o in enumerate(opts) if o.seed is None]
     if unseeded:
         draws = torch.empty(len(unseeded), vocab_size, device=device)
@@ -235,5 +262,216 @@ def _sample_random(
         if o.seed is not None:
             row_generator = torch.Generator(device=device).manual_seed(o.generator_key)
             q[r] = torch.empty(vocab_size, device=device).exponential_(generator=row_generator)
-    q.clamp_min_(torch.finfo(torch.float32).tiny)  # never divide by zero
-    return torch.argmax(probs / q, dim=-1)
+    return q
+
+
+# ---- sampling from the screened LM head's top-k candidates ---------------------------------------
+
+MAX_SCREENED_TOP_K = 64
+"""Largest top-k sampled from screened candidates (more candidates to rescore, less gain)."""
+
+
+def is_screenable(opt: SamplingOptions | None, vocab_size: int) -> bool:
+    """Whether ``sample_from_candidates`` gives this row exactly the token ``sample`` gives it.
+
+    Greedy rows qualify, and random rows with ``0 < top_k <= MAX_SCREENED_TOP_K`` (and
+    ``top_k < vocab_size``, else top-k is off), any temperature, top-p and seed. Not: rows asking
+    for logprobs (the log-softmax normaliser sums over every token), penalties or min-tokens
+    masks (they move logits after the LM head, so the screen's bounds no longer hold), min-p
+    (applied before top-k against the softmax over the whole vocabulary). The caller must also
+    route rows whose step wants the sampled token's logprob to ``sample``.
+    """
+    if opt is None:
+        return True
+    if opt.num_logprobs is not None or opt.has_penalties or opt.min_tokens_mask_ids:
+        return False
+    if opt.is_greedy:
+        return True
+    return 0 < opt.top_k <= MAX_SCREENED_TOP_K and opt.top_k < vocab_size and opt.min_p == 0.0
+
+
+def screened_top_k(options: Sequence[SamplingOptions | None]) -> list[int]:
+    """The k to screen each row for: 1 for greedy rows, ``top_k`` for random ones."""
+    return [1 if o is None or o.is_greedy else o.top_k for o in options]
+
+
+def sample_from_candidates(
+    candidates: TopKCandidates,
+    options: Sequence[SamplingOptions | None] | None = None,
+    *,
+    generator: torch.Generator | None = None,
+) -> SamplerOutput | None:
+    """``sample(L, options, generator=generator)`` from the top-k candidates of ``L``'s rows.
+
+    ``L`` is any fp32 logits matrix that equals ``candidates.logits`` on the candidates (other
+    entries: any fp32 evaluation of the LM head). For screenable rows (``is_screenable``) the
+    tokens are bit for bit those of ``sample(L, ...)`` and ``generator`` ends in the same state:
+
+    - the tokens ``sample`` keeps after top-k are all candidates, and each other token's logit,
+      scaled by the temperature, is checked to stay below the k-th largest scaled candidate;
+    - every value that reaches the tokens is computed by the same torch operation on the same
+      values: elementwise ones (temperature, masks, ``p / q``) on the candidates alone, the
+      order-dependent sums (softmax, top-p's cumulative sum) on full-vocabulary rows that hold
+      the candidates' values and -inf where ``sample`` has -inf after top-k, in its positions;
+    - the random draws are those of ``sample`` (the whole stream, read at the candidates);
+    - argmax over ascending candidate ids keeps the lowest id among ties, as over the full row.
+
+    Returns None, having drawn nothing, when that check fails (temperature scaling that
+    overflows or rounds a non-candidate onto the k-th largest): sample the full logits instead.
+    Never returns logprobs (``is_screenable`` excludes rows that want them).
+    """
+    ids, logits = candidates.token_ids, candidates.logits  # [N, C]
+    num_rows, vocab_size = ids.shape[0], candidates.vocab_size
+    opts: Sequence[SamplingOptions | None] = options if options is not None else [None] * num_rows
+    assert len(opts) == num_rows, f"{len(opts)} sampling options for {num_rows} rows"
+    assert all(is_screenable(o, vocab_size) for o in opts), "a row is not screenable"
+    assert all(k <= candidates.top_k[r] for r, k in enumerate(screened_top_k(opts))), (
+        "candidates screened for a smaller top-k than the options ask for"
+    )
+    if num_rows == 0:
+        token_ids = torch.empty(0, dtype=torch.int64, device=ids.device)
+        return SamplerOutput(
+            token_ids=token_ids, logprobs=None, ranks=None, top_token_ids=None, top_logprobs=None
+        )
+    token_ids = ids.gather(1, torch.argmax(logits, dim=-1, keepdim=True))[:, 0]  # greedy rows
+    random_rows = [i for i, o in enumerate(opts) if o is not None and not o.is_greedy]
+    if random_rows:
+        rows = torch.tensor(random_rows, dtype=torch.int64, device=ids.device)
+        chosen = [o for o in opts if o is not None and not o.is_greedy]
+        picked = _sample_candidates(
+            ids[rows], logits[rows], candidates.outside_bound[rows], chosen, vocab_size, generator
+        )
+        if picked is None:
+            return None
+        token_ids[rows] = picked
+    return SamplerOutput(
+        token_ids=token_ids, logprobs=None, ranks=None, top_token_ids=None, top_logprobs=None
+    )
+
+
+def _sample_candidates(
+    ids: torch.Tensor,
+    logits: torch.Tensor,
+    outside_bound: torch.Tensor,
+    opts: Sequence[SamplingOptions],
+    vocab_size: int,
+    generator: torch.Generator | None,
+) -> torch.Tensor | None:
+    """``_sample_random`` on candidates ids/logits [R, C] -> [R] int64, or None."""
+    probs = _candidate_probs(ids, logits, outside_bound, opts, vocab_size)  # [R, C]
+    if probs is None:
+        return None
+    is_pad = ids == vocab_size
+    q = _candidate_draws(ids.masked_fill(is_pad, 0), opts, vocab_size, generator)
+    q.clamp_min_(torch.finfo(torch.float32).tiny)
+    ratio = (probs / q).masked_fill_(is_pad, -1.0)
+    best = torch.argmax(ratio, dim=-1, keepdim=True)  # first maximum: the lowest id
+    token_ids = ids.gather(1, best)[:, 0]
+    # Outside tokens race with p / q == 0 exactly; if no candidate beats 0, argmax is token 0.
+    return torch.where(ratio.gather(1, best)[:, 0] > 0, token_ids, 0)
+
+
+def _candidate_probs(
+    ids: torch.Tensor,
+    logits: torch.Tensor,
+    outside_bound: torch.Tensor,
+    opts: Sequence[SamplingOptions],
+    vocab_size: int,
+) -> torch.Tensor | None:
+    """``_random_probs`` step by step, at the candidates: [R, C] (padding: 0), or None."""
+    device, num_rows = logits.device, logits.shape[0]
+    temperature = torch.tensor([o.temperature for o in opts], dtype=torch.float32, device=device)
+    logits = logits / temperature[:, None]  # the same division as on the full row (pads: -inf)
+    top_k = torch.tensor([o.top_k for o in opts], dtype=torch.int64, device=device)
+    kth = logits.topk(int(top_k.max()), dim=-1).values.gather(1, (top_k - 1)[:, None])  # [R, 1]
+    # Division by a positive number is monotone: outside tokens stay <= outside_bound / T.
+    if not bool((outside_bound[:, None] / temperature[:, None] < kth).all()):
+        return None
+    logits = logits.masked_fill(logits < kth, _NEG_INF)  # top-k, boundary ties kept
+    if any(o.top_p < 1.0 for o in opts):
+        top_p = torch.tensor([o.top_p for o in opts], dtype=torch.float32, device=device)
+        logits = _top_p_of_candidates(logits, top_p, vocab_size)
+    is_pad = ids == vocab_size
+    safe_ids = ids.masked_fill(is_pad, 0)
+    row_ids = torch.arange(num_rows, device=device)[:, None].expand_as(ids)
+    full = torch.full((num_rows, vocab_size), _NEG_INF, dtype=torch.float32, device=device)
+    full[row_ids[~is_pad], ids[~is_pad]] = logits[~is_pad]  # [R, V]: sample's row after top-p
+    return torch.softmax(full, dim=-1).gather(1, safe_ids).masked_fill_(is_pad, 0.0)
+
+
+def _top_p_of_candidates(
+    logits: torch.Tensor, top_p: torch.Tensor, vocab_size: int
+) -> torch.Tensor:
+    """``apply_top_k_top_p``'s top-p half on top-k-masked candidates [R, C] (vocab ``V``).
+
+    Its ascending stable sort puts the top-k-kept tokens last, by (value, id), after V - kept
+    -inf entries; sorting the candidates (ascending ids, -inf for the rest) gives the same tail,
+    placed at the end of a full -inf row so the softmax and cumulative sum see that very row::
+
+        sample:      [ -inf ... -inf | -inf  kept kept kept ]   (V wide)
+        candidates:                  [ -inf  kept kept kept ]   (C wide, written at V - C)
+    """
+    num_rows, width = logits.shape
+    ordered, order = torch.sort(logits, dim=-1, stable=True)  # [R, C]
+    logits_sort = torch.full((num_rows, vocab_size), _NEG_INF, device=logits.device)
+    logits_sort[:, vocab_size - width :] = ordered
+    cumulative = torch.softmax(logits_sort, dim=-1).cumsum(dim=-1)  # [R, V]
+    drop = cumulative <= 1 - top_p[:, None]
+    drop[:, -1] = False
+    logits_sort.masked_fill_(drop, _NEG_INF)
+    return torch.empty_like(logits).scatter_(1, order, logits_sort[:, vocab_size - width :])
+
+
+def _candidate_draws(
+    ids: torch.Tensor,
+    opts: Sequence[SamplingOptions],
+    vocab_size: int,
+    generator: torch.Generator | None,
+) -> torch.Tensor:
+    """``_exponential_draws(...)`` at ``ids`` [R, C] only, advancing the generators alike.
+
+    On CPU, ``exponential_`` turns each float64 ``uniform_`` draw ``u`` of the same stream into
+    ``-log1p(-u)``: the uniforms are drawn row by row into one cached row (the stream is
+    sequential) and the logarithm is only taken at the candidates, 4-8x cheaper. Checked once
+    per process (``_exponential_is_uniform_transform``); otherwise the full draws are made and
+    read at the candidates.
+    """
+    device = ids.device
+    if device.type != "cpu" or not _exponential_is_uniform_transform():
+        return _exponential_draws(opts, vocab_size, device, generator).gather(1, ids)
+    uniforms = torch.empty(ids.shape, dtype=torch.float64, device=device)  # [R, C]
+    row = torch.empty(vocab_size, dtype=torch.float64, device=device)
+    for r, o in enumerate(opts):  # unseeded rows first, in order: sample's one [R', V] draw
+        if o.seed is None:
+            torch.index_select(row.uniform_(generator=generator), 0, ids[r], out=uniforms[r])
+    for r, o in enumerate(opts):
+        if o.seed is not None:
+            row_generator = torch.Generator(device=device).manual_seed(o.generator_key)
+            torch.index_select(row.uniform_(generator=row_generator), 0, ids[r], out=uniforms[r])
+    return _exponential_from_uniform(uniforms)
+
+
+def _exponential_from_uniform(uniforms: torch.Tensor) -> torch.Tensor:
+    return (-torch.log1p(-uniforms)).float()
+
+
+@functools.cache
+def _exponential_is_uniform_transform() -> bool:
+    """Whether this torch's CPU ``exponential_`` (default dtype) is ``-log1p(-u)`` of the
+    float64 ``uniform_`` stream, draw for draw, with a 2-D draw equal to one draw per row and
+    the generator left in the same state."""
+    ok = True
+    for seed, (num_rows, width) in ((20240601, (1, 4096)), (7, (3, 1531))):
+        a, b = torch.Generator().manual_seed(seed), torch.Generator().manual_seed(seed)
+        want = torch.empty(num_rows, width).exponential_(generator=a)
+        got = torch.stack(
+            [
+                _exponential_from_uniform(
+                    torch.empty(width, dtype=torch.float64).uniform_(generator=b)
+                )
+                for _ in range(num_rows)
+            ]
+        )
+        ok = ok and want.dtype == torch.float32 and torch.equal(want, got)
+        ok = ok and torch.equal(a.get_state(), b.get_state())
+    return ok
