@@ -1,7 +1,9 @@
 """Decode attention per layer: the native CPU kernel vs contiguous torch attention and the torch
-paged backend, with cold KV.
+paged backend, with cold KV; ``--mode prefill`` and ``--mode write`` time the prefill kernel and
+the K/V cache write against their torch paths.
 
 Usage: ``python bench/cpu_attention.py [--threads 1] [--batches 8 32 64] [--contexts 128 512 2048]``
+``python bench/cpu_attention.py --mode prefill|write [--threads 1]``
 
 Workload: ``batch`` decoding sequences of ``context`` tokens each, 8 query heads, 2 KV heads,
 head_dim 64, block size 16. Each layer's block tables are a full random shuffle of its pool, and
@@ -19,6 +21,13 @@ so every call reads cold memory (as in a real multi-layer model). Paths, timed p
 With ``--dtypes float32 bfloat16`` the paged cache is also run in bf16 storage (contiguous stays
 fp32: the baseline is the best fp32 torch path). Paths are interleaved round by round and the
 table reports medians; run one process per thread count.
+
+``--mode prefill``: one layer's prefill attention for a few step shapes (prompts of one length,
+or a chunk on a cached prefix), same heads: ``cpp`` (``paged_prefill_attention``, default tiling:
+online softmax over key tiles), ``cpp_2pass`` (the same kernel, one key tile: two-pass) and
+``torch`` (the torch backend's per-sequence gather + SDPA). ``--mode write``: the K/V write of a
+decode step (64 tokens in 64 random blocks) and a 2048-token prefill into a 6-layer cache, torch
+(``PagedKVCache.write_targets``) vs the native write, per 6 layers.
 """
 
 from __future__ import annotations
@@ -33,8 +42,15 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 from asyncpaged.kernels.cpu_attention import CpuAttentionBackend, paged_decode_attention
+from asyncpaged.kernels.cpu_build import load_library
+from asyncpaged.kernels.cpu_ops import launch_write, paged_prefill_attention
 
-from asyncpaged.model.attention import AttentionMetadata, TorchAttentionBackend
+from asyncpaged.model.attention import (
+    AttentionMetadata,
+    TorchAttentionBackend,
+    _prefill_one,
+    _write,
+)
 from asyncpaged.model.kv_cache import PagedKVCache
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 8, 2, 64, 16
@@ -43,6 +59,7 @@ L3_BYTES = 32 * 2**20
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--mode", choices=["decode", "prefill", "write"], default="decode")
     parser.add_argument("--threads", type=int, default=1, help="torch and kernel threads")
     parser.add_argument("--batches", type=int, nargs="+", default=[8, 32, 64])
     parser.add_argument("--contexts", type=int, nargs="+", default=[128, 512, 2048])
@@ -168,9 +185,146 @@ def time_case(
     return {name: statistics.median(s) for name, s in samples.items()}
 
 
+# (name, [(cached, new)] per sequence) for --mode prefill
+PREFILL_STEPS = (
+    ("32 x 32", [(0, 32)] * 32),
+    ("16 x 128", [(0, 128)] * 16),
+    ("8 x 256", [(0, 256)] * 8),
+    ("1 x 2048", [(0, 2048)]),
+    ("512 on 1536", [(1536, 512)]),
+    ("4 x 64 on 256", [(256, 64)] * 4),
+)
+
+
+def prefill_paths(
+    shapes: list[tuple[int, int]], dtype: torch.dtype, seed: int
+) -> dict[str, Callable[[], object]]:
+    """The prefill paths of one layer for one step shape (the cache holds every position)."""
+    num_blocks = sum(-(-(c + n) // BLOCK) for c, n in shapes)
+    gen = torch.Generator().manual_seed(seed)
+    key_cache = torch.randn(num_blocks, KV_HEADS, HEAD_DIM, BLOCK, generator=gen).to(dtype)
+    value_cache = torch.randn(num_blocks, KV_HEADS, BLOCK, HEAD_DIM, generator=gen).to(dtype)
+    pool = list(range(num_blocks))
+    random.Random(seed).shuffle(pool)
+    tables = []
+    for cached, new in shapes:
+        count = -(-(cached + new) // BLOCK)
+        tables.append(pool[:count])
+        pool = pool[count:]
+    md = AttentionMetadata.build(
+        query_lens=[n for _, n in shapes],
+        context_lens=[c + n for c, n in shapes],
+        block_tables=tables,
+        slot_mapping=[-1] * sum(n for _, n in shapes),
+        device=torch.device("cpu"),
+    )
+    query = torch.randn(sum(n for _, n in shapes), HEADS, HEAD_DIM, generator=gen)
+    out = torch.empty_like(query)
+    scale = HEAD_DIM**-0.5
+
+    def cpp(key_tile_blocks: int | None) -> Callable[[], object]:
+        extra = {} if key_tile_blocks is None else {"key_tile_blocks": key_tile_blocks}
+        return lambda: paged_prefill_attention(
+            query, key_cache, value_cache, md.block_tables, md.query_start_loc, md.context_lens,
+            scale, out=out, **extra,
+        )  # fmt: skip
+
+    def torch_path() -> object:
+        for i in md.prefill_indices:
+            _prefill_one(i, out, query, key_cache, value_cache, md, scale, None)
+        return out
+
+    return {"cpp": cpp(None), "cpp_2pass": cpp(0), "torch": torch_path}
+
+
+def write_paths(n: int, dtype: torch.dtype, seed: int) -> dict[str, Callable[[], object]]:
+    """The K/V write of ``n`` tokens into each layer of a 6-layer cache: a decode step (one token
+    per random block) when ``n`` <= 64, else one prompt over shuffled blocks."""
+    num_layers, num_blocks = 6, 4096
+    cache = PagedKVCache(
+        num_layers=num_layers, num_blocks=num_blocks, block_size=BLOCK, num_kv_heads=KV_HEADS,
+        head_dim=HEAD_DIM, dtype=dtype,
+    )  # fmt: skip
+    rng = random.Random(seed)
+    if n <= 64:
+        slots = [b * BLOCK + rng.randrange(BLOCK) for b in rng.sample(range(num_blocks), n)]
+    else:
+        blocks = rng.sample(range(num_blocks), -(-n // BLOCK))
+        slots = [blocks[p // BLOCK] * BLOCK + p % BLOCK for p in range(n)]
+    md = AttentionMetadata.build(
+        query_lens=[n], context_lens=[n], block_tables=[[0]], slot_mapping=slots,
+        device=torch.device("cpu"),
+    )  # fmt: skip
+    kv = torch.randn(num_layers, 2, n, KV_HEADS, HEAD_DIM)
+    lib = load_library()
+    assert lib is not None, "the CPU kernel did not build (see the log)"
+
+    def torch_write() -> object:
+        for layer in range(num_layers):
+            _write(cache, layer, kv[layer, 0], kv[layer, 1], md)
+        return None
+
+    def native_write() -> object:
+        for layer in range(num_layers):
+            k, v = cache.layer(layer)
+            launch_write(lib, kv[layer, 0], kv[layer, 1], k, v, md.slot_mapping, None)
+        return None
+
+    return {"torch": torch_write, "cpp": native_write}
+
+
+def time_calls(paths: dict[str, Callable[[], object]], rounds: int) -> dict[str, float]:
+    """Median seconds per call of each path, interleaved round by round (one warm-up round)."""
+    samples: dict[str, list[float]] = {name: [] for name in paths}
+    with torch.inference_mode():
+        for round_idx in range(1 + rounds):
+            order = list(paths) if round_idx % 2 == 0 else list(reversed(paths))
+            for name in order:
+                t0 = time.perf_counter()
+                paths[name]()
+                if round_idx:
+                    samples[name].append(time.perf_counter() - t0)
+    return {name: statistics.median(s) for name, s in samples.items()}
+
+
+def main_prefill(args: argparse.Namespace) -> None:
+    print(
+        f"prefill attention per layer call (median ms), {HEADS} heads / {KV_HEADS} KV heads x "
+        f"{HEAD_DIM}, block {BLOCK}, threads {args.threads}, {args.rounds} rounds"
+    )
+    print(f"{'kv':<5}{'step':<16}{'cpp':>9}{'cpp_2pass':>11}{'torch':>9}{'torch/cpp':>11}")
+    for dtype_name in args.dtypes:
+        dtype = getattr(torch, dtype_name)
+        for name, shapes in PREFILL_STEPS:
+            t = time_calls(prefill_paths(shapes, dtype, args.seed), args.rounds)
+            print(
+                f"{'bf16' if dtype == torch.bfloat16 else 'fp32':<5}{name:<16}"
+                f"{t['cpp'] * 1e3:>9.2f}{t['cpp_2pass'] * 1e3:>11.2f}{t['torch'] * 1e3:>9.2f}"
+                f"{t['torch'] / t['cpp']:>10.2f}x",
+                flush=True,
+            )
+
+
+def main_write(args: argparse.Namespace) -> None:
+    print(f"K/V cache write, 6 layers (median us), threads {args.threads}, {args.rounds} rounds")
+    print(f"{'kv':<5}{'step':<16}{'torch':>9}{'cpp':>9}{'torch/cpp':>11}")
+    for dtype_name in args.dtypes:
+        dtype = getattr(torch, dtype_name)
+        for name, n in (("decode 64", 64), ("prefill 2048", 2048)):
+            t = time_calls(write_paths(n, dtype, args.seed), 3 * args.rounds)
+            print(
+                f"{'bf16' if dtype == torch.bfloat16 else 'fp32':<5}{name:<16}"
+                f"{t['torch'] * 1e6:>9.0f}{t['cpp'] * 1e6:>9.0f}{t['torch'] / t['cpp']:>10.2f}x",
+                flush=True,
+            )
+
+
 def main() -> None:
     args = parse_args()
     torch.set_num_threads(args.threads)
+    if args.mode != "decode":
+        (main_prefill if args.mode == "prefill" else main_write)(args)
+        return
     print(
         f"decode attention per layer call (median us), {HEADS} heads / {KV_HEADS} KV heads x "
         f"{HEAD_DIM}, block {BLOCK}, shuffled tables, KV set > {args.cold_factor:g}x 32 MB, "

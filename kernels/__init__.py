@@ -9,7 +9,10 @@ CUDA (Triton; tests run them under ``TRITON_INTERPRET=1``):
 CPU (C++ through ctypes, built on first use by ``cpu_build``):
 
 * ``paged_decode_attention`` / ``CpuAttentionBackend`` / ``make_cpu_attention_backend``
-  (``cpu_attention``): paged decode attention, prefills on the torch path.
+  (``cpu_attention``): paged decode attention; the backend runs the K/V write, decodes and
+  prefills natively.
+* ``paged_prefill_attention`` / ``paged_cache_write`` (``cpu_ops``): prefill over the paged cache
+  (full, chunked, prefix hits, sliding window); the K/V write (slot -1 skipped).
 
 Every kernel has a pure-torch reference next to it. Names are imported lazily, so the CPU path
 never imports Triton.
@@ -29,6 +32,8 @@ _EXPORTS = {
     "CpuAttentionBackend": "cpu_attention",
     "make_cpu_attention_backend": "cpu_attention",
     "paged_decode_attention": "cpu_attention",
+    "paged_prefill_attention": "cpu_ops",
+    "paged_cache_write": "cpu_ops",
 }
 
 __all__ = [
@@ -38,7 +43,9 @@ __all__ = [
     "make_attention_backend",
     "make_cpu_attention_backend",
     "paged_attention",
+    "paged_cache_write",
     "paged_decode_attention",
+    "paged_prefill_attention",
     "reshape_and_cache",
 ]
 

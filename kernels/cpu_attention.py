@@ -1,20 +1,22 @@
-"""Paged decode attention on the CPU through the native kernel (``csrc/paged_decode.cpp``).
+"""Paged attention on the CPU through the native kernels, and the backend that uses them.
 
-* ``paged_decode_attention``: checks its inputs and calls the library through ctypes;
+* ``paged_decode_attention``: decode (``csrc/paged_decode.cpp``), checks its inputs and calls the
+  library through ctypes;
 * ``reference_paged_decode``: the same attention in float64 with plain torch (tests);
-* ``CpuAttentionBackend``: ``TorchAttentionBackend`` with its decodes on the kernel (prefills, and
-  any call the kernel cannot take, stay on the torch path);
+* ``CpuAttentionBackend``: ``TorchAttentionBackend`` with the K/V write, the decodes and the
+  prefills on the native kernels (``cpu_ops.py``); any call they cannot take stays on torch;
 * ``make_cpu_attention_backend``: that backend when the library builds, else the torch one.
 
-Decode only: one query token per sequence, at position ``context_len - 1``; with a sliding window
+Decode: one query token per sequence, at position ``context_len - 1``; with a sliding window
 ``w`` it attends the last ``w`` positions (``attention.py``: key ``k`` is visible iff
-``k > q_pos - w``). The kernel accumulates in fp32 and reads fp32 or bf16 caches. Nothing here
+``k > q_pos - w``). The kernels accumulate in fp32 and read fp32 or bf16 caches. Nothing here
 imports Triton (the package's ``__init__`` does, for the CUDA kernels).
 """
 
 from __future__ import annotations
 
 import ctypes
+import os
 from typing import Final
 
 import torch
@@ -29,19 +31,20 @@ from asyncpaged.model.attention import (
 from asyncpaged.model.kv_cache import PagedKVCache
 
 from .cpu_build import load_library
+from .cpu_ops import (
+    BLOCK_SIZE_MULTIPLE,
+    KV_DTYPE_CODES,
+    SUPPORTED_HEAD_DIMS,
+    launch_prefill,
+    launch_write,
+    status_message,
+)
+from .cpu_ops import check_inputs as _check_inputs
+from .cpu_ops import rows_dense as _rows_dense
 
-SUPPORTED_HEAD_DIMS: Final = frozenset({16, 32, 64, 80, 96, 128})
-KV_DTYPE_CODES: Final = {torch.float32: 0, torch.bfloat16: 1}
-BLOCK_SIZE_MULTIPLE: Final = 16
-_STATUS_MESSAGES: Final = {
-    1: "head_dim is not supported by this build",
-    2: "block_size must be a multiple of 16",
-    3: "num_heads must be a multiple of num_kv_heads",
-    4: "a context length is < 1 or longer than its block table",
-    5: "a block table entry in use is outside [0, num_blocks)",
-    6: "the KV cache dtype must be float32 or bfloat16",
-    7: "a sequence index or query row is out of range",
-}
+# "0" turns the native prefill and K/V write off (decodes stay native): an A/B switch for
+# benchmarks of the engine, which builds its backend with the defaults.
+NATIVE_PREFILL_ENV: Final = "ASYNCPAGED_CPU_NATIVE_PREFILL"
 
 
 def is_available(target: str | None = None) -> bool:
@@ -96,70 +99,6 @@ def paged_decode_attention(
     return out
 
 
-def _rows_dense(t: torch.Tensor) -> bool:
-    """[N, H, D] whose rows [H, D] are contiguous (the row stride may be larger)."""
-    return t.dim() == 3 and t.stride(2) == 1 and t.stride(1) == t.shape[2]
-
-
-def _check_inputs(
-    query: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    context_lens: torch.Tensor,
-    sliding_window: int | None,
-) -> None:
-    tensors = (query, key_cache, value_cache, block_tables, context_lens)
-    if any(t.device.type != "cpu" for t in tensors):
-        raise ValueError(f"all tensors must be on the CPU, got {[str(t.device) for t in tensors]}.")
-    if query.dtype != torch.float32 or not _rows_dense(query):
-        raise ValueError(
-            f"query must be float32 [S, Hq, D] with contiguous [Hq, D] rows, got {query.dtype} "
-            f"{tuple(query.shape)} strides {query.stride()}."
-        )
-    _, num_heads, head_dim = query.shape
-    if key_cache.dim() != 4 or value_cache.dim() != 4:
-        raise ValueError(
-            f"key_cache/value_cache must be 4-D, got {tuple(key_cache.shape)} and "
-            f"{tuple(value_cache.shape)}."
-        )
-    num_blocks, kv_heads, _, block_size = key_cache.shape
-    if tuple(key_cache.shape) != (num_blocks, kv_heads, head_dim, block_size) or tuple(
-        value_cache.shape
-    ) != (num_blocks, kv_heads, block_size, head_dim):
-        raise ValueError(
-            "expected key_cache [num_blocks, Hkv, D, block_size] and value_cache [num_blocks, "
-            f"Hkv, block_size, D] with D = {head_dim}, got {tuple(key_cache.shape)} and "
-            f"{tuple(value_cache.shape)}."
-        )
-    if key_cache.dtype not in KV_DTYPE_CODES or value_cache.dtype != key_cache.dtype:
-        raise ValueError(
-            f"the KV cache must be float32 or bfloat16 (both the same), got {key_cache.dtype} "
-            f"and {value_cache.dtype}."
-        )
-    if not (key_cache.is_contiguous() and value_cache.is_contiguous()):
-        raise ValueError("key_cache and value_cache must be contiguous.")
-    if head_dim not in SUPPORTED_HEAD_DIMS:
-        raise ValueError(f"head_dim must be one of {sorted(SUPPORTED_HEAD_DIMS)}, got {head_dim}.")
-    if block_size % BLOCK_SIZE_MULTIPLE != 0:
-        raise ValueError(f"block_size must be a multiple of 16, got {block_size}.")
-    if num_heads % kv_heads != 0:
-        raise ValueError(
-            f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({kv_heads})."
-        )
-    if block_tables.dtype != torch.int64 or block_tables.dim() != 2 or block_tables.stride(1) != 1:
-        raise ValueError(
-            f"block_tables must be int64 [S, max_blocks] with contiguous rows, got "
-            f"{block_tables.dtype} {tuple(block_tables.shape)}."
-        )
-    if context_lens.dtype != torch.int64 or context_lens.dim() != 1:
-        raise ValueError(
-            f"context_lens must be int64 [S], got {context_lens.dtype} {tuple(context_lens.shape)}."
-        )
-    if sliding_window is not None and sliding_window <= 0:
-        raise ValueError(f"sliding_window must be > 0 or None, got {sliding_window}.")
-
-
 def _launch(
     lib: ctypes.CDLL,
     out: torch.Tensor,
@@ -193,9 +132,7 @@ def _launch(
         torch.get_num_threads() if num_threads is None else num_threads,
     )  # fmt: skip
     if status != 0:
-        raise ValueError(
-            f"paged decode attention refused its inputs: {_STATUS_MESSAGES.get(status, status)}."
-        )
+        raise ValueError(f"paged decode attention refused its inputs: {status_message(status)}.")
 
 
 def reference_paged_decode(
@@ -226,20 +163,33 @@ def reference_paged_decode(
 
 
 class CpuAttentionBackend(TorchAttentionBackend):
-    """``TorchAttentionBackend`` with the decodes on the native kernel.
+    """``TorchAttentionBackend`` with the K/V write, decodes and prefills on the native kernels.
 
-    K/V are written exactly as the parent writes them; prefills use the parent's per-sequence
-    path. A call the kernel cannot take (library unavailable, non-CPU tensors, a cache dtype
-    other than float32/bfloat16, an unsupported head dim or block size) goes to the parent
-    whole. Per step the decode rows are turned into index tensors once (keyed on the metadata
-    object, reused by every layer), so the kernel gathers nothing.
+    The write stores the bits the parent's write stores (bf16 rounding included); decodes go to
+    the decode kernel, prefills (full, chunked, prefix hits) to the prefill kernel, each once per
+    layer for the whole step. A call the kernels cannot take (library unavailable, non-CPU
+    tensors, a cache dtype other than float32/bfloat16, an unsupported head dim or block size)
+    goes to the parent whole; K/V in another dtype (float16) are written by the parent's write.
+    ``native_prefill=False`` keeps the parent's write and per-sequence prefill (A/B runs; default:
+    on unless ``ASYNCPAGED_CPU_NATIVE_PREFILL=0``). Per step the decode rows and prefill sequences
+    are turned into index tensors once (keyed on the metadata object, reused by every layer).
     """
 
-    def __init__(self, decode_group_size: int = 8, *, target: str | None = None) -> None:
+    def __init__(
+        self,
+        decode_group_size: int = 8,
+        *,
+        target: str | None = None,
+        native_prefill: bool | None = None,
+    ) -> None:
         super().__init__(decode_group_size)
         self._library = load_library(target)
+        if native_prefill is None:
+            native_prefill = os.environ.get(NATIVE_PREFILL_ENV, "1").strip() != "0"
+        self.native_prefill = native_prefill
         self._rows_metadata: AttentionMetadata | None = None  # kept alive: identity is the key
         self._rows = (torch.empty(0, dtype=torch.int64), torch.empty(0, dtype=torch.int64))
+        self._prefill_seqs = torch.empty(0, dtype=torch.int64)
 
     @property
     def is_native(self) -> bool:
@@ -259,27 +209,41 @@ class CpuAttentionBackend(TorchAttentionBackend):
         sliding_window: int | None = None,
     ) -> torch.Tensor:
         lib = self._library
-        if lib is None or not metadata.decode_indices or not _kernel_fits(query, kv_cache):
+        if lib is None or not _kernel_fits(query, kv_cache):
             return super().forward(
                 layer_idx, query, key, value, kv_cache, metadata,
                 scale=scale, sliding_window=sliding_window,
             )  # fmt: skip
-        _write(kv_cache, layer_idx, key, value, metadata)
         key_cache, value_cache = kv_cache.layer(layer_idx)
+        if self.native_prefill and key.dtype in KV_DTYPE_CODES and value.dtype == key.dtype:
+            k = key if _rows_dense(key) else key.contiguous()
+            v = value if _rows_dense(value) else value.contiguous()
+            launch_write(lib, k, v, key_cache, value_cache, metadata.slot_mapping, None)
+        else:
+            _write(kv_cache, layer_idx, key, value, metadata)
         q = query if query.dtype == torch.float32 and _rows_dense(query) else query.float()
         q = q if _rows_dense(q) else q.contiguous()
         out = torch.empty(query.shape, dtype=torch.float32)  # [T, Hq, D]
-        seq_indices, query_rows = self._decode_rows(metadata)
-        _launch(
-            lib, out, q, key_cache, value_cache, metadata.block_tables, metadata.context_lens,
-            seq_indices, query_rows, seq_indices.numel(), scale, sliding_window, None,
-        )  # fmt: skip
-        for i in metadata.prefill_indices:
-            _prefill_one(i, out, query, key_cache, value_cache, metadata, scale, sliding_window)
+        seq_indices, query_rows, prefill_seqs = self._step_rows(metadata)
+        if metadata.decode_indices:
+            _launch(
+                lib, out, q, key_cache, value_cache, metadata.block_tables,
+                metadata.context_lens, seq_indices, query_rows, seq_indices.numel(), scale,
+                sliding_window, None,
+            )  # fmt: skip
+        if metadata.prefill_indices and self.native_prefill:
+            launch_prefill(
+                lib, out, q, key_cache, value_cache, metadata.block_tables,
+                metadata.query_start_loc, metadata.context_lens, prefill_seqs, scale,
+                sliding_window, None,
+            )  # fmt: skip
+        elif metadata.prefill_indices:
+            for i in metadata.prefill_indices:
+                _prefill_one(i, out, query, key_cache, value_cache, metadata, scale, sliding_window)
         return out if query.dtype == torch.float32 else out.to(query.dtype)
 
-    def _decode_rows(self, md: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
-        """(sequence index, query row) of each decode, as int64 tensors."""
+    def _step_rows(self, md: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(sequence index, query row) of each decode and the prefill sequences, as int64."""
         if md is not self._rows_metadata:
             seqs = md.decode_indices
             rows = [md.query_start_loc_host[i] for i in seqs]
@@ -287,8 +251,9 @@ class CpuAttentionBackend(TorchAttentionBackend):
                 torch.tensor(seqs, dtype=torch.int64),
                 torch.tensor(rows, dtype=torch.int64),
             )
+            self._prefill_seqs = torch.tensor(md.prefill_indices, dtype=torch.int64)
             self._rows_metadata = md
-        return self._rows
+        return (*self._rows, self._prefill_seqs)
 
 
 def _kernel_fits(query: torch.Tensor, kv_cache: PagedKVCache) -> bool:

@@ -1,8 +1,9 @@
 """Build the native CPU kernels with g++ on first use, cached on disk, loaded through ctypes.
 
-``load_library(target)`` compiles ``csrc/paged_decode.cpp`` for one build target and returns the
-loaded library, or ``None`` when there is no compiler or the build fails (a warning is logged
-once; callers fall back to torch). Targets, best first:
+``load_library(target)`` compiles the sources in ``csrc/`` (``paged_decode.cpp``,
+``paged_prefill.cpp``, ``cache_write.cpp``, sharing ``cpu_vec.h``) into one shared library for one
+build target and returns it loaded, or ``None`` when there is no compiler or the build fails (a
+warning is logged once; callers fall back to torch). Targets, best first:
 
 =========  ===========================  ===========================================
 target     flags                        CPU needs (``/proc/cpuinfo`` flags)
@@ -16,9 +17,9 @@ The default is the best target the CPU runs; ``ASYNCPAGED_CPU_TARGET`` overrides
 the CPU cannot run is refused with a warning, since it would die on an illegal instruction).
 
 The shared library lives in ``ASYNCPAGED_CACHE_DIR`` (default ``~/.cache/asyncpaged/kernels``),
-named by a hash of the source, the flags, the compiler's version and the target. It is compiled
-to a temporary file in that folder and moved into place with ``os.replace``, so processes that
-build at the same time never see a partial file. Nothing here imports Triton.
+named by a hash of the sources and headers, the flags, the compiler's version and the target. It
+is compiled to a temporary file in that folder and moved into place with ``os.replace``, so
+processes that build at the same time never see a partial file. Nothing here imports Triton.
 """
 
 from __future__ import annotations
@@ -33,6 +34,8 @@ import subprocess
 import tempfile
 import threading
 import time
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Final
 
@@ -41,7 +44,11 @@ import structlog
 log = structlog.get_logger(__name__)
 
 TARGETS: Final = ("avx512", "avx2", "baseline")
-SOURCE: Final = Path(__file__).resolve().parent / "csrc" / "paged_decode.cpp"
+_CSRC: Final = Path(__file__).resolve().parent / "csrc"
+SOURCES: Final = tuple(
+    _CSRC / n for n in ("paged_decode.cpp", "paged_prefill.cpp", "cache_write.cpp")
+)
+HEADERS: Final = (_CSRC / "cpu_vec.h",)
 COMMON_FLAGS: Final = (
     "-O3",
     "-shared",
@@ -133,29 +140,44 @@ def compile_flags(target: str) -> tuple[str, ...]:
     return (*COMMON_FLAGS, *march, f"-DASYNCPAGED_VEC_BYTES={VEC_BYTES[target]}")
 
 
-def library_path(source: Path, target: str, compiler: str, directory: Path) -> Path:
-    """Where the build of ``source`` for ``target`` is cached (the name hashes every input)."""
+def library_path(
+    source: Path | Sequence[Path],
+    target: str,
+    compiler: str,
+    directory: Path,
+    headers: Sequence[Path] = (),
+) -> Path:
+    """Where the build of ``source`` (one or several files, named after the first) for ``target``
+    is cached (the name hashes every input, ``headers`` included)."""
+    sources = _as_sources(source)
     digest = hashlib.sha256()
     for part in (
-        source.read_bytes(),
+        *(f.read_bytes() for f in (*sources, *headers)),
         "\0".join(compile_flags(target)).encode(),
         _compiler_version(compiler).encode(),
         target.encode(),
         platform.machine().encode(),
     ):
         digest.update(hashlib.sha256(part).digest())
-    return directory / f"{source.stem}-{target}-{digest.hexdigest()[:20]}.so"
+    return directory / f"{sources[0].stem}-{target}-{digest.hexdigest()[:20]}.so"
 
 
-def build(source: Path, target: str, directory: Path | None = None) -> Path | None:
-    """The cached library of ``source`` for ``target``, compiled now if missing; ``None`` when
-    there is no compiler or the build fails (warned once per reason)."""
+def build(
+    source: Path | Sequence[Path],
+    target: str,
+    directory: Path | None = None,
+    headers: Sequence[Path] = (),
+) -> Path | None:
+    """The cached library of ``source`` (one or several files linked into one library) for
+    ``target``, compiled now if missing; ``None`` when there is no compiler or the build fails
+    (warned once per reason). ``headers`` only enter the cache key."""
+    sources = _as_sources(source)
     compiler = find_compiler()
     if compiler is None:
         _warn_once("no-compiler", "cpu_kernel_unavailable", reason="g++ not found on PATH")
         return None
     directory = cache_dir() if directory is None else directory
-    path = library_path(source, target, compiler, directory)
+    path = library_path(sources, target, compiler, directory, headers)
     if path.exists():
         return path
     try:
@@ -166,19 +188,19 @@ def build(source: Path, target: str, directory: Path | None = None) -> Path | No
         return None
     os.close(fd)
     tmp = Path(tmp_name)
-    command = [compiler, *compile_flags(target), str(source), "-o", str(tmp)]
     log.info("cpu_kernel_compile_started", target=target, path=str(path))
     start = time.perf_counter()
     try:
-        done = subprocess.run(command, capture_output=True, text=True, check=False, timeout=600)
-        if done.returncode != 0:
+        failure = _compile_and_link(compiler, target, sources, tmp)
+        if failure is not None:
+            command, stderr = failure
             _warn_once(
                 f"compile:{target}:{path.name}",
                 "cpu_kernel_unavailable",
                 reason="compile failed",
                 target=target,
                 command=" ".join(command),
-                stderr=done.stderr[-2000:],
+                stderr=stderr[-2000:],
             )
             return None
         os.replace(tmp, path)
@@ -192,8 +214,39 @@ def build(source: Path, target: str, directory: Path | None = None) -> Path | No
     return path
 
 
+def _compile_and_link(
+    compiler: str, target: str, sources: tuple[Path, ...], out: Path
+) -> tuple[list[str], str] | None:
+    """Build ``sources`` into the library ``out``: one source directly, several as objects
+    compiled side by side (one g++ each, so the units build in parallel) and then linked.
+    Returns the failing command and its stderr, or ``None``."""
+    flags = compile_flags(target)
+    if len(sources) == 1:
+        command = [compiler, *flags, str(sources[0]), "-o", str(out)]
+        done = _run(command)
+        return None if done.returncode == 0 else (command, done.stderr)
+    with tempfile.TemporaryDirectory(prefix=".objects-", dir=out.parent) as folder:
+        objects = [Path(folder) / f"{i}-{src.stem}.o" for i, src in enumerate(sources)]
+        commands = [
+            [compiler, *flags, "-c", str(src), "-o", str(obj)]
+            for src, obj in zip(sources, objects, strict=True)
+        ]
+        with ThreadPoolExecutor(len(commands)) as pool:
+            results = list(pool.map(_run, commands))
+        for command, done in zip(commands, results, strict=True):
+            if done.returncode != 0:
+                return command, done.stderr
+        command = [compiler, *flags, *map(str, objects), "-o", str(out)]
+        done = _run(command)
+        return None if done.returncode == 0 else (command, done.stderr)
+
+
+def _run(command: list[str]) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(command, capture_output=True, text=True, check=False, timeout=600)
+
+
 def load_library(target: str | None = None) -> ctypes.CDLL | None:
-    """The paged-decode library for ``target`` (default: ``select_target()``), built on first
+    """The kernel library for ``target`` (default: ``select_target()``), built on first
     use and kept for the process; ``None`` when unavailable (callers fall back to torch)."""
     target = select_target() if target is None else target
     _check_target(target)
@@ -207,7 +260,7 @@ def _load(target: str) -> ctypes.CDLL | None:
     if target not in supported_targets():
         _warn_once(f"target:{target}", "cpu_kernel_unavailable", reason="CPU lacks the target")
         return None
-    path = build(SOURCE, target)
+    path = build(SOURCES, target, headers=HEADERS)
     if path is None:
         return None
     try:
@@ -221,7 +274,7 @@ def _load(target: str) -> ctypes.CDLL | None:
 
 
 def _declare(lib: ctypes.CDLL) -> None:
-    """Argument types of the entry points (see csrc/paged_decode.cpp)."""
+    """Argument types of the entry points (see the ``extern "C"`` blocks in csrc/)."""
     ptr, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32
     lib.asyncpaged_vec_bytes.argtypes = []
     lib.asyncpaged_vec_bytes.restype = i32
@@ -235,6 +288,31 @@ def _declare(lib: ctypes.CDLL) -> None:
         ptr, ptr, ptr, i64,  # context_lens, seq_indices, query_rows, num_items
         i64, ctypes.c_float, i64, i32,  # num_heads, scale, sliding_window, num_threads
     ]  # fmt: skip
+    lib.asyncpaged_paged_prefill.restype = i32
+    lib.asyncpaged_paged_prefill.argtypes = [
+        ptr, i64,  # out, out_row_stride
+        ptr, i64, i64,  # query, query_row_stride, num_query_rows
+        ptr, ptr, i32,  # key_cache, value_cache, kv_dtype
+        i64, i64, i64, i64,  # num_blocks, num_kv_heads, head_dim, block_size
+        ptr, i64, i64, i64,  # block_tables, stride, max_blocks_per_seq, num_table_rows
+        ptr, ptr, ptr, i64,  # context_lens, query_start_loc, seq_indices, num_seqs
+        i64, ctypes.c_float, i64,  # num_heads, scale, sliding_window
+        i64, i64, i32,  # query_tile, key_tile_blocks, num_threads
+    ]  # fmt: skip
+    lib.asyncpaged_cache_write.restype = i32
+    lib.asyncpaged_cache_write.argtypes = [
+        ptr, ptr, i32,  # key_cache, value_cache, cache_dtype
+        i64, i64, i64, i64,  # num_blocks, num_kv_heads, head_dim, block_size
+        ptr, i64, ptr, i64, i32,  # key, key_row_stride, value, value_row_stride, src_dtype
+        ptr, i64, i32,  # slot_mapping, num_tokens, num_threads
+    ]  # fmt: skip
+
+
+def _as_sources(source: Path | Sequence[Path]) -> tuple[Path, ...]:
+    sources = (source,) if isinstance(source, Path) else tuple(source)
+    if not sources:
+        raise ValueError("build needs at least one source file.")
+    return sources
 
 
 def _compiler_version(compiler: str) -> str:

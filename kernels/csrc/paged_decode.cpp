@@ -23,221 +23,18 @@
 // prefetched into L2, one cache line per row used, so the prefetches overlap the FMAs. Positions
 // outside [start, context_len) are never read from V and their scores never enter the softmax,
 // so unwritten slots (NaN in tests) cannot leak. Accumulation is fp32; bf16 storage is widened
-// on load. Element offsets are int64 (a cache may hold more than 2^31 elements).
+// on load. Element offsets are int64 (a cache may hold more than 2^31 elements). The vector
+// helpers and the two inner loops (score_chunk, value_rows) live in cpu_vec.h.
+
+#include "cpu_vec.h"
 
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
 #include <limits>
-#include <utility>
 #include <vector>
 
-#ifndef ASYNCPAGED_VEC_BYTES
-#define ASYNCPAGED_VEC_BYTES 16
-#endif
-
 namespace {
-
-constexpr int kVecBytes = ASYNCPAGED_VEC_BYTES;
-constexpr int W = kVecBytes / 4;               // fp32 lanes per vector
-constexpr int kChunk = 16;                     // positions per K chunk (block_size % 16 == 0)
-constexpr int kNumRegs = kVecBytes >= 64 ? 32 : 16;
-constexpr int kMaxTile = 8;                    // most query heads per register tile
-constexpr int64_t kAhead = 2;                  // prefetch distance, in blocks of the table
-static_assert(kChunk % W == 0, "the vector width must divide the chunk");
-
-typedef float vf __attribute__((vector_size(kVecBytes)));
-typedef int32_t vi __attribute__((vector_size(kVecBytes)));
-typedef uint32_t vu __attribute__((vector_size(kVecBytes)));
-typedef uint16_t vh __attribute__((vector_size(kVecBytes / 2)));
-
-enum Status : int32_t {
-  kOk = 0,
-  kBadHeadDim = 1,
-  kBadBlockSize = 2,
-  kBadHeads = 3,
-  kBadContextLen = 4,
-  kBadBlockId = 5,
-  kBadDtype = 6,
-  kBadIndex = 7,
-};
-
-inline vf splat(float x) { return x - vf{}; }  // x - (+0) == x exactly: folds to a broadcast
-
-inline vf load(const float* p) {
-  vf v;
-  std::memcpy(&v, p, sizeof v);
-  return v;
-}
-
-// bf16 -> fp32: the bf16 bits become the top half of each fp32 lane. At 256 and 512 bits this is
-// an interleave with a zero vector (lane 2i <- 0, lane 2i+1 <- h[i]): one vpermi2w, or vpermq +
-// vpunpcklwd, where __builtin_convertvector(h, vu) << 16 costs four to five shuffles. At 128
-// bits GCC lowers that interleave badly, and the conversion is the better one.
-template <size_t... I>
-inline vf widen_bf16(vh h, std::index_sequence<I...>) {
-  typedef uint16_t vh2 __attribute__((vector_size(kVecBytes)));
-  const vh zero = {};
-  const vh2 w = __builtin_shufflevector(zero, h, (I % 2 ? W + I / 2 : 0)...);
-  vf f;
-  std::memcpy(&f, &w, sizeof f);
-  return f;
-}
-
-inline vf load(const uint16_t* p) {
-  vh h;
-  std::memcpy(&h, p, sizeof h);
-  if constexpr (kVecBytes >= 32) {
-    return widen_bf16(h, std::make_index_sequence<2 * W>{});
-  } else {
-    const vu u = __builtin_convertvector(h, vu) << 16;
-    vf f;
-    std::memcpy(&f, &u, sizeof f);
-    return f;
-  }
-}
-
-inline void store(float* p, vf v) { std::memcpy(p, &v, sizeof v); }
-
-inline vf vmax(vf a, vf b) { return a > b ? a : b; }
-
-// exp(x) for x <= 0 (Cephes expf polynomial, ~1 ulp); x below -87 gives ~1e-38, not 0.
-inline vf vexp(vf x) {
-  const vf lo = splat(-87.0f);
-  x = x < lo ? lo : x;
-  const vf magic = splat(12582912.0f);  // 1.5 * 2^23: adding it rounds to an integer
-  vf n = (x * 1.44269504088896341f + magic) - magic;
-  vf r = x - n * 0.693359375f;
-  r = r - n * -2.12194440e-4f;
-  vf y = splat(1.9875691500e-4f);
-  y = y * r + 1.3981999507e-3f;
-  y = y * r + 8.3334519073e-3f;
-  y = y * r + 4.1665795894e-2f;
-  y = y * r + 1.6666665459e-1f;
-  y = y * r + 5.0000001201e-1f;
-  y = y * (r * r) + r + 1.0f;
-  vi e = (__builtin_convertvector(n, vi) + 127) << 23;
-  vf scale;
-  std::memcpy(&scale, &e, sizeof scale);
-  return y * scale;
-}
-
-constexpr int pow2_floor(int x) {
-  int p = 1;
-  while (p * 2 <= x) p *= 2;
-  return p;
-}
-
-constexpr int clamp_tile(int x) { return x < 1 ? 1 : (x > kMaxTile ? kMaxTile : pow2_floor(x)); }
-
-// Register tiles: accumulators + one row of loads must fit the register file.
-constexpr int score_tile() {
-  constexpr int nv = kChunk / W;
-  return clamp_tile((kNumRegs - 2 - nv) / nv);
-}
-
-template <int D>
-constexpr int value_tile() {
-  constexpr int nv = D / W;
-  return clamp_tile((kNumRegs - 2 - nv) / nv);
-}
-
-template <typename KV>
-inline void prefetch_l2(const KV* p, int64_t num_elems) {
-  const char* c = reinterpret_cast<const char*>(p);
-  const int64_t num_bytes = num_elems * static_cast<int64_t>(sizeof(KV));
-  for (int64_t off = 0; off < num_bytes; off += 64) __builtin_prefetch(c + off, 0, 1);
-}
-
-// s[g][0..16) = sum_d q[g][d] * k[d * bs + 0..16) for GT heads (q pre-scaled). When pf is set,
-// row d of the same chunk of a block ahead is prefetched as row d is used: spread out like this,
-// the prefetches overlap the FMAs instead of queueing up in one burst.
-template <int D, int GT, typename KV>
-inline void score_chunk(const float* q, const KV* k, int64_t bs, float* s, int64_t s_stride,
-                        const KV* pf) {
-  constexpr int NV = kChunk / W;
-  vf acc[GT][NV];
-#pragma GCC unroll 16
-  for (int g = 0; g < GT; ++g)
-#pragma GCC unroll 16
-    for (int v = 0; v < NV; ++v) acc[g][v] = vf{};
-  for (int d = 0; d < D; ++d) {
-    if (pf) __builtin_prefetch(pf + d * bs, 0, 1);
-    vf kr[NV];
-#pragma GCC unroll 16
-    for (int v = 0; v < NV; ++v) kr[v] = load(k + d * bs + v * W);
-#pragma GCC unroll 16
-    for (int g = 0; g < GT; ++g) {
-      const vf qb = splat(q[g * D + d]);
-#pragma GCC unroll 16
-      for (int v = 0; v < NV; ++v) acc[g][v] += qb * kr[v];
-    }
-  }
-#pragma GCC unroll 16
-  for (int g = 0; g < GT; ++g)
-#pragma GCC unroll 16
-    for (int v = 0; v < NV; ++v) store(s + g * s_stride + v * W, acc[g][v]);
-}
-
-// All G heads, in tiles of GT, GT/2, ... (G = 6 -> 4 + 2); the first tile prefetches.
-template <int D, int GT, typename KV>
-inline void score_chunk_heads(const float* q, int g_count, const KV* k, int64_t bs, float* s,
-                              int64_t s_stride, const KV* pf) {
-  int g = 0;
-  for (; g + GT <= g_count; g += GT, pf = nullptr)
-    score_chunk<D, GT>(q + g * D, k, bs, s + g * s_stride, s_stride, pf);
-  if constexpr (GT > 1) {
-    if (g < g_count)
-      score_chunk_heads<D, GT / 2>(q + g * D, g_count - g, k, bs, s + g * s_stride, s_stride, pf);
-  }
-}
-
-// o[g][:] += sum_{t in [t0, t1)} p[g][t] * v[t][:] for GT heads; row t of the block ahead
-// (pf, when set) is prefetched as row t is used.
-template <int D, int GT, typename KV>
-inline void value_rows(const float* p, int64_t p_stride, const KV* v, int64_t t0, int64_t t1,
-                       float* o, const KV* pf) {
-  constexpr int NV = D / W;
-  constexpr int kRowBytes = D * static_cast<int>(sizeof(KV));
-  vf acc[GT][NV];
-#pragma GCC unroll 16
-  for (int g = 0; g < GT; ++g)
-#pragma GCC unroll 16
-    for (int j = 0; j < NV; ++j) acc[g][j] = load(o + g * D + j * W);
-  for (int64_t t = t0; t < t1; ++t) {
-    if (pf) {
-      const char* row = reinterpret_cast<const char*>(pf + t * D);
-#pragma GCC unroll 8
-      for (int off = 0; off < kRowBytes; off += 64) __builtin_prefetch(row + off, 0, 1);
-    }
-    vf vr[NV];
-#pragma GCC unroll 16
-    for (int j = 0; j < NV; ++j) vr[j] = load(v + t * D + j * W);
-#pragma GCC unroll 16
-    for (int g = 0; g < GT; ++g) {
-      const vf pb = splat(p[g * p_stride + t]);
-#pragma GCC unroll 16
-      for (int j = 0; j < NV; ++j) acc[g][j] += pb * vr[j];
-    }
-  }
-#pragma GCC unroll 16
-  for (int g = 0; g < GT; ++g)
-#pragma GCC unroll 16
-    for (int j = 0; j < NV; ++j) store(o + g * D + j * W, acc[g][j]);
-}
-
-template <int D, int GT, typename KV>
-inline void value_rows_heads(const float* p, int64_t p_stride, int g_count, const KV* v,
-                             int64_t t0, int64_t t1, float* o, const KV* pf) {
-  int g = 0;
-  for (; g + GT <= g_count; g += GT, pf = nullptr)
-    value_rows<D, GT>(p + g * p_stride, p_stride, v, t0, t1, o + g * D, pf);
-  if constexpr (GT > 1) {
-    if (g < g_count)
-      value_rows_heads<D, GT / 2>(p + g * p_stride, p_stride, g_count - g, v, t0, t1, o + g * D,
-                                  pf);
-  }
-}
 
 struct Params {
   float* out;
@@ -266,10 +63,6 @@ struct Scratch {  // per thread, reused across calls (OpenMP threads persist)
 };
 
 thread_local Scratch tls_scratch;
-
-inline int64_t window_start(int64_t ctx, int64_t window) {
-  return window > 0 ? std::max<int64_t>(0, ctx - window) : 0;
-}
 
 // One work item's view of the cache: the blocks it reads and the valid positions in them.
 struct Span {

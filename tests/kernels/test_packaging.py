@@ -66,7 +66,8 @@ def test_wheel_ships_asyncpaged_kernels_and_every_package(tmp_path: Path) -> Non
     names = zipfile.ZipFile(wheel).namelist()
     assert "asyncpaged/kernels/__init__.py" in names
     assert "asyncpaged/kernels/paged_attention.py" in names
-    assert "asyncpaged/kernels/csrc/paged_decode.cpp" in names  # the CPU kernel builds from it
+    for source in ("paged_decode.cpp", "paged_prefill.cpp", "cache_write.cpp", "cpu_vec.h"):
+        assert f"asyncpaged/kernels/csrc/{source}" in names  # the CPU kernels build from them
     assert not [n for n in names if n.startswith("kernels/")], "top-level kernels/ in the wheel"
     shipped = {n.rsplit("/", 1)[0].replace("/", ".") for n in names if n.endswith("__init__.py")}
     missing = _packages_in_src() - shipped

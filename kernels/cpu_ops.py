@@ -1,0 +1,319 @@
+"""Prefill attention and the K/V cache write on the CPU through the native library.
+
+* ``paged_prefill_attention``: causal attention of sequences' new query rows over their paged
+  context (``csrc/paged_prefill.cpp``): full prefill, chunked prefill and prefix-cache hits alike;
+* ``reference_paged_prefill``: the same in float64 with plain torch (tests);
+* ``paged_cache_write``: new K/V rows into their slots (``csrc/cache_write.cpp``), bit-identical
+  to ``PagedKVCache.write``;
+* the input checks and constants shared with the decode wrapper (``cpu_attention.py``).
+
+Positions: sequence ``i`` has ``q_len = query_start_loc[i+1] - query_start_loc[i]`` new rows at
+positions ``context_len - q_len ..``; the row at position ``p`` sees keys ``k <= p`` (and
+``k > p - w`` with a sliding window ``w``), as in ``asyncpaged.model.attention``.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from typing import Final
+
+import torch
+
+from .cpu_build import load_library
+
+SUPPORTED_HEAD_DIMS: Final = frozenset({16, 32, 64, 80, 96, 128})
+KV_DTYPE_CODES: Final = {torch.float32: 0, torch.bfloat16: 1}
+BLOCK_SIZE_MULTIPLE: Final = 16
+# Prefill tiling: query rows per work item come from the score rows wanted per tile (query rows x
+# query heads per KV head); cache blocks per online-softmax step (<= 0: two passes per tile).
+# Measured at 1 thread (8/2 heads x 64): 32 or 64 score rows alike, 128 up to 2x slower at 2048
+# keys (the two-pass scores leave L2); key tiles of 32 blocks as fast as two-pass (+-2%) with
+# bounded scratch, 8 blocks 1.05-1.08x, 4 blocks 1.1-1.16x, 1 block 1.45-1.55x the time.
+PREFILL_TILE_SCORE_ROWS: Final = 32
+PREFILL_KEY_TILE_BLOCKS: Final = 32
+_STATUS_MESSAGES: Final = {
+    1: "head_dim is not supported by this build",
+    2: "block_size must be a multiple of 16",
+    3: "num_heads must be a multiple of num_kv_heads",
+    4: "a context length is < 1, shorter than its new rows, or longer than its block table",
+    5: "a block table entry in use is outside [0, num_blocks)",
+    6: "the KV cache dtype must be float32 or bfloat16",
+    7: "a sequence index, query row or slot is out of range",
+}
+
+
+def rows_dense(t: torch.Tensor) -> bool:
+    """[N, H, D] whose rows [H, D] are contiguous (the row stride may be larger)."""
+    return t.dim() == 3 and t.stride(2) == 1 and t.stride(1) == t.shape[2]
+
+
+def status_message(status: int) -> str:
+    return _STATUS_MESSAGES.get(status, str(status))
+
+
+def check_inputs(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    sliding_window: int | None,
+) -> None:
+    """The checks every attention entry point makes (raises ``ValueError``)."""
+    tensors = (query, key_cache, value_cache, block_tables, context_lens)
+    if any(t.device.type != "cpu" for t in tensors):
+        raise ValueError(f"all tensors must be on the CPU, got {[str(t.device) for t in tensors]}.")
+    if query.dtype != torch.float32 or not rows_dense(query):
+        raise ValueError(
+            f"query must be float32 [S, Hq, D] with contiguous [Hq, D] rows, got {query.dtype} "
+            f"{tuple(query.shape)} strides {query.stride()}."
+        )
+    _, num_heads, head_dim = query.shape
+    check_cache(key_cache, value_cache, head_dim)
+    if head_dim not in SUPPORTED_HEAD_DIMS:
+        raise ValueError(f"head_dim must be one of {sorted(SUPPORTED_HEAD_DIMS)}, got {head_dim}.")
+    block_size, kv_heads = key_cache.shape[3], key_cache.shape[1]
+    if block_size % BLOCK_SIZE_MULTIPLE != 0:
+        raise ValueError(f"block_size must be a multiple of 16, got {block_size}.")
+    if num_heads % kv_heads != 0:
+        raise ValueError(
+            f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({kv_heads})."
+        )
+    if block_tables.dtype != torch.int64 or block_tables.dim() != 2 or block_tables.stride(1) != 1:
+        raise ValueError(
+            f"block_tables must be int64 [S, max_blocks] with contiguous rows, got "
+            f"{block_tables.dtype} {tuple(block_tables.shape)}."
+        )
+    if context_lens.dtype != torch.int64 or context_lens.dim() != 1:
+        raise ValueError(
+            f"context_lens must be int64 [S], got {context_lens.dtype} {tuple(context_lens.shape)}."
+        )
+    if sliding_window is not None and sliding_window <= 0:
+        raise ValueError(f"sliding_window must be > 0 or None, got {sliding_window}.")
+
+
+def check_cache(key_cache: torch.Tensor, value_cache: torch.Tensor, head_dim: int) -> None:
+    """key_cache [num_blocks, Hkv, D, bs], value_cache [num_blocks, Hkv, bs, D], contiguous,
+    both float32 or both bfloat16."""
+    if key_cache.dim() != 4 or value_cache.dim() != 4:
+        raise ValueError(
+            f"key_cache/value_cache must be 4-D, got {tuple(key_cache.shape)} and "
+            f"{tuple(value_cache.shape)}."
+        )
+    num_blocks, kv_heads, _, block_size = key_cache.shape
+    if tuple(key_cache.shape) != (num_blocks, kv_heads, head_dim, block_size) or tuple(
+        value_cache.shape
+    ) != (num_blocks, kv_heads, block_size, head_dim):
+        raise ValueError(
+            "expected key_cache [num_blocks, Hkv, D, block_size] and value_cache [num_blocks, "
+            f"Hkv, block_size, D] with D = {head_dim}, got {tuple(key_cache.shape)} and "
+            f"{tuple(value_cache.shape)}."
+        )
+    if key_cache.dtype not in KV_DTYPE_CODES or value_cache.dtype != key_cache.dtype:
+        raise ValueError(
+            f"the KV cache must be float32 or bfloat16 (both the same), got {key_cache.dtype} "
+            f"and {value_cache.dtype}."
+        )
+    if not (key_cache.is_contiguous() and value_cache.is_contiguous()):
+        raise ValueError("key_cache and value_cache must be contiguous.")
+
+
+def _library(target: str | None) -> ctypes.CDLL:
+    lib = load_library(target)
+    if lib is None:
+        raise RuntimeError(
+            "the CPU paged-attention kernel is unavailable (no g++ or the build failed, see the "
+            "cpu_kernel_unavailable log event); use TorchAttentionBackend instead."
+        )
+    return lib
+
+
+def default_query_tile(group: int) -> int:
+    """Query rows per prefill work item for ``group`` query heads per KV head."""
+    return max(1, PREFILL_TILE_SCORE_ROWS // group)
+
+
+def paged_prefill_attention(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    sliding_window: int | None = None,
+    out: torch.Tensor | None = None,
+    *,
+    seq_indices: torch.Tensor | None = None,
+    num_threads: int | None = None,
+    target: str | None = None,
+    query_tile: int | None = None,
+    key_tile_blocks: int = PREFILL_KEY_TILE_BLOCKS,
+) -> torch.Tensor:
+    """Attention of the new query rows of sequences ``seq_indices`` (default: all) over their
+    cached context; other rows of ``out`` are left as they are.
+
+    query [T, Hq, D] float32 (sequence ``i`` owns rows ``query_start_loc[i]:[i+1]``); key_cache
+    / value_cache and block_tables as for ``paged_decode_attention``; query_start_loc [S+1] and
+    context_lens [S] int64 (cached + new tokens) -> out [T, Hq, D] float32. ``query_tile`` (rows
+    per work item, default ``default_query_tile``) and ``key_tile_blocks`` (<= 0: two-pass) tune
+    the tiling; ``num_threads`` defaults to ``torch.get_num_threads()``.
+    """
+    check_inputs(query, key_cache, value_cache, block_tables, context_lens, sliding_window)
+    num_seqs = block_tables.shape[0]
+    if context_lens.shape[0] != num_seqs or tuple(query_start_loc.shape) != (num_seqs + 1,):
+        raise ValueError(
+            f"context_lens needs {num_seqs} rows and query_start_loc {num_seqs + 1} (one per "
+            f"block table row), got {tuple(context_lens.shape)} and "
+            f"{tuple(query_start_loc.shape)}."
+        )
+    if query_start_loc.dtype != torch.int64 or query_start_loc.device.type != "cpu":
+        raise ValueError(f"query_start_loc must be int64 on the CPU, got {query_start_loc.dtype}.")
+    if seq_indices is None:
+        seq_indices = torch.arange(num_seqs, dtype=torch.int64)
+    if out is None:
+        out = torch.empty(query.shape, dtype=torch.float32)
+    elif out.shape != query.shape or out.dtype != torch.float32 or not rows_dense(out):
+        raise ValueError(
+            f"out must be float32 of shape {tuple(query.shape)} with contiguous [Hq, D] rows, "
+            f"got {out.dtype} {tuple(out.shape)} strides {out.stride()}."
+        )
+    if query_tile is not None and query_tile < 1:
+        raise ValueError(f"query_tile must be >= 1, got {query_tile}.")
+    launch_prefill(
+        _library(target), out, query, key_cache, value_cache, block_tables, query_start_loc,
+        context_lens, seq_indices, scale, sliding_window, num_threads,
+        query_tile=query_tile, key_tile_blocks=key_tile_blocks,
+    )  # fmt: skip
+    return out
+
+
+def launch_prefill(
+    lib: ctypes.CDLL,
+    out: torch.Tensor,
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    context_lens: torch.Tensor,
+    seq_indices: torch.Tensor,
+    scale: float,
+    sliding_window: int | None,
+    num_threads: int | None,
+    *,
+    query_tile: int | None = None,
+    key_tile_blocks: int = PREFILL_KEY_TILE_BLOCKS,
+) -> None:
+    """Call the prefill kernel on checked inputs (every index is checked again in C++)."""
+    context_lens, query_start_loc = context_lens.contiguous(), query_start_loc.contiguous()
+    seq_indices = seq_indices.contiguous()
+    num_blocks, kv_heads, head_dim, block_size = key_cache.shape
+    num_heads = query.shape[1]
+    if query_tile is None:
+        query_tile = default_query_tile(num_heads // kv_heads)
+    status = lib.asyncpaged_paged_prefill(
+        out.data_ptr(), out.stride(0),
+        query.data_ptr(), query.stride(0), query.shape[0],
+        key_cache.data_ptr(), value_cache.data_ptr(), KV_DTYPE_CODES[key_cache.dtype],
+        num_blocks, kv_heads, head_dim, block_size,
+        block_tables.data_ptr(), block_tables.stride(0), block_tables.shape[1],
+        block_tables.shape[0],
+        context_lens.data_ptr(), query_start_loc.data_ptr(), seq_indices.data_ptr(),
+        seq_indices.numel(), num_heads, scale, sliding_window or 0,
+        query_tile, key_tile_blocks,
+        torch.get_num_threads() if num_threads is None else num_threads,
+    )  # fmt: skip
+    if status != 0:
+        raise ValueError(f"paged prefill attention refused its inputs: {status_message(status)}.")
+
+
+def reference_paged_prefill(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    sliding_window: int | None = None,
+) -> torch.Tensor:
+    """The same attention in float64 for every sequence (masked softmax): [T, Hq, D]."""
+    num_tokens, num_heads, head_dim = query.shape
+    _, kv_heads, _, block_size = key_cache.shape
+    group = num_heads // kv_heads
+    out = torch.full(query.shape, float("nan"), dtype=torch.float64)
+    for i in range(block_tables.shape[0]):
+        start, end, ctx = int(query_start_loc[i]), int(query_start_loc[i + 1]), int(context_lens[i])
+        blocks = block_tables[i, : -(-ctx // block_size)]
+        keys = key_cache[blocks].double().permute(1, 0, 3, 2).reshape(kv_heads, -1, head_dim)
+        values = value_cache[blocks].double().permute(1, 0, 2, 3).reshape(kv_heads, -1, head_dim)
+        keys, values = keys[:, :ctx], values[:, :ctx]  # [Hkv, ctx, D]
+        q_pos = torch.arange(ctx - (end - start), ctx)[:, None]  # [q, 1]
+        k_pos = torch.arange(ctx)[None, :]
+        visible = k_pos <= q_pos
+        if sliding_window is not None:
+            visible &= k_pos > q_pos - sliding_window
+        q = query[start:end].double().view(-1, kv_heads, group, head_dim).permute(1, 2, 0, 3)
+        scores = (q @ keys[:, None].transpose(2, 3)) * scale  # [Hkv, G, q, ctx]
+        probs = torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=-1)
+        o = probs @ values[:, None]  # [Hkv, G, q, D]
+        out[start:end] = o.permute(2, 0, 1, 3).reshape(end - start, num_heads, head_dim)
+    assert out.shape == (num_tokens, num_heads, head_dim)
+    return out
+
+
+def paged_cache_write(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    *,
+    num_threads: int | None = None,
+    target: str | None = None,
+) -> None:
+    """``PagedKVCache.write`` for one layer's views: key/value [T, Hkv, D] (float32 or bfloat16,
+    contiguous [Hkv, D] rows) into slots [T] int64 (negative: skipped), rounded as torch rounds."""
+    check_cache(key_cache, value_cache, key_cache.shape[2])
+    num_tokens = slot_mapping.shape[0] if slot_mapping.dim() == 1 else -1
+    for name, t in (("key", key), ("value", value)):
+        if t.dtype not in KV_DTYPE_CODES or not rows_dense(t) or t.device.type != "cpu":
+            raise ValueError(
+                f"{name} must be float32 or bfloat16 [T, Hkv, D] on the CPU with contiguous "
+                f"[Hkv, D] rows, got {t.dtype} {tuple(t.shape)} strides {t.stride()}."
+            )
+        if tuple(t.shape) != (num_tokens, key_cache.shape[1], key_cache.shape[2]):
+            raise ValueError(
+                f"{name} must be [{num_tokens}, {key_cache.shape[1]}, {key_cache.shape[2]}] "
+                f"(one row per slot), got {tuple(t.shape)}."
+            )
+    if slot_mapping.dtype != torch.int64 or key.dtype != value.dtype:
+        raise ValueError(
+            f"slot_mapping must be int64 and key/value one dtype, got {slot_mapping.dtype}, "
+            f"{key.dtype} and {value.dtype}."
+        )
+    launch_write(_library(target), key, value, key_cache, value_cache, slot_mapping, num_threads)
+
+
+def launch_write(
+    lib: ctypes.CDLL,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    num_threads: int | None,
+) -> None:
+    """Call the cache write on checked inputs (every slot is checked again in C++)."""
+    slot_mapping = slot_mapping.contiguous()
+    num_blocks, kv_heads, head_dim, block_size = key_cache.shape
+    status = lib.asyncpaged_cache_write(
+        key_cache.data_ptr(), value_cache.data_ptr(), KV_DTYPE_CODES[key_cache.dtype],
+        num_blocks, kv_heads, head_dim, block_size,
+        key.data_ptr(), key.stride(0), value.data_ptr(), value.stride(0), KV_DTYPE_CODES[key.dtype],
+        slot_mapping.data_ptr(), slot_mapping.shape[0],
+        torch.get_num_threads() if num_threads is None else num_threads,
+    )  # fmt: skip
+    if status != 0:
+        raise ValueError(f"the KV cache write refused its inputs: {status_message(status)}.")
