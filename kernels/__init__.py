@@ -13,6 +13,8 @@ CPU (C++ through ctypes, built on first use by ``cpu_build``):
   prefills natively.
 * ``paged_prefill_attention`` / ``paged_cache_write`` (``cpu_ops``): prefill over the paged cache
   (full, chunked, prefix hits, sliding window); the K/V write (slot -1 skipped).
+* ``rms_norm`` / ``add_rms_norm`` / ``rotary_`` / ``silu_mul`` / ``fused_ops`` (``cpu_fused``):
+  fused fp32 elementwise work of the Llama family (residual add + RMSNorm, RoPE, SiLU x up).
 
 Every kernel has a pure-torch reference next to it. Names are imported lazily, so the CPU path
 never imports Triton.
@@ -34,12 +36,19 @@ _EXPORTS = {
     "paged_decode_attention": "cpu_attention",
     "paged_prefill_attention": "cpu_ops",
     "paged_cache_write": "cpu_ops",
+    "add_rms_norm": "cpu_fused",
+    "fused_ops": "cpu_fused",
+    "rms_norm": "cpu_fused",
+    "rotary_": "cpu_fused",
+    "silu_mul": "cpu_fused",
 }
 
 __all__ = [
     "CpuAttentionBackend",
     "TritonAttentionBackend",
+    "add_rms_norm",
     "copy_blocks",
+    "fused_ops",
     "make_attention_backend",
     "make_cpu_attention_backend",
     "paged_attention",
@@ -47,6 +56,9 @@ __all__ = [
     "paged_decode_attention",
     "paged_prefill_attention",
     "reshape_and_cache",
+    "rms_norm",
+    "rotary_",
+    "silu_mul",
 ]
 
 

@@ -134,7 +134,8 @@ class AsyncEngine:
                                     device=cfg.device, seed=cfg.seed, attn_backend=backend,
                                     kv_cache_dtype=kv_dtype,
                                     packed_linears=cfg.packed_linears,
-                                    screened_lm_head=cfg.screened_lm_head)
+                                    screened_lm_head=cfg.screened_lm_head,
+                                    fused_elementwise=cfg.fused_elementwise)
             )  # fmt: skip
             step_runner = self.runner  # TP=1: the executor drives the runner itself
         try:

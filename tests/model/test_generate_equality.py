@@ -9,12 +9,15 @@ from __future__ import annotations
 
 import itertools
 import random
+from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
+from asyncpaged.kernels import cpu_build
 
+from asyncpaged.model.base import FusedElementwise
 from asyncpaged.model.runner import ModelRunner
 from asyncpaged.model.sampler import SamplingOptions
 from asyncpaged.testing.tiny_models import VOCAB_SIZE
@@ -105,6 +108,66 @@ def test_cpu_levers_keep_greedy_equal_to_transformers(
     Driver(runner, seed=5, want_logprob=False).run(seqs)
     assert bool(screens) == screened
     _assert_matches(seqs, hf_reference(name))
+
+
+class _CountingOps:
+    """Wraps the model's fused ops and counts the calls of each."""
+
+    def __init__(self, ops: FusedElementwise) -> None:
+        self.ops = ops
+        self.calls: Counter[str] = Counter()
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        self.calls["rms_norm"] += 1
+        return self.ops.rms_norm(x, weight, eps)
+
+    def add_rms_norm(
+        self, residual: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, eps: float
+    ) -> torch.Tensor:
+        self.calls["add_rms_norm"] += 1
+        return self.ops.add_rms_norm(residual, x, weight, eps)
+
+    def rotary_(
+        self, q: torch.Tensor, k: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor
+    ) -> None:
+        self.calls["rotary_"] += 1
+        self.ops.rotary_(q, k, cos, sin)
+
+    def silu_mul(
+        self, gate: torch.Tensor, up: torch.Tensor, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        self.calls["silu_mul"] += 1
+        return self.ops.silu_mul(gate, up, out)
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "torch-elementwise"])
+@pytest.mark.parametrize("name", ["llama-gqa", "mistral", "qwen2", "llama-rope-yarn"])
+def test_fused_elementwise_keeps_greedy_equal_to_transformers(
+    name: str,
+    fused: bool,
+    tiny_checkpoint: Callable[[str], Path],
+    hf_reference: Callable[[str], HFReference],
+) -> None:
+    """The fused norm / RoPE / SiLU ops (Llama family) on and off: the same tokens and logprobs
+    as transformers; on, every op runs once per use in every step (when the library builds)."""
+    runner = _runner(tiny_checkpoint(name), fused_elementwise=fused)
+    counting = None
+    if runner.model.fused_ops is not None:
+        counting = _CountingOps(runner.model.fused_ops)
+        runner.model.fused_ops = counting
+    assert (counting is not None) == (fused and cpu_build.find_compiler() is not None)
+    seqs = _make_sequences(seed=6)
+    driver = Driver(runner, seed=8)
+    driver.run(seqs)
+    _assert_matches(seqs, hf_reference(name))
+    if counting is not None:
+        num_layers, steps = runner.model.num_layers, driver.step_index
+        assert counting.calls == {
+            "rms_norm": steps,
+            "add_rms_norm": 2 * num_layers * steps,
+            "rotary_": num_layers * steps,
+            "silu_mul": num_layers * steps,
+        }
 
 
 @pytest.mark.parametrize("name", FAMILIES)

@@ -47,6 +47,7 @@ class WorkerSpec:
     packed_linears: bool
     seed: int
     num_threads: int
+    fused_elementwise: bool = True
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -78,6 +78,7 @@ def worker_spec(
         device_type=torch.device(config.device).type,
         attention_backend=config.attention_backend,
         packed_linears=config.packed_linears,
+        fused_elementwise=config.fused_elementwise,
         seed=config.seed,
         num_threads=torch.get_num_threads(),
     )

@@ -63,6 +63,7 @@ def build_runner(
         seed=spec.seed,
         kv_cache_dtype=getattr(torch, spec.kv_cache_dtype),
         packed_linears=spec.packed_linears,
+        fused_elementwise=spec.fused_elementwise,
         shard=shard,
     )
 

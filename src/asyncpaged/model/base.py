@@ -10,7 +10,7 @@ from __future__ import annotations
 from abc import ABCMeta, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, ClassVar, Literal
+from typing import Any, ClassVar, Literal, Protocol
 
 import torch
 from torch import nn
@@ -24,6 +24,7 @@ __all__ = [
     "SINGLE_SHARD",
     "CausalLM",
     "Embedding",
+    "FusedElementwise",
     "Linear",
     "ShardRule",
     "TensorShard",
@@ -137,6 +138,34 @@ def row_parallel(in_features: int, out_features: int, shard: TensorShard, *, bia
     return layer
 
 
+class FusedElementwise(Protocol):
+    """Fused fp32 CPU elementwise ops (``asyncpaged.kernels.cpu_fused.FusedOps``), unchecked:
+    float32 CPU tensors with contiguous rows. A family that uses them keeps its torch code for
+    every call they cannot take."""
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """x [T, H] -> ``weight * (x * rsqrt(mean(x^2) + eps))`` [T, H] (new)."""
+        ...
+
+    def add_rms_norm(
+        self, residual: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, eps: float
+    ) -> torch.Tensor:
+        """``residual += x`` in place, then the norm of it (new) [T, H]."""
+        ...
+
+    def rotary_(
+        self, q: torch.Tensor, k: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor
+    ) -> None:
+        """q [T, Hq, D], k [T, Hkv, D] rotated in place (rotate-half RoPE) by cos/sin [T, D]."""
+        ...
+
+    def silu_mul(
+        self, gate: torch.Tensor, up: torch.Tensor, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """``silu(gate) * up`` into ``out`` (may be gate; default new)."""
+        ...
+
+
 class CausalLM(nn.Module, metaclass=ABCMeta):
     """A decoder-only LM over a flat token batch (no padding) and a paged KV cache."""
 
@@ -166,6 +195,9 @@ class CausalLM(nn.Module, metaclass=ABCMeta):
         self.shard = shard
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         self.attn_backend: AttentionBackend = TorchAttentionBackend()
+        # Set by the runner for CPU float32 models (``fused_elementwise``); families that have
+        # no fused path ignore it.
+        self.fused_ops: FusedElementwise | None = None
 
     @abstractmethod
     def forward(

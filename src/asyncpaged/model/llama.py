@@ -8,6 +8,11 @@ Tensor parallel (``TensorShard``): q/k/v and gate/up are column-parallel (a rank
 ``heads / N`` query heads, ``kv_heads / N`` KV heads and ``intermediate / N`` MLP columns);
 o_proj and down_proj are row-parallel, each followed by an all-reduce. Embeddings, norms and the
 LM head are replicated.
+
+Fused elementwise work (``CausalLM.fused_ops``, set by the runner for float32 CPU models): the
+residual adds fused with the RMSNorm that reads each sum, RoPE on q/k in place, and SiLU x up,
+each one native call (``asyncpaged.kernels.cpu_fused``); the same math as the torch code up to
+fp32 summation order. Any other dtype or device takes the torch code.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ from asyncpaged.model.base import (
     SINGLE_SHARD,
     CausalLM,
     Embedding,
+    FusedElementwise,
     Linear,
     TensorShard,
     column_parallel,
@@ -40,10 +46,10 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # x [T, H]; normalised in float32, as transformers does
-        h = x.float()
+        # x [T, H]; normalised in float32, as transformers does (no copies when x is float32)
+        h = x if x.dtype == torch.float32 else x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(x.dtype)
+        return self.weight * (h if x.dtype == torch.float32 else h.to(x.dtype))
 
 
 def _sliding_windows(config: Any, num_layers: int) -> list[int | None]:
@@ -83,12 +89,17 @@ class LlamaAttention(nn.Module):
         model: CausalLM,
         md: AttentionMetadata,
         kv_cache: PagedKVCache,
+        ops: FusedElementwise | None = None,
     ) -> torch.Tensor:
+        """``ops``: fused RoPE (in place on the fresh q/k) for float32 CPU inputs."""
         num_tokens = x.shape[0]
         q = linear(self.q_proj, x).view(num_tokens, self.num_heads, self.head_dim)  # [T, Hq, D]
         k = linear(self.k_proj, x).view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
         v = linear(self.v_proj, x).view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
-        q, k = apply_rotary(q, *cos_sin), apply_rotary(k, *cos_sin)
+        if ops is not None and q.is_contiguous() and k.is_contiguous():
+            ops.rotary_(q, k, *cos_sin)
+        else:
+            q, k = apply_rotary(q, *cos_sin), apply_rotary(k, *cos_sin)
         o = model.attn_backend.forward(
             self.layer_idx,
             q,
@@ -115,9 +126,14 @@ class LlamaMLP(nn.Module):
         self.up_proj = column_parallel(hidden, inter, shard, bias=bias)
         self.down_proj = row_parallel(inter, hidden, shard, bias=bias)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # x [T, H] -> [T, I/N] -> partial [T, H] -> summed over the ranks
-        gated = torch.nn.functional.silu(linear(self.gate_proj, x)) * linear(self.up_proj, x)
+    def forward(self, x: torch.Tensor, ops: FusedElementwise | None = None) -> torch.Tensor:
+        """x [T, H] -> [T, I/N] -> partial [T, H] -> summed over the ranks; ``ops``: fused
+        SiLU x up (into the fresh gate tensor) for float32 CPU inputs."""
+        gate, up = linear(self.gate_proj, x), linear(self.up_proj, x)  # [T, I/N] each
+        if ops is not None and gate.is_contiguous() and up.is_contiguous():
+            gated = ops.silu_mul(gate, up, gate)
+        else:
+            gated = torch.nn.functional.silu(gate) * up
         return self.shard.reduce(linear(self.down_proj, gated))
 
 
@@ -179,11 +195,62 @@ class LlamaForCausalLM(CausalLM):
         if self.rotary.inv_freq.device != h.device:
             self.rotary.inv_freq = self.rotary.inv_freq.to(h.device)
         cos_sin = self.rotary.cos_sin(positions, attn_metadata.token_context_lens, h.dtype)
+        ops = self._usable_fused_ops(h)
+        if ops is not None:
+            return self._forward_fused(ops, h, cos_sin, attn_metadata, kv_cache)
+        # Submodules' forward called directly: nn.Module.__call__ adds nothing here (no hooks).
         for layer in self.model.layers:
             assert isinstance(layer, LlamaDecoderLayer)
-            h = h + layer.self_attn(
-                layer.input_layernorm(h), cos_sin, self, attn_metadata, kv_cache
+            h = h + layer.self_attn.forward(
+                layer.input_layernorm.forward(h), cos_sin, self, attn_metadata, kv_cache
             )
-            h = h + layer.mlp(layer.post_attention_layernorm(h))
-        out: torch.Tensor = self.model.norm(h)  # [T, H]
+            h = h + layer.mlp.forward(layer.post_attention_layernorm.forward(h))
+        out: torch.Tensor = self.model.norm.forward(h)  # [T, H]
         return out
+
+    def _forward_fused(
+        self,
+        ops: FusedElementwise,
+        h: torch.Tensor,
+        cos_sin: tuple[torch.Tensor, torch.Tensor],
+        md: AttentionMetadata,
+        kv_cache: PagedKVCache,
+    ) -> torch.Tensor:
+        """The forward with fused elementwise ops: ``h`` [T, H] (the embeddings, owned here) is
+        the residual stream, updated in place; each residual add is fused with the norm that
+        reads its sum (the next layer's input norm, or the final norm). The same math as the
+        torch path up to fp32 summation order."""
+        norms = [self.model.norm]
+        for layer in reversed(self.model.layers):
+            assert isinstance(layer, LlamaDecoderLayer)
+            norms += (layer.post_attention_layernorm, layer.input_layernorm)
+        norm = norms.pop()  # the first layer's input norm
+        x = ops.rms_norm(h, norm.weight, norm.eps)
+        for layer in self.model.layers:
+            assert isinstance(layer, LlamaDecoderLayer)
+            attn = layer.self_attn.forward(x, cos_sin, self, md, kv_cache, ops)  # [T, H]
+            norm = norms.pop()
+            x = ops.add_rms_norm(h, attn, norm.weight, norm.eps)  # h += attn; x = norm(h)
+            mlp = layer.mlp.forward(x, ops)  # [T, H]
+            norm = norms.pop()
+            x = ops.add_rms_norm(h, mlp, norm.weight, norm.eps)
+        assert not norms, "every norm used once"
+        return x
+
+    def _usable_fused_ops(self, h: torch.Tensor) -> FusedElementwise | None:
+        """``fused_ops`` when this forward can take them: contiguous float32 CPU hidden states,
+        float32 contiguous CPU norm weights and an even head dim (checked once per ops object)."""
+        ops = self.fused_ops
+        if ops is None or h.dtype != torch.float32 or h.device.type != "cpu":
+            return None
+        if not h.is_contiguous():
+            return None
+        checked = self.__dict__.get("_fused_ops_check")
+        if checked is None or checked[0] is not ops:
+            weights = [m.weight for m in self.modules() if isinstance(m, RMSNorm)]
+            fits = self.head_dim % 2 == 0 and all(
+                w.dtype == torch.float32 and w.device.type == "cpu" and w.is_contiguous()
+                for w in weights
+            )
+            checked = self.__dict__["_fused_ops_check"] = (ops, fits)
+        return ops if checked[1] else None

@@ -135,8 +135,9 @@ class RotaryEmbedding:
         else:
             freqs = positions.float()[:, None] * self.inv_freq[None, :]  # [T, D/2]
         emb = torch.cat((freqs, freqs), dim=-1)  # [T, D]
-        cos = emb.cos() * self.attention_scaling
-        sin = emb.sin() * self.attention_scaling
+        cos, sin = emb.cos(), emb.sin()
+        if self.attention_scaling != 1.0:  # x * 1.0 == x: skip two ops per step
+            cos, sin = cos * self.attention_scaling, sin * self.attention_scaling
         return cos.to(dtype), sin.to(dtype)
 
 

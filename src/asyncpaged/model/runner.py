@@ -167,6 +167,7 @@ class ModelRunner:
         kv_cache_dtype: torch.dtype | None = None,
         packed_linears: bool = True,
         screened_lm_head: bool = True,
+        fused_elementwise: bool = True,
         shard: TensorShard = SINGLE_SHARD,
     ) -> None:
         """Load the checkpoint and allocate caches; ``kv_fill_value`` poisons them (tests: NaN).
@@ -176,7 +177,10 @@ class ModelRunner:
         CPU levers apply to float32 models on CPU only: ``packed_linears`` pre-packs the layers'
         weights for oneDNN (``packed_linear``), ``screened_lm_head`` picks greedy and top-k
         tokens through a bf16 screen (``lm_head``) when every row of a step qualifies
-        (``sampler.is_screenable``, no logprob asked): the full head's tokens. ``shard`` picks a
+        (``sampler.is_screenable``, no logprob asked): the full head's tokens;
+        ``fused_elementwise`` gives the model native fused norm / RoPE / SiLU ops
+        (``CausalLM.fused_ops``; used by the Llama family, exact up to fp32 summation order)
+        when the kernel library builds here. ``shard`` picks a
         tensor-parallel shard of the weights and KV heads (a rank other than 0 never samples, so
         it builds no screened head).
         """
@@ -195,6 +199,10 @@ class ModelRunner:
         cpu_fp32 = self.device.type == "cpu" and self.dtype == torch.float32
         if packed_linears and cpu_fp32:
             pack_linears(self.model, batch_hint=64, keep=(self.model.lm_head_weight(),))
+        if fused_elementwise and cpu_fp32:
+            from asyncpaged.kernels.cpu_fused import fused_ops
+
+            self.model.fused_ops = fused_ops()  # None (torch code) when it cannot be built
         screened = screened_lm_head and cpu_fp32 and shard.rank == 0
         self.screened_head = ScreenedLMHead(self.model.lm_head_weight()) if screened else None
 
