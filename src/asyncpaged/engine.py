@@ -6,7 +6,7 @@ import itertools
 import math
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
@@ -253,7 +253,7 @@ class AsyncEngine:
                 for rid in list(self._scheduler.states):
                     self._abort_nowait(rid)
                 with anyio.fail_after(60):
-                    await self._wait_idle_or_dead()
+                    await self._wait_or_dead(self._scheduler.wait_idle)
         finally:
             self._submit.close()
             self._control.close()
@@ -289,11 +289,11 @@ class AsyncEngine:
         Cancelling it only stops the waiting. If the engine fails meanwhile, raises
         :class:`EngineDeadError`."""
         self._check_alive()
-        await self._wait_idle_or_dead()
+        await self._wait_or_dead(self._scheduler.wait_idle)
         self._check_alive()
 
-    async def _wait_idle_or_dead(self) -> None:
-        """Wait until the scheduler is idle or the engine has failed (which it then never is)."""
+    async def _wait_or_dead(self, wait: Callable[[], Awaitable[object]]) -> None:
+        """Await ``wait()`` until it returns or the engine fails (after which it may never)."""
         async with anyio.create_task_group() as tg:
 
             async def stop_when_dead() -> None:
@@ -301,7 +301,7 @@ class AsyncEngine:
                 tg.cancel_scope.cancel()
 
             tg.start_soon(stop_when_dead)
-            await self._scheduler.wait_idle()
+            await wait()
             tg.cancel_scope.cancel()
 
     # ---- explicit shared prefixes -------------------------------------------------------------
@@ -335,7 +335,8 @@ class AsyncEngine:
             params = SamplingParams(temperature=0.0, max_tokens=1)
             stream = self._submit_request(ids, params, f"pin-{pin_id}", cache_salt, pin_id)
             await stream
-            await event.wait()
+            await self._wait_or_dead(event.wait)  # set by the pin's transaction
+            self._check_alive()
         finally:
             if not slot:
                 self._scheduler.pins.pop(pin_id, None)

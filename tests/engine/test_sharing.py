@@ -151,3 +151,24 @@ async def test_aborting_a_parallel_sampling_request_frees_all_its_sequences(
         assert [c.finish_reason for c in out.outputs] == ["abort"] * 3
         assert all(0 < len(c.token_ids) < 200 for c in out.outputs)
     # running_engine's leak oracle: every block of the 3 sequences is free again.
+
+
+async def test_pin_prefix_fails_instead_of_hanging_when_the_engine_dies_before_the_pin(
+    tiny_checkpoint: Callable[[str], Path],
+) -> None:
+    """The prefix is computed, then the transaction that pins it kills the engine: the caller
+    gets EngineDeadError (it used to wait forever for the pin)."""
+    from asyncpaged import AsyncEngine, EngineConfig, EngineDeadError
+
+    path = tiny_checkpoint(MODEL)
+    with anyio.fail_after(30), pytest.raises(EngineDeadError):
+        async with AsyncEngine(EngineConfig(model=str(path), num_device_blocks=32)) as engine:
+            pool = engine._allocator.pool
+
+            def broken_pin(*args: object, **kwargs: object) -> None:
+                raise RuntimeError("injected pin failure")
+
+            pool.pin_prefix = broken_pin  # type: ignore[method-assign,assignment]
+            with pytest.raises(EngineDeadError) as dead:
+                await engine.pin_prefix(list(range(20, 68)))
+            assert "injected pin failure" in repr(dead.value.__cause__)
