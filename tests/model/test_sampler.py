@@ -380,3 +380,26 @@ def test_invalid_options_are_rejected() -> None:
         SamplingOptions(top_k=-1)
     with pytest.raises(ValueError, match="repetition_penalty"):
         SamplingOptions(repetition_penalty=0.0)
+
+
+def test_exponential_draws_from_the_uniform_stream_equal_exponential_(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The CPU fast path (``-log1p(-u)`` of the float64 uniform stream, row by row) gives the
+    very numbers ``exponential_`` gives, seeded rows from their own generators, and leaves the
+    step generator in the same state."""
+    from asyncpaged.model import sampler as sampler_module
+
+    assert sampler_module._exponential_is_uniform_transform()
+    opts = [
+        SamplingOptions(temperature=1.0, seed=i if i % 3 == 0 else None, generator_key=100 + i)
+        for i in range(7)
+    ]
+    fast_generator = torch.Generator().manual_seed(11)
+    fast = sampler_module._exponential_draws(opts, 301, torch.device("cpu"), fast_generator)
+    monkeypatch.setattr(sampler_module, "_exponential_is_uniform_transform", lambda: False)
+    slow_generator = torch.Generator().manual_seed(11)
+    slow = sampler_module._exponential_draws(opts, 301, torch.device("cpu"), slow_generator)
+    assert torch.equal(fast, slow)
+    assert torch.equal(fast_generator.get_state(), slow_generator.get_state())
+    assert len({tuple(row[:4].tolist()) for row in fast}) == len(opts)  # rows really differ

@@ -251,8 +251,26 @@ def _exponential_draws(
     generator: torch.Generator | None,
 ) -> torch.Tensor:
     """q [R, V] float32 ~ Exp(1): one draw of all unseeded rows from ``generator``, then each
-    seeded row from a fresh generator seeded with its ``generator_key``."""
+    seeded row from a fresh generator seeded with its ``generator_key``.
+
+    On CPU the same numbers come from the float64 uniform stream, row by row, as
+    ``-log1p(-u)`` (what ``exponential_`` computes there, checked once per process by
+    ``_exponential_is_uniform_transform``): about twice as fast as ``exponential_`` itself.
+    """
     q = torch.empty(len(opts), vocab_size, dtype=torch.float32, device=device)
+    if device.type == "cpu" and _exponential_is_uniform_transform():
+        row = torch.empty(vocab_size, dtype=torch.float64)
+        order = [r for r, o in enumerate(opts) if o.seed is None]
+        order += [r for r, o in enumerate(opts) if o.seed is not None]
+        for r in order:
+            o = opts[r]
+            row_generator = (
+                generator if o.seed is None else torch.Generator().manual_seed(o.generator_key)
+            )
+            row.uniform_(generator=row_generator).neg_()
+            torch.log1p(row, out=row)
+            q[r] = row.neg_()  # -log1p(-u), rounded to float32 by the copy
+        return q
     unseeded = [r for r, o in enumerate(opts) if o.seed is None]
     if unseeded:
         draws = torch.empty(len(unseeded), vocab_size, device=device)
