@@ -8,6 +8,7 @@ from asyncpaged.errors import (
     BlockPoolError,
     EngineDeadError,
     InvalidRequestError,
+    WorkerDiedError,
 )
 from asyncpaged.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from asyncpaged.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
@@ -32,5 +33,6 @@ __all__ = [
     "RequestOutputKind",
     "RequestStream",
     "SamplingParams",
+    "WorkerDiedError",
     "__version__",
 ]
