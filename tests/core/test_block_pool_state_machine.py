@@ -26,6 +26,7 @@ from hypothesis.stateful import (
 )
 
 from asyncpaged.core import BlockPool, Location, SwapDirection, SwapPlan
+from asyncpaged.core.block_table import AppendResult
 from asyncpaged.errors import BlockPoolError
 
 BS = 4
@@ -168,8 +169,19 @@ class BlockPoolMachine(RuleBasedStateMachine):
         need = -(-(n + len(tokens)) // BS) - len(table) + cow
         available = self.available("device")
         before = self.pool.state()
-        result = self.pool.append(sid, tokens)
-        self.expect_unchanged_on_none(before, result)
+        result: AppendResult | None = None
+        if len(tokens) == 1 and data.draw(st.booleans(), label="decode fast path"):
+            # append_token takes exactly the in-place case: room in an exclusive last block
+            slot = self.pool.append_token(sid, tokens[0])
+            assert (slot is not None) == (n % BS != 0 and not cow)
+            if slot is None:
+                assert self.pool.state() == before
+            else:
+                self.note("append_token")
+                result = AppendResult(slot_mapping=(slot,), copy_on_write=())
+        if result is None:
+            result = self.pool.append(sid, tokens)
+            self.expect_unchanged_on_none(before, result)
         assert (result is None) == (need > available)
         if result is None:
             return
