@@ -46,9 +46,11 @@ def test_tp2_tokens_equal_tp1_with_mixed_steps_swap_and_recompute(
     runs: tuple[str, EngineRun, EngineRun],
 ) -> None:
     name, tp1, tp2 = runs
-    # the workload exercised what it claims to, identically on both engines
-    assert tp2.num_mixed_steps > 0 and tp2.num_swap_outs > 0 and tp2.num_recomputes > 0, tp2
-    assert (tp1.num_swap_outs, tp1.num_recomputes) == (tp2.num_swap_outs, tp2.num_recomputes)
+    # The workload exercised what it claims to on both engines. The exact preemption counts
+    # depend on timing (when concurrent submissions reach the scheduler, when a swap's copy
+    # completes), so they may differ between the runs; greedy tokens may not.
+    for run in (tp1, tp2):
+        assert run.num_mixed_steps > 0 and run.num_swap_outs > 0 and run.num_recomputes > 0, run
     for one, two in zip(tp1.outputs, tp2.outputs, strict=True):
         assert one.prompt_token_ids == two.prompt_token_ids
         assert two.outputs[0].token_ids == one.outputs[0].token_ids, (name, one.prompt_token_ids)
