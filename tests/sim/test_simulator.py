@@ -235,3 +235,16 @@ def _arena_size(size: int, address: int) -> int:
                 return 1 << bit
             start += 1 << bit
     raise AssertionError(f"{address} is outside a space of {size}")
+
+
+def test_reservations_are_the_papers_max_pow2_and_oracle() -> None:
+    """Pow2 over-reserves the output positions by at most 2x (the paper: 32 positions for a
+    25-token output), capped at the model's length; n parallel samples reserve n times."""
+    request = SimRequest(request_id="r", arrival_s=0.0, prompt_len=100, output_len=25)
+    want = {"orca-max": 2048, "orca-pow2": 100 + 32, "orca-oracle": 125}
+    for system, tokens in want.items():
+        assert small(system, max_model_len=2048).reservation_tokens(request) == tokens
+    long = SimRequest(request_id="l", arrival_s=0.0, prompt_len=2000, output_len=40)
+    assert small("orca-pow2", max_model_len=2048).reservation_tokens(long) == 2048
+    pair = SimRequest(request_id="p", arrival_s=0.0, prompt_len=100, output_len=25, n=2)
+    assert small("orca-pow2", max_model_len=2048).reservation_tokens(pair) == 2 * 132

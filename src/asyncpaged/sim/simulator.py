@@ -84,9 +84,13 @@ class SimConfig:
     def reservation_tokens(self, request: SimRequest) -> int:
         """Slots a contiguous-reservation system holds for ``request`` from admission on."""
         final = request.prompt_len + request.output_len
+        # Pow2 over-reserves the output positions by at most 2x (the paper's example: 32
+        # positions for a 25-token output), never past the model's length.
+        pow2 = min(request.prompt_len + (1 << (request.output_len - 1).bit_length()),
+                   self.max_model_len)  # fmt: skip
         per_seq = {
             "orca-max": self.max_model_len,
-            "orca-pow2": 1 << (final - 1).bit_length(),
+            "orca-pow2": max(pow2, final),
             "orca-oracle": final,
         }[self.system]
         return per_seq * max(request.n, request.beam_width)
