@@ -87,12 +87,11 @@ inline void store(float* p, vf v) { std::memcpy(p, &v, sizeof v); }
 
 inline vf vmax(vf a, vf b) { return a > b ? a : b; }
 
-// exp(x) for x <= 0 (Cephes expf polynomial, ~1 ulp); x below -87 gives ~1e-38, not 0.
-inline vf vexp(vf x) {
-  const vf lo = splat(-87.0f);
-  x = x < lo ? lo : x;
+// The Cephes expf reduction and polynomial: x = n ln2 + r with n integral, exp(r) ~ y (~1 ulp).
+// Returns y and sets n; the caller scales y by 2^n.
+inline vf exp_reduced(vf x, vf& n) {
   const vf magic = splat(12582912.0f);  // 1.5 * 2^23: adding it rounds to an integer
-  vf n = (x * 1.44269504088896341f + magic) - magic;
+  n = (x * 1.44269504088896341f + magic) - magic;
   vf r = x - n * 0.693359375f;
   r = r - n * -2.12194440e-4f;
   vf y = splat(1.9875691500e-4f);
@@ -101,7 +100,14 @@ inline vf vexp(vf x) {
   y = y * r + 4.1665795894e-2f;
   y = y * r + 1.6666665459e-1f;
   y = y * r + 5.0000001201e-1f;
-  y = y * (r * r) + r + 1.0f;
+  return y * (r * r) + r + 1.0f;
+}
+
+// exp(x) for x <= 0; x below -87 gives ~1e-38, not 0.
+inline vf vexp(vf x) {
+  const vf lo = splat(-87.0f);
+  vf n;
+  const vf y = exp_reduced(x < lo ? lo : x, n);
   vi e = (__builtin_convertvector(n, vi) + 127) << 23;
   vf scale;
   std::memcpy(&scale, &e, sizeof scale);

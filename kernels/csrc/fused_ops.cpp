@@ -111,17 +111,8 @@ inline vf vexp_full(vf x) {
   const vf hi = splat(89.0f), lo = splat(-104.0f);
   vf xc = x > hi ? hi : x;
   xc = xc < lo ? lo : xc;
-  const vf magic = splat(12582912.0f);  // 1.5 * 2^23: adding it rounds to an integer
-  const vf n = (xc * 1.44269504088896341f + magic) - magic;
-  vf r = xc - n * 0.693359375f;
-  r = r - n * -2.12194440e-4f;
-  vf y = splat(1.9875691500e-4f);
-  y = y * r + 1.3981999507e-3f;
-  y = y * r + 8.3334519073e-3f;
-  y = y * r + 4.1665795894e-2f;
-  y = y * r + 1.6666665459e-1f;
-  y = y * r + 5.0000001201e-1f;
-  y = y * (r * r) + r + 1.0f;
+  vf n;
+  vf y = exp_reduced(xc, n);
   const vi ni = __builtin_convertvector(n, vi);
   const vi n1 = ni >> 1;
   const vi e1 = (n1 + 127) << 23, e2 = (ni - n1 + 127) << 23;

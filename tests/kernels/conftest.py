@@ -47,3 +47,20 @@ def device() -> torch.device:
             pytest.fail("ASYNCPAGED_KERNELS_NATIVE=1 needs a CUDA device")
         return torch.device("cuda")
     return torch.device("cpu")
+
+
+@pytest.fixture(params=("avx512", "avx2", "baseline"))
+def target(request: pytest.FixtureRequest) -> str:
+    """Each build target of the native CPU kernels that this CPU runs (a skip names what is
+    missing: the CPU's flags, or g++); a target that should build and does not fails."""
+    from asyncpaged.kernels import cpu_build
+
+    name: str = request.param
+    assert name in cpu_build.TARGETS
+    missing = cpu_build.missing_cpu_flags(name)
+    if missing:
+        pytest.skip(f"this CPU cannot run the {name} build: lacks {sorted(missing)}")
+    if cpu_build.find_compiler() is None:
+        pytest.skip("g++ not found")
+    assert cpu_build.load_library(name) is not None, f"the {name} build failed (see the log)"
+    return name

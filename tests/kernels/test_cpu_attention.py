@@ -121,18 +121,6 @@ def assert_matches(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) ->
     torch.testing.assert_close(got.double(), want, atol=tol, rtol=tol)
 
 
-@pytest.fixture(params=cpu_build.TARGETS)
-def target(request: pytest.FixtureRequest) -> str:
-    name: str = request.param
-    missing = cpu_build.missing_cpu_flags(name)
-    if missing:
-        pytest.skip(f"this CPU cannot run the {name} build: lacks {sorted(missing)}")
-    if cpu_build.find_compiler() is None:
-        pytest.skip("g++ not found")
-    assert cpu_build.load_library(name) is not None, f"the {name} build failed (see the log)"
-    return name
-
-
 @needs_compiler
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("heads", [2, 8, 12], ids=["group1", "group4", "group6"])

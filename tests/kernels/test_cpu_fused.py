@@ -33,18 +33,6 @@ NORM_SHAPES = ((1, 512), (7, 37), (300, 512))  # (T, H); 300 x 512 takes the thr
 ROPE_TOKENS = (1, 5, 200)  # 200 tokens x 10 heads x 64+ dims takes the threaded path
 
 
-@pytest.fixture(params=cpu_build.TARGETS)
-def target(request: pytest.FixtureRequest) -> str:
-    name: str = request.param
-    missing = cpu_build.missing_cpu_flags(name)
-    if missing:
-        pytest.skip(f"this CPU cannot run the {name} build: lacks {sorted(missing)}")
-    if cpu_build.find_compiler() is None:
-        pytest.skip("g++ not found")
-    assert cpu_build.load_library(name) is not None, f"the {name} build failed (see the log)"
-    return name
-
-
 def _close(got: torch.Tensor, want: torch.Tensor, atol: float = ATOL) -> None:
     torch.testing.assert_close(got.double(), want.double(), rtol=RTOL, atol=atol, equal_nan=True)
 
