@@ -260,13 +260,7 @@ def _exponential_draws(
     q = torch.empty(len(opts), vocab_size, dtype=torch.float32, device=device)
     if device.type == "cpu" and _exponential_is_uniform_transform():
         row = torch.empty(vocab_size, dtype=torch.float64)
-        order = [r for r, o in enumerate(opts) if o.seed is None]
-        order += [r for r, o in enumerate(opts) if o.seed is not None]
-        for r in order:
-            o = opts[r]
-            row_generator = (
-                generator if o.seed is None else torch.Generator().manual_seed(o.generator_key)
-            )
+        for r, row_generator in _uniform_stream_rows(opts, generator):
             row.uniform_(generator=row_generator).neg_()
             torch.log1p(row, out=row)
             q[r] = row.neg_()  # -log1p(-u), rounded to float32 by the copy
@@ -459,14 +453,26 @@ def _candidate_draws(
         return _exponential_draws(opts, vocab_size, device, generator).gather(1, ids)
     uniforms = torch.empty(ids.shape, dtype=torch.float64, device=device)  # [R, C]
     row = torch.empty(vocab_size, dtype=torch.float64, device=device)
-    for r, o in enumerate(opts):  # unseeded rows first, in order: sample's one [R', V] draw
-        if o.seed is None:
-            torch.index_select(row.uniform_(generator=generator), 0, ids[r], out=uniforms[r])
-    for r, o in enumerate(opts):
-        if o.seed is not None:
-            row_generator = torch.Generator(device=device).manual_seed(o.generator_key)
-            torch.index_select(row.uniform_(generator=row_generator), 0, ids[r], out=uniforms[r])
+    for r, row_generator in _uniform_stream_rows(opts, generator):
+        torch.index_select(row.uniform_(generator=row_generator), 0, ids[r], out=uniforms[r])
     return _exponential_from_uniform(uniforms)
+
+
+def _uniform_stream_rows(
+    opts: Sequence[SamplingOptions], generator: torch.Generator | None
+) -> list[tuple[int, torch.Generator | None]]:
+    """(row, generator) in the order ``_exponential_draws`` consumes the streams (CPU): the
+    unseeded rows from ``generator`` first (its one [R', V] draw), then each seeded row from a
+    fresh generator seeded with its ``generator_key``."""
+    rows: list[tuple[int, torch.Generator | None]] = [
+        (r, generator) for r, o in enumerate(opts) if o.seed is None
+    ]
+    rows += [
+        (r, torch.Generator().manual_seed(o.generator_key))
+        for r, o in enumerate(opts)
+        if o.seed is not None
+    ]
+    return rows
 
 
 def _exponential_from_uniform(uniforms: torch.Tensor) -> torch.Tensor:
