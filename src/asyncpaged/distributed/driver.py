@@ -25,10 +25,11 @@ touches those blocks reaches each worker after that worker's copy.
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from datetime import timedelta
 from multiprocessing.process import BaseProcess
 from typing import Any
@@ -198,15 +199,9 @@ class TensorParallelRunner:
 
     def execute(self, plan: StepPlan) -> StepResult:
         """Broadcast the step, then run rank 0's share of it and sample."""
-        command = RunStep.of(plan)
-        try:
-            self._send(command)
+        with self._naming_dead_worker():
+            self._send(RunStep.of(plan))
             return self.runner.execute(plan)
-        except RuntimeError as exc:  # a collective failed: name the dead worker if there is one
-            died = self._dead_worker()
-            if died is None:
-                raise
-            raise died from exc
 
     def swap_out(self, pairs: tuple[tuple[int, int], ...]) -> None:
         """Every rank copies its share of (device, host) block pairs to its host cache."""
@@ -219,8 +214,15 @@ class TensorParallelRunner:
         self.runner.swap_in(pairs)
 
     def _send_swap(self, command: SwapCommand) -> None:
-        try:
+        with self._naming_dead_worker():
             self._send(command)
+
+    @contextlib.contextmanager
+    def _naming_dead_worker(self) -> Iterator[None]:
+        """A failed collective (RuntimeError) becomes the WorkerDiedError of the worker that
+        died, if one did; otherwise the collective's own error stands."""
+        try:
+            yield
         except RuntimeError as exc:
             died = self._dead_worker()
             if died is None:
