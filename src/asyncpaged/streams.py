@@ -67,6 +67,8 @@ class RequestState:
         self.error: BaseException | None = None
         self.rejection: BaseException | None = None
         self._event = anyio.Event()
+        # The reader waits for the end only: new tokens alone do not wake it.
+        self._reader_wants_end = False
 
     def start(self, prompt_token_ids: list[int], tokenizer: Any) -> None:
         """The request reached the scheduler: set up detokenizing (no tokenizer: ids only)."""
@@ -128,7 +130,8 @@ class RequestState:
             c.finish_reason, c.stop_reason = finish_reason, stop_reason
             if self.finished:
                 self.metrics.finished_time = now
-        self._event.set()
+        if finish_reason is not None or not self._reader_wants_end:
+            self._event.set()
         return matched
 
     def abort(self) -> None:
@@ -177,6 +180,9 @@ class RequestState:
                    for c in self.completions)  # fmt: skip
 
     async def wait(self, kind: RequestOutputKind) -> None:
+        self._reader_wants_end = (
+            kind is RequestOutputKind.FINAL_ONLY or self.ranks_by_logprob or self.beam
+        )
         while not self._has_news(kind):
             self._event = anyio.Event()
             await self._event.wait()
