@@ -223,6 +223,10 @@ class AsyncEngine:
             self._dead = exc
             self._dead_event.set()
             log.error("engine_failed", error=repr(exc))
+            try:  # tokens of the last finished step still reach their streams
+                self._scheduler.flush_outputs()
+            except Exception as flush_exc:  # the engine is dying anyway
+                log.error("flush_failed", error=repr(flush_exc))
         for state in self._live.values():
             state.fail(self._dead)
         for state in self._scheduler.states.values():
@@ -347,9 +351,13 @@ class AsyncEngine:
                             num_blocks=len(pinned.block_ids))  # fmt: skip
 
     async def unpin_prefix(self, handle: PrefixHandle) -> None:
-        """Let a pinned prefix's blocks be evicted again (they stay cached until they are)."""
+        """Let a pinned prefix's blocks be evicted again (they stay cached until they are).
+        Returns once the scheduler has taken the unpin: a ``wait_idle`` after it waits for the
+        blocks to be released."""
         self._check_alive()
-        self._control.send_nowait(UnpinPrefix(pool_pin_id=handle.pool_pin_id))
+        msg = UnpinPrefix(pool_pin_id=handle.pool_pin_id, handled=anyio.Event())
+        self._control.send_nowait(msg)
+        await self._wait_or_dead(msg.handled.wait)
 
     # ---- requests ---------------------------------------------------------------------------
 

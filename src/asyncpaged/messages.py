@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import anyio
+
 from asyncpaged.core.block_table import SwapPlan
 from asyncpaged.core.request import Request
 from asyncpaged.core.scheduler import SchedulerOutput
@@ -48,6 +50,7 @@ class AbortRequest:
 @dataclass(frozen=True, slots=True, kw_only=True)
 class UnpinPrefix:
     pool_pin_id: int
+    handled: anyio.Event  # set once the scheduler holds the unpin (then idle waits for it)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -10,7 +10,7 @@ import anyio
 import pytest
 
 from asyncpaged import InvalidRequestError, RequestOutput, SamplingParams
-from tests.engine.conftest import running_engine
+from tests.engine.conftest import assert_no_leaks, running_engine
 from tests.engine.test_engine import MODEL, generate_all, make_prompts
 from tests.model.reference import HFReference
 
@@ -136,6 +136,18 @@ async def test_pinned_prefix_survives_eviction_until_unpinned(
         await engine.unpin_prefix(handle)
         with pytest.raises(InvalidRequestError, match="at least one full block"):
             await engine.pin_prefix([1, 2, 3])
+
+
+async def test_wait_idle_covers_an_unpin_sent_just_before(
+    tiny_checkpoint: Callable[[str], Path],
+) -> None:
+    """unpin_prefix only posts a message; wait_idle right after it must still wait for the
+    unpin's transaction (it once returned with the message unread and the blocks pinned)."""
+    async with running_engine(tiny_checkpoint(MODEL), num_device_blocks=12) as engine:
+        handle = await engine.pin_prefix(list(range(20, 68)))
+        await engine.unpin_prefix(handle)
+        await engine.wait_idle()
+        assert_no_leaks(engine)
 
 
 async def test_aborting_a_parallel_sampling_request_frees_all_its_sequences(
