@@ -34,6 +34,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     simulate.add_parser(sub)
     args = parser.parse_args(argv)
     _configure_logging(args.log_level)
+    from asyncpaged.tools.malloc_tuning import tune_this_process
+
+    tune_this_process()  # an application's choice: keeps freed activations for reuse
     result: int = args.func(args)
     return result
 

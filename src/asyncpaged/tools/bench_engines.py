@@ -51,6 +51,7 @@ from typing import Any
 import structlog
 
 from asyncpaged.tools.bench_workload import Workload, make_workload
+from asyncpaged.tools.malloc_tuning import MALLOC_ENV
 
 STATIC_BATCH_SIZES = (8, 16, 64)
 ENGINES = ("asyncpaged", "hf-single", *(f"hf-static-{b}" for b in STATIC_BATCH_SIZES), "hf-cb")
@@ -79,6 +80,7 @@ class WorkerSpec:
     cb_page_size: int = 16
     cb_num_blocks: int | None = None  # None: sized to the workload (whole-model pages)
     cb_max_batch_tokens: int = 1024
+    malloc_tuning: bool = True  # every engine's process, baselines included (malloc_tuning.py)
     progress: bool = True
 
     def to_json(self) -> str:
@@ -329,12 +331,17 @@ class EngineRun:
 # ---- the parent side: one fresh process per engine run --------------------------------------
 
 
-def worker_env(threads: int) -> dict[str, str]:
-    """The same environment for every worker: this one, with the thread count pinned."""
+def worker_env(threads: int, malloc_tuning: bool) -> dict[str, str]:
+    """The same environment for every worker: this one, with the thread count pinned and glibc
+    malloc's thresholds raised (or left at glibc's defaults)."""
     env = dict(os.environ)
     env.update(
         OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads), TOKENIZERS_PARALLELISM="false"
     )
+    for name in MALLOC_ENV:
+        env.pop(name, None)
+    if malloc_tuning:
+        env.update(MALLOC_ENV)
     return env
 
 
@@ -351,7 +358,7 @@ def run_one(spec: WorkerSpec, repeat: int) -> EngineRun:
             # would otherwise import its top-level kernels/ folder as the `kernels` package.
             [sys.executable, "-P", "-m", WORKER_MODULE, *argv],
             stdout=subprocess.PIPE,
-            env=worker_env(spec.threads),
+            env=worker_env(spec.threads, spec.malloc_tuning),
             text=True,
             check=False,
         )

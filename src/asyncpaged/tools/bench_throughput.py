@@ -313,6 +313,7 @@ def run(args: argparse.Namespace) -> int:
         cb_page_size=args.cb_page_size,
         cb_num_blocks=args.cb_num_blocks,
         cb_max_batch_tokens=args.cb_max_batch_tokens,
+        malloc_tuning=not args.system_malloc,
         progress=not args.no_progress,
     )
     print(f"{workload.describe()}; {args.threads} torch thread(s), {args.repeats} repeat(s)")
@@ -385,5 +386,10 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--cb-page-size", type=int, default=16, help="hf-cb tokens per page")
     p.add_argument("--cb-num-blocks", type=int, help="hf-cb pages (default: the workload)")
     p.add_argument("--cb-max-batch-tokens", type=int, default=1024, help="hf-cb tokens per step")
+    p.add_argument(
+        "--system-malloc",
+        action="store_true",
+        help="glibc's default malloc thresholds in every worker (default: raised, as the CLI does)",
+    )
     p.add_argument("--no-progress", action="store_true", help="no progress bars on stderr")
     p.set_defaults(func=run)
