@@ -9,13 +9,12 @@ from typing import Any
 import anyio
 import structlog
 from anyio.abc import TaskStatus
-from anyio.lowlevel import checkpoint
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from asyncpaged.core.block_table import PinnedPrefix
 from asyncpaged.core.request import Request, RequestStatus
 from asyncpaged.core.request import Sequence as Seq
-from asyncpaged.core.scheduler import Scheduler, SchedulerOutput, SchedulerStatistics, SeqUpdate
+from asyncpaged.core.scheduler import Scheduler, SchedulerOutput, SchedulerStatistics
 from asyncpaged.core.txn import PoolSnapshot, StepTxn, TxnResult
 from asyncpaged.messages import (
     AbortRequest,
@@ -70,8 +69,6 @@ class SchedulerActor:
         self._swaps = swaps
         self._eos = eos_token_id
         self._in_flight: SchedulerOutput | None = None
-        # tokens already in the core, not yet in their streams (see _finish_step)
-        self._unflushed: list[tuple[SeqUpdate, SampledToken]] = []
         self._planning = False  # a transaction is at the allocator
         self._idle = anyio.Event()
         self._log = log.bind(actor="scheduler")
@@ -91,7 +88,7 @@ class SchedulerActor:
         sched = self.scheduler
         return not (
             self._in_flight or self._planning or self.pins or sched.has_unfinished
-            or sched.has_swaps_in_flight or sched.has_pending_txn_work or self._unflushed
+            or sched.has_swaps_in_flight or sched.has_pending_txn_work
         )  # fmt: skip
 
     async def wait_idle(self) -> None:
@@ -116,9 +113,6 @@ class SchedulerActor:
                 stepped = False
                 if self._in_flight is None and self._has_work():
                     stepped = await self._step()
-                    if stepped:
-                        await checkpoint()  # the executor starts the forward
-                self.flush_outputs()
                 if self.is_idle:
                     self._idle.set()
                 if not stepped:
@@ -206,8 +200,6 @@ class SchedulerActor:
     # ---- messages ---------------------------------------------------------------------------
 
     def _handle(self, msg: SchedulerInbox) -> None:
-        if not isinstance(msg, StepDone):
-            self.flush_outputs()  # everything below sees the streams up to date
         match msg:
             case AddRequest(request=request, state=state):
                 self.states[request.request_id] = state
@@ -228,16 +220,11 @@ class SchedulerActor:
                 self._finish_step(out, result.sampled)
             case SwapDone(swap_id=swap_id):
                 self.scheduler.complete_swap(swap_id)
-            case UnpinPrefix(pool_pin_id=pool_pin_id, handled=handled):
+            case UnpinPrefix(pool_pin_id=pool_pin_id):
                 self.scheduler.unpin(pool_pin_id)
                 self._log.info("prefix_unpinned", pool_pin_id=pool_pin_id)
-                handled.set()
 
     def _finish_step(self, out: SchedulerOutput, sampled: Iterable[SampledToken]) -> None:
-        """Record a step's tokens in the core now; hand them to the request streams now only
-        where the text can stop the sequence (stop strings), else after the next step has
-        started (``flush_outputs``), so detokenizing overlaps the next forward."""
-        self.flush_outputs()
         by_row = {(t.seq_id, t.sample_index): t for t in sampled}
         tokens: dict[int, list[int]] = {}
         for (seq_id, _), t in sorted(by_row.items()):
@@ -245,13 +232,17 @@ class SchedulerActor:
         top = {t.seq_id: t.top_logprobs for t in by_row.values() if t.sample_index == 0}
         updates = self.scheduler.update(out, tokens, top)
         for upd in updates:
+            state = self.states[upd.request_id]
             token = by_row[upd.row]
-            if self.states[upd.request_id].params.stop:
-                self._emit(upd, token)
-            else:
-                self._unflushed.append((upd, token))
-        if self.scheduler.finished_beams:
-            self.flush_outputs()
+            logprobs = (
+                _logprobs(token, state.params.logprobs) if token.logprob is not None else None
+            )
+            matched = state.add_tokens(
+                upd.index, upd.new_token_ids, upd.finish_reason, upd.stop_reason, logprobs
+            )
+            if matched is not None:
+                self.scheduler.finish_seq(upd.request_id, upd.seq_id, "stop", matched)
+            self._log_if_finished(upd.request_id, state)
         for rid, hypotheses in self.scheduler.finished_beams:
             state = self.states[rid]
             eos = self._eos
@@ -261,25 +252,6 @@ class SchedulerActor:
             )
             self._log_if_finished(rid, state)
         self.scheduler.finished_beams.clear()
-
-    def flush_outputs(self) -> None:
-        """Hand the tokens held back by ``_finish_step`` to their request streams (in order)."""
-        pending, self._unflushed = self._unflushed, []
-        for upd, token in pending:
-            matched = self._emit(upd, token)
-            assert matched is None, "held back a sequence whose text can stop it"
-
-    def _emit(self, upd: SeqUpdate, token: SampledToken) -> str | None:
-        """One sequence's new tokens into its stream; a matched stop string ends it here."""
-        state = self.states[upd.request_id]
-        logprobs = _logprobs(token, state.params.logprobs) if token.logprob is not None else None
-        matched = state.add_tokens(
-            upd.index, upd.new_token_ids, upd.finish_reason, upd.stop_reason, logprobs
-        )
-        if matched is not None:
-            self.scheduler.finish_seq(upd.request_id, upd.seq_id, "stop", matched)
-        self._log_if_finished(upd.request_id, state)
-        return matched
 
     def _log_if_finished(self, request_id: str, state: RequestState) -> None:
         if state.finished and request_id in self.states:
