@@ -223,10 +223,6 @@ class AsyncEngine:
             self._dead = exc
             self._dead_event.set()
             log.error("engine_failed", error=repr(exc))
-            try:  # tokens of the last finished step still reach their streams
-                self._scheduler.flush_outputs()
-            except Exception as flush_exc:  # the engine is dying anyway
-                log.error("flush_failed", error=repr(flush_exc))
         for state in self._live.values():
             state.fail(self._dead)
         for state in self._scheduler.states.values():
