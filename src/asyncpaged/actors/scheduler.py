@@ -220,9 +220,10 @@ class SchedulerActor:
                 self._finish_step(out, result.sampled)
             case SwapDone(swap_id=swap_id):
                 self.scheduler.complete_swap(swap_id)
-            case UnpinPrefix(pool_pin_id=pool_pin_id):
+            case UnpinPrefix(pool_pin_id=pool_pin_id, handled=handled):
                 self.scheduler.unpin(pool_pin_id)
                 self._log.info("prefix_unpinned", pool_pin_id=pool_pin_id)
+                handled.set()
 
     def _finish_step(self, out: SchedulerOutput, sampled: Iterable[SampledToken]) -> None:
         by_row = {(t.seq_id, t.sample_index): t for t in sampled}
