@@ -22,9 +22,9 @@ class EngineConfig:
     ``max_position_embeddings``. ``watermark`` is the share of device blocks kept free when
     admitting new requests, so that running ones rarely need preempting right after.
 
-    ``packed_linears``, ``screened_lm_head`` and ``fused_elementwise`` are exact CPU float32
-    speed-ups (see docs/tuning.md); turning them off changes speed, not tokens. They do nothing
-    elsewhere.
+    ``packed_linears``, ``screened_lm_head`` (with ``int8_lm_head``) and ``fused_elementwise`` are
+    exact CPU float32 speed-ups (see docs/tuning.md); turning them off changes speed, not tokens.
+    They do nothing elsewhere.
     ``kv_cache_dtype`` stores K/V in another dtype than the model's ("auto"): "bfloat16" halves KV
     memory and decode-attention bytes but is not bit-exact (attention math stays float32).
 
@@ -53,6 +53,7 @@ class EngineConfig:
     kv_cache_dtype: Literal["auto", "float32", "float16", "bfloat16"] = "auto"  # auto: model's
     packed_linears: bool = True  # CPU fp32: oneDNN pre-packed weights (exact)
     screened_lm_head: bool = True  # CPU fp32: greedy argmax through a bf16 screen (exact)
+    int8_lm_head: bool = True  # with screened_lm_head: all-greedy steps screen in int8 (exact)
     # CPU fp32: native fused residual add + RMSNorm, RoPE, SiLU x up (Llama family); exact up to
     # fp32 summation order
     fused_elementwise: bool = True

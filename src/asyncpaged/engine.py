@@ -135,6 +135,7 @@ class AsyncEngine:
                                     kv_cache_dtype=kv_dtype,
                                     packed_linears=cfg.packed_linears,
                                     screened_lm_head=cfg.screened_lm_head,
+                                    int8_lm_head=cfg.int8_lm_head,
                                     fused_elementwise=cfg.fused_elementwise)
             )  # fmt: skip
             step_runner = self.runner  # TP=1: the executor drives the runner itself

@@ -80,33 +80,50 @@ def _assert_matches(seqs: list[SimSequence], ref: HFReference) -> None:
 
 
 @pytest.mark.parametrize("packed", [True, False], ids=["packed", "plain-linear"])
-@pytest.mark.parametrize("screened", [True, False], ids=["screened-head", "full-head"])
+@pytest.mark.parametrize(
+    "screen", ["int8", "bf16", None], ids=["int8-screened-head", "bf16-screened-head", "full-head"]
+)
 @pytest.mark.parametrize("name", ["llama-gqa", "llama-mha", "opt", "gpt2"])
 def test_cpu_levers_keep_greedy_equal_to_transformers(
     name: str,
     packed: bool,
-    screened: bool,
+    screen: str | None,
     tiny_checkpoint: Callable[[str], Path],
     hf_reference: Callable[[str], HFReference],
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """Plain greedy rows (no logprobs) take the screened head; each lever on and off."""
-    from asyncpaged.model import lm_head, packed_linear
+    """Plain greedy rows (no logprobs) take the screened head (int8 or bf16); each lever on and
+    off."""
+    from asyncpaged.model import lm_head, lm_head_int8, packed_linear
 
-    screens: list[int] = []
-    original = lm_head.ScreenedLMHead.argmax
+    screens: Counter[str] = Counter()
+    bf16_argmax = lm_head.ScreenedLMHead.argmax
+    int8_argmax = lm_head_int8.Int8ScreenedArgmax.argmax
 
-    def spy(self: lm_head.ScreenedLMHead, hidden: torch.Tensor) -> torch.Tensor:
-        screens.append(hidden.shape[0])
-        return original(self, hidden)
+    def bf16_spy(self: lm_head.ScreenedLMHead, hidden: torch.Tensor) -> torch.Tensor:
+        screens["bf16"] += 1
+        return bf16_argmax(self, hidden)
 
-    monkeypatch.setattr(lm_head.ScreenedLMHead, "argmax", spy)
-    runner = _runner(tiny_checkpoint(name), packed_linears=packed, screened_lm_head=screened)
+    def int8_spy(self: lm_head_int8.Int8ScreenedArgmax, hidden: torch.Tensor) -> torch.Tensor:
+        tokens = int8_argmax(self, hidden)
+        assert tokens is not None, "the int8 screen gave up on finite hidden states"
+        screens["int8"] += 1
+        return tokens
+
+    monkeypatch.setattr(lm_head.ScreenedLMHead, "argmax", bf16_spy)
+    monkeypatch.setattr(lm_head_int8.Int8ScreenedArgmax, "argmax", int8_spy)
+    runner = _runner(
+        tiny_checkpoint(name),
+        packed_linears=packed,
+        screened_lm_head=screen is not None,
+        int8_lm_head=screen == "int8",
+    )
     num_packed = sum(packed_linear.PACKED_ATTR in m.__dict__ for m in runner.model.modules())
     assert (num_packed > 0) == (packed and packed_linear.packing_supported())
     seqs = _make_sequences(seed=4)
     Driver(runner, seed=5, want_logprob=False).run(seqs)
-    assert bool(screens) == screened
+    used = screen if screen != "int8" or lm_head_int8.int8_screen_supported() else "bf16"
+    assert set(screens) == ({used} if used else set())
     _assert_matches(seqs, hf_reference(name))
 
 

@@ -48,6 +48,8 @@ class WorkerSpec:
     seed: int
     num_threads: int
     fused_elementwise: bool = True
+    screened_lm_head: bool = True  # rank 0 samples
+    int8_lm_head: bool = True
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -80,6 +80,8 @@ def worker_spec(
         attention_backend=config.attention_backend,
         packed_linears=config.packed_linears,
         fused_elementwise=config.fused_elementwise,
+        screened_lm_head=config.screened_lm_head,
+        int8_lm_head=config.int8_lm_head,
         seed=config.seed,
         num_threads=torch.get_num_threads(),
     )

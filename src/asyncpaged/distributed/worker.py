@@ -64,6 +64,8 @@ def build_runner(
         kv_cache_dtype=getattr(torch, spec.kv_cache_dtype),
         packed_linears=spec.packed_linears,
         fused_elementwise=spec.fused_elementwise,
+        screened_lm_head=spec.screened_lm_head,
+        int8_lm_head=spec.int8_lm_head,
         shard=shard,
     )
 

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal, Protocol
 
+import structlog
 import torch
 
 from asyncpaged.errors import InvalidRequestError
@@ -29,6 +30,7 @@ from asyncpaged.model.attention import AttentionBackend, AttentionMetadata, Torc
 from asyncpaged.model.base import SINGLE_SHARD, CausalLM, TensorShard
 from asyncpaged.model.kv_cache import PagedKVCache, swap_in, swap_out
 from asyncpaged.model.lm_head import ScreenedLMHead
+from asyncpaged.model.lm_head_int8 import Int8ScreenedArgmax, int8_screen_supported
 from asyncpaged.model.loader import load_model
 from asyncpaged.model.packed_linear import pack_linears
 from asyncpaged.model.sampler import (
@@ -39,6 +41,8 @@ from asyncpaged.model.sampler import (
     sample_from_candidates,
     screened_top_k,
 )
+
+_log = structlog.get_logger(__name__)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -167,6 +171,7 @@ class ModelRunner:
         kv_cache_dtype: torch.dtype | None = None,
         packed_linears: bool = True,
         screened_lm_head: bool = True,
+        int8_lm_head: bool = True,
         fused_elementwise: bool = True,
         shard: TensorShard = SINGLE_SHARD,
     ) -> None:
@@ -177,7 +182,9 @@ class ModelRunner:
         CPU levers apply to float32 models on CPU only: ``packed_linears`` pre-packs the layers'
         weights for oneDNN (``packed_linear``), ``screened_lm_head`` picks greedy and top-k
         tokens through a bf16 screen (``lm_head``) when every row of a step qualifies
-        (``sampler.is_screenable``, no logprob asked): the full head's tokens;
+        (``sampler.is_screenable``, no logprob asked): the full head's tokens; with
+        ``int8_lm_head`` too, all-greedy steps screen with an int8 GEMM instead
+        (``lm_head_int8``, the same tokens; where this CPU lacks exact int8 sums, bf16);
         ``fused_elementwise`` gives the model native fused norm / RoPE / SiLU ops
         (``CausalLM.fused_ops``; used by the Llama family, exact up to fp32 summation order)
         when the kernel library builds here. ``shard`` picks a
@@ -205,6 +212,14 @@ class ModelRunner:
             self.model.fused_ops = fused_ops()  # None (torch code) when it cannot be built
         screened = screened_lm_head and cpu_fp32 and shard.rank == 0
         self.screened_head = ScreenedLMHead(self.model.lm_head_weight()) if screened else None
+        self.int8_head: Int8ScreenedArgmax | None = None
+        if self.screened_head is not None and int8_lm_head and int8_screen_supported():
+            try:
+                self.int8_head = Int8ScreenedArgmax(
+                    self.screened_head.weight, rescorer=self.screened_head
+                )
+            except ValueError as exc:  # hidden size or weights outside its proof
+                _log.info("int8_lm_head_unavailable", error=str(exc))
 
         on_cuda = self.device.type == "cuda"
 
@@ -304,8 +319,9 @@ class ModelRunner:
         ]
         hidden = hidden[torch.tensor(rows, device=self.device)]
         if self.screened_head is not None and all(_plain_greedy(s, o) for s, _, o in draws):
+            token_ids = self.int8_head.argmax(hidden) if self.int8_head is not None else None
             out = SamplerOutput(
-                token_ids=self.screened_head.argmax(hidden),
+                token_ids=self.screened_head.argmax(hidden) if token_ids is None else token_ids,
                 logprobs=None,
                 ranks=None,
                 top_token_ids=None,
