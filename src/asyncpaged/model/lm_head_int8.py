@@ -266,9 +266,10 @@ def _weight_norms(
     for start in range(0, vocab, WEIGHT_BLOCK):
         block = slice(start, start + WEIGHT_BLOCK)
         exact = weight[block].double()  # [B, H]
-        dequantized = quantized[block].double() * scales[block].double()[:, None]  # exact
-        stacked = torch.stack([exact, dequantized, exact - dequantized])  # [3, B, H]
-        norms[:, block] = torch.linalg.vector_norm(stacked, dim=-1)
+        dequantized = quantized[block].double().mul_(scales[block].double()[:, None])  # exact
+        torch.linalg.vector_norm(exact, dim=-1, out=norms[0, block])
+        torch.linalg.vector_norm(dequantized, dim=-1, out=norms[1, block])
+        torch.linalg.vector_norm(exact.sub_(dequantized), dim=-1, out=norms[2, block])
     norms *= 1 + 1e-6
     row, quantized_row, rounding = norms.unbind(0)
     return row, quantized_row, rounding
