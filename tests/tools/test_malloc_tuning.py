@@ -8,7 +8,6 @@ import sys
 
 import pytest
 
-from asyncpaged.tools import malloc_tuning
 from asyncpaged.tools.bench_engines import worker_env
 from asyncpaged.tools.malloc_tuning import MALLOC_ENV, THRESHOLD_BYTES, tune_this_process
 
@@ -36,4 +35,3 @@ def test_tune_this_process_applies_on_glibc() -> None:
 def test_without_a_c_library_nothing_is_tuned(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(ctypes.util, "find_library", lambda name: None)
     assert tune_this_process() is False
-    assert malloc_tuning.ctypes.util.find_library("c") is None
