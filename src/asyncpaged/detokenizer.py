@@ -137,6 +137,7 @@ class IncrementalDetokenizer:
             self._decode_kwargs["spaces_between_special_tokens"] = (
                 params.spaces_between_special_tokens
             )
+        self._backend = _plain_fast_backend(tokenizer, self._decode_kwargs)
         context, prefix_text = self._choose_context(prompt_token_ids)
         self._ids: list[int] = context
         self._prefix_offset = 0
@@ -241,6 +242,11 @@ class IncrementalDetokenizer:
     def _decode(self, ids: list[int]) -> str:
         if not ids:
             return ""
+        if self._backend is not None:  # the same call transformers would make, without its wrapper
+            backend_text: str = self._backend.decode(
+                ids, skip_special_tokens=self._decode_kwargs["skip_special_tokens"]
+            )
+            return backend_text
         text = self._tokenizer.decode(ids, **self._decode_kwargs)
         assert isinstance(text, str), f"tokenizer.decode returned {type(text).__name__}"
         return text
@@ -293,3 +299,24 @@ class IncrementalDetokenizer:
         delta = self._text[self._num_released : limit]
         self._num_released = limit
         return delta
+
+
+def _plain_fast_backend(tokenizer: Any, decode_kwargs: dict[str, bool]) -> Any:
+    """The Rust tokenizer when ``tokenizer.decode(ids, **decode_kwargs)`` is exactly its
+    ``decode(ids, skip_special_tokens=...)``: a stock transformers fast tokenizer (neither
+    ``decode`` nor ``_decode`` overridden), no cleanup and no other option. Else None.
+
+    transformers' fast ``_decode`` calls the backend and then, only with
+    ``clean_up_tokenization_spaces``, cleans up; skipping its Python wrapper (argument
+    conversion, batching checks) halves the cost of a decode."""
+    from transformers import PreTrainedTokenizerFast
+
+    cls = type(tokenizer)
+    plain = (
+        isinstance(tokenizer, PreTrainedTokenizerFast)
+        and cls.decode is PreTrainedTokenizerFast.decode
+        and cls._decode is PreTrainedTokenizerFast._decode
+        and set(decode_kwargs) == {"skip_special_tokens", "clean_up_tokenization_spaces"}
+        and decode_kwargs["clean_up_tokenization_spaces"] is False
+    )
+    return tokenizer.backend_tokenizer if plain else None

@@ -610,3 +610,23 @@ def test_check_stop_token(
 def test_check_stop_token_without_eos() -> None:
     assert check_stop_token(0, SamplingParams(), None, 1) is None
     assert check_stop_token(0, SamplingParams(stop_token_ids=[0]), None, 1) == ("stop", 0)
+
+
+def test_stock_fast_tokenizers_decode_through_their_backend_with_the_same_text() -> None:
+    """A stock fast tokenizer is decoded through its Rust backend (transformers' wrapper
+    skipped); a tokenizer that overrides ``_decode`` keeps the wrapper. The random-ids and
+    stop-string properties above run the fast path through ``fast_bpe``."""
+    fast = BYTE_TOKENIZERS["fast_bpe"]()
+    for skip in (False, True):
+        detok = IncrementalDetokenizer(fast, [1, 2], SamplingParams(skip_special_tokens=skip))
+        assert detok._backend is fast.backend_tokenizer
+        ids = list(range(len(fast)))
+        assert detok._decode(ids) == _decode(fast, ids, skip_special_tokens=skip)
+    spaces = _SpacesTokenizer(eos_token="</s>")
+    spaces.seen = []
+    for wrapped in (
+        BYTE_TOKENIZERS["slow_bytes"](),
+        _StrictKwargsTokenizer(eos_token="</s>"),
+        spaces,
+    ):
+        assert IncrementalDetokenizer(wrapped, [1], SamplingParams())._backend is None
