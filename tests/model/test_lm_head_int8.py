@@ -8,6 +8,9 @@ their candidates) and its ``torch.argmax`` (ties: the lowest id).
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from collections.abc import Iterator
 
 import pytest
@@ -361,3 +364,19 @@ def test_the_probe_accepts_an_exact_kernel(monkeypatch: pytest.MonkeyPatch) -> N
     monkeypatch.setattr(lm_head_int8, "_accumulation_is_exact", lambda: False)
     int8_screen_supported.cache_clear()
     assert int8_screen_supported() is False
+
+
+@needs_int8
+def test_the_probe_refuses_onednn_limited_to_avx2() -> None:
+    """oneDNN capped at AVX2 (ONEDNN_MAX_CPU_ISA, read at its start, so in a child) adds u8 x s8
+    pairs into saturating int16 on any CPU: the real kernel, not a simulation, fails the probe
+    (on this machine's kind AVX512_CORE does too, AVX512_CORE_VNNI passes)."""
+    code = "from asyncpaged.model.lm_head_int8 import int8_screen_supported as s; print(s())"
+    answers = {}
+    for isa in ("AVX2", "DEFAULT"):
+        env = {**os.environ, "ONEDNN_MAX_CPU_ISA": isa}
+        out = subprocess.run(
+            [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True
+        )
+        answers[isa] = out.stdout.strip().splitlines()[-1]
+    assert answers == {"AVX2": "False", "DEFAULT": "True"}
