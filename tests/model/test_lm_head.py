@@ -10,11 +10,12 @@ from hypothesis import strategies as st
 from asyncpaged.model.lm_head import FP32_UNIT_ROUNDOFF, ScreenedLMHead
 
 
-def _near_tie_head(
+def near_tie_head(
     seed: int, vocab: int, hidden: int, spread: float, noise: float, ties: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Weights whose exact logits for ``h`` are ``c + spread * k_j`` (k_j small integers, many
-    repeated) plus a large component orthogonal to ``h`` that bf16 rounding turns into error."""
+    repeated) plus a large component orthogonal to ``h`` that bf16 (or int8) rounding turns into
+    error. Shared with the int8 head's tests."""
     gen = torch.Generator().manual_seed(seed)
     h = torch.randn(hidden, generator=gen, dtype=torch.float64)
     targets = 3.0 + spread * torch.randint(0, ties, (vocab,), generator=gen).double()
@@ -62,7 +63,7 @@ def _check(head: ScreenedLMHead, h: torch.Tensor) -> None:
 def test_screen_keeps_the_exact_argmax_on_adversarial_near_ties(
     seed: int, vocab: int, hidden: int, spread: float, noise: float, ties: int
 ) -> None:
-    h, weight = _near_tie_head(seed, vocab, hidden, spread, noise, ties)
+    h, weight = near_tie_head(seed, vocab, hidden, spread, noise, ties)
     _check(ScreenedLMHead(weight), h)
 
 

@@ -25,6 +25,7 @@ from asyncpaged.model.lm_head_int8 import (
     Int8ScreenedArgmax,
     int8_screen_supported,
 )
+from tests.model.test_lm_head import near_tie_head
 
 needs_int8 = pytest.mark.skipif(
     not int8_screen_supported(), reason="oneDNN int8 linear unavailable or inexact on this CPU"
@@ -118,20 +119,6 @@ def test_real_sized_head_keeps_few_candidates() -> None:
     assert rows.numel() / 64 < 32, "the bound is far looser than it should be"
 
 
-def _near_tie_head(
-    seed: int, vocab: int, hidden: int, spread: float, noise: float, ties: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Weights whose exact logits for ``h`` are ``3 + spread * k_j`` (k_j small integers, many
-    repeated) plus a large component orthogonal to ``h`` that int8 rounding turns into error."""
-    gen = torch.Generator().manual_seed(seed)
-    h = torch.randn(hidden, generator=gen, dtype=torch.float64)
-    targets = 3.0 + spread * torch.randint(0, ties, (vocab,), generator=gen).double()
-    ortho = torch.randn(vocab, hidden, generator=gen, dtype=torch.float64) * noise
-    ortho -= (ortho @ h)[:, None] * h[None, :] / (h @ h)  # remove the component along h
-    weight = ortho + targets[:, None] * h[None, :] / (h @ h)
-    return h.float()[None, :], weight.float()
-
-
 @needs_int8
 @settings(max_examples=60, deadline=None)
 @given(
@@ -145,7 +132,7 @@ def _near_tie_head(
 def test_adversarial_near_ties_give_the_reference_argmax(
     seed: int, vocab: int, hidden: int, spread: float, noise: float, ties: int
 ) -> None:
-    h, weight = _near_tie_head(seed, vocab, hidden, spread, noise, ties)
+    h, weight = near_tie_head(seed, vocab, hidden, spread, noise, ties)
     _check(Int8ScreenedArgmax(weight), h)
 
 
