@@ -72,6 +72,7 @@ _warned: set[str] = set()
 _compiler_versions: dict[str, str] = {}
 
 
+@functools.cache
 def is_x86() -> bool:
     return platform.machine().lower() in {"x86_64", "amd64"}
 
@@ -94,7 +95,11 @@ def supported_targets() -> tuple[str, ...]:
     """The targets this CPU runs, best first (always ends with ``baseline``)."""
     if not is_x86():
         return ("baseline",)
-    flags = cpu_flags()
+    return _targets_with(cpu_flags())
+
+
+@functools.cache
+def _targets_with(flags: frozenset[str]) -> tuple[str, ...]:
     return tuple(t for t in TARGETS if _REQUIRED_FLAGS[t] <= flags)
 
 

@@ -44,7 +44,8 @@ _STATUS_MESSAGES: Final = {
 
 def rows_dense(t: torch.Tensor) -> bool:
     """[N, H, D] whose rows [H, D] are contiguous (the row stride may be larger)."""
-    return t.dim() == 3 and t.stride(2) == 1 and t.stride(1) == t.shape[2]
+    stride = t.stride()
+    return len(stride) == 3 and stride[2] == 1 and stride[1] == t.shape[2]
 
 
 def status_message(status: int) -> str:
@@ -61,7 +62,8 @@ def check_inputs(
 ) -> None:
     """The checks every attention entry point makes (raises ``ValueError``)."""
     tensors = (query, key_cache, value_cache, block_tables, context_lens)
-    if any(t.device.type != "cpu" for t in tensors):
+    if not (query.is_cpu and key_cache.is_cpu and value_cache.is_cpu and block_tables.is_cpu
+            and context_lens.is_cpu):  # fmt: skip
         raise ValueError(f"all tensors must be on the CPU, got {[str(t.device) for t in tensors]}.")
     if query.dtype != torch.float32 or not rows_dense(query):
         raise ValueError(
@@ -72,14 +74,14 @@ def check_inputs(
     check_cache(key_cache, value_cache, head_dim)
     if head_dim not in SUPPORTED_HEAD_DIMS:
         raise ValueError(f"head_dim must be one of {sorted(SUPPORTED_HEAD_DIMS)}, got {head_dim}.")
-    block_size, kv_heads = key_cache.shape[3], key_cache.shape[1]
+    _, kv_heads, _, block_size = key_cache.shape
     if block_size % BLOCK_SIZE_MULTIPLE != 0:
         raise ValueError(f"block_size must be a multiple of 16, got {block_size}.")
     if num_heads % kv_heads != 0:
         raise ValueError(
             f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({kv_heads})."
         )
-    if block_tables.dtype != torch.int64 or block_tables.dim() != 2 or block_tables.stride(1) != 1:
+    if block_tables.dtype != torch.int64 or block_tables.stride()[1:] != (1,):
         raise ValueError(
             f"block_tables must be int64 [S, max_blocks] with contiguous rows, got "
             f"{block_tables.dtype} {tuple(block_tables.shape)}."
@@ -95,15 +97,13 @@ def check_inputs(
 def check_cache(key_cache: torch.Tensor, value_cache: torch.Tensor, head_dim: int) -> None:
     """key_cache [num_blocks, Hkv, D, bs], value_cache [num_blocks, Hkv, bs, D], contiguous,
     both float32 or both bfloat16."""
-    if key_cache.dim() != 4 or value_cache.dim() != 4:
+    key_shape, value_shape = key_cache.shape, value_cache.shape
+    if len(key_shape) != 4 or len(value_shape) != 4:
         raise ValueError(
-            f"key_cache/value_cache must be 4-D, got {tuple(key_cache.shape)} and "
-            f"{tuple(value_cache.shape)}."
+            f"key_cache/value_cache must be 4-D, got {tuple(key_shape)} and {tuple(value_shape)}."
         )
-    num_blocks, kv_heads, _, block_size = key_cache.shape
-    if tuple(key_cache.shape) != (num_blocks, kv_heads, head_dim, block_size) or tuple(
-        value_cache.shape
-    ) != (num_blocks, kv_heads, block_size, head_dim):
+    num_blocks, kv_heads, key_dim, block_size = key_shape
+    if key_dim != head_dim or value_shape != (num_blocks, kv_heads, block_size, head_dim):
         raise ValueError(
             "expected key_cache [num_blocks, Hkv, D, block_size] and value_cache [num_blocks, "
             f"Hkv, block_size, D] with D = {head_dim}, got {tuple(key_cache.shape)} and "
