@@ -87,6 +87,32 @@ inline void store(float* p, vf v) { std::memcpy(p, &v, sizeof v); }
 
 inline vf vmax(vf a, vf b) { return a > b ? a : b; }
 
+// v rotated down by S lanes (lane i <- lane (i + S) % W).
+template <int S, size_t... I>
+inline vf rotate(vf v, std::index_sequence<I...>) {
+  return __builtin_shufflevector(v, v, ((I + S) % W)...);
+}
+
+// Horizontal max and sum as a tree of log2(W) shuffles: a chain of W scalar adds (3-4 cycles
+// each) was half of the softmax time of a short row.
+inline float reduce_max(vf v) {
+  constexpr auto idx = std::make_index_sequence<W>{};
+  if constexpr (W >= 16) v = vmax(v, rotate<8>(v, idx));
+  if constexpr (W >= 8) v = vmax(v, rotate<4>(v, idx));
+  v = vmax(v, rotate<2>(v, idx));
+  v = vmax(v, rotate<1>(v, idx));
+  return v[0];
+}
+
+inline float reduce_add(vf v) {
+  constexpr auto idx = std::make_index_sequence<W>{};
+  if constexpr (W >= 16) v += rotate<8>(v, idx);
+  if constexpr (W >= 8) v += rotate<4>(v, idx);
+  v += rotate<2>(v, idx);
+  v += rotate<1>(v, idx);
+  return v[0];
+}
+
 // The Cephes expf reduction and polynomial: x = n ln2 + r with n integral, exp(r) ~ y (~1 ulp).
 // Returns y and sets n; the caller scales y by 2^n.
 inline vf exp_reduced(vf x, vf& n) {

@@ -20,7 +20,9 @@
 //
 // The hardware prefetcher cannot follow a block table: the blocks are read as one stream (K
 // blocks, V blocks, then the next item's K blocks) and the block two ahead in that stream is
-// prefetched into L2, one cache line per row used, so the prefetches overlap the FMAs. Positions
+// prefetched into L2, one cache line per row used, so the prefetches overlap the FMAs. Each
+// thread runs a fixed list of items (longest first, balanced by length), so the next item is
+// known. A shuffled table still reads at ~70% of sequential bandwidth (docs/tuning.md). Positions
 // outside [start, context_len) are never read from V and their scores never enter the softmax,
 // so unwritten slots (NaN in tests) cannot leak. Accumulation is fp32; bf16 storage is widened
 // on load. Element offsets are int64 (a cache may hold more than 2^31 elements). The vector
@@ -33,6 +35,8 @@
 #include <cstring>
 #include <limits>
 #include <vector>
+
+#include <omp.h>
 
 namespace {
 
@@ -102,8 +106,7 @@ inline void softmax_rows(float* s, int G, int64_t L, int64_t lo, int64_t hi, flo
       const vi valid = (idx >= static_cast<int32_t>(lo)) & (idx < static_cast<int32_t>(hi));
       m = vmax(m, valid ? load(sg + j) : neg_inf);
     }
-    float mx = m[0];
-    for (int j = 1; j < W; ++j) mx = std::max(mx, m[j]);
+    const float mx = reduce_max(m);
     vf acc = vf{};
     for (int64_t j = lo_v; j < hi_v; j += W) {
       const vi idx = lane + static_cast<int32_t>(j);
@@ -112,17 +115,17 @@ inline void softmax_rows(float* s, int G, int64_t L, int64_t lo, int64_t hi, flo
       store(sg + j, e);
       acc += e;
     }
-    float total = 0.0f;
-    for (int j = 0; j < W; ++j) total += acc[j];
-    inv_sum[g] = 1.0f / total;
+    inv_sum[g] = 1.0f / reduce_add(acc);
   }
 }
 
 // Attention of one sequence for KV heads [h0, h0 + nh). The blocks are read as one stream, K
-// blocks (pass 1), then V blocks (pass 2), then the next item's K blocks: while block i of the
-// stream is used, block i + kAhead is prefetched, spread over the FMAs.
+// blocks (pass 1), then V blocks (pass 2), then the next item's K blocks (KV heads from next_h0):
+// while block i of the stream is used, block i + kAhead is prefetched, spread over the FMAs.
+// start_prefetched: the thread's previous item already prefetched this one's first blocks.
 template <int D, typename KV>
-void attend_one(const Params& p, const Span& sp, int64_t h0, int64_t nh, const Span* next) {
+void attend_one(const Params& p, const Span& sp, int64_t h0, int64_t nh, const Span* next,
+                int64_t next_h0, bool start_prefetched) {
   const int64_t bs = p.block_size;
   const int G = static_cast<int>(p.num_heads / p.num_kv_heads);
   const int64_t n = sp.num_blocks;
@@ -131,12 +134,14 @@ void attend_one(const Params& p, const Span& sp, int64_t h0, int64_t nh, const S
   const int64_t block_elems = p.num_kv_heads * head_elems;
   const KV* key_cache = static_cast<const KV*>(p.key_cache) + h0 * head_elems;
   const KV* value_cache = static_cast<const KV*>(p.value_cache) + h0 * head_elems;
+  const KV* next_key_cache = static_cast<const KV*>(p.key_cache) + next_h0 * head_elems;
   auto k_block = [&](const Span& x, int64_t i) { return key_cache + x.table[i] * block_elems; };
   auto v_block = [&](int64_t i) { return value_cache + sp.table[i] * block_elems; };
   auto stream_block = [&](int64_t i) -> const KV* {  // block i of the stream, or nullptr
     if (i < n) return k_block(sp, i);
     if (i < 2 * n) return v_block(i - n);
-    if (next && i - 2 * n < next->num_blocks) return k_block(*next, i - 2 * n);
+    if (next && i - 2 * n < next->num_blocks)
+      return next_key_cache + next->table[i - 2 * n] * block_elems;
     return nullptr;
   };
   const int rows = static_cast<int>(nh) * G;  // query heads of this item
@@ -158,8 +163,9 @@ void attend_one(const Params& p, const Span& sp, int64_t h0, int64_t nh, const S
   for (size_t i = 0; i < num_q; ++i) q[i] = q_src[i] * p.scale;
 
   // Pass 1: scores of every chunk that holds a valid position.
-  for (int64_t b = 0; b < kAhead; ++b)
-    if (const KV* first = stream_block(b)) prefetch_l2(first, nh * head_elems);
+  if (!start_prefetched)
+    for (int64_t b = 0; b < kAhead; ++b)
+      if (const KV* first = stream_block(b)) prefetch_l2(first, nh * head_elems);
   for (int64_t b = 0; b < n; ++b) {
     const KV* pf = stream_block(b + kAhead);
     const KV* kb = k_block(sp, b);
@@ -203,24 +209,47 @@ void run_all(const Params& p, int64_t num_items, int num_threads) {
   const int64_t nh = pairs ? 2 : 1;
   const int64_t groups = p.num_kv_heads / nh;
   const int64_t num_work = num_items * groups;
-  // Longest sequences first, so dynamic scheduling ends balanced.
+  // Threads get fixed lists, made longest first, each work item to the least loaded thread
+  // (LPT: within 4/3 of the best balance), and run them in order, so the next item a thread
+  // prefetches (see attend_one) is the one it really runs next. With dynamic scheduling the
+  // next item in a shared order was usually another thread's: its prefetch was wasted and the
+  // thread started each item on cold blocks.
+  auto span_len = [&](int64_t i) {
+    const int64_t ctx = p.context_lens[p.seq_indices ? p.seq_indices[i] : i];
+    return ctx - window_start(ctx, p.sliding_window);
+  };
   std::vector<int64_t> order(static_cast<size_t>(num_items));
   for (int64_t i = 0; i < num_items; ++i) order[i] = i;
-  if (num_threads > 1) {
-    auto span_len = [&](int64_t i) {
-      const int64_t ctx = p.context_lens[p.seq_indices ? p.seq_indices[i] : i];
-      return ctx - window_start(ctx, p.sliding_window);
-    };
+  if (num_threads > 1)
     std::stable_sort(order.begin(), order.end(),
                      [&](int64_t a, int64_t b) { return span_len(a) > span_len(b); });
+  std::vector<std::vector<int64_t>> lists(static_cast<size_t>(num_threads));
+  std::vector<int64_t> load(static_cast<size_t>(num_threads), 0);
+  constexpr int64_t kItemCost = 16;  // fixed cost of a work item, in positions
+  for (int64_t w = 0; w < num_work; ++w) {
+    const auto t = std::min_element(load.begin(), load.end()) - load.begin();
+    lists[t].push_back(w);
+    load[t] += span_len(order[w / groups]) + kItemCost;
   }
   auto item_span = [&](int64_t w) { return make_span(p, order[w / groups]); };
-#pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads)
-  for (int64_t w = 0; w < num_work; ++w) {
-    const Span sp = item_span(w);
-    // The next item in the order: this thread's next one unless another thread takes it.
-    const Span next = w + 1 < num_work ? item_span(w + 1) : Span{};
-    attend_one<D, KV>(p, sp, (w % groups) * nh, nh, w + 1 < num_work ? &next : nullptr);
+  auto run_list = [&](const std::vector<int64_t>& list) {
+    for (size_t i = 0; i < list.size(); ++i) {
+      const int64_t w = list[i];
+      const bool has_next = i + 1 < list.size();
+      const Span next = has_next ? item_span(list[i + 1]) : Span{};
+      attend_one<D, KV>(p, item_span(w), (w % groups) * nh, nh, has_next ? &next : nullptr,
+                        has_next ? (list[i + 1] % groups) * nh : 0, i > 0);
+    }
+  };
+  if (num_threads == 1) {
+    run_list(lists[0]);
+    return;
+  }
+#pragma omp parallel num_threads(num_threads)
+  {
+    // OpenMP may give fewer threads than asked for: every list still runs.
+    const int nt = omp_get_num_threads();
+    for (int t = omp_get_thread_num(); t < num_threads; t += nt) run_list(lists[t]);
   }
 }
 

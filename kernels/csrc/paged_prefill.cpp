@@ -105,8 +105,7 @@ inline void online_softmax(float* s, int M, int G, int64_t KB, int64_t k0, int64
       const vi idx = lane + static_cast<int32_t>(j);
       mv = vmax(mv, (idx >= a32) & (idx < e32) ? load(sm + j) : neg_inf);
     }
-    float mx = mv[0];
-    for (int j = 1; j < W; ++j) mx = std::max(mx, mv[j]);
+    const float mx = reduce_max(mv);
     const float old_max = row_max[m];
     const float new_max = std::max(old_max, mx);
     vf acc = vf{};
@@ -116,8 +115,7 @@ inline void online_softmax(float* s, int M, int G, int64_t KB, int64_t k0, int64
       store(sm + j, e_v);
       acc += e_v;
     }
-    float total = 0.0f;
-    for (int j = 0; j < W; ++j) total += acc[j];
+    const float total = reduce_add(acc);
     if (old_max != -inf && new_max != old_max) alpha[m] = std::exp(old_max - new_max);
     row_sum[m] = row_sum[m] * alpha[m] + total;
     row_max[m] = new_max;

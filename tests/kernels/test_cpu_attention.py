@@ -13,7 +13,10 @@ compiles each target, about 10-15 s each).
 
 from __future__ import annotations
 
+import os
 import random
+import subprocess
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -163,6 +166,35 @@ def test_each_build_target(
     for case, window, want in target_cases:
         got = case.run(window, num_threads=threads, target=target)
         assert_matches(got, want, case.key_cache.dtype)
+
+
+_THREAD_LIMIT_PROBE = """
+import torch
+from tests.kernels.test_cpu_attention import assert_matches, make_case
+case = make_case(kv_heads=4, lengths=(300, 1, 40, 17, 257, 16, 90), heads=8)
+assert_matches(case.run(num_threads=3), case.reference(), torch.float32)
+"""
+
+
+@needs_compiler
+@pytest.mark.parametrize("threads", [3, 7, 40])
+def test_thread_lists_cover_every_item(threads: int) -> None:
+    # Each thread runs a fixed list of work items: with more threads than items (7 sequences
+    # x 4 KV heads one at a time, or in pairs), lists are empty or short, and every item must
+    # still be computed once.
+    for lengths in ((300, 1, 40), (300, 1, 40, 17, 257, 16, 90)):
+        case = make_case(kv_heads=4, lengths=lengths, heads=8, seed=threads)
+        assert_matches(case.run(num_threads=threads), case.reference(), torch.float32)
+
+
+@needs_compiler
+def test_thread_lists_run_when_openmp_gives_fewer_threads() -> None:
+    # OMP_THREAD_LIMIT=1: the kernel asks for 3 threads and gets 1, which must run all 3 lists.
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "OMP_THREAD_LIMIT": "1", "PYTHONPATH": str(root)}
+    subprocess.run(
+        [sys.executable, "-c", _THREAD_LIMIT_PROBE], env=env, cwd=root, check=True, timeout=300
+    )
 
 
 @needs_compiler
