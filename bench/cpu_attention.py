@@ -18,6 +18,12 @@ so every call reads cold memory (as in a real multi-layer model). Paths, timed p
   ``@ V``), ``sdpa_gqa`` (SDPA over ``[B, Hq, 1, D]`` with ``enable_gqa``). ``best contig`` is the
   fastest of them and the denominator of ``cpp/contig``.
 
+Memory floor: each call must read the K/V of every context position once (``2 x B x Hkv x ctx x
+D`` elements), and no kernel can do that faster than this machine streams memory. ``GB/s`` is the
+kernel's read rate; ``floor/contig`` is that byte count at the sequential read bandwidth measured
+at the start (a ``sum`` over 256 MB with the same threads), over the best contiguous time: the
+best ``cpp/contig`` any kernel could reach on this machine.
+
 With ``--dtypes float32 bfloat16`` the paged cache is also run in bf16 storage (contiguous stays
 fp32: the baseline is the best fp32 torch path). Paths are interleaved round by round and the
 table reports medians; run one process per thread count.
@@ -165,6 +171,18 @@ def make_case(
             error = (got.reshape(want.shape).float() - want).abs().max().item()
             assert error < 1e-4, f"{name} disagrees with contiguous SDPA by {error}"
     return num_layers, paths
+
+
+def stream_bandwidth(repeats: int = 7) -> float:
+    """Sequential read bandwidth (bytes/s): the median of ``repeats`` sums over 256 MB."""
+    x = torch.ones(64 * 2**20)
+    x.sum()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        x.sum()
+        times.append(time.perf_counter() - t0)
+    return x.numel() * x.element_size() / statistics.median(times)
 
 
 def time_case(
@@ -325,14 +343,16 @@ def main() -> None:
     if args.mode != "decode":
         (main_prefill if args.mode == "prefill" else main_write)(args)
         return
+    bandwidth = stream_bandwidth()
     print(
         f"decode attention per layer call (median us), {HEADS} heads / {KV_HEADS} KV heads x "
         f"{HEAD_DIM}, block {BLOCK}, shuffled tables, KV set > {args.cold_factor:g}x 32 MB, "
-        f"threads {args.threads}, {args.rounds} rounds"
+        f"threads {args.threads}, {args.rounds} rounds; sequential read {bandwidth / 1e9:.1f} GB/s"
     )
     header = (
         f"{'kv':<5}{'B':>4}{'ctx':>6}{'cpp':>9}{'cpp_be':>9}{'torch_be':>10}{'sdpa':>9}"
-        f"{'matmul':>9}{'sdpa_gqa':>10}{'cpp/contig':>12}{'cpp/torch_be':>14}"
+        f"{'matmul':>9}{'sdpa_gqa':>10}{'cpp/contig':>12}{'cpp/torch_be':>14}{'GB/s':>7}"
+        f"{'floor/contig':>14}"
     )
     print(header)
     for dtype_name in args.dtypes:
@@ -342,12 +362,14 @@ def main() -> None:
                 num_layers, paths = make_case(batch, context, dtype, args.cold_factor, args.seed)
                 t = time_case(num_layers, paths, args.rounds, args.warmup)
                 best = min(t["contig_sdpa"], t["contig_matmul"], t["contig_sdpa_gqa"])
+                kv_bytes = 2 * batch * KV_HEADS * context * HEAD_DIM * dtype.itemsize
                 us = {name: f"{v * 1e6:.0f}" for name, v in t.items()}
                 print(
                     f"{'bf16' if dtype == torch.bfloat16 else 'fp32':<5}{batch:>4}{context:>6}"
                     f"{us['cpp']:>9}{us['cpp_backend']:>9}{us['torch_backend']:>10}"
                     f"{us['contig_sdpa']:>9}{us['contig_matmul']:>9}{us['contig_sdpa_gqa']:>10}"
-                    f"{t['cpp'] / best:>11.2f}x{t['cpp'] / t['torch_backend']:>13.2f}x",
+                    f"{t['cpp'] / best:>11.2f}x{t['cpp'] / t['torch_backend']:>13.2f}x"
+                    f"{kv_bytes / t['cpp'] / 1e9:>7.1f}{kv_bytes / bandwidth / best:>13.2f}x",
                     flush=True,
                 )
                 del paths
