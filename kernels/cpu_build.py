@@ -294,6 +294,28 @@ def _declare(lib: ctypes.CDLL) -> None:
         ptr, ptr, ptr, i64,  # context_lens, seq_indices, query_rows, num_items
         i64, ctypes.c_float, i64, i32,  # num_heads, scale, sliding_window, num_threads
     ]  # fmt: skip
+    lib.asyncpaged_decode_plan_create.restype = ptr
+    lib.asyncpaged_decode_plan_create.argtypes = [
+        i64, i32,  # num_query_rows, kv_dtype
+        i64, i64, i64, i64,  # num_blocks, num_kv_heads, head_dim, block_size
+        ptr, i64, i64, i64,  # block_tables, stride, max_blocks_per_seq, num_table_rows
+        ptr, ptr, ptr, i64,  # context_lens, seq_indices, query_rows, num_items
+        i64, ctypes.c_float, i64,  # num_heads, scale, sliding_window
+        ctypes.POINTER(i32),  # status (out)
+    ]  # fmt: skip
+    lib.asyncpaged_decode_plan_run.restype = i32
+    lib.asyncpaged_decode_plan_run.argtypes = [
+        ptr,
+        ptr,
+        i64,
+        ptr,
+        i64,
+        ptr,
+        ptr,
+        i32,  # plan, out, stride, query, stride, k, v, threads
+    ]
+    lib.asyncpaged_decode_plan_free.restype = None
+    lib.asyncpaged_decode_plan_free.argtypes = [ptr]
     lib.asyncpaged_paged_prefill.restype = i32
     lib.asyncpaged_paged_prefill.argtypes = [
         ptr, i64,  # out, out_row_stride

@@ -1,7 +1,8 @@
 // Paged decode attention on the CPU: one query token per sequence over the paged KV cache.
 //
 // Built by kernels/cpu_build.py with g++ on first use and called through ctypes
-// (kernels/cpu_attention.py). Plain C++17 with GCC vector extensions, no intrinsics: the vector
+// (kernels/cpu_attention.py), either in one call or through a plan: the tables checked and
+// copied once, then run per layer with only the layer's tensors (the engine's path). Plain C++17 with GCC vector extensions, no intrinsics: the vector
 // width comes from ASYNCPAGED_VEC_BYTES (64 for the avx512 target, 32 for avx2, 16 baseline).
 //
 // Cache layout (one layer, see src/asyncpaged/model/kv_cache.py):
@@ -266,6 +267,49 @@ int32_t dispatch_head_dim(const Params& p, int64_t head_dim, int64_t num_items, 
   }
 }
 
+// Every check the kernel needs before it follows an index (Status; nothing is read otherwise).
+int32_t check_decode(int32_t kv_dtype, int64_t num_blocks, int64_t num_kv_heads, int64_t head_dim,
+                     int64_t block_size, const int64_t* block_tables, int64_t block_table_stride,
+                     int64_t max_blocks_per_seq, int64_t num_table_rows,
+                     const int64_t* context_lens, const int64_t* seq_indices,
+                     const int64_t* query_rows, int64_t num_query_rows, int64_t num_items,
+                     int64_t num_heads, int64_t sliding_window) {
+  if (kv_dtype != 0 && kv_dtype != 1) return kBadDtype;
+  if (head_dim % W != 0) return kBadHeadDim;
+  if (block_size <= 0 || block_size % kChunk != 0) return kBadBlockSize;
+  if (num_kv_heads <= 0 || num_heads <= 0 || num_heads % num_kv_heads != 0) return kBadHeads;
+  for (int64_t i = 0; i < num_items; ++i) {
+    const int64_t seq = seq_indices ? seq_indices[i] : i;
+    const int64_t row = query_rows ? query_rows[i] : i;
+    if (seq < 0 || seq >= num_table_rows || row < 0 || row >= num_query_rows) return kBadIndex;
+    const int64_t ctx = context_lens[seq];
+    if (ctx < 1 || ctx > max_blocks_per_seq * block_size) return kBadContextLen;
+    const int64_t first = window_start(ctx, sliding_window) / block_size;
+    const int64_t* table = block_tables + seq * block_table_stride;
+    for (int64_t b = first; b <= (ctx - 1) / block_size; ++b)
+      if (table[b] < 0 || table[b] >= num_blocks) return kBadBlockId;
+  }
+  return kOk;
+}
+
+int32_t run_decode(const Params& p, int32_t kv_dtype, int64_t head_dim, int64_t num_items,
+                   int32_t num_threads) {
+  const int threads = num_threads < 1 ? 1 : num_threads;
+  if (kv_dtype == 0) return dispatch_head_dim<float>(p, head_dim, num_items, threads);
+  return dispatch_head_dim<uint16_t>(p, head_dim, num_items, threads);
+}
+
+struct DecodePlan {
+  Params params;  // per-layer pointers left null; the index pointers point into the copies
+  int32_t kv_dtype;
+  int64_t head_dim;
+  int64_t num_items;
+  std::vector<int64_t> tables;  // [num_table_rows, max_blocks_per_seq]
+  std::vector<int64_t> context_lens;
+  std::vector<int64_t> seq_indices;
+  std::vector<int64_t> query_rows;
+};
+
 }  // namespace
 
 extern "C" {
@@ -288,28 +332,71 @@ int32_t asyncpaged_paged_decode(float* out, int64_t out_row_stride, const float*
                                 const int64_t* seq_indices, const int64_t* query_rows,
                                 int64_t num_items, int64_t num_heads, float scale,
                                 int64_t sliding_window, int32_t num_threads) {
-  if (kv_dtype != 0 && kv_dtype != 1) return kBadDtype;
-  if (head_dim % W != 0) return kBadHeadDim;
-  if (block_size <= 0 || block_size % kChunk != 0) return kBadBlockSize;
-  if (num_kv_heads <= 0 || num_heads <= 0 || num_heads % num_kv_heads != 0) return kBadHeads;
-  for (int64_t i = 0; i < num_items; ++i) {
-    const int64_t seq = seq_indices ? seq_indices[i] : i;
-    const int64_t row = query_rows ? query_rows[i] : i;
-    if (seq < 0 || seq >= num_table_rows || row < 0 || row >= num_query_rows) return kBadIndex;
-    const int64_t ctx = context_lens[seq];
-    if (ctx < 1 || ctx > max_blocks_per_seq * block_size) return kBadContextLen;
-    const int64_t first = window_start(ctx, sliding_window) / block_size;
-    const int64_t* table = block_tables + seq * block_table_stride;
-    for (int64_t b = first; b <= (ctx - 1) / block_size; ++b)
-      if (table[b] < 0 || table[b] >= num_blocks) return kBadBlockId;
-  }
+  const int32_t status = check_decode(kv_dtype, num_blocks, num_kv_heads, head_dim, block_size,
+                                      block_tables, block_table_stride, max_blocks_per_seq,
+                                      num_table_rows, context_lens, seq_indices, query_rows,
+                                      num_query_rows, num_items, num_heads, sliding_window);
+  if (status != kOk) return status;
   const Params p{out,          out_row_stride, query,        query_row_stride, key_cache,
                  value_cache,  num_kv_heads,   block_size,   block_tables,     block_table_stride,
                  context_lens, seq_indices,    query_rows,   num_heads,        scale,
                  sliding_window};
-  const int threads = num_threads < 1 ? 1 : num_threads;
-  if (kv_dtype == 0) return dispatch_head_dim<float>(p, head_dim, num_items, threads);
-  return dispatch_head_dim<uint16_t>(p, head_dim, num_items, threads);
+  return run_decode(p, kv_dtype, head_dim, num_items, num_threads);
 }
+
+// A decode call prepared once and run many times (the engine: once per step, run per layer).
+// Takes the same arguments as asyncpaged_paged_decode but the per-layer ones, checks them, and
+// copies the tables, context lengths, sequence indices and query rows it will read (the caller
+// may change its tensors afterwards). Returns nullptr and sets *status when a check fails.
+void* asyncpaged_decode_plan_create(int64_t num_query_rows, int32_t kv_dtype, int64_t num_blocks,
+                                    int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
+                                    const int64_t* block_tables, int64_t block_table_stride,
+                                    int64_t max_blocks_per_seq, int64_t num_table_rows,
+                                    const int64_t* context_lens, const int64_t* seq_indices,
+                                    const int64_t* query_rows, int64_t num_items,
+                                    int64_t num_heads, float scale, int64_t sliding_window,
+                                    int32_t* status) {
+  *status = check_decode(kv_dtype, num_blocks, num_kv_heads, head_dim, block_size, block_tables,
+                         block_table_stride, max_blocks_per_seq, num_table_rows, context_lens,
+                         seq_indices, query_rows, num_query_rows, num_items, num_heads,
+                         sliding_window);
+  if (*status != kOk) return nullptr;
+  DecodePlan* plan = new DecodePlan;
+  plan->kv_dtype = kv_dtype;
+  plan->head_dim = head_dim;
+  plan->num_items = num_items;
+  for (int64_t r = 0; r < num_table_rows; ++r)
+    plan->tables.insert(plan->tables.end(), block_tables + r * block_table_stride,
+                        block_tables + r * block_table_stride + max_blocks_per_seq);
+  plan->context_lens.assign(context_lens, context_lens + num_table_rows);
+  for (int64_t i = 0; i < num_items; ++i) {
+    plan->seq_indices.push_back(seq_indices ? seq_indices[i] : i);
+    plan->query_rows.push_back(query_rows ? query_rows[i] : i);
+  }
+  plan->params = Params{nullptr, 0, nullptr, 0, nullptr, nullptr, num_kv_heads, block_size,
+                        plan->tables.data(), max_blocks_per_seq, plan->context_lens.data(),
+                        plan->seq_indices.data(), plan->query_rows.data(), num_heads, scale,
+                        sliding_window};
+  return plan;
+}
+
+// Runs a plan on one layer: query/out rows as for asyncpaged_paged_decode (the caller checks
+// they hold the plan's num_query_rows rows), caches with the plan's num_blocks and layout.
+int32_t asyncpaged_decode_plan_run(const void* handle, float* out, int64_t out_row_stride,
+                                   const float* query, int64_t query_row_stride,
+                                   const void* key_cache, const void* value_cache,
+                                   int32_t num_threads) {
+  const DecodePlan& plan = *static_cast<const DecodePlan*>(handle);
+  Params p = plan.params;
+  p.out = out;
+  p.out_row_stride = out_row_stride;
+  p.query = query;
+  p.query_row_stride = query_row_stride;
+  p.key_cache = key_cache;
+  p.value_cache = value_cache;
+  return run_decode(p, plan.kv_dtype, plan.head_dim, plan.num_items, num_threads);
+}
+
+void asyncpaged_decode_plan_free(void* handle) { delete static_cast<DecodePlan*>(handle); }
 
 }  // extern "C"

@@ -27,6 +27,7 @@ import torch
 from asyncpaged.kernels import cpu_attention, cpu_build
 from asyncpaged.kernels.cpu_attention import (
     CpuAttentionBackend,
+    DecodePlan,
     make_cpu_attention_backend,
     paged_decode_attention,
     reference_paged_decode,
@@ -291,6 +292,103 @@ def test_rejects_bad_inputs_with_clear_errors() -> None:
             case.query, case.key_cache, case.value_cache, case.block_tables, too_long,
             case.scale,
         )  # fmt: skip
+
+
+# --- decode plans --------------------------------------------------------------------------------
+
+
+def make_plan(case: Case, window: int | None = None, **kwargs: Any) -> DecodePlan:
+    return DecodePlan(
+        case.query, case.key_cache, case.value_cache, case.block_tables, case.context_lens,
+        case.scale, window, **kwargs,
+    )  # fmt: skip
+
+
+@needs_compiler
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize(
+    ("dtype", "window"), [(torch.float32, None), (torch.bfloat16, None), (torch.float32, 20)]
+)
+def test_plan_runs_the_same_kernel(dtype: torch.dtype, window: int | None, threads: int) -> None:
+    # Two layers (other K/V in the same blocks, another query) through one plan: each run
+    # equals the one-call kernel bit for bit, and the float64 reference.
+    first = make_case(dtype=dtype, heads=8, seed=5)
+    gen = torch.Generator().manual_seed(6)
+    second = Case(
+        query=torch.randn(first.query.shape, generator=gen),
+        key_cache=first.key_cache + torch.randn(first.key_cache.shape, generator=gen).to(dtype),
+        value_cache=first.value_cache * 2,
+        block_tables=first.block_tables,
+        context_lens=first.context_lens,
+        scale=first.scale,
+    )
+    plan = make_plan(first, window)
+    for case in (first, second):
+        got = plan.run(case.query, case.key_cache, case.value_cache, num_threads=threads)
+        assert torch.equal(got, case.run(window, num_threads=threads))
+        assert_matches(got, case.reference(window), dtype)
+
+
+@needs_compiler
+def test_plan_selected_sequences_and_rows() -> None:
+    # Sequences 4, 1, 3 of the tables write query rows 0, 2, 5; the other rows are left alone.
+    case = make_case(lengths=(1, 15, 16, 17, 257, 40))
+    seqs = torch.tensor([4, 1, 3])
+    rows = torch.tensor([0, 2, 5])
+    plan = make_plan(case, seq_indices=seqs, query_rows=rows)
+    out = torch.full_like(case.query, 7.0)
+    plan.run(case.query, case.key_cache, case.value_cache, out)
+    for seq, row in zip(seqs.tolist(), rows.tolist(), strict=True):
+        pair = reference_paged_decode(
+            case.query[row : row + 1], case.key_cache, case.value_cache,
+            case.block_tables[seq : seq + 1], case.context_lens[seq : seq + 1], case.scale,
+        )  # fmt: skip
+        assert_matches(out[row : row + 1], pair, torch.float32)
+    untouched = [r for r in range(case.query.shape[0]) if r not in rows.tolist()]
+    assert (out[untouched] == 7.0).all()
+
+
+@needs_compiler
+def test_plan_keeps_its_own_copy_of_the_tables() -> None:
+    case = make_case(lengths=(17, 257, 40))
+    plan = make_plan(case)
+    want = case.reference()
+    case.block_tables.zero_()  # block 0 is NaN padding: a plan reading these would return NaN
+    case.context_lens.fill_(10**6)
+    assert_matches(plan.run(case.query, case.key_cache, case.value_cache), want, torch.float32)
+
+
+@needs_compiler
+def test_plan_checks_indices_once_and_tensors_every_run() -> None:
+    case = make_case(lengths=(5, 40))
+    bad_table = case.block_tables.clone()
+    bad_table[1, 2] = NUM_BLOCKS  # in use (40 tokens = 3 blocks), out of range
+    with pytest.raises(ValueError, match="outside"):
+        DecodePlan(case.query, case.key_cache, case.value_cache, bad_table, case.context_lens,
+                   case.scale)  # fmt: skip
+    with pytest.raises(ValueError, match="out of range"):
+        make_plan(case, seq_indices=torch.tensor([0, 2]))
+    with pytest.raises(ValueError, match="out of range"):
+        make_plan(case, query_rows=torch.tensor([0, 2]))
+    with pytest.raises(ValueError, match="int64"):
+        make_plan(case, seq_indices=torch.tensor([0, 1], dtype=torch.int32))
+    plan = make_plan(case)
+    out = torch.full_like(case.query, 7.0)
+    smaller = case.key_cache[: NUM_BLOCKS // 2].contiguous(), case.value_cache[: NUM_BLOCKS // 2]
+    others: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = [
+        (case.query[:1], case.key_cache, case.value_cache),  # fewer rows
+        (case.query.double(), case.key_cache, case.value_cache),
+        (case.query, *smaller),  # a cache with fewer blocks than the plan checked against
+        (case.query, case.key_cache.bfloat16(), case.value_cache.bfloat16()),
+        (case.query, case.key_cache.transpose(0, 1).contiguous().transpose(0, 1),
+         case.value_cache),  # not contiguous
+    ]  # fmt: skip
+    for query, key_cache, value_cache in others:
+        with pytest.raises(ValueError, match="the plan takes"):
+            plan.run(query, key_cache, value_cache, out)
+    with pytest.raises(ValueError, match="out must be"):
+        plan.run(case.query, case.key_cache, case.value_cache, out[:1])
+    assert (out == 7.0).all()  # nothing was written
 
 
 # --- prefill -------------------------------------------------------------------------------------
@@ -570,18 +668,18 @@ def _mixed_step(
 def launches(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     """The native launches the backend makes, in order: "write", "decode", "prefill"."""
     calls: list[str] = []
-    for name, kind in (
-        ("launch_write", "write"),
-        ("_launch", "decode"),
-        ("launch_prefill", "prefill"),
+    for owner, name, kind in (
+        (cpu_attention, "launch_write", "write"),
+        (cpu_attention.DecodePlan, "run", "decode"),
+        (cpu_attention, "launch_prefill", "prefill"),
     ):
-        real = getattr(cpu_attention, name)
+        real = getattr(owner, name)
 
-        def spy(*args: Any, _real: Any = real, _kind: str = kind, **kwargs: Any) -> None:
+        def spy(*args: Any, _real: Any = real, _kind: str = kind, **kwargs: Any) -> Any:
             calls.append(_kind)
-            _real(*args, **kwargs)
+            return _real(*args, **kwargs)
 
-        monkeypatch.setattr(cpu_attention, name, spy)
+        monkeypatch.setattr(owner, name, spy)
     return calls
 
 
