@@ -1,14 +1,15 @@
 // Decode-kernel harness without Python: time builds of the native paged decode kernel against
 // each other, and against a bare loop that only streams the same blocks, on cold layers.
 //
-//   g++ -O2 -march=native -o /tmp/decode_harness bench/cpu_decode_harness.cpp -ldl
+//   g++ -O2 -march=native -fopenmp -o /tmp/decode_harness bench/cpu_decode_harness.cpp -ldl
 //   /tmp/decode_harness BATCH CONTEXT THREADS SORTED ROUNDS LIB.so|stream [LIB2.so|stream ...]
 //
 // LIB.so is a build of kernels/csrc (the engine's cached one is under ~/.cache/asyncpaged/kernels,
 // or build a variant: g++ -O3 -shared -fPIC -fopenmp -std=c++17 -ffp-contract=fast
 // -march=x86-64-v4 -DASYNCPAGED_VEC_BYTES=64 kernels/csrc/paged_decode.cpp -o v.so). "stream"
 // is the bare loop: per sequence it reads the K blocks of its table, then the V blocks, with the
-// kernel's prefetch (every 64-byte line of the block two ahead, prefetcht2), and does no math.
+// kernel's prefetch (every 64-byte line of the block two ahead, prefetcht2), and does no math;
+// with THREADS > 1 the sequences are dealt to the threads.
 //
 // Workload as in bench/cpu_attention.py: 8 query heads, 2 KV heads, head_dim 64, block 16, fp32,
 // every sequence CONTEXT tokens; one shuffled pool per layer (SORTED=1: each sequence's blocks in
@@ -50,26 +51,33 @@ float* alloc_huge(size_t count) {
 }
 
 // The bare loop: the kernel's block stream and prefetch, no arithmetic but one add per line.
+// With several threads, sequence s goes to thread s % threads (the kernel's lists at equal
+// lengths), each thread streaming its own sequences' blocks.
 float stream_layer(const char* k, const char* v, const std::vector<int64_t>& table, int batch,
-                   int blocks_per_seq, size_t block_bytes) {
-  std::vector<const char*> blocks;
-  for (int s = 0; s < batch; ++s) {
-    for (int b = 0; b < blocks_per_seq; ++b)
-      blocks.push_back(k + table[s * blocks_per_seq + b] * block_bytes);
-    for (int b = 0; b < blocks_per_seq; ++b)
-      blocks.push_back(v + table[s * blocks_per_seq + b] * block_bytes);
-  }
-  vf acc = {};
-  for (size_t i = 0; i < blocks.size(); ++i) {
-    const char* pf = i + 2 < blocks.size() ? blocks[i + 2] : nullptr;
-    for (size_t off = 0; off < block_bytes; off += 64) {
-      if (pf) __builtin_prefetch(pf + off, 0, 1);
-      vf x;
-      std::memcpy(&x, blocks[i] + off, sizeof x);
-      acc += x;
+                   int blocks_per_seq, size_t block_bytes, int threads) {
+  float total = 0.0f;
+#pragma omp parallel for num_threads(threads) reduction(+ : total) schedule(static, 1)
+  for (int t = 0; t < threads; ++t) {
+    std::vector<const char*> blocks;
+    for (int s = t; s < batch; s += threads) {
+      for (int b = 0; b < blocks_per_seq; ++b)
+        blocks.push_back(k + table[s * blocks_per_seq + b] * block_bytes);
+      for (int b = 0; b < blocks_per_seq; ++b)
+        blocks.push_back(v + table[s * blocks_per_seq + b] * block_bytes);
     }
+    vf acc = {};
+    for (size_t i = 0; i < blocks.size(); ++i) {
+      const char* pf = i + 2 < blocks.size() ? blocks[i + 2] : nullptr;
+      for (size_t off = 0; off < block_bytes; off += 64) {
+        if (pf) __builtin_prefetch(pf + off, 0, 1);
+        vf x;
+        std::memcpy(&x, blocks[i] + off, sizeof x);
+        acc += x;
+      }
+    }
+    total += acc[0];
   }
-  return acc[0];
+  return total;
 }
 
 }  // namespace
@@ -132,7 +140,8 @@ int main(int argc, char** argv) {
         const float* v = value + l * layer_elems;
         if (!fns[f]) {
           sink += stream_layer(reinterpret_cast<const char*>(k), reinterpret_cast<const char*>(v),
-                               table, batch, blocks_per_seq, block_elems * sizeof(float));
+                               table, batch, blocks_per_seq, block_elems * sizeof(float),
+                               threads);
           continue;
         }
         const int32_t status = fns[f](
