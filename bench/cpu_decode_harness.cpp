@@ -15,8 +15,9 @@
 // every sequence CONTEXT tokens; one shuffled pool per layer (SORTED=1: each sequence's blocks in
 // physical order), enough layers for > 4x a 32 MB L3 (HOT=1 in the environment: one layer, so the
 // KV stays in cache). Paths run interleaved, in alternating order, round by round; the report is
-// the median (and best) per layer call. The kernel's signature is repeated here from
-// kernels/csrc/paged_decode.cpp (asyncpaged_paged_decode).
+// the median (and best) per layer call. Each build runs through one decode plan made before
+// the timing, as the engine makes one per step; the signatures are repeated here from
+// kernels/csrc/paged_decode.cpp (asyncpaged_decode_plan_create / _run).
 
 #include <dlfcn.h>
 #include <sys/mman.h>
@@ -33,11 +34,17 @@
 
 namespace {
 
-typedef int32_t (*DecodeFn)(float*, int64_t, const float*, int64_t, int64_t, const void*,
-                            const void*, int32_t, int64_t, int64_t, int64_t, int64_t,
-                            const int64_t*, int64_t, int64_t, int64_t, const int64_t*,
-                            const int64_t*, const int64_t*, int64_t, int64_t, float, int64_t,
-                            int32_t);
+typedef void* (*PlanCreateFn)(int64_t, int32_t, int64_t, int64_t, int64_t, int64_t,
+                              const int64_t*, int64_t, int64_t, int64_t, const int64_t*,
+                              const int64_t*, const int64_t*, int64_t, int64_t, float, int64_t,
+                              int32_t*);
+typedef int32_t (*PlanRunFn)(const void*, float*, int64_t, const float*, int64_t, const void*,
+                             const void*, int32_t);
+struct Kernel {  // a loaded build (run == nullptr: the bare stream)
+  PlanCreateFn create = nullptr;
+  PlanRunFn run = nullptr;
+  void* plan = nullptr;
+};
 typedef float vf __attribute__((vector_size(64)));
 
 constexpr int kHeads = 8, kKvHeads = 2, kHeadDim = 64, kBlock = 16;
@@ -91,20 +98,23 @@ int main(int argc, char** argv) {
   const int batch = std::atoi(argv[1]), context = std::atoi(argv[2]);
   const int threads = std::atoi(argv[3]), sorted = std::atoi(argv[4]);
   const int rounds = std::atoi(argv[5]);
-  std::vector<DecodeFn> fns;  // nullptr: the bare stream
+  std::vector<Kernel> fns;
   std::vector<std::string> names;
   for (int i = 6; i < argc; ++i) {
     names.push_back(argv[i]);
-    if (names.back() == "stream") {
-      fns.push_back(nullptr);
-      continue;
-    }
+    fns.emplace_back();
+    if (names.back() == "stream") continue;
     void* lib = dlopen(argv[i], RTLD_NOW | RTLD_LOCAL);
     if (!lib) {
       std::fprintf(stderr, "%s\n", dlerror());
       return 1;
     }
-    fns.push_back(reinterpret_cast<DecodeFn>(dlsym(lib, "asyncpaged_paged_decode")));
+    fns.back().create = reinterpret_cast<PlanCreateFn>(dlsym(lib, "asyncpaged_decode_plan_create"));
+    fns.back().run = reinterpret_cast<PlanRunFn>(dlsym(lib, "asyncpaged_decode_plan_run"));
+    if (!fns.back().create || !fns.back().run) {
+      std::fprintf(stderr, "%s has no decode plan entry points\n", argv[i]);
+      return 1;
+    }
   }
   const int blocks_per_seq = (context + kBlock - 1) / kBlock;
   const int num_blocks = batch * blocks_per_seq;
@@ -129,6 +139,17 @@ int main(int argc, char** argv) {
   std::vector<float> query(num_layers * batch * row), out(batch * row);
   for (float& x : query) x = normal(rng);
 
+  for (size_t f = 0; f < fns.size(); ++f) {  // one plan per build, as the engine makes per step
+    if (!fns[f].create) continue;
+    int32_t status = 0;
+    fns[f].plan = fns[f].create(batch, 0, num_blocks, kKvHeads, kHeadDim, kBlock, table.data(),
+                                blocks_per_seq, blocks_per_seq, batch, context_lens.data(),
+                                nullptr, nullptr, batch, kHeads, 0.125f, 0, &status);
+    if (!fns[f].plan) {
+      std::fprintf(stderr, "%s refused the inputs: status %d\n", names[f].c_str(), status);
+      return 1;
+    }
+  }
   std::vector<std::vector<double>> times(fns.size());
   float sink = 0.0f;
   for (int r = 0; r <= rounds; ++r) {  // round 0 warms up
@@ -138,16 +159,14 @@ int main(int argc, char** argv) {
       for (int l = 0; l < num_layers; ++l) {
         const float* k = key + l * layer_elems;
         const float* v = value + l * layer_elems;
-        if (!fns[f]) {
+        if (!fns[f].run) {
           sink += stream_layer(reinterpret_cast<const char*>(k), reinterpret_cast<const char*>(v),
                                table, batch, blocks_per_seq, block_elems * sizeof(float),
                                threads);
           continue;
         }
-        const int32_t status = fns[f](
-            out.data(), row, query.data() + l * batch * row, row, batch, k, v, 0, num_blocks,
-            kKvHeads, kHeadDim, kBlock, table.data(), blocks_per_seq, blocks_per_seq, batch,
-            context_lens.data(), nullptr, nullptr, batch, kHeads, 0.125f, 0, threads);
+        const int32_t status = fns[f].run(fns[f].plan, out.data(), row,
+                                          query.data() + l * batch * row, row, k, v, threads);
         if (status != 0) {
           std::fprintf(stderr, "%s refused the inputs: status %d\n", names[f].c_str(), status);
           return 1;

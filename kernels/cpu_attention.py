@@ -76,65 +76,13 @@ def paged_decode_attention(
     bs, D] (float32 or bfloat16, contiguous); block_tables [S, max_blocks] int64 (padding never
     read); context_lens [S] int64 -> out [S, Hq, D] float32. ``num_threads`` defaults to
     ``torch.get_num_threads()``; ``target`` picks a build (default: the best this CPU runs).
+    A one-off ``DecodePlan``: to run the same tables over several layers, make the plan once.
     """
-    num_seqs = query.shape[0] if query.dim() == 3 else -1
-    _check_inputs(query, key_cache, value_cache, block_tables, context_lens, sliding_window)
-    if block_tables.shape[0] != num_seqs or context_lens.shape[0] != num_seqs:
-        raise ValueError(
-            f"block_tables and context_lens need {num_seqs} rows (one per query), got "
-            f"{tuple(block_tables.shape)} and {tuple(context_lens.shape)}."
-        )
-    if out is None:
-        out = torch.empty(query.shape, dtype=torch.float32)
-    elif out.shape != query.shape or out.dtype != torch.float32 or not _rows_dense(out):
-        raise ValueError(
-            f"out must be float32 of shape {tuple(query.shape)} with contiguous [Hq, D] rows, "
-            f"got {out.dtype} {tuple(out.shape)} strides {out.stride()}."
-        )
-    lib = load_library(target)
-    if lib is None:
-        raise RuntimeError(_UNAVAILABLE)
-    _launch(
-        lib, out, query, key_cache, value_cache, block_tables, context_lens,
-        None, None, num_seqs, scale, sliding_window, num_threads,
+    plan = DecodePlan(
+        query, key_cache, value_cache, block_tables, context_lens, scale, sliding_window,
+        target=target,
     )  # fmt: skip
-    return out
-
-
-def _launch(
-    lib: ctypes.CDLL,
-    out: torch.Tensor,
-    query: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    context_lens: torch.Tensor,
-    seq_indices: torch.Tensor | None,
-    query_rows: torch.Tensor | None,
-    num_items: int,
-    scale: float,
-    sliding_window: int | None,
-    num_threads: int | None,
-) -> None:
-    """Call the kernel on checked inputs; item ``i`` is sequence ``seq_indices[i]`` (default
-    ``i``) of the tables, reading and writing query/out row ``query_rows[i]`` (default ``i``)."""
-    context_lens = context_lens.contiguous()
-    num_blocks, kv_heads, head_dim, block_size = key_cache.shape
-    status = lib.asyncpaged_paged_decode(
-        out.data_ptr(), out.stride(0),
-        query.data_ptr(), query.stride(0), query.shape[0],
-        key_cache.data_ptr(), value_cache.data_ptr(), KV_DTYPE_CODES[key_cache.dtype],
-        num_blocks, kv_heads, head_dim, block_size,
-        block_tables.data_ptr(), block_tables.stride(0), block_tables.shape[1],
-        block_tables.shape[0],
-        context_lens.data_ptr(),
-        None if seq_indices is None else seq_indices.data_ptr(),
-        None if query_rows is None else query_rows.data_ptr(),
-        num_items, query.shape[1], scale, sliding_window or 0,
-        torch.get_num_threads() if num_threads is None else num_threads,
-    )  # fmt: skip
-    if status != 0:
-        raise ValueError(f"paged decode attention refused its inputs: {status_message(status)}.")
+    return plan.run(query, key_cache, value_cache, out, num_threads=num_threads)
 
 
 class DecodePlan:

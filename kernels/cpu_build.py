@@ -284,16 +284,6 @@ def _declare(lib: ctypes.CDLL) -> None:
     ptr, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32
     lib.asyncpaged_vec_bytes.argtypes = []
     lib.asyncpaged_vec_bytes.restype = i32
-    lib.asyncpaged_paged_decode.restype = i32
-    lib.asyncpaged_paged_decode.argtypes = [
-        ptr, i64,  # out, out_row_stride
-        ptr, i64, i64,  # query, query_row_stride, num_query_rows
-        ptr, ptr, i32,  # key_cache, value_cache, kv_dtype
-        i64, i64, i64, i64,  # num_blocks, num_kv_heads, head_dim, block_size
-        ptr, i64, i64, i64,  # block_tables, stride, max_blocks_per_seq, num_table_rows
-        ptr, ptr, ptr, i64,  # context_lens, seq_indices, query_rows, num_items
-        i64, ctypes.c_float, i64, i32,  # num_heads, scale, sliding_window, num_threads
-    ]  # fmt: skip
     lib.asyncpaged_decode_plan_create.restype = ptr
     lib.asyncpaged_decode_plan_create.argtypes = [
         i64, i32,  # num_query_rows, kv_dtype

@@ -1,8 +1,8 @@
 // Paged decode attention on the CPU: one query token per sequence over the paged KV cache.
 //
 // Built by kernels/cpu_build.py with g++ on first use and called through ctypes
-// (kernels/cpu_attention.py), either in one call or through a plan: the tables checked and
-// copied once, then run per layer with only the layer's tensors (the engine's path). Plain C++17 with GCC vector extensions, no intrinsics: the vector
+// (kernels/cpu_attention.py) by way of a plan: the tables checked and copied once, then run per
+// layer with only the layer's tensors. Plain C++17 with GCC vector extensions, no intrinsics: the vector
 // width comes from ASYNCPAGED_VEC_BYTES (64 for the avx512 target, 32 for avx2, 16 baseline).
 //
 // Cache layout (one layer, see src/asyncpaged/model/kv_cache.py):
@@ -317,37 +317,14 @@ extern "C" {
 // The vector width this build was compiled for (tests check each target really differs).
 int32_t asyncpaged_vec_bytes() { return kVecBytes; }
 
-// Decode attention for num_items sequences; returns a Status (0 = ok, nothing written otherwise).
+// Decode attention is prepared once and run many times (the engine: once per step, run per
+// layer). A plan checks its arguments and copies the tables, context lengths, sequence indices
+// and query rows it will read (the caller may change its tensors afterwards); it returns
+// nullptr and sets *status (a Status) when a check fails.
 //
-// out[query_rows[i], h, :] = softmax(q K^T * scale) V for sequence seq_indices[i], query head h.
-// query/out rows are [num_heads, head_dim] contiguous with the given row strides (elements);
-// kv_dtype: 0 = fp32, 1 = bf16. Every index the kernel would follow is checked first.
-int32_t asyncpaged_paged_decode(float* out, int64_t out_row_stride, const float* query,
-                                int64_t query_row_stride, int64_t num_query_rows,
-                                const void* key_cache, const void* value_cache, int32_t kv_dtype,
-                                int64_t num_blocks, int64_t num_kv_heads, int64_t head_dim,
-                                int64_t block_size, const int64_t* block_tables,
-                                int64_t block_table_stride, int64_t max_blocks_per_seq,
-                                int64_t num_table_rows, const int64_t* context_lens,
-                                const int64_t* seq_indices, const int64_t* query_rows,
-                                int64_t num_items, int64_t num_heads, float scale,
-                                int64_t sliding_window, int32_t num_threads) {
-  const int32_t status = check_decode(kv_dtype, num_blocks, num_kv_heads, head_dim, block_size,
-                                      block_tables, block_table_stride, max_blocks_per_seq,
-                                      num_table_rows, context_lens, seq_indices, query_rows,
-                                      num_query_rows, num_items, num_heads, sliding_window);
-  if (status != kOk) return status;
-  const Params p{out,          out_row_stride, query,        query_row_stride, key_cache,
-                 value_cache,  num_kv_heads,   block_size,   block_tables,     block_table_stride,
-                 context_lens, seq_indices,    query_rows,   num_heads,        scale,
-                 sliding_window};
-  return run_decode(p, kv_dtype, head_dim, num_items, num_threads);
-}
-
-// A decode call prepared once and run many times (the engine: once per step, run per layer).
-// Takes the same arguments as asyncpaged_paged_decode but the per-layer ones, checks them, and
-// copies the tables, context lengths, sequence indices and query rows it will read (the caller
-// may change its tensors afterwards). Returns nullptr and sets *status when a check fails.
+// Item i is sequence seq_indices[i] (nullable: i) of the tables, reading and writing
+// query/out row query_rows[i] (nullable: i): out[row, h, :] = softmax(q K^T * scale) V over
+// the sequence's context for each query head h. kv_dtype: 0 = fp32, 1 = bf16.
 void* asyncpaged_decode_plan_create(int64_t num_query_rows, int32_t kv_dtype, int64_t num_blocks,
                                     int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
                                     const int64_t* block_tables, int64_t block_table_stride,
@@ -380,8 +357,9 @@ void* asyncpaged_decode_plan_create(int64_t num_query_rows, int32_t kv_dtype, in
   return plan;
 }
 
-// Runs a plan on one layer: query/out rows as for asyncpaged_paged_decode (the caller checks
-// they hold the plan's num_query_rows rows), caches with the plan's num_blocks and layout.
+// Runs a plan on one layer: query/out rows [num_heads, head_dim] contiguous with the given row
+// strides (elements), num_query_rows of them (the caller checks), caches with the plan's
+// num_blocks and layout. Returns a Status (0 = ok).
 int32_t asyncpaged_decode_plan_run(const void* handle, float* out, int64_t out_row_stride,
                                    const float* query, int64_t query_row_stride,
                                    const void* key_cache, const void* value_cache,
