@@ -12,7 +12,7 @@ so every call reads cold memory (as in a real multi-layer model). Paths, timed p
 
 * ``cpp``: the kernel through a ``DecodePlan`` made once and run per layer, as the backend does
   per step (output preallocated); ``cpp_call``: the one-call ``paged_decode_attention``, which
-  checks and passes the tables on every call (~6 us more);
+  makes a one-off plan on every call (~12 us more);
 * ``cpp_seq``: the same kernel with each sequence's blocks in physical order, one after another
   (the tables a pool that never fragments would give): what paging over a shuffled table costs;
 * ``cpp_backend``: ``CpuAttentionBackend.forward`` (slot mapping -1: nothing written);

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import ctypes
 import os
-import weakref
 from typing import Final
 
 import torch
@@ -99,7 +98,7 @@ class DecodePlan:
     Invariants: the native plan holds copies of every index it follows, each checked against
     the cache's ``num_blocks`` and the query's row count; a run accepts only tensors of the
     plan's shapes and dtype, on the CPU, so it never reads outside them; the native plan is
-    freed when this object is collected.
+    freed when this object is collected (``__del__``).
     """
 
     def __init__(
@@ -161,7 +160,12 @@ class DecodePlan:
         self._query_shape = query.shape
         self._key_shape, self._value_shape = key_cache.shape, value_cache.shape
         self._kv_dtype = key_cache.dtype
-        weakref.finalize(self, lib.asyncpaged_decode_plan_free, handle)
+
+    def __del__(self) -> None:
+        handle = getattr(self, "_handle", None)  # unset when __init__ raised
+        if handle:
+            self._handle = 0
+            self._lib.asyncpaged_decode_plan_free(handle)
 
     def run(
         self,
