@@ -9,7 +9,7 @@ import pytest
 
 from asyncpaged.__main__ import main
 from asyncpaged.tools.pool_bench import OPS, bench_pool
-from asyncpaged.tools.waste_report import ALPACA, SHAREGPT, simulate
+from asyncpaged.tools.waste_report import ALPACA, SHAREGPT, _Reservation, simulate
 
 
 def test_sharegpt_paged_wastes_under_four_percent_and_beats_reservation() -> None:
@@ -25,6 +25,19 @@ def test_sharegpt_paged_wastes_under_four_percent_and_beats_reservation() -> Non
     assert paged.concurrent_mean > 2 * rmax.concurrent_mean
     assert 120 < paged.mean_input_len < 200
     assert 280 < paged.mean_output_len < 400
+
+
+def test_reservation_sizes_are_the_papers_max_pow2_and_oracle() -> None:
+    # Pow2 over-reserves the output positions by at most 2x (the paper: 32 positions for a
+    # 25-token output), never past max_model_len; the simulator charges the same
+    # (tests/sim/test_simulator.py).
+    sizes = {p: _Reservation(10**6, p, 2048).size(100, 25) for p in ("reserve-max",
+             "reserve-pow2", "reserve-oracle")}  # fmt: skip
+    assert sizes == {"reserve-max": 2048, "reserve-pow2": 100 + 32, "reserve-oracle": 125}
+    assert _Reservation(10**6, "reserve-pow2", 2048).size(1500, 400) == 1500 + 512
+    assert _Reservation(10**6, "reserve-pow2", 2048).size(1600, 400) == 2048  # capped
+    assert _Reservation(10**6, "reserve-pow2", 2048).size(100, 32) == 132
+    assert _Reservation(10**6, "reserve-pow2", 2048).size(100, 1) == 101
 
 
 def test_alpaca_waste_is_bounded_by_half_a_block_per_sequence() -> None:

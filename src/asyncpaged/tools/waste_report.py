@@ -9,7 +9,9 @@ finished. Per step we record the tokens whose K/V are stored and the slots reser
   block fills. When a running sequence cannot get a block, the latest-admitted one is preempted
   (recompute: its blocks are freed, and it is requeued first with its tokens so far).
 * ``reserve-max``: each request reserves ``max_model_len`` slots on admission (Orca Max).
-* ``reserve-pow2``: the next power of two of its final length (Orca Pow2).
+* ``reserve-pow2``: its prompt plus the next power of two of its output length, at most
+  ``max_model_len`` (Orca Pow2, as the paper defines it: outputs over-reserved by at most 2x, 32
+  positions for a 25-token output; the simulator's rule too).
 * ``reserve-oracle``: exactly its final length (Orca Oracle).
 
 The baselines are charged only for reservation and internal fragmentation, never for external
@@ -105,7 +107,8 @@ class _Reservation:
         if self.policy == "reserve-max":
             return self.max_model_len
         if self.policy == "reserve-pow2":
-            return 1 << (n_in + n_out - 1).bit_length()
+            pow2 = min(n_in + (1 << max(0, n_out - 1).bit_length()), self.max_model_len)
+            return max(pow2, n_in + n_out)
         return n_in + n_out
 
     def admit(self, rid: int, n_in: int, n_out: int) -> bool:
