@@ -311,7 +311,8 @@ def make_plan(case: Case, window: int | None = None, **kwargs: Any) -> DecodePla
 )
 def test_plan_runs_the_same_kernel(dtype: torch.dtype, window: int | None, threads: int) -> None:
     # Two layers (other K/V in the same blocks, another query) through one plan: each run
-    # equals the one-call kernel bit for bit, and the float64 reference.
+    # equals a fresh one-off plan (the one-call function) bit for bit, and the float64
+    # reference: nothing of the first run leaks into the second.
     first = make_case(dtype=dtype, heads=8, seed=5)
     gen = torch.Generator().manual_seed(6)
     second = Case(
