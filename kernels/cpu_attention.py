@@ -37,15 +37,12 @@ from .cpu_ops import (
     SUPPORTED_HEAD_DIMS,
     launch_prefill,
     launch_write,
+    library_or_raise,
     status_message,
 )
 from .cpu_ops import check_inputs as _check_inputs
 from .cpu_ops import rows_dense as _rows_dense
 
-_UNAVAILABLE: Final = (
-    "the CPU paged-attention kernel is unavailable (no g++ or the build failed, see the "
-    "cpu_kernel_unavailable log event); use TorchAttentionBackend instead."
-)
 # "0" turns the native prefill and K/V write off (decodes stay native): an A/B switch for
 # benchmarks of the engine, which builds its backend with the defaults.
 NATIVE_PREFILL_ENV: Final = "ASYNCPAGED_CPU_NATIVE_PREFILL"
@@ -134,9 +131,7 @@ class DecodePlan:
             ):
                 raise ValueError(f"{name} must be int64 [{num_items}], got {index.dtype} "
                                  f"{tuple(index.shape)}.")  # fmt: skip
-        lib = load_library(target)
-        if lib is None:
-            raise RuntimeError(_UNAVAILABLE)
+        lib = library_or_raise(target)
         context_lens = context_lens.contiguous()
         seq_indices = None if seq_indices is None else seq_indices.contiguous()
         query_rows = None if query_rows is None else query_rows.contiguous()

@@ -118,7 +118,8 @@ def check_cache(key_cache: torch.Tensor, value_cache: torch.Tensor, head_dim: in
         raise ValueError("key_cache and value_cache must be contiguous.")
 
 
-def _library(target: str | None) -> ctypes.CDLL:
+def library_or_raise(target: str | None) -> ctypes.CDLL:
+    """The kernel library, or ``RuntimeError`` saying why there is none."""
     lib = load_library(target)
     if lib is None:
         raise RuntimeError(
@@ -181,7 +182,7 @@ def paged_prefill_attention(
     if query_tile is not None and query_tile < 1:
         raise ValueError(f"query_tile must be >= 1, got {query_tile}.")
     launch_prefill(
-        _library(target), out, query, key_cache, value_cache, block_tables, query_start_loc,
+        library_or_raise(target), out, query, key_cache, value_cache, block_tables, query_start_loc,
         context_lens, seq_indices, scale, sliding_window, num_threads,
         query_tile=query_tile, key_tile_blocks=key_tile_blocks,
     )  # fmt: skip
@@ -293,7 +294,8 @@ def paged_cache_write(
             f"slot_mapping must be int64 and key/value one dtype, got {slot_mapping.dtype}, "
             f"{key.dtype} and {value.dtype}."
         )
-    launch_write(_library(target), key, value, key_cache, value_cache, slot_mapping, num_threads)
+    lib = library_or_raise(target)
+    launch_write(lib, key, value, key_cache, value_cache, slot_mapping, num_threads)
 
 
 def launch_write(
