@@ -9,6 +9,16 @@ from hypothesis import strategies as st
 
 from asyncpaged.model.lm_head import FP32_UNIT_ROUNDOFF, ScreenedLMHead
 
+# Hypothesis arguments of near_tie_head (shared with the int8 head's tests).
+NEAR_TIES = {
+    "seed": st.integers(0, 2**31 - 1),
+    "vocab": st.integers(2, 600),
+    "hidden": st.sampled_from([8, 64, 80, 512]),
+    "spread": st.sampled_from([0.0, 1e-7, 1e-5, 1e-3, 1e-1]),
+    "noise": st.sampled_from([0.01, 1.0, 30.0]),
+    "ties": st.integers(1, 5),
+}
+
 
 def near_tie_head(
     seed: int, vocab: int, hidden: int, spread: float, noise: float, ties: int
@@ -52,14 +62,7 @@ def _check(head: ScreenedLMHead, h: torch.Tensor) -> None:
 
 
 @settings(max_examples=60, deadline=None)
-@given(
-    seed=st.integers(0, 2**31 - 1),
-    vocab=st.integers(2, 600),
-    hidden=st.sampled_from([8, 64, 80, 512]),
-    spread=st.sampled_from([0.0, 1e-7, 1e-5, 1e-3, 1e-1]),
-    noise=st.sampled_from([0.01, 1.0, 30.0]),
-    ties=st.integers(1, 5),
-)
+@given(**NEAR_TIES)
 def test_screen_keeps_the_exact_argmax_on_adversarial_near_ties(
     seed: int, vocab: int, hidden: int, spread: float, noise: float, ties: int
 ) -> None:

@@ -25,7 +25,7 @@ from asyncpaged.model.lm_head_int8 import (
     Int8ScreenedArgmax,
     int8_screen_supported,
 )
-from tests.model.test_lm_head import near_tie_head
+from tests.model.test_lm_head import NEAR_TIES, near_tie_head
 
 needs_int8 = pytest.mark.skipif(
     not int8_screen_supported(), reason="oneDNN int8 linear unavailable or inexact on this CPU"
@@ -121,14 +121,7 @@ def test_real_sized_head_keeps_few_candidates() -> None:
 
 @needs_int8
 @settings(max_examples=60, deadline=None)
-@given(
-    seed=st.integers(0, 2**31 - 1),
-    vocab=st.integers(2, 600),
-    hidden=st.sampled_from([8, 64, 80, 512]),
-    spread=st.sampled_from([0.0, 1e-7, 1e-5, 1e-3, 1e-1]),
-    noise=st.sampled_from([0.01, 1.0, 30.0]),
-    ties=st.integers(1, 5),
-)
+@given(**NEAR_TIES)
 def test_adversarial_near_ties_give_the_reference_argmax(
     seed: int, vocab: int, hidden: int, spread: float, noise: float, ties: int
 ) -> None:
