@@ -85,13 +85,20 @@ def test_screen_on_random_batches_equals_the_float64_argmax(
     assert torch.equal(head.argmax(h), _exact_logits(h, weight).argmax(-1))
 
 
-def test_exact_ties_go_to_the_lowest_id_and_candidates_stay_few() -> None:
+def planted_triple_head() -> tuple[torch.Tensor, torch.Tensor]:
+    """A real-sized head [32000, 512] (hidden [64, 512]) whose rows 9, 123 and 7000 are equal;
+    row 5 of the hidden states points at them, so its argmax is an exact triple tie."""
     gen = torch.Generator().manual_seed(0)
     weight = torch.randn(32000, 512, generator=gen) * 0.05
     weight[7000] = weight[123]
     weight[9] = weight[123]
     h = torch.randn(64, 512, generator=gen)
-    h[5] = weight[123] * 100  # row 5's argmax is the triple 9 / 123 / 7000
+    h[5] = weight[123] * 100
+    return h, weight
+
+
+def test_exact_ties_go_to_the_lowest_id_and_candidates_stay_few() -> None:
+    h, weight = planted_triple_head()
     head = ScreenedLMHead(weight)
     got = head.argmax(h)
     assert int(got[5]) == 9

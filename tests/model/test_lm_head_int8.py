@@ -25,7 +25,7 @@ from asyncpaged.model.lm_head_int8 import (
     Int8ScreenedArgmax,
     int8_screen_supported,
 )
-from tests.model.test_lm_head import NEAR_TIES, near_tie_head
+from tests.model.test_lm_head import NEAR_TIES, near_tie_head, planted_triple_head
 
 needs_int8 = pytest.mark.skipif(
     not int8_screen_supported(), reason="oneDNN int8 linear unavailable or inexact on this CPU"
@@ -102,12 +102,7 @@ def test_zero_rows_large_rows_and_mixed_norms_in_one_batch() -> None:
 
 @needs_int8
 def test_real_sized_head_keeps_few_candidates() -> None:
-    gen = torch.Generator().manual_seed(0)
-    weight = torch.randn(32000, 512, generator=gen) * 0.05
-    weight[7000] = weight[123]
-    weight[9] = weight[123]
-    h = torch.randn(64, 512, generator=gen)
-    h[5] = weight[123] * 100  # row 5's argmax is the triple 9 / 123 / 7000
+    h, weight = planted_triple_head()  # row 5's argmax is the triple 9 / 123 / 7000
     head = Int8ScreenedArgmax(weight)
     got = head.argmax(h)
     assert got is not None and int(got[5]) == 9
