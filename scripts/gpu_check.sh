@@ -2,9 +2,13 @@
 # GPU check for the Triton kernels (issue 6). On a CUDA machine, from the repository root:
 #   scripts/gpu_check.sh            # results under $OUT if set, else ./results/gpu_check
 # 1. the kernel tests compiled natively (no TRITON_INTERPRET), incl. a >2^31-element cache test
-# 2. end-to-end greedy generation on a tiny checkpoint vs transformers (tests/kernels/test_backend.py)
-# 3. paged decode attention benchmark: GB/s and the ratio to contiguous SDPA
-# Budget: about 10 minutes; each stage has its own timeout. Python: $PYTHON, else .venv, else python3.
+# 2. end-to-end greedy generation on tiny checkpoints vs transformers (tests/kernels/test_backend.py)
+# 3. the engine on CUDA through the public API (scripts/gpu_e2e.py): greedy tokens vs transformers
+#    on the built-in model, preemption by swap, and fp32 / bf16 throughput
+# 4. paged decode attention benchmark: GB/s and the ratio to contiguous SDPA
+# Budget: under 10 minutes (about 5 on an H200); each stage has its own timeout.
+# Python: $PYTHON, else .venv if its torch sees CUDA, else python3. A package that Python lacks
+# (structlog, say) is installed from wheels in .whl/ when that folder exists.
 set -euo pipefail
 
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -29,9 +33,22 @@ if not torch.cuda.is_available():
     sys.exit("FAIL: torch sees no CUDA device (need a CUDA build of torch; set PYTHON=...)")
 print("device", torch.cuda.get_device_name(), "capability", torch.cuda.get_device_capability())
 PYEOF
+export PYTHONUNBUFFERED=1
+if [[ -d .whl ]] && ls .whl/*.whl >/dev/null 2>&1; then
+  "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/asyncpaged-site .whl/*.whl
+  export PYTHONPATH="/tmp/asyncpaged-site${PYTHONPATH:+:$PYTHONPATH}"
+fi
 if ! "$PY" -c 'import asyncpaged.kernels' 2>/dev/null; then
   echo "asyncpaged not importable with $PY: installing the repo (editable, no deps)"
-  "$PY" -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | tail -5
+  "$PY" -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | tail -5 || true
+fi
+if ! "$PY" -c 'import asyncpaged.kernels' 2>/dev/null; then
+  echo "the editable install did not take: using a copy of the package (kernels/ as asyncpaged.kernels)"
+  rm -rf /tmp/asyncpaged-src && mkdir -p /tmp/asyncpaged-src
+  cp -r src/asyncpaged /tmp/asyncpaged-src/ && cp -r kernels /tmp/asyncpaged-src/asyncpaged/kernels
+  export PYTHONPATH="/tmp/asyncpaged-src${PYTHONPATH:+:$PYTHONPATH}"
+  "$PY" -c 'import asyncpaged.kernels'
 fi
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv 2>&1 | tee -a "$RESULTS/summary.txt" || true
 
@@ -39,8 +56,10 @@ status=0
 log "1+2. kernel tests natively + end-to-end vs transformers"
 export ASYNCPAGED_KERNELS_NATIVE=1
 unset TRITON_INTERPRET
-if timeout 300 "$PY" -m pytest tests/kernels -q -p no:cacheprovider --timeout 240 \
+# -W default: a deprecation warning of another torch / transformers version is shown, not fatal.
+if timeout 240 "$PY" -m pytest tests/kernels -q -p no:cacheprovider --timeout 200 -W default \
     --ignore=tests/kernels/test_packaging.py --ignore=tests/kernels/test_cpu_attention.py \
+    --ignore=tests/kernels/test_cpu_fused.py \
     --junitxml="$RESULTS/kernel_tests.xml" 2>&1 | tee "$RESULTS/kernel_tests.log"; then
   echo "kernel tests: PASS" | tee -a "$RESULTS/summary.txt"
 else
@@ -49,8 +68,16 @@ else
 fi
 tail -3 "$RESULTS/kernel_tests.log" >> "$RESULTS/summary.txt" || true
 
-log "3. paged decode benchmark"
-if timeout 240 "$PY" -m asyncpaged.kernels.benchmark --out "$RESULTS/bench_decode.json" 2>&1 \
+log "3. engine end-to-end on CUDA (scripts/gpu_e2e.py)"
+if timeout 150 "$PY" scripts/gpu_e2e.py --out "$RESULTS/e2e.json" 2>&1 | tee "$RESULTS/e2e.log"; then
+  grep -E '^[0-9]\.' "$RESULTS/e2e.log" >> "$RESULTS/summary.txt" || true
+else
+  status=1
+  echo "end-to-end: FAIL (see e2e.log)" | tee -a "$RESULTS/summary.txt"
+fi
+
+log "4. paged decode benchmark"
+if timeout 120 "$PY" -m asyncpaged.kernels.benchmark --out "$RESULTS/bench_decode.json" 2>&1 \
     | tee "$RESULTS/bench_decode.log"; then
   cat "$RESULTS/bench_decode.log" >> "$RESULTS/summary.txt"
 else
