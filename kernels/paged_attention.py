@@ -237,6 +237,7 @@ class AttentionConfig:
     block_q: int
     block_n: int  # key positions per inner step
     num_warps: int
+    num_stages: int | None = None  # software-pipelining depth; None: Triton's default
 
 
 def attention_config(max_query_len: int, num_queries_per_kv: int) -> AttentionConfig:
@@ -321,12 +322,15 @@ def paged_attention(
     num_splits: int | None = None,
     plan: TilePlan | None = None,
     out: torch.Tensor | None = None,
+    config: AttentionConfig | None = None,
 ) -> torch.Tensor:
     """query [T, Hq, D] over logical caches [blocks, block_size, Hkv, D] -> [T, Hq, D].
 
     ``block_tables`` [S, max_blocks], ``query_start_loc`` [S+1], ``context_lens`` [S] are int64
     on the device; ``query_lens`` and ``max_context_len`` are their host-side facts. ``plan`` is
     ``plan_tiles(query_lens, config.block_q)`` when the caller caches it across layers.
+    ``config`` overrides ``attention_config``'s tiles (for tuning; a given ``plan`` must use its
+    ``block_q``).
     """
     _check_inputs(query, key_cache, value_cache)
     for name, t in (("block_tables", block_tables), ("query_start_loc", query_start_loc)):
@@ -341,7 +345,8 @@ def paged_attention(
     num_tokens, num_heads, head_dim = query.shape
     page, kv_heads = key_cache.shape[1], key_cache.shape[2]
     g = num_heads // kv_heads
-    cfg = attention_config(max(query_lens, default=0), g)
+    cfg = config or attention_config(max(query_lens, default=0), g)
+    assert cfg.block_m >= cfg.block_q * g, f"{cfg} does not hold {g} heads per token"
     if plan is None:
         plan = plan_tiles(query_lens, cfg.block_q, query.device)
     if out is None:
@@ -409,6 +414,7 @@ def paged_attention(
         NATIVE_DOT=native,
         IEEE_DOT=dtype == torch.float32,
         num_warps=cfg.num_warps,
+        **({} if cfg.num_stages is None else {"num_stages": cfg.num_stages}),
     )
     if num_splits > 1:
         _merge_splits_kernel[(num_tokens,)](
