@@ -139,17 +139,18 @@ def test_split_k_mixed_batch_with_causal_rows_matches_reference(
 
 
 def test_split_k_heuristic_engages_for_few_long_decodes(device: torch.device) -> None:
+    cfg = attention_config(1, 4)
+    long = 4 * cfg.block_n + 8  # past the shortest context the heuristic splits; a partial page
     case = make_case(
         query_lens=[1, 1],
-        context_lens=[300, 17],
+        context_lens=[long, 17],
         kv_heads=2,
         group=4,
         head_dim=64,
         dtype=torch.float16,
         device=device,
     )
-    cfg = attention_config(1, 4)
-    assert choose_num_splits(2 * 2, 300, cfg.block_n, device) > 1
+    assert choose_num_splits(2 * 2, long, cfg.block_n, device) > 1
     _check(case, _run(case))
 
 
