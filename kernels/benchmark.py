@@ -3,7 +3,8 @@
 ``python -m asyncpaged.kernels.benchmark [--out results.json]``. For each (batch, context) it times
 ``paged_attention`` over scattered block tables in the runner layout (K transposed per block) and
 in vLLM's NHD layout, and ``F.scaled_dot_product_attention`` over contiguous K/V of the same
-shapes. Bandwidth counts the K/V bytes each must read (queries and outputs are negligible).
+shapes; the tile plan is built once per shape, as the engine does once per step. Bandwidth
+counts the K/V bytes each must read (queries and outputs are negligible).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from triton.testing import do_bench  # type: ignore[import-untyped]
 
-from .paged_attention import paged_attention
+from .paged_attention import attention_config, paged_attention, plan_tiles
 
 PAGE = 16
 SHAPES = [(1, 8192), (4, 4096), (16, 2048), (64, 1024), (128, 512), (256, 1024)]
@@ -51,6 +52,9 @@ def bench_one(
         "query_lens": [1] * batch,
         "max_context_len": context,
         "scale": head_dim**-0.5,
+        # Built once, as the engine's backend does for all layers of a step: a per-call plan
+        # adds two host-to-device copies that serialize small shapes.
+        "plan": plan_tiles([1] * batch, attention_config(1, num_heads // kv_heads).block_q, dev),
     }
     kv_bytes = 2 * batch * context * kv_heads * head_dim * query.element_size()
     result: dict[str, Any] = {"batch": batch, "context": context, "kv_bytes": kv_bytes}
