@@ -26,3 +26,21 @@ def target_num_programs(device: torch.device) -> int:
     if device.type == "cuda":
         return _cuda_target(device.index if device.index is not None else 0)
     return _INTERPRETER_TARGET_PROGRAMS
+
+
+@functools.cache
+def _cuda_shared_mem(index: int) -> int:
+    try:
+        from triton.runtime import driver  # type: ignore[import-untyped]
+
+        return int(driver.active.utils.get_device_properties(index)["max_shared_mem"])
+    except Exception:  # an unknown driver API: assume little, the conservative tiles
+        return 0
+
+
+def max_shared_mem(device: torch.device) -> int | None:
+    """Bytes of shared memory one program may use on CUDA; None (no limit) elsewhere, where the
+    interpreter runs the kernels."""
+    if device.type == "cuda":
+        return _cuda_shared_mem(device.index if device.index is not None else 0)
+    return None

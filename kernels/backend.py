@@ -21,7 +21,7 @@ import torch
 from asyncpaged.model.attention import AttentionBackend, AttentionMetadata, TorchAttentionBackend
 from asyncpaged.model.kv_cache import PagedKVCache
 
-from ._util import is_interpreted
+from ._util import is_interpreted, max_shared_mem
 from .cache_ops import copy_blocks, reshape_and_cache
 from .paged_attention import (
     TilePlan,
@@ -92,7 +92,13 @@ class TritonAttentionBackend(AttentionBackend):
         reshape_and_cache(key, value, key_cache, value_cache, metadata.slot_mapping)
         starts = metadata.query_start_loc_host
         query_lens = [b - a for a, b in itertools.pairwise(starts)]
-        cfg = attention_config(max(query_lens, default=0), query.shape[1] // key.shape[1])
+        cfg = attention_config(
+            max(query_lens, default=0),
+            query.shape[1] // key.shape[1],
+            head_dim=query.shape[2],
+            elem_bytes=key_cache.element_size(),
+            shared_mem=max_shared_mem(query.device),
+        )
         return paged_attention(
             query,
             key_cache,

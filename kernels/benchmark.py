@@ -45,6 +45,8 @@ def bench_one(
     tables = torch.randperm(num_blocks - 1, device=dev, generator=gen)[: batch * blocks_per_seq]
     tables = (tables + 1).view(batch, blocks_per_seq)
     query = torch.randn(batch, num_heads, head_dim, device=dev, dtype=dtype)
+    group = num_heads // kv_heads
+    cfg = attention_config(1, group, head_dim=head_dim, elem_bytes=query.element_size())
     meta = {
         "block_tables": tables,
         "query_start_loc": torch.arange(batch + 1, device=dev, dtype=torch.int64),
@@ -54,7 +56,7 @@ def bench_one(
         "scale": head_dim**-0.5,
         # Built once, as the engine's backend does for all layers of a step: a per-call plan
         # adds two host-to-device copies that serialize small shapes.
-        "plan": plan_tiles([1] * batch, attention_config(1, num_heads // kv_heads).block_q, dev),
+        "plan": plan_tiles([1] * batch, cfg.block_q, dev),
     }
     kv_bytes = 2 * batch * context * kv_heads * head_dim * query.element_size()
     result: dict[str, Any] = {"batch": batch, "context": context, "kv_bytes": kv_bytes}

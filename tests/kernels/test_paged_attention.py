@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from asyncpaged.kernels._util import max_shared_mem
 from asyncpaged.kernels.cache_ops import reshape_and_cache
 from asyncpaged.kernels.paged_attention import (
     attention_config,
@@ -139,7 +140,7 @@ def test_split_k_mixed_batch_with_causal_rows_matches_reference(
 
 
 def test_split_k_heuristic_engages_for_few_long_decodes(device: torch.device) -> None:
-    cfg = attention_config(1, 4)
+    cfg = attention_config(1, 4, head_dim=64, elem_bytes=2, shared_mem=max_shared_mem(device))
     long = 4 * cfg.block_n + 8  # past the shortest context the heuristic splits; a partial page
     case = make_case(
         query_lens=[1, 1],
@@ -152,6 +153,25 @@ def test_split_k_heuristic_engages_for_few_long_decodes(device: torch.device) ->
     )
     assert choose_num_splits(2 * 2, long, cfg.block_n, device) > 1
     _check(case, _run(case))
+
+
+def test_decode_tiles_follow_dtype_head_dim_and_shared_memory() -> None:
+    def decode(head_dim: int, elem_bytes: int, shared_mem: int | None = None) -> tuple[int, ...]:
+        cfg = attention_config(1, 4, head_dim=head_dim, elem_bytes=elem_bytes,
+                               shared_mem=shared_mem)  # fmt: skip
+        assert cfg.block_q == 4  # the same tile plan either way
+        return cfg.block_n, cfg.num_warps, cfg.num_stages or 0
+
+    wide, narrow = (128, 4, 2), (64, 4, 0)
+    assert decode(32, 4) == decode(80, 2) == decode(128, 4) == wide  # no limit: interpreter
+    assert decode(256, 2) == narrow  # larger head dims: not measured
+    h200 = 227 * 1024
+    assert decode(128, 2, h200) == decode(64, 4, h200) == decode(32, 4, h200) == wide
+    assert decode(128, 4, h200) == narrow  # two fp32 stages of K and V: 256 KiB
+    assert decode(128, 2, 99 * 1024) == narrow  # two 16-bit stages: 128 KiB
+    assert decode(64, 2, 99 * 1024) == wide
+    prefill = attention_config(5, 4, head_dim=64, elem_bytes=2)
+    assert (prefill.block_m, prefill.block_n, prefill.num_stages) == (64, 64, None)
 
 
 def test_split_k_heuristic_stays_off_for_many_programs_or_short_contexts(
