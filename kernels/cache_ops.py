@@ -22,7 +22,7 @@ _BLOCK_T = 32  # tokens per reshape_and_cache program
 _COPY_CHUNK = 1024  # elements per copy_blocks inner step
 
 
-@triton.jit  # type: ignore[untyped-decorator]
+@triton.jit(do_not_specialize=["num_tokens"])  # type: ignore[untyped-decorator]
 def _reshape_and_cache_kernel(  # type: ignore[no-untyped-def]
     key_ptr,  # [T, Hkv, D]
     value_ptr,

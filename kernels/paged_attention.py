@@ -52,7 +52,10 @@ _LOG2E = 1.4426950408889634
 _MAX_SPLITS = 16
 
 
-@triton.jit  # type: ignore[untyped-decorator]
+# Integers that change from step to step are not specialized (Triton compiles a variant per
+# value that is 1 or a multiple of 16): the block-table row stride follows the longest sequence
+# and the split strides the token count, so a live engine would otherwise recompile mid-run.
+@triton.jit(do_not_specialize=["stride_os", "stride_ls", "stride_bts"])  # type: ignore[untyped-decorator]
 def _paged_attention_kernel(  # type: ignore[no-untyped-def]
     out_ptr,  # [T, Hq, D] (NUM_SPLITS == 1) or fp32 partials [S, T, Hq, D]
     lse_ptr,  # fp32 [S, T, Hq] (only with NUM_SPLITS > 1)
@@ -194,7 +197,7 @@ def _paged_attention_kernel(  # type: ignore[no-untyped-def]
         tl.store(lse_ptr + split * stride_ls + token * NUM_HEADS + head, lse, mask=row_valid)
 
 
-@triton.jit  # type: ignore[untyped-decorator]
+@triton.jit(do_not_specialize=["num_tokens"])  # type: ignore[untyped-decorator]
 def _merge_splits_kernel(  # type: ignore[no-untyped-def]
     out_ptr,  # [T, Hq, D]
     partial_ptr,  # fp32 [S, T, Hq, D], contiguous

@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import inspect
+from typing import Any
+
 import pytest
 import torch
-from asyncpaged.kernels._util import max_shared_mem
-from asyncpaged.kernels.cache_ops import reshape_and_cache
+from asyncpaged.kernels._util import is_interpreted, max_shared_mem
+from asyncpaged.kernels.cache_ops import _reshape_and_cache_kernel, reshape_and_cache
 from asyncpaged.kernels.paged_attention import (
+    _merge_splits_kernel,
+    _paged_attention_kernel,
     attention_config,
     choose_num_splits,
     paged_attention,
@@ -267,3 +272,22 @@ def test_block_offsets_past_the_int32_range(device: torch.device) -> None:
     )
     _check(case, _run(case))
     _check(case, _run(case, num_splits=2))
+
+
+@pytest.mark.parametrize(
+    ("kernel", "varying"),
+    [
+        (_paged_attention_kernel, {"stride_os", "stride_ls", "stride_bts"}),
+        (_merge_splits_kernel, {"num_tokens"}),
+        (_reshape_and_cache_kernel, {"num_tokens"}),
+    ],
+    ids=["attention", "merge", "cache_write"],
+)
+def test_step_varying_integers_are_not_specialized(kernel: Any, varying: set[str]) -> None:
+    """Triton ignores a misspelt name here silently, and a specialized step-varying integer
+    recompiles the kernel mid-run whenever it becomes 1 or a multiple of 16."""
+    declared = (
+        kernel.kwargs["do_not_specialize"] if is_interpreted(kernel) else kernel.do_not_specialize
+    )
+    assert set(declared) == varying
+    assert varying <= set(inspect.signature(kernel.fn).parameters)
