@@ -42,9 +42,16 @@ async def _engine_run(
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     outs: dict[int, list[int]] = {}
     async with AsyncEngine(config) as engine:
-        # Warm-up: Triton compiles each kernel variant on its first launch.
-        await engine.generate(prompts[0][:20], SamplingParams(max_tokens=4, ignore_eos=True))
+        # Warm-up: Triton compiles each kernel variant on its first launch (prefill, decode,
+        # split-K decode), so a few concurrent requests of different lengths go first.
+        async def warm(n: int) -> None:
+            await engine.generate([1] * n, SamplingParams(max_tokens=8, ignore_eos=True))
+
+        async with anyio.create_task_group() as tg:
+            for n in (5, 20, 100, 300):
+                tg.start_soon(warm, n)
         await engine.wait_idle()
+        before = engine.statistics()
         start = time.perf_counter()
 
         async def one(i: int) -> None:
@@ -59,10 +66,10 @@ async def _engine_run(
         backend = type(engine.runner.model.attn_backend).__name__
     info = {
         "backend": backend,
-        "preemptions": stats.num_preemptions,
-        "swap_outs": stats.num_swap_outs,
-        "swap_ins": stats.num_swap_ins,
-        "steps": stats.num_steps,
+        "preemptions": stats.num_preemptions - before.num_preemptions,
+        "swap_outs": stats.num_swap_outs - before.num_swap_outs,
+        "swap_ins": stats.num_swap_ins - before.num_swap_ins,
+        "steps": stats.num_steps - before.num_steps,
     }
     return [outs[i] for i in range(len(prompts))], elapsed, info
 
