@@ -14,7 +14,7 @@ import json
 from typing import Any
 
 import torch
-from asyncpaged.kernels.benchmark import PAGE, _sdpa
+from asyncpaged.kernels.benchmark import _sdpa, decode_inputs
 from asyncpaged.kernels.paged_attention import (
     AttentionConfig,
     choose_num_splits,
@@ -31,24 +31,11 @@ def sweep_shape(batch: int, context: int) -> dict[str, Any]:
     """Time every tile config and split count at one decode shape; the best five and the default."""
     dev, dtype = torch.device("cuda"), torch.bfloat16
     g = HEADS // KV_HEADS
-    per_seq = context // PAGE
-    num_blocks = batch * per_seq + 1
-    gen = torch.Generator(device=dev).manual_seed(0)
-    tables = torch.randperm(num_blocks - 1, device=dev, generator=gen) + 1
-    tables = tables[: batch * per_seq].view(batch, per_seq)
-    query = torch.randn(batch, HEADS, HEAD_DIM, device=dev, dtype=dtype)
-    key = torch.randn((num_blocks, KV_HEADS, HEAD_DIM, PAGE), device=dev, dtype=dtype)
-    value = torch.randn((num_blocks, KV_HEADS, PAGE, HEAD_DIM), device=dev, dtype=dtype)
-    k_cache, v_cache = key.permute(0, 3, 1, 2), value.permute(0, 2, 1, 3)
-    kv_bytes = 2 * batch * context * KV_HEADS * HEAD_DIM * 2
-    meta: dict[str, Any] = {
-        "block_tables": tables,
-        "query_start_loc": torch.arange(batch + 1, device=dev, dtype=torch.int64),
-        "context_lens": torch.full((batch,), context, device=dev, dtype=torch.int64),
-        "query_lens": [1] * batch,
-        "max_context_len": context,
-        "scale": HEAD_DIM**-0.5,
-    }
+    inputs = decode_inputs(
+        batch, context, num_heads=HEADS, kv_heads=KV_HEADS, head_dim=HEAD_DIM, dtype=dtype
+    )
+    query, meta, kv_bytes = inputs.query, inputs.meta, inputs.kv_bytes
+    k_cache, v_cache = inputs.runner_views()
     kc = torch.randn(batch, KV_HEADS, context, HEAD_DIM, device=dev, dtype=dtype)
     sdpa_us = do_bench(_sdpa(query[:, :, None, :], kc, torch.randn_like(kc), g)) * 1e3
     del kc

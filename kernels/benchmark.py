@@ -12,13 +12,14 @@ from __future__ import annotations
 import argparse
 import json
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from triton.testing import do_bench  # type: ignore[import-untyped]
 
-from .paged_attention import attention_config, paged_attention, plan_tiles
+from .paged_attention import TilePlan, attention_config, paged_attention, plan_tiles
 
 PAGE = 16
 SHAPES = [(1, 8192), (4, 4096), (16, 2048), (64, 1024), (128, 512), (256, 1024)]
@@ -35,10 +36,34 @@ def _sdpa(
         return lambda: F.scaled_dot_product_attention(q, k_rep, v_rep)
 
 
-def bench_one(
-    batch: int, context: int, *, num_heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype
-) -> dict[str, Any]:
-    dev = torch.device("cuda")
+@dataclass(frozen=True)
+class DecodeInputs:
+    """One decode batch over a scattered paged cache in the runner layout."""
+
+    query: torch.Tensor  # [batch, Hq, D]
+    key: torch.Tensor  # physical [num_blocks, Hkv, D, PAGE]: K transposed per block
+    value: torch.Tensor  # physical [num_blocks, Hkv, PAGE, D]
+    meta: dict[str, Any]  # paged_attention's keyword arguments but the plan
+    plan: TilePlan  # built once, as the engine's backend does for all layers of a step
+    kv_bytes: int  # the K/V bytes one call must read
+
+    def runner_views(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The logical [num_blocks, PAGE, Hkv, D] views ``paged_attention`` takes."""
+        return self.key.permute(0, 3, 1, 2), self.value.permute(0, 2, 1, 3)
+
+
+def decode_inputs(
+    batch: int,
+    context: int,
+    *,
+    num_heads: int,
+    kv_heads: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    device: str = "cuda",
+) -> DecodeInputs:
+    """Random queries and cache, every sequence at ``context`` tokens on shuffled blocks."""
+    dev = torch.device(device)
     blocks_per_seq = context // PAGE
     num_blocks = batch * blocks_per_seq + 1
     gen = torch.Generator(device=dev).manual_seed(0)
@@ -54,27 +79,35 @@ def bench_one(
         "query_lens": [1] * batch,
         "max_context_len": context,
         "scale": head_dim**-0.5,
-        # Built once, as the engine's backend does for all layers of a step: a per-call plan
-        # adds two host-to-device copies that serialize small shapes.
-        "plan": plan_tiles([1] * batch, cfg.block_q, dev),
     }
-    kv_bytes = 2 * batch * context * kv_heads * head_dim * query.element_size()
+    return DecodeInputs(
+        query=query,
+        key=torch.randn((num_blocks, kv_heads, head_dim, PAGE), device=dev, dtype=dtype),
+        value=torch.randn((num_blocks, kv_heads, PAGE, head_dim), device=dev, dtype=dtype),
+        meta=meta,
+        # A per-call plan adds two host-to-device copies that serialize small shapes.
+        plan=plan_tiles([1] * batch, cfg.block_q, dev),
+        kv_bytes=2 * batch * context * kv_heads * head_dim * query.element_size(),
+    )
+
+
+def bench_one(
+    batch: int, context: int, *, num_heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype
+) -> dict[str, Any]:
+    dev = torch.device("cuda")
+    inputs = decode_inputs(
+        batch, context, num_heads=num_heads, kv_heads=kv_heads, head_dim=head_dim, dtype=dtype
+    )
+    query, meta, plan, kv_bytes = inputs.query, inputs.meta, inputs.plan, inputs.kv_bytes
     result: dict[str, Any] = {"batch": batch, "context": context, "kv_bytes": kv_bytes}
-    shape = (num_blocks, kv_heads, head_dim, PAGE)
-    key = torch.randn(shape, device=dev, dtype=dtype)
-    value = torch.randn((num_blocks, kv_heads, PAGE, head_dim), device=dev, dtype=dtype)
-    layouts = {
-        "runner": (key.permute(0, 3, 1, 2), value.permute(0, 2, 1, 3)),
-        "nhd": (
-            key.permute(0, 3, 1, 2).contiguous(),
-            value.permute(0, 2, 1, 3).contiguous(),
-        ),
-    }
+    runner = inputs.runner_views()
+    layouts = {"runner": runner, "nhd": (runner[0].contiguous(), runner[1].contiguous())}
+    del inputs, runner
     for name, (k_cache, v_cache) in layouts.items():
-        ms = do_bench(lambda k=k_cache, v=v_cache: paged_attention(query, k, v, **meta))
+        ms = do_bench(lambda k=k_cache, v=v_cache: paged_attention(query, k, v, **meta, plan=plan))
         result[f"paged_{name}_us"] = ms * 1e3
         result[f"paged_{name}_gbps"] = kv_bytes / (ms * 1e-3) / 1e9
-    del layouts, key, value
+    del layouts
     q = query[:, :, None, :]  # [B, Hq, 1, D]
     k = torch.randn(batch, kv_heads, context, head_dim, device=dev, dtype=dtype)
     v = torch.randn_like(k)

@@ -291,3 +291,25 @@ def test_step_varying_integers_are_not_specialized(kernel: Any, varying: set[str
     )
     assert set(declared) == varying
     assert varying <= set(inspect.signature(kernel.fn).parameters)
+
+
+def test_benchmark_inputs_give_the_reference_attention_in_both_layouts(
+    device: torch.device,
+) -> None:
+    """The GPU benchmark's decode batch (kernels/benchmark.py), run here on small shapes: its
+    runner-layout views, NHD copies, arguments and tile plan give the reference attention."""
+    from asyncpaged.kernels.benchmark import decode_inputs
+
+    inputs = decode_inputs(3, 48, num_heads=8, kv_heads=2, head_dim=64, dtype=torch.float32,
+                           device=device.type)  # fmt: skip
+    k_view, v_view = inputs.runner_views()
+    meta = inputs.meta
+    ref = paged_attention_reference(
+        inputs.query, k_view, v_view, block_tables=meta["block_tables"],
+        query_lens=meta["query_lens"], context_lens=[48] * 3, scale=meta["scale"],
+    )  # fmt: skip
+    assert inputs.kv_bytes == 2 * 3 * 48 * 2 * 64 * 4
+    for k, v in ((k_view, v_view), (k_view.contiguous(), v_view.contiguous())):
+        out = paged_attention(inputs.query, k, v, **meta, plan=inputs.plan)
+        tol = TOLERANCE[torch.float32]
+        torch.testing.assert_close(out.double(), ref, atol=tol, rtol=tol)
