@@ -4,7 +4,8 @@
 # 1. the kernel tests compiled natively (no TRITON_INTERPRET), incl. a >2^31-element cache test
 # 2. end-to-end greedy generation on tiny checkpoints vs transformers (tests/kernels/test_backend.py)
 # 3. the engine on CUDA through the public API (scripts/gpu_e2e.py): greedy tokens vs transformers
-#    on the built-in model, preemption by swap, and fp32 / bf16 throughput
+#    on the built-in model, preemption by swap, fp32 / bf16 throughput, and a profiled fp32 run
+#    (cProfile of the event loop's and the forward's threads, the GPU's kernels)
 # 4. paged decode attention benchmark: GB/s and the ratio to contiguous SDPA
 # Budget: under 10 minutes (about 5 on an H200); each stage has its own timeout.
 # Python: $PYTHON, else .venv if its torch sees CUDA, else python3. A package that Python lacks
@@ -69,7 +70,8 @@ fi
 tail -3 "$RESULTS/kernel_tests.log" >> "$RESULTS/summary.txt" || true
 
 log "3. engine end-to-end on CUDA (scripts/gpu_e2e.py)"
-if timeout 150 "$PY" scripts/gpu_e2e.py --out "$RESULTS/e2e.json" 2>&1 | tee "$RESULTS/e2e.log"; then
+if timeout 180 "$PY" scripts/gpu_e2e.py --profile --out "$RESULTS/e2e.json" 2>&1 \
+    | tee "$RESULTS/e2e.log"; then
   grep -E '^[0-9]\.' "$RESULTS/e2e.log" >> "$RESULTS/summary.txt" || true
 else
   status=1

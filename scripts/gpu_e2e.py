@@ -8,6 +8,8 @@ picks it on CUDA):
    tokens must equal the unconstrained run's, and the engine must have swapped (pinned host memory,
    side stream).
 3. Throughput of many concurrent greedy requests, float32 and bfloat16 (bfloat16 is not exact).
+4. With ``--profile``: the float32 run again under cProfile (the event loop's thread and the
+   forward's thread apart) and torch's profiler, to see where a step's time goes.
 
 ``python scripts/gpu_e2e.py [--out results.json]``; exits non-zero when 1 or 2 fails.
 ``--device cpu --load 16`` rehearses it on a CPU (the CPU attention backend, a small load).
@@ -16,11 +18,16 @@ picks it on CUDA):
 from __future__ import annotations
 
 import argparse
+import contextlib
+import cProfile
+import io
 import json
 import logging
+import pstats
 import random
 import sys
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import anyio
@@ -29,6 +36,7 @@ import torch
 
 from asyncpaged import AsyncEngine, EngineConfig, SamplingParams
 from asyncpaged.default_model import path as default_model_path
+from asyncpaged.model.runner import ModelRunner
 
 
 def _prompts(n: int, seed: int, low: int, high: int) -> list[list[int]]:
@@ -77,8 +85,9 @@ async def _engine_run(
 def _hf_greedy(prompts: list[list[int]], max_tokens: int, device: str) -> list[list[int]]:
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(str(default_model_path()), dtype=torch.float32)
-    model = model.to(device).eval()
+    path = str(default_model_path())
+    model: Any = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    model = model.to(torch.device(device)).eval()
     result = []
     with torch.no_grad():
         for prompt in prompts:
@@ -108,11 +117,56 @@ def _config(device: str, **overrides: Any) -> EngineConfig:
     return EngineConfig(**settings)
 
 
+@contextlib.contextmanager
+def _forward_profiled(profile: cProfile.Profile) -> Iterator[None]:
+    """Profile every ``ModelRunner.execute`` (it runs in the executor's worker thread)."""
+    execute = ModelRunner.execute
+
+    def profiled(self: ModelRunner, plan: Any) -> Any:
+        return profile.runcall(execute, self, plan)
+
+    ModelRunner.execute = profiled  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        ModelRunner.execute = execute  # type: ignore[method-assign]
+
+
+def _top(profile: cProfile.Profile, title: str, rows: int = 18) -> str:
+    out = io.StringIO()
+    pstats.Stats(profile, stream=out).sort_stats("tottime").print_stats(rows)
+    body = out.getvalue().split("\n")
+    start = next(i for i, line in enumerate(body) if line.lstrip().startswith("ncalls"))
+    return "\n".join([f"--- {title} (by own time) ---", *body[start:]]).rstrip()
+
+
+def _profile_run(config: EngineConfig, prompts: list[list[int]], max_tokens: int) -> None:
+    """The run again under cProfile (both threads) and, on CUDA, torch's profiler for the GPU's
+    kernels (its CPU side would see only this thread, not the forward's); prints the tables."""
+    loop_profile, forward_profile = cProfile.Profile(), cProfile.Profile()
+    on_cuda = config.device == "cuda"
+    gpu = torch.profiler.ProfilerActivity.CUDA
+    with (
+        torch.profiler.profile(activities=[gpu]) if on_cuda else contextlib.nullcontext() as prof,
+        _forward_profiled(forward_profile),
+    ):
+        loop_profile.enable()
+        _, elapsed, info = anyio.run(_engine_run, config, prompts, max_tokens)
+        loop_profile.disable()
+    print(f"4. profiled run: {elapsed:.2f} s, {info['steps']} steps (profilers add overhead)")
+    print(_top(loop_profile, "event loop thread: scheduling, allocation, streaming"))
+    print(_top(forward_profile, "forward thread: ModelRunner.execute"))
+    if prof is not None:
+        print("--- GPU kernels (torch profiler, by self CUDA time) ---")
+        print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=20))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--out", default=None)
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--load", type=int, default=256, help="requests of the throughput runs")
+    parser.add_argument("--profile", action="store_true", help="4. profile the float32 run")
     args = parser.parse_args()
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))
     device = args.device
@@ -175,6 +229,8 @@ def main() -> None:
             f"3. {len(load)} requests x {out_tokens} tokens, {dtype}: {n / elapsed:.0f} tok/s "
             f"({elapsed:.2f} s, {tinfo['steps']} steps)"
         )
+    if args.profile:
+        _profile_run(_config(device, num_device_blocks=8192), load, out_tokens)
     results["failed"] = failed
     if args.out:
         with open(args.out, "w") as f:
