@@ -10,6 +10,7 @@ import torch
 from asyncpaged.kernels._util import is_interpreted, max_shared_mem
 from asyncpaged.kernels.cache_ops import _reshape_and_cache_kernel, reshape_and_cache
 from asyncpaged.kernels.paged_attention import (
+    AttentionConfig,
     _merge_splits_kernel,
     _paged_attention_kernel,
     attention_config,
@@ -30,7 +31,11 @@ MIXED_CONTEXT_LENS = [17, 15, 16, 40, 100, 300]
 
 
 def _run(
-    case: PagedCase, *, num_splits: int | None = None, window: int | None = None
+    case: PagedCase,
+    *,
+    num_splits: int | None = None,
+    window: int | None = None,
+    config: AttentionConfig | None = None,
 ) -> torch.Tensor:
     return paged_attention(
         case.query,
@@ -44,6 +49,7 @@ def _run(
         scale=case.query.shape[-1] ** -0.5,
         sliding_window=window,
         num_splits=num_splits,
+        config=config,
     )
 
 
@@ -107,6 +113,20 @@ def test_decode_matches_reference(
 ) -> None:
     case = _decode_case(dtype, heads, head_dim, device)
     _check(case, _run(case, num_splits=1))
+
+
+@pytest.mark.parametrize("num_splits", [1, 2])
+@pytest.mark.parametrize("heads", [(2, 4), (1, 6)], ids=lambda h: f"kv{h[0]}xg{h[1]}")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_decode_with_64_key_tiles_matches_reference(
+    dtype: torch.dtype, heads: tuple[int, int], num_splits: int, device: torch.device
+) -> None:
+    """The decode tiles of GPUs with less shared memory (the interpreter has no limit, so the
+    other tests run the 128-key tiles)."""
+    config = attention_config(1, heads[1], head_dim=80, elem_bytes=dtype.itemsize, shared_mem=0)
+    assert config.block_n == 64
+    case = _decode_case(dtype, heads, 80, device)
+    _check(case, _run(case, num_splits=num_splits, config=config))
 
 
 @pytest.mark.parametrize("heads", HEADS, ids=lambda h: f"kv{h[0]}xg{h[1]}")
