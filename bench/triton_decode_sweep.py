@@ -40,7 +40,7 @@ def sweep_shape(batch: int, context: int) -> dict[str, Any]:
     sdpa_us = do_bench(_sdpa(query[:, :, None, :], kc, torch.randn_like(kc), g)) * 1e3
     del kc
     results = []
-    for block_n, warps, stages in itertools.product((32, 64, 128), (4, 8), (None, 2, 4)):
+    for block_n, warps, stages in itertools.product((32, 64, 128), (4, 8), (None, 1, 2, 4)):
         cfg = AttentionConfig(16, 16 // g, block_n, warps, stages)
         plan = plan_tiles([1] * batch, cfg.block_q, dev)
         auto = choose_num_splits(batch * KV_HEADS, context, block_n, dev)

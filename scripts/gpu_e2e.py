@@ -9,7 +9,8 @@ picks it on CUDA):
    side stream).
 3. Throughput of many concurrent greedy requests, float32 and bfloat16 (bfloat16 is not exact).
 4. With ``--profile``: the float32 run again under cProfile (the event loop's thread and the
-   forward's thread apart) and torch's profiler, to see where a step's time goes.
+   forward's thread apart) and, on CUDA, torch's profiler for the GPU kernels, to see where a
+   step's time goes.
 
 ``python scripts/gpu_e2e.py [--out results.json]``; exits non-zero when 1 or 2 fails.
 ``--device cpu --load 16`` rehearses it on a CPU (the CPU attention backend, a small load).
@@ -50,8 +51,8 @@ async def _engine_run(
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     outs: dict[int, list[int]] = {}
     async with AsyncEngine(config) as engine:
-        # Warm-up: Triton compiles each kernel variant on its first launch (prefill, decode,
-        # split-K decode), so a few concurrent requests of different lengths go first.
+        # Warm-up: Triton compiles each kernel variant on its first launch, so a few concurrent
+        # requests of different lengths (prefills, then decodes) go first.
         async def warm(n: int) -> None:
             await engine.generate([1] * n, SamplingParams(max_tokens=8, ignore_eos=True))
 
