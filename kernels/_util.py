@@ -34,8 +34,8 @@ def _cuda_shared_mem(index: int) -> int:
         from triton.runtime import driver  # type: ignore[import-untyped]
 
         return int(driver.active.utils.get_device_properties(index)["max_shared_mem"])
-    except (ImportError, AttributeError, KeyError):  # another driver API: the conservative tiles
-        return 0
+    except (ImportError, AttributeError, KeyError, RuntimeError):
+        return 0  # no active Triton driver, or another driver API: the conservative tiles
 
 
 def max_shared_mem(device: torch.device) -> int | None:

@@ -199,6 +199,16 @@ def test_decode_tiles_follow_dtype_head_dim_and_shared_memory() -> None:
     assert (prefill.block_m, prefill.block_n, prefill.num_stages) == (64, 64, None)
 
 
+def test_shared_memory_is_unlimited_off_cuda_and_zero_without_a_driver() -> None:
+    from asyncpaged.kernels import _util
+
+    assert max_shared_mem(torch.device("cpu")) is None  # the interpreter: 128-key tiles
+    if not torch.cuda.is_available():  # Triton has no active driver here: the 64-key tiles
+        assert _util._cuda_shared_mem.__wrapped__(0) == 0
+    else:
+        assert (max_shared_mem(torch.device("cuda")) or 0) >= 48 * 1024
+
+
 def test_split_k_heuristic_stays_off_for_many_programs_or_short_contexts(
     device: torch.device,
 ) -> None:
