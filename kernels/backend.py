@@ -112,6 +112,7 @@ class TritonAttentionBackend(AttentionBackend):
             sliding_window=sliding_window,
             num_splits=self.num_splits,
             plan=self._plan(metadata, query_lens, cfg.block_q),
+            config=cfg,
         )
 
 
