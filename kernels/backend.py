@@ -81,7 +81,9 @@ class TritonAttentionBackend(AttentionBackend):
         *,
         scale: float,
         sliding_window: int | None = None,
+        softcap: float | None = None,
     ) -> torch.Tensor:
+        assert softcap is None, "softcap: not yet in the Triton kernel"
         key_cache, value_cache = logical_cache_views(kv_cache, layer_idx)
         if key.stride(-1) != 1:
             key = key.contiguous()

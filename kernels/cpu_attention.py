@@ -290,12 +290,13 @@ class CpuAttentionBackend(TorchAttentionBackend):
         *,
         scale: float,
         sliding_window: int | None = None,
+        softcap: float | None = None,
     ) -> torch.Tensor:
         lib = self._library
-        if lib is None or not _kernel_fits(query, kv_cache):
+        if lib is None or not _kernel_fits(query, kv_cache) or softcap is not None:
             return super().forward(
                 layer_idx, query, key, value, kv_cache, metadata,
-                scale=scale, sliding_window=sliding_window,
+                scale=scale, sliding_window=sliding_window, softcap=softcap,
             )  # fmt: skip
         key_cache, value_cache = kv_cache.layer(layer_idx)
         if self.native_prefill and key.dtype in KV_DTYPE_CODES and value.dtype == key.dtype:

@@ -93,8 +93,12 @@ class AttentionBackend(ABC):
         *,
         scale: float,
         sliding_window: int | None = None,
+        softcap: float | None = None,
     ) -> torch.Tensor:
-        """query [T, Hq, D], key/value [T, Hkv, D] -> attention output [T, Hq, D]."""
+        """query [T, Hq, D], key/value [T, Hkv, D] -> attention output [T, Hq, D].
+
+        Scores are ``scale * q.k``; with ``softcap`` (Gemma 2's attention logit softcapping)
+        they become ``softcap * tanh(scores / softcap)`` before masking and the softmax."""
 
     def copy_blocks(self, kv_cache: PagedKVCache, pairs: Sequence[tuple[int, int]]) -> None:
         """Copy-on-write before a step: block ``src`` onto ``dst`` in every layer."""
@@ -157,6 +161,7 @@ class TorchAttentionBackend(AttentionBackend):
         *,
         scale: float,
         sliding_window: int | None = None,
+        softcap: float | None = None,
     ) -> torch.Tensor:
         _write(kv_cache, layer_idx, key, value, metadata)
         key_cache, value_cache = kv_cache.layer(layer_idx)
@@ -166,9 +171,13 @@ class TorchAttentionBackend(AttentionBackend):
             groups = self._decode_plan(metadata, key_cache, group_heads, sliding_window)
             workspace = self._gather_workspace(groups, key_cache)
             for group in groups:
-                _decode_group(group, out, query, key_cache, value_cache, workspace, scale)
+                _decode_group(
+                    group, out, query, key_cache, value_cache, workspace, scale, softcap
+                )
         for i in metadata.prefill_indices:
-            _prefill_one(i, out, query, key_cache, value_cache, metadata, scale, sliding_window)
+            _prefill_one(
+                i, out, query, key_cache, value_cache, metadata, scale, sliding_window, softcap
+            )
         return out
 
     def _decode_plan(
@@ -258,6 +267,7 @@ def _decode_group(
     value_cache: torch.Tensor,
     workspace: torch.Tensor,
     scale: float,
+    softcap: float | None = None,
 ) -> None:
     """Attention of one decode group over its gathered blocks, with no re-layout copy of K/V.
 
@@ -287,6 +297,8 @@ def _decode_group(
     group_heads = scores.shape[3]
     scores = scores.permute(2, 0, 3, 1, 4).contiguous()  # [Hkv, n, G, nb, bs]
     scores = scores.view(kv_heads, num_seqs, group_heads, length)
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap).mul_(softcap)
     if group.score_pad is not None:
         scores.view(-1).index_fill_(0, group.score_pad, float("-inf"))
     probs = torch.softmax(scores, dim=-1)  # [Hkv, n, G, L]
@@ -320,6 +332,7 @@ def _prefill_one(
     md: AttentionMetadata,
     scale: float,
     sliding_window: int | None,
+    softcap: float | None = None,
 ) -> None:
     block_size = key_cache.shape[-1]
     start, end = md.query_start_loc_host[i], md.query_start_loc_host[i + 1]
@@ -331,7 +344,7 @@ def _prefill_one(
     group = query.shape[1] // kv_heads
     q = query[start:end].float().view(q_len, kv_heads, group, head_dim)
     q = q.permute(1, 2, 0, 3).reshape(kv_heads, group * q_len, head_dim)  # [Hkv, G*q, D]
-    if q_len == ctx and sliding_window is None:
+    if q_len == ctx and sliding_window is None and softcap is None:
         o = F.scaled_dot_product_attention(
             q.view(kv_heads, group, q_len, head_dim),
             keys[:, None],
@@ -346,6 +359,11 @@ def _prefill_one(
         if sliding_window is not None:
             mask &= k_pos > q_pos - sliding_window
         mask = mask.expand(group, q_len, ctx).reshape(group * q_len, ctx)
-        o = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale)
+        if softcap is None:
+            o = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale)
+        else:  # SDPA has no softcap: the scores in the open
+            scores = torch.tanh(q @ keys.transpose(1, 2) * (scale / softcap)) * softcap
+            probs = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1)
+            o = probs @ values  # [Hkv, G*q, D]
     o = o.reshape(kv_heads, group, q_len, head_dim).permute(2, 0, 1, 3)  # [q, Hkv, G, D]
     out[start:end] = o.reshape(q_len, -1, head_dim).to(out.dtype)
