@@ -81,11 +81,60 @@ def _yarn_inv_freq(
     return inv_freq, float(attention_factor)
 
 
-class RotaryEmbedding:
-    """cos/sin tables for a flat batch of positions; not an nn.Module (nothing to load)."""
+#: Legacy ``rope_scaling`` type names and the ``rope_type`` transformers maps them to.
+_LEGACY_ROPE_TYPES = {"su": "longrope", "mrope": "default"}
 
-    def __init__(self, config: Any, head_dim: int, device: torch.device) -> None:
-        params: dict[str, Any] = dict(getattr(config, "rope_parameters", None) or {})
+
+def rope_parameters(config: Any, layer_type: str | None = None) -> dict[str, Any]:
+    """The RoPE parameters of ``config`` (for layers of ``layer_type``, where they differ).
+
+    transformers 5 keeps them in ``config.rope_parameters``: one dict, or one per layer type
+    (Gemma 3: ``{"sliding_attention": {...}, "full_attention": {...}}``). Configs of transformers
+    4 (and raw hub ``config.json`` files) carry ``rope_theta``, ``rope_scaling`` (with ``type`` or
+    ``rope_type``), ``partial_rotary_factor`` and Gemma 3's ``rope_local_base_freq`` instead; both
+    are read here, so the same checkpoint rotates identically either way.
+    """
+    params = getattr(config, "rope_parameters", None)
+    if isinstance(params, dict) and params:
+        if layer_type is not None and isinstance(params.get(layer_type), dict):
+            params = params[layer_type]
+        elif all(isinstance(v, dict) for v in params.values()):
+            raise UnsupportedModelError(
+                f"rope_parameters are given per layer type ({sorted(params)}), but layer type "
+                f"{layer_type!r} has none."
+            )
+        out = dict(params)
+    else:  # legacy fields
+        scaling = getattr(config, "rope_scaling", None)
+        out = dict(scaling) if isinstance(scaling, dict) else {}
+        theta = getattr(config, "rope_theta", None)
+        if layer_type == "sliding_attention" and getattr(config, "rope_local_base_freq", None):
+            out, theta = {}, config.rope_local_base_freq  # Gemma 3: local layers unscaled
+        out["rope_theta"] = float(theta if theta is not None else 10000.0)
+    rope_type = out.get("rope_type", out.get("type", "default"))
+    out["rope_type"] = _LEGACY_ROPE_TYPES.get(rope_type, rope_type)
+    if "partial_rotary_factor" not in out:
+        factor = getattr(config, "partial_rotary_factor", None)
+        if factor is not None:
+            out["partial_rotary_factor"] = float(factor)
+    return out
+
+
+class RotaryEmbedding:
+    """cos/sin tables for a flat batch of positions; not an nn.Module (nothing to load).
+
+    ``params`` (default: ``rope_parameters(config)``) are the RoPE parameters of the layers this
+    table serves."""
+
+    def __init__(
+        self,
+        config: Any,
+        head_dim: int,
+        device: torch.device,
+        *,
+        params: dict[str, Any] | None = None,
+    ) -> None:
+        params = dict(rope_parameters(config) if params is None else params)
         self.rope_type: str = params.get("rope_type", "default")
         if self.rope_type not in SUPPORTED_ROPE_TYPES:
             raise UnsupportedModelError(

@@ -123,15 +123,19 @@ TINY_MODELS: dict[str, tuple[str, dict[str, Any], float]] = {
         },
         0.2,
     ),
+    # ---- Qwen3, Qwen3-MoE, Mixtral ----
+    # ---- Gemma 2, Gemma 3 ----
+    # ---- Phi-3 ----
 }
 
-_MODEL_CLASSES = {
-    "LlamaConfig": "LlamaForCausalLM",
-    "MistralConfig": "MistralForCausalLM",
-    "Qwen2Config": "Qwen2ForCausalLM",
-    "OPTConfig": "OPTForCausalLM",
-    "GPT2Config": "GPT2LMHeadModel",
-}
+#: transformers config class -> model class, where it is not ``*Config`` -> ``*ForCausalLM``.
+_MODEL_CLASSES = {"GPT2Config": "GPT2LMHeadModel", "Gemma3TextConfig": "Gemma3ForCausalLM"}
+
+
+def model_class_name(config_cls_name: str) -> str:
+    """The transformers causal-LM class built for a config class name."""
+    default = config_cls_name.removesuffix("Config") + "ForCausalLM"
+    return _MODEL_CLASSES.get(config_cls_name, default)
 
 
 def build_tokenizer() -> Any:
@@ -180,7 +184,7 @@ def build_tiny_model(name: str, seed: int = 0) -> Any:
 
     config_cls_name, kwargs, std = TINY_MODELS[name]
     config = getattr(transformers, config_cls_name)(**kwargs)
-    model_cls: Callable[[Any], Any] = getattr(transformers, _MODEL_CLASSES[config_cls_name])
+    model_cls: Callable[[Any], Any] = getattr(transformers, model_class_name(config_cls_name))
     torch.manual_seed(seed)
     model = model_cls(config)
     generator = torch.Generator().manual_seed(seed)
