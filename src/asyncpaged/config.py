@@ -34,7 +34,11 @@ class EngineConfig:
     budgets *per rank* (as in vLLM): the same budget holds N times the blocks.
     """
 
-    model: str
+    model: str  # a checkpoint directory or a hub id ("org/name") in the Hugging Face cache
+    revision: str | None = None  # hub ids: the branch, tag or commit of the snapshot
+    # "auto": the checkpoint's generation_config.json gives the EOS ids and the sampling
+    # defaults of unset SamplingParams fields; "none": neither; a directory: its file instead
+    generation_config: str = "auto"
     dtype: str = "auto"
     device: str = "cpu"
     block_size: int = 16
@@ -61,6 +65,13 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         checks = [
+            (isinstance(self.model, str) and bool(self.model),
+             f"model must be a checkpoint directory or a hub id, got {self.model!r}."),
+            (self.revision is None or (isinstance(self.revision, str) and bool(self.revision)),
+             f"revision must be a non-empty str or None, got {self.revision!r}."),
+            (isinstance(self.generation_config, str) and bool(self.generation_config),
+             f"generation_config must be 'auto', 'none' or a directory, got "
+             f"{self.generation_config!r}."),
             (self.block_size >= 1, f"block_size must be at least 1, got {self.block_size}."),
             (self.num_device_blocks is None or self.num_device_blocks >= 1,
              f"num_device_blocks must be at least 1, got {self.num_device_blocks}."),

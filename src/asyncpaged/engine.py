@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 import time
 import uuid
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
@@ -29,14 +30,18 @@ from asyncpaged.core.scheduler import Scheduler, SchedulerConfig
 from asyncpaged.core.txn import StepTxn, TxnResult
 from asyncpaged.distributed import TensorParallelRunner, check_tensor_parallel, worker_spec
 from asyncpaged.errors import EngineDeadError, InvalidRequestError
+from asyncpaged.inputs import ChatMessage, PromptType, check_messages, parse_prompt
 from asyncpaged.messages import (
     AbortRequest,
+    ChatPrompt,
     ExecuteStep,
     SchedulerInbox,
     SubmitRequest,
     SwapBlocks,
     UnpinPrefix,
 )
+from asyncpaged.model.generation_config import GenerationDefaults, load_generation_defaults
+from asyncpaged.model.hub import resolve_model_path
 from asyncpaged.model.loader import load_config, load_tokenizer, resolve_dtype
 from asyncpaged.model.runner import ModelRunner, StepRunner, select_attention_backend
 from asyncpaged.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
@@ -106,7 +111,9 @@ class AsyncEngine:
 
     async def __aenter__(self) -> AsyncEngine:
         cfg = self.config
-        hf_config = await anyio.to_thread.run_sync(load_config, cfg.model)
+        path = await anyio.to_thread.run_sync(resolve_model_path, cfg.model, cfg.revision)
+        self.model_path = path
+        hf_config = await anyio.to_thread.run_sync(load_config, path)
         dtype = resolve_dtype(cfg.dtype, hf_config, torch.device(cfg.device))
         kv_dtype = dtype if cfg.kv_cache_dtype == "auto" else getattr(torch, cfg.kv_cache_dtype)
         tp_size = cfg.tensor_parallel_size
@@ -120,7 +127,8 @@ class AsyncEngine:
         self.vocab_size = int(hf_config.vocab_size)
         step_runner: StepRunner
         if tp_size > 1:
-            spec = worker_spec(cfg, dtype, kv_dtype, num_device, num_host)
+            local = dataclasses.replace(cfg, model=str(path), revision=None)
+            spec = worker_spec(local, dtype, kv_dtype, num_device, num_host)
             self._tp = await anyio.to_thread.run_sync(
                 TensorParallelRunner.start, spec, tp_size, cfg.device
             )
@@ -130,7 +138,7 @@ class AsyncEngine:
                 select_attention_backend, cfg.device, cfg.attention_backend
             )
             self.runner = await anyio.to_thread.run_sync(
-                lambda: ModelRunner(cfg.model, dtype, num_device, cfg.block_size, num_host,
+                lambda: ModelRunner(path, dtype, num_device, cfg.block_size, num_host,
                                     device=cfg.device, seed=cfg.seed, attn_backend=backend,
                                     kv_cache_dtype=kv_dtype,
                                     packed_linears=cfg.packed_linears,
@@ -153,9 +161,15 @@ class AsyncEngine:
         self, hf_config: Any, num_device: int, num_host: int, step_runner: StepRunner
     ) -> None:
         cfg = self.config
-        self.tokenizer = await anyio.to_thread.run_sync(load_tokenizer, cfg.model)
+        self.tokenizer = await anyio.to_thread.run_sync(load_tokenizer, self.model_path)
         eos = getattr(self.tokenizer, "eos_token_id", None)
-        self._eos = eos if eos is not None else getattr(hf_config, "eos_token_id", None)
+        self.generation_defaults: GenerationDefaults = await anyio.to_thread.run_sync(
+            lambda: load_generation_defaults(
+                self.model_path, cfg.generation_config, tokenizer_eos=eos,
+                config_eos=getattr(hf_config, "eos_token_id", None),
+            )
+        )  # fmt: skip
+        self._eos = self.generation_defaults.eos_token_ids
         self.num_device_blocks, self.num_host_blocks = num_device, num_host
         pool = BlockPool(num_device, num_host, block_size=cfg.block_size,
                          enable_prefix_caching=cfg.enable_prefix_caching)  # fmt: skip
@@ -268,7 +282,7 @@ class AsyncEngine:
 
     def beam_search(
         self,
-        prompt: str | Sequence[int],
+        prompt: PromptType,
         params: BeamSearchParams,
         *,
         request_id: str | None = None,
@@ -282,7 +296,11 @@ class AsyncEngine:
         sampling = SamplingParams(temperature=0.0, max_tokens=params.max_tokens,
                                   ignore_eos=params.ignore_eos, n=params.beam_width,
                                   output_kind=RequestOutputKind.FINAL_ONLY)  # fmt: skip
-        return self._submit_request(prompt, sampling, request_id, cache_salt, beam=params)
+        parsed = parse_prompt(prompt)
+        source = parsed.text if parsed.text is not None else parsed.token_ids
+        assert source is not None
+        salt = cache_salt if parsed.cache_salt is None else parsed.cache_salt
+        return self._submit_request(source, sampling, request_id, salt, beam=params)
 
     async def wait_idle(self) -> None:
         """Wait until every request has finished and every block it held is free again.
@@ -358,9 +376,26 @@ class AsyncEngine:
 
     # ---- requests ---------------------------------------------------------------------------
 
+    def default_sampling_params(self) -> SamplingParams:
+        """The model's default sampling parameters: its ``generation_config.json`` settings
+        (temperature, top_p, top_k, min_p, repetition_penalty, max_new_tokens) over vLLM's
+        defaults, as vLLM's ``get_default_sampling_params``; plain ``SamplingParams()`` with
+        ``generation_config="none"``."""
+        self._check_alive()
+        return self.generation_defaults.sampling_params()
+
+    def _with_model_defaults(self, params: SamplingParams | None) -> SamplingParams:
+        if params is None:
+            return self.generation_defaults.sampling_params()
+        if not isinstance(params, SamplingParams):
+            raise InvalidRequestError(
+                f"params must be a SamplingParams, got {type(params).__name__}."
+            )
+        return params.with_defaults(self.generation_defaults.sampling)
+
     def generate(
         self,
-        prompt: str | Sequence[int],
+        prompt: PromptType,
         params: SamplingParams | None = None,
         *,
         request_id: str | None = None,
@@ -369,27 +404,94 @@ class AsyncEngine:
     ) -> RequestStream:
         """Submit a request; returns its :class:`RequestStream` at once.
 
+        ``prompt`` takes vLLM's forms: a ``str``, a list of token ids, ``{"prompt": str}`` or
+        ``{"prompt_token_ids": [...]}`` (``asyncpaged.inputs``). Fields of ``params`` the caller
+        left unset take the model's generation defaults (``EngineConfig.generation_config``);
+        ``params=None`` is :meth:`default_sampling_params`.
+
         Invalid input raises :class:`InvalidRequestError` here, before anything is queued (a
         text prompt that is too long is found after tokenizing: awaiting the stream raises it).
         """
         self._check_alive()
         if priority != 0:
             raise InvalidRequestError("priority scheduling is not supported; use priority=0.")
-        return self._submit_request(prompt, params or SamplingParams(), request_id, cache_salt)
+        parsed = parse_prompt(prompt)
+        if parsed.cache_salt is not None and cache_salt is not None:
+            raise InvalidRequestError("cache_salt is given twice (in the prompt and as keyword).")
+        salt = cache_salt if parsed.cache_salt is None else parsed.cache_salt
+        source = parsed.text if parsed.text is not None else parsed.token_ids
+        assert source is not None
+        return self._submit_request(source, self._with_model_defaults(params), request_id, salt)
+
+    def chat(
+        self,
+        messages: Sequence[ChatMessage],
+        params: SamplingParams | None = None,
+        *,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        chat_template_kwargs: Mapping[str, Any] | None = None,
+        request_id: str | None = None,
+        cache_salt: str | None = None,
+    ) -> RequestStream:
+        """Generate the next message of a conversation; returns the same stream as
+        :meth:`generate`.
+
+        ``messages`` (``[{"role": "user", "content": "Hi"}, ...]``) are rendered with the
+        tokenizer's chat template (or ``chat_template``, a Jinja string), with ``tools`` and
+        ``chat_template_kwargs`` passed to it; the prompt's token ids equal
+        ``tokenizer.apply_chat_template(messages, ..., tokenize=True)``. Rendering runs in the
+        intake's worker thread, off the event loop. ``continue_final_message`` continues the last
+        (assistant) message instead of starting a new one; it needs
+        ``add_generation_prompt=False``, as in transformers and vLLM.
+
+        A malformed conversation raises :class:`InvalidRequestError` here; a template that fails
+        on it, or a rendered prompt that is too long, raises it when the stream is awaited.
+        Earlier turns share their prompt's KV blocks through the prefix cache.
+        """
+        self._check_alive()
+        checked = check_messages(messages)
+        if add_generation_prompt and continue_final_message:
+            raise InvalidRequestError(
+                "continue_final_message=True needs add_generation_prompt=False."
+            )
+        if chat_template is not None and not isinstance(chat_template, str):
+            raise InvalidRequestError("chat_template must be a str (a Jinja template).")
+        if tools is not None and not all(isinstance(t, Mapping) for t in tools):
+            raise InvalidRequestError("tools must be a list of dicts (JSON schemas).")
+        chat = ChatPrompt(
+            messages=tuple(checked),
+            chat_template=chat_template,
+            add_generation_prompt=bool(add_generation_prompt),
+            continue_final_message=bool(continue_final_message),
+            tools=None if tools is None else tuple(dict(t) for t in tools),
+            chat_template_kwargs=tuple((chat_template_kwargs or {}).items()),
+        )
+        params = self._with_model_defaults(params)
+        return self._submit_request(None, params, request_id, cache_salt, chat=chat)
 
     def _submit_request(
         self,
-        prompt: str | Sequence[int],
+        prompt: str | Sequence[int] | None,
         params: SamplingParams,
         request_id: str | None,
         cache_salt: str | None,
         pin_id: int | None = None,
         beam: BeamSearchParams | None = None,
+        chat: ChatPrompt | None = None,
     ) -> RequestStream:
         rid = request_id if request_id is not None else f"req-{uuid.uuid4().hex[:12]}"
+        if not isinstance(rid, str):
+            raise InvalidRequestError(f"request_id must be a str, got {type(rid).__name__}.")
+        if cache_salt is not None and not isinstance(cache_salt, str):
+            raise InvalidRequestError(f"cache_salt must be a str, got {type(cache_salt).__name__}.")
         if rid in self._live and not self._live[rid].is_done:
             raise InvalidRequestError(f"request id {rid!r} is already in use.")
-        if isinstance(prompt, str):
+        if prompt is None:
+            text, ids = None, None
+        elif isinstance(prompt, str):
             if not prompt:
                 raise InvalidRequestError("prompt must not be empty.")
             text, ids = prompt, None
@@ -404,7 +506,8 @@ class AsyncEngine:
             self._live_pruned_at = max(64, len(self._live))
         self._submit.send_nowait(
             SubmitRequest(state=state, prompt=text, prompt_token_ids=ids, params=params,
-                          cache_salt=cache_salt, priority=0, pin_id=pin_id, beam=beam)
+                          cache_salt=cache_salt, priority=0, pin_id=pin_id, beam=beam,
+                          chat=chat)
         )  # fmt: skip
         return RequestStream(state, self._abort_nowait)
 
@@ -457,7 +560,7 @@ class AsyncEngine:
         return StopCriteria(
             max_tokens=max_tokens,
             min_tokens=params.min_tokens,
-            eos_token_id=self._eos,
+            eos_token_ids=self._eos,
             ignore_eos=params.ignore_eos,
             stop_token_ids=frozenset(params.stop_token_ids),
             max_model_len=self.max_model_len,

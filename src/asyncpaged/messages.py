@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import anyio
 
@@ -23,12 +24,25 @@ from asyncpaged.streams import RequestState
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class ChatPrompt:
+    """A conversation to render with the tokenizer's chat template (``engine.chat``)."""
+
+    messages: tuple[dict[str, Any], ...]
+    chat_template: str | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    tools: tuple[dict[str, Any], ...] | None = None
+    chat_template_kwargs: tuple[tuple[str, Any], ...] = ()
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class SubmitRequest:
-    """A validated request whose prompt may still need tokenizing."""
+    """A validated request whose prompt may still need rendering (chat) and tokenizing."""
 
     state: RequestState
     prompt: str | None
     prompt_token_ids: tuple[int, ...] | None
+    chat: ChatPrompt | None = None
     params: SamplingParams
     cache_salt: str | None
     priority: int

@@ -24,13 +24,19 @@ from __future__ import annotations
 
 import enum
 import math
-from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
-from typing import Literal
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field, fields
+from typing import Any, Literal, cast
 
 from asyncpaged.errors import InvalidRequestError
 
-__all__ = ["BeamSearchParams", "RequestOutputKind", "SamplingParams", "SamplingType"]
+__all__ = [
+    "MODEL_DEFAULT_FIELDS",
+    "BeamSearchParams",
+    "RequestOutputKind",
+    "SamplingParams",
+    "SamplingType",
+]
 
 _SAMPLING_EPS = 1e-5
 """Temperatures below this mean greedy sampling (vLLM's ``_SAMPLING_EPS``)."""
@@ -56,6 +62,28 @@ class SamplingType(enum.IntEnum):
     GREEDY = 0
     RANDOM = 1
     RANDOM_SEED = 2
+
+
+class _DefaultFloat(float):
+    """A default that knows it is one: ``value is _DEFAULTS[name]`` means "the caller left it"."""
+
+
+class _DefaultInt(int):
+    """See :class:`_DefaultFloat`."""
+
+
+#: Defaults a model's ``generation_config.json`` may override (vLLM's
+#: ``get_default_sampling_params``), as objects told apart from the same values given by a caller.
+_MODEL_DEFAULTS: dict[str, object] = {
+    "temperature": _DefaultFloat(1.0),
+    "top_p": _DefaultFloat(1.0),
+    "top_k": _DefaultInt(0),
+    "min_p": _DefaultFloat(0.0),
+    "repetition_penalty": _DefaultFloat(1.0),
+    "max_tokens": _DefaultInt(16),
+}
+MODEL_DEFAULT_FIELDS = frozenset(_MODEL_DEFAULTS)
+"""The fields a model's generation config supplies where the caller set none."""
 
 
 def _check_int(name: str, value: object) -> int:
@@ -238,6 +266,9 @@ class SamplingParams:
     skip_special_tokens: bool
     spaces_between_special_tokens: bool
     output_kind: RequestOutputKind
+    #: The model-default fields (``MODEL_DEFAULT_FIELDS``) the caller gave explicitly; the rest
+    #: take the model's ``generation_config.json`` values in the engine (``with_defaults``).
+    explicit_fields: frozenset[str] = field(init=False, compare=False, repr=False)
 
     def __init__(
         self,
@@ -246,16 +277,16 @@ class SamplingParams:
         best_of: int | None = None,
         presence_penalty: float = 0.0,
         frequency_penalty: float = 0.0,
-        repetition_penalty: float = 1.0,
-        temperature: float = 1.0,
-        top_p: float = 1.0,
-        top_k: int = 0,
-        min_p: float = 0.0,
+        repetition_penalty: float = cast(float, _MODEL_DEFAULTS["repetition_penalty"]),
+        temperature: float = cast(float, _MODEL_DEFAULTS["temperature"]),
+        top_p: float = cast(float, _MODEL_DEFAULTS["top_p"]),
+        top_k: int = cast(int, _MODEL_DEFAULTS["top_k"]),
+        min_p: float = cast(float, _MODEL_DEFAULTS["min_p"]),
         seed: int | None = None,
         stop: str | Sequence[str] | None = None,
         stop_token_ids: Iterable[int] | None = None,
         ignore_eos: bool = False,
-        max_tokens: int | None = 16,
+        max_tokens: int | None = cast(int, _MODEL_DEFAULTS["max_tokens"]),
         min_tokens: int = 0,
         logprobs: int | None = None,
         include_stop_str_in_output: bool = False,
@@ -264,6 +295,10 @@ class SamplingParams:
         output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE,
     ) -> None:
         """Validate and normalize; raise ``InvalidRequestError`` naming the first bad value."""
+        given = {"temperature": temperature, "top_p": top_p, "top_k": top_k, "min_p": min_p,
+                 "repetition_penalty": repetition_penalty, "max_tokens": max_tokens}  # fmt: skip
+        explicit = frozenset(k for k, v in given.items() if v is not _MODEL_DEFAULTS[k])
+        object.__setattr__(self, "explicit_fields", explicit)
         n, best_of, output_kind = _verify_counts(n, best_of, output_kind)
         penalties = _verify_penalties(presence_penalty, frequency_penalty, repetition_penalty)
         temperature, top_p, top_k, min_p = _verify_truncation(temperature, top_p, top_k, min_p)
@@ -311,7 +346,25 @@ class SamplingParams:
         for name, value in values.items():
             if name in _BOOL_FIELDS:
                 _check_bool(name, value)
-            object.__setattr__(self, name, value)
+            if isinstance(value, _DefaultFloat | _DefaultInt):  # store plain numbers
+                object.__setattr__(self, name, type(value).__mro__[1](value))
+            else:
+                object.__setattr__(self, name, value)
+
+    def with_defaults(self, defaults: Mapping[str, Any]) -> SamplingParams:
+        """These parameters with ``defaults`` (a model's generation config: names from
+        ``MODEL_DEFAULT_FIELDS``) in every field the caller left unset; ``self`` if none."""
+        unset = {k: v for k, v in defaults.items() if k not in self.explicit_fields}
+        if not unset:
+            return self
+        assert set(unset) <= MODEL_DEFAULT_FIELDS, f"not model defaults: {sorted(unset)}"
+        kwargs = {f.name: getattr(self, f.name) for f in fields(self) if f.init}
+        for name in MODEL_DEFAULT_FIELDS - self.explicit_fields:
+            kwargs[name] = _MODEL_DEFAULTS[name]  # still unset after the merge unless given
+        kwargs.update(unset)
+        merged = SamplingParams(**kwargs)
+        object.__setattr__(merged, "explicit_fields", self.explicit_fields)
+        return merged
 
     @property
     def num_sequences(self) -> int:

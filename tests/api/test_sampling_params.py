@@ -43,7 +43,9 @@ VLLM_DEFAULTS = {
 
 def test_defaults_equal_vllm() -> None:
     params = SamplingParams()
-    assert {f.name: getattr(params, f.name) for f in dataclasses.fields(params)} == VLLM_DEFAULTS
+    values = {f.name: getattr(params, f.name) for f in dataclasses.fields(params) if f.init}
+    assert values == VLLM_DEFAULTS
+    assert params.explicit_fields == frozenset()
 
 
 def test_request_output_kind_values_equal_vllm() -> None:

@@ -78,7 +78,7 @@ def reference_output(
         tok = next_token(salt, tokens, index if not out else 0)
         tokens.append(tok)
         out.append(tok)
-        if len(out) >= stop.min_tokens and tok == stop.eos_token_id and not stop.ignore_eos:
+        if len(out) >= stop.min_tokens and tok in stop.eos_token_ids and not stop.ignore_eos:
             return out
         if len(out) >= stop.max_tokens:
             return out
@@ -158,7 +158,7 @@ def request_specs(draw: st.DrawFn, max_len: int) -> tuple[list[int], str | None,
     stop = StopCriteria(
         max_tokens=max_tokens,
         min_tokens=draw(st.integers(0, max_tokens)),
-        eos_token_id=EOS,
+        eos_token_ids=frozenset({EOS}),
         ignore_eos=draw(st.booleans()),
     )
     return prompt, draw(st.sampled_from([None, None, "salt"])), stop
@@ -205,7 +205,7 @@ def test_scheduler_outputs_equal_running_each_request_alone(data: st.DataObject)
             knobs = {
                 "width": BEAM_WIDTH,
                 "max_tokens": stop.max_tokens,
-                "eos_token_id": EOS,
+                "eos_token_ids": frozenset({EOS}),
                 "ignore_eos": stop.ignore_eos,
                 "length_penalty": data.draw(st.sampled_from([0.0, 1.0, 2.0])),
                 "early_stopping": data.draw(st.sampled_from([False, True, "never"])),

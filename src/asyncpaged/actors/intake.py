@@ -15,7 +15,7 @@ from asyncpaged.core.beam_search import BeamSearcher
 from asyncpaged.core.request import Request, StopCriteria
 from asyncpaged.core.request import Sequence as Seq
 from asyncpaged.errors import InvalidRequestError
-from asyncpaged.messages import AddRequest, SchedulerInbox, SubmitRequest
+from asyncpaged.messages import AddRequest, ChatPrompt, SchedulerInbox, SubmitRequest
 
 log = structlog.get_logger("asyncpaged")
 
@@ -23,9 +23,10 @@ log = structlog.get_logger("asyncpaged")
 class IntakeActor:
     """Turns :class:`SubmitRequest` into the scheduler's :class:`AddRequest`.
 
-    Text prompts are tokenized in a worker thread (one at a time: fast tokenizers are not
-    re-entrant); a prompt that turns out invalid (too long) is rejected to its waiter and never
-    reaches the scheduler.
+    Chat conversations are rendered with the chat template and text prompts tokenized in a
+    worker thread (one at a time: fast tokenizers are not re-entrant); a prompt that turns out
+    invalid (too long, a template that fails on it) is rejected to its waiter and never reaches
+    the scheduler.
     """
 
     def __init__(
@@ -82,7 +83,7 @@ class IntakeActor:
                     request.beam = BeamSearcher(
                         width=msg.beam.beam_width,
                         max_tokens=msg.beam.max_tokens,
-                        eos_token_id=request.stop.eos_token_id,
+                        eos_token_ids=request.stop.eos_token_ids,
                         length_penalty=msg.beam.length_penalty,
                         early_stopping=msg.beam.early_stopping,
                         ignore_eos=msg.beam.ignore_eos,
@@ -93,9 +94,39 @@ class IntakeActor:
     async def _token_ids(self, msg: SubmitRequest) -> Sequence[int]:
         if msg.prompt_token_ids is not None:
             return msg.prompt_token_ids
+        if msg.chat is not None:
+            chat = msg.chat
+            text, rendered = await anyio.to_thread.run_sync(
+                lambda: render_chat(self.tokenizer, chat), limiter=self._limiter
+            )
+            msg.state.prompt = text
+            return rendered
         assert msg.prompt is not None
         prompt = msg.prompt
         ids: list[int] = await anyio.to_thread.run_sync(
             lambda: self.tokenizer.encode(prompt), limiter=self._limiter
         )
         return ids
+
+
+def render_chat(tokenizer: Any, chat: ChatPrompt) -> tuple[str, list[int]]:
+    """(prompt text, token ids) of a conversation: the ids equal
+    ``tokenizer.apply_chat_template(..., tokenize=True)`` (the rendered text tokenized without
+    special tokens: the template writes them). A template that fails on this conversation (or
+    a tokenizer without one) raises InvalidRequestError for this request alone."""
+    try:
+        text = tokenizer.apply_chat_template(
+            list(chat.messages),
+            tools=None if chat.tools is None else list(chat.tools),
+            chat_template=chat.chat_template,
+            add_generation_prompt=chat.add_generation_prompt,
+            continue_final_message=chat.continue_final_message,
+            tokenize=False,
+            **dict(chat.chat_template_kwargs),
+        )
+    except Exception as exc:  # jinja2 errors, ValueError for a missing template, user templates
+        raise InvalidRequestError(f"the chat template failed on these messages: {exc}") from exc
+    if not isinstance(text, str):
+        raise InvalidRequestError(f"the chat template rendered {type(text).__name__}, not text.")
+    ids: list[int] = tokenizer.encode(text, add_special_tokens=False)
+    return text, ids

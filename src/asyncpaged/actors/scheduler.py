@@ -55,7 +55,7 @@ class SchedulerActor:
         results: MemoryObjectReceiveStream[TxnResult],
         executor: MemoryObjectSendStream[ExecuteStep],
         swaps: MemoryObjectSendStream[SwapBlocks],
-        eos_token_id: int | None,
+        eos_token_ids: frozenset[int],
         tokenizer: Any = None,
     ) -> None:
         self.scheduler = scheduler
@@ -67,7 +67,7 @@ class SchedulerActor:
         self._results = results
         self._executor = executor
         self._swaps = swaps
-        self._eos = eos_token_id
+        self._eos = eos_token_ids
         self._in_flight: SchedulerOutput | None = None
         self._planning = False  # a transaction is at the allocator
         self._idle = anyio.Event()
@@ -248,7 +248,7 @@ class SchedulerActor:
             state = self.states[rid]
             eos = self._eos
             state.finish_beams(
-                [(list(h.tokens), h.logprob, h.tokens[-1] == eos) for h in hypotheses],
+                [(list(h.tokens), h.logprob, h.tokens[-1] in eos) for h in hypotheses],
                 self._tokenizer,
             )
             self._log_if_finished(rid, state)
@@ -270,15 +270,15 @@ def _sampling_options(
     token_ids: list[int],
     num_prompt: int,
     index: int,
-    eos_token_id: int | None,
+    eos_token_ids: frozenset[int],
 ) -> SamplingOptions | None:
     """The executor's per-row sampling options; None for plain greedy (the fast path)."""
     num_generated = len(token_ids) - num_prompt
     mask: tuple[int, ...] = ()
     if num_generated < params.min_tokens:
         mask = tuple(params.stop_token_ids)
-        if eos_token_id is not None and not params.ignore_eos:
-            mask = (*mask, eos_token_id)
+        if not params.ignore_eos:
+            mask = (*mask, *sorted(eos_token_ids - set(mask)))
     penalized = (
         params.presence_penalty != 0.0
         or params.frequency_penalty != 0.0

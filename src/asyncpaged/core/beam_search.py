@@ -63,7 +63,7 @@ class BeamSearcher:
 
     width: int
     max_tokens: int
-    eos_token_id: int | None
+    eos_token_ids: frozenset[int]
     length_penalty: float = 1.0
     early_stopping: EarlyStopping = False
     ignore_eos: bool = False
@@ -114,7 +114,7 @@ class BeamSearcher:
         ]
 
     def _ends(self, token: int, length: int) -> bool:
-        eos = token == self.eos_token_id and not self.ignore_eos
+        eos = token in self.eos_token_ids and not self.ignore_eos
         return eos or length >= self.max_tokens
 
     def _check_stop(self, length: int, all_end: bool) -> None:

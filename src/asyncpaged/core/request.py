@@ -37,13 +37,15 @@ class RequestStatus(enum.Enum):
 class StopCriteria:
     """The token-level stop rules the scheduler applies (stop strings are the detokenizer's).
 
-    ``max_tokens`` counts generated tokens; EOS (unless ``ignore_eos``) and ``stop_token_ids`` end a
-    sequence only once ``min_tokens`` tokens were generated.
+    ``max_tokens`` counts generated tokens; an EOS id (unless ``ignore_eos``) and
+    ``stop_token_ids`` end a sequence only once ``min_tokens`` tokens were generated.
+    ``eos_token_ids`` are the model's end ids: the tokenizer's EOS and every id of its
+    ``generation_config.json`` (Llama 3 and chat models list end-of-turn ids there).
     """
 
     max_tokens: int
     min_tokens: int = 0
-    eos_token_id: int | None = None
+    eos_token_ids: frozenset[int] = frozenset()
     ignore_eos: bool = False
     stop_token_ids: frozenset[int] = frozenset()
     max_model_len: int | None = None

@@ -635,7 +635,7 @@ class Scheduler:
         num_tokens = len(seq.token_ids)
         num_generated = num_tokens - seq.num_prompt_tokens
         if num_generated >= stop.min_tokens:
-            if token == stop.eos_token_id and not stop.ignore_eos:
+            if token in stop.eos_token_ids and not stop.ignore_eos:
                 seq.finish_reason = "stop"
             elif token in stop.stop_token_ids:
                 seq.finish_reason, seq.stop_reason = "stop", token

@@ -199,7 +199,7 @@ class SimEngine:
             request.beam = BeamSearcher(
                 width=spec.beam_width,
                 max_tokens=spec.output_len,
-                eos_token_id=None,
+                eos_token_ids=frozenset(),
                 ignore_eos=True,
             )
             request.beam.start(seq.seq_id)

@@ -67,7 +67,7 @@ def beam_search_saving(
     held = unshared = 0
     for _ in range(num_requests):
         n_in, n_out = dist.sample(rng, 2048)
-        searcher = BeamSearcher(width=width, max_tokens=max(2, n_out), eos_token_id=None)
+        searcher = BeamSearcher(width=width, max_tokens=max(2, n_out), eos_token_ids=frozenset())
         pool = BlockPool(20_000, block_size=BLOCK_SIZE, enable_prefix_caching=False)
         ids = iter(range(10**9))
         first = next(ids)

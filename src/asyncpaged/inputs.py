@@ -1,0 +1,115 @@
+"""Prompt forms, as vLLM accepts them, and chat messages.
+
+A prompt is a ``str``, a list of token ids, ``{"prompt": str}`` (:class:`TextPrompt`) or
+``{"prompt_token_ids": [...]}`` (:class:`TokensPrompt`); either dict may carry a ``cache_salt``.
+``parse_prompt`` checks the form and the element types before anything is queued; the token ids'
+range and the prompt's length are checked by the engine against the model.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, NotRequired, TypeAlias, TypedDict
+
+from asyncpaged.errors import InvalidRequestError
+
+__all__ = [
+    "ChatMessage",
+    "ParsedPrompt",
+    "PromptType",
+    "TextPrompt",
+    "TokensPrompt",
+    "check_messages",
+    "parse_prompt",
+]
+
+
+class TextPrompt(TypedDict):
+    """A text prompt, tokenized by the engine (vLLM's ``TextPrompt``)."""
+
+    prompt: str
+    cache_salt: NotRequired[str]
+
+
+class TokensPrompt(TypedDict):
+    """A prompt already tokenized (vLLM's ``TokensPrompt``)."""
+
+    prompt_token_ids: list[int]
+    cache_salt: NotRequired[str]
+
+
+PromptType: TypeAlias = str | Sequence[int] | TextPrompt | TokensPrompt
+ChatMessage: TypeAlias = Mapping[str, Any]
+
+_FORMS = (
+    "a str, a list of token ids (int), {'prompt': str} or {'prompt_token_ids': [int, ...]} "
+    "(each dict optionally with 'cache_salt')"
+)
+
+
+@dataclass(frozen=True, slots=True)
+class ParsedPrompt:
+    """Exactly one of ``text`` and ``token_ids`` is set; ``cache_salt`` from a dict prompt."""
+
+    text: str | None
+    token_ids: tuple[int, ...] | None
+    cache_salt: str | None = None
+
+
+def _token_ids(ids: object) -> tuple[int, ...]:
+    if isinstance(ids, str | bytes | bytearray | Mapping) or not isinstance(ids, Sequence):
+        raise InvalidRequestError(f"a prompt must be {_FORMS}; got {type(ids).__name__}.")
+    out = []
+    for t in ids:
+        if isinstance(t, bool) or not hasattr(t, "__index__"):
+            raise InvalidRequestError(
+                f"prompt token ids must be ints, got {type(t).__name__} ({t!r:.40})."
+            )
+        out.append(operator.index(t))  # numpy / torch integer scalars included
+    return tuple(out)
+
+
+def parse_prompt(prompt: object) -> ParsedPrompt:
+    """Check one of the accepted prompt forms; ``InvalidRequestError`` names them otherwise."""
+    if isinstance(prompt, str):
+        return ParsedPrompt(prompt, None)
+    if not isinstance(prompt, Mapping):
+        return ParsedPrompt(None, _token_ids(prompt))
+    keys = set(prompt)
+    salt = prompt.get("cache_salt")
+    if salt is not None and not isinstance(salt, str):
+        raise InvalidRequestError(f"cache_salt must be a str, got {type(salt).__name__}.")
+    if keys in ({"prompt"}, {"prompt", "cache_salt"}):
+        text = prompt["prompt"]
+        if not isinstance(text, str):
+            raise InvalidRequestError(f"'prompt' must be a str, got {type(text).__name__}.")
+        return ParsedPrompt(text, None, salt)
+    if keys in ({"prompt_token_ids"}, {"prompt_token_ids", "cache_salt"}):
+        return ParsedPrompt(None, _token_ids(prompt["prompt_token_ids"]), salt)
+    raise InvalidRequestError(f"a prompt must be {_FORMS}; got a dict with keys {sorted(keys)}.")
+
+
+def check_messages(messages: object) -> list[dict[str, Any]]:
+    """A chat conversation: a non-empty list of dicts, each with a str ``role`` (and, for the
+    template, usually ``content``: a str or a list of parts). Returned as plain dicts."""
+    if isinstance(messages, str | bytes | Mapping) or not isinstance(messages, Sequence):
+        raise InvalidRequestError(
+            f"messages must be a list of {{'role': ..., 'content': ...}} dicts, got "
+            f"{type(messages).__name__}."
+        )
+    if not messages:
+        raise InvalidRequestError("messages must not be empty.")
+    out = []
+    for i, message in enumerate(messages):
+        if not isinstance(message, Mapping) or not isinstance(message.get("role"), str):
+            raise InvalidRequestError(f"messages[{i}] must be a dict with a str 'role'.")
+        content = message.get("content")
+        if content is not None and not isinstance(content, str | list):
+            raise InvalidRequestError(
+                f"messages[{i}]['content'] must be a str or a list of parts, got "
+                f"{type(content).__name__}."
+            )
+        out.append(dict(message))
+    return out
