@@ -10,6 +10,7 @@ from asyncpaged.errors import (
     InvalidRequestError,
     WorkerDiedError,
 )
+from asyncpaged.inputs import PromptType, TextPrompt, TokensPrompt
 from asyncpaged.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from asyncpaged.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 from asyncpaged.streams import RequestStream
@@ -28,11 +29,14 @@ __all__ = [
     "EngineStatistics",
     "InvalidRequestError",
     "Logprob",
+    "PromptType",
     "RequestMetrics",
     "RequestOutput",
     "RequestOutputKind",
     "RequestStream",
     "SamplingParams",
+    "TextPrompt",
+    "TokensPrompt",
     "WorkerDiedError",
     "__version__",
 ]

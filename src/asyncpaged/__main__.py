@@ -24,9 +24,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="asyncpaged", description=__doc__)
     parser.add_argument("--log-level", default="warning", help="engine events on stderr")
     sub = parser.add_subparsers(dest="command", required=True)
-    from asyncpaged.tools import bench, demo, pool_bench, sharing_report, simulate, waste_report
+    from asyncpaged.tools import (
+        bench,
+        chat,
+        demo,
+        pool_bench,
+        sharing_report,
+        simulate,
+        waste_report,
+    )
 
     demo.add_parser(sub)
+    chat.add_parser(sub)
     bench.add_parser(sub)
     waste_report.add_parser(sub)
     pool_bench.add_parser(sub)

@@ -231,9 +231,10 @@ async def test_prompt_forms(tiny_checkpoint: Callable[[str], Path]) -> None:
         ]
         assert all(r.prompt_token_ids == ids for r in results)
         assert len({tuple(r.outputs[0].token_ids) for r in results}) == 1
-        for bad in (None, 3, 2.5, b"abc", {"text": "x"}, {"prompt": 3}, [True, 5],
-                    {"prompt": "x", "cache_salt": 7}, [[1, 2]], {"prompt_token_ids": "ab"}):  # fmt: skip
-            with pytest.raises(InvalidRequestError, match="prompt|cache_salt|token ids"):
+        bad_prompts = [None, 3, 2.5, b"abc", {"text": "x"}, {"prompt": 3}, [True, 5], [[1, 2]],
+                       {"prompt": "x", "cache_salt": 7}, {"prompt_token_ids": "ab"}]  # fmt: skip
+        for bad in bad_prompts:
+            with pytest.raises(InvalidRequestError, match=r"prompt|cache_salt|token ids"):
                 engine.generate(bad, GREEDY)  # type: ignore[arg-type]
         with pytest.raises(InvalidRequestError, match="twice"):
             engine.generate({"prompt": "x", "cache_salt": "a"}, GREEDY, cache_salt="b")
