@@ -37,7 +37,7 @@ namespace {
 typedef void* (*PlanCreateFn)(int64_t, int32_t, int64_t, int64_t, int64_t, int64_t,
                               const int64_t*, int64_t, int64_t, int64_t, const int64_t*,
                               const int64_t*, const int64_t*, int64_t, int64_t, float, int64_t,
-                              int32_t*);
+                              float, int32_t*);
 typedef int32_t (*PlanRunFn)(const void*, float*, int64_t, const float*, int64_t, const void*,
                              const void*, int32_t);
 struct Kernel {  // a loaded build (run == nullptr: the bare stream)
@@ -144,7 +144,7 @@ int main(int argc, char** argv) {
     int32_t status = 0;
     fns[f].plan = fns[f].create(batch, 0, num_blocks, kKvHeads, kHeadDim, kBlock, table.data(),
                                 blocks_per_seq, blocks_per_seq, batch, context_lens.data(),
-                                nullptr, nullptr, batch, kHeads, 0.125f, 0, &status);
+                                nullptr, nullptr, batch, kHeads, 0.125f, 0, 0.0f, &status);
     if (!fns[f].plan) {
       std::fprintf(stderr, "%s refused the inputs: status %d\n", names[f].c_str(), status);
       return 1;

@@ -83,7 +83,6 @@ class TritonAttentionBackend(AttentionBackend):
         sliding_window: int | None = None,
         softcap: float | None = None,
     ) -> torch.Tensor:
-        assert softcap is None, "softcap: not yet in the Triton kernel"
         key_cache, value_cache = logical_cache_views(kv_cache, layer_idx)
         if key.stride(-1) != 1:
             key = key.contiguous()
@@ -112,6 +111,7 @@ class TritonAttentionBackend(AttentionBackend):
             max_context_len=max(metadata.context_lens_host, default=0),
             scale=scale,
             sliding_window=sliding_window,
+            softcap=softcap,
             num_splits=self.num_splits,
             plan=self._plan(metadata, query_lens, cfg.block_q),
             config=cfg,

@@ -9,8 +9,10 @@
 
 Decode: one query token per sequence, at position ``context_len - 1``; with a sliding window
 ``w`` it attends the last ``w`` positions (``attention.py``: key ``k`` is visible iff
-``k > q_pos - w``). The kernels accumulate in fp32 and read fp32 or bf16 caches. Nothing here
-imports Triton (the package's ``__init__`` does, for the CUDA kernels).
+``k > q_pos - w``). Scores are ``scale * q.k``, or ``softcap * tanh(scale * q.k / softcap)``
+with a ``softcap`` (Gemma 2), before the mask and the softmax. Head dims 16, 32, 64, 80, 96, 128
+and 256 (``cpu_ops.SUPPORTED_HEAD_DIMS``). The kernels accumulate in fp32 and read fp32 or bf16
+caches. Nothing here imports Triton (the package's ``__init__`` does, for the CUDA kernels).
 """
 
 from __future__ import annotations
@@ -63,6 +65,7 @@ def paged_decode_attention(
     sliding_window: int | None = None,
     out: torch.Tensor | None = None,
     *,
+    softcap: float | None = None,
     num_threads: int | None = None,
     target: str | None = None,
 ) -> torch.Tensor:
@@ -70,13 +73,14 @@ def paged_decode_attention(
 
     query [S, Hq, D] float32; key_cache [num_blocks, Hkv, D, bs], value_cache [num_blocks, Hkv,
     bs, D] (float32 or bfloat16, contiguous); block_tables [S, max_blocks] int64 (padding never
-    read); context_lens [S] int64 -> out [S, Hq, D] float32. ``num_threads`` defaults to
+    read); context_lens [S] int64 -> out [S, Hq, D] float32. ``softcap``: Gemma 2's logit
+    softcapping (None: none). ``num_threads`` defaults to
     ``torch.get_num_threads()``; ``target`` picks a build (default: the best this CPU runs).
     A one-off ``DecodePlan``: to run the same tables over several layers, make the plan once.
     """
     plan = DecodePlan(
         query, key_cache, value_cache, block_tables, context_lens, scale, sliding_window,
-        target=target,
+        softcap=softcap, target=target,
     )  # fmt: skip
     return plan.run(query, key_cache, value_cache, out, num_threads=num_threads)
 
@@ -109,11 +113,14 @@ class DecodePlan:
         scale: float,
         sliding_window: int | None = None,
         *,
+        softcap: float | None = None,
         seq_indices: torch.Tensor | None = None,
         query_rows: torch.Tensor | None = None,
         target: str | None = None,
     ) -> None:
-        _check_inputs(query, key_cache, value_cache, block_tables, context_lens, sliding_window)
+        _check_inputs(
+            query, key_cache, value_cache, block_tables, context_lens, sliding_window, softcap
+        )
         if context_lens.shape[0] != block_tables.shape[0]:
             raise ValueError(
                 f"context_lens needs one entry per block table row ({block_tables.shape[0]}), "
@@ -145,7 +152,8 @@ class DecodePlan:
             context_lens.data_ptr(),
             None if seq_indices is None else seq_indices.data_ptr(),
             None if query_rows is None else query_rows.data_ptr(),
-            num_items, query.shape[1], scale, sliding_window or 0, ctypes.byref(status),
+            num_items, query.shape[1], scale, sliding_window or 0, softcap or 0.0,
+            ctypes.byref(status),
         )  # fmt: skip
         if not handle:
             raise ValueError(
@@ -222,6 +230,7 @@ def reference_paged_decode(
     context_lens: torch.Tensor,
     scale: float,
     sliding_window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """The same attention in float64 (gather each sequence's blocks, softmax): [S, Hq, D]."""
     num_seqs, num_heads, head_dim = query.shape
@@ -236,7 +245,10 @@ def reference_paged_decode(
         values = value_cache[blocks].double().permute(1, 0, 2, 3).reshape(kv_heads, -1, head_dim)
         keys, values = keys[:, start:ctx], values[:, start:ctx]  # [Hkv, n, D]
         q = query[i].double().view(kv_heads, group, head_dim)
-        probs = torch.softmax(q @ keys.transpose(1, 2) * scale, dim=-1)  # [Hkv, G, n]
+        scores = q @ keys.transpose(1, 2) * scale  # [Hkv, G, n]
+        if softcap is not None:
+            scores = torch.tanh(scores / softcap) * softcap
+        probs = torch.softmax(scores, dim=-1)
         out[i] = (probs @ values).reshape(num_heads, head_dim)
     return out
 
@@ -252,7 +264,7 @@ class CpuAttentionBackend(TorchAttentionBackend):
     ``native_prefill=False`` keeps the parent's write and per-sequence prefill (A/B runs; default:
     on unless ``ASYNCPAGED_CPU_NATIVE_PREFILL=0``). Per step the decode rows and prefill sequences
     are turned into index tensors and a ``DecodePlan`` once (keyed on the metadata object,
-    reused by every layer with the same shapes, scale and window).
+    reused by every layer with the same shapes, scale, window and softcap).
     """
 
     def __init__(
@@ -265,7 +277,7 @@ class CpuAttentionBackend(TorchAttentionBackend):
         super().__init__(decode_group_size)
         self._target = target
         self._library = load_library(target)
-        # This step's decode plans, by (scale, window, query shape, cache shape and dtype).
+        # This step's decode plans, by (scale, window, softcap, query shape, cache shape, dtype).
         self._decode_plans: dict[tuple[object, ...], DecodePlan] = {}
         if native_prefill is None:
             native_prefill = os.environ.get(NATIVE_PREFILL_ENV, "1").strip() != "0"
@@ -293,7 +305,7 @@ class CpuAttentionBackend(TorchAttentionBackend):
         softcap: float | None = None,
     ) -> torch.Tensor:
         lib = self._library
-        if lib is None or not _kernel_fits(query, kv_cache) or softcap is not None:
+        if lib is None or not _kernel_fits(query, kv_cache):
             return super().forward(
                 layer_idx, query, key, value, kv_cache, metadata,
                 scale=scale, sliding_window=sliding_window, softcap=softcap,
@@ -310,13 +322,13 @@ class CpuAttentionBackend(TorchAttentionBackend):
         out = torch.empty(query.shape, dtype=torch.float32)  # [T, Hq, D]
         seq_indices, query_rows, prefill_seqs = self._step_rows(metadata)
         if metadata.decode_indices:
-            plan_key = (scale, sliding_window, q.shape, key_cache.shape, key_cache.dtype)
+            plan_key = (scale, sliding_window, softcap, q.shape, key_cache.shape, key_cache.dtype)
             plan = self._decode_plans.get(plan_key)
             if plan is None:  # the first layer of the step (or of its shapes)
                 plan = DecodePlan(
                     q, key_cache, value_cache, metadata.block_tables, metadata.context_lens,
-                    scale, sliding_window, seq_indices=seq_indices, query_rows=query_rows,
-                    target=self._target,
+                    scale, sliding_window, softcap=softcap, seq_indices=seq_indices,
+                    query_rows=query_rows, target=self._target,
                 )  # fmt: skip
                 self._decode_plans[plan_key] = plan
             plan.run(q, key_cache, value_cache, out)
@@ -324,11 +336,13 @@ class CpuAttentionBackend(TorchAttentionBackend):
             launch_prefill(
                 lib, out, q, key_cache, value_cache, metadata.block_tables,
                 metadata.query_start_loc, metadata.context_lens, prefill_seqs, scale,
-                sliding_window, None,
+                sliding_window, None, softcap=softcap,
             )  # fmt: skip
         elif metadata.prefill_indices:
             for i in metadata.prefill_indices:
-                _prefill_one(i, out, query, key_cache, value_cache, metadata, scale, sliding_window)
+                _prefill_one(
+                    i, out, query, key_cache, value_cache, metadata, scale, sliding_window, softcap
+                )
         return out if query.dtype == torch.float32 else out.to(query.dtype)
 
     def _step_rows(self, md: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

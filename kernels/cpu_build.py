@@ -291,7 +291,7 @@ def _declare(lib: ctypes.CDLL) -> None:
         ptr, i64, i64, i64,  # block_tables, stride, max_blocks_per_seq, num_table_rows
         ptr, ptr, ptr, i64,  # context_lens, seq_indices, query_rows, num_items
         i64, ctypes.c_float, i64,  # num_heads, scale, sliding_window
-        ctypes.POINTER(i32),  # status (out)
+        ctypes.c_float, ctypes.POINTER(i32),  # softcap, status (out)
     ]  # fmt: skip
     lib.asyncpaged_decode_plan_run.restype = i32
     lib.asyncpaged_decode_plan_run.argtypes = [
@@ -315,7 +315,7 @@ def _declare(lib: ctypes.CDLL) -> None:
         ptr, i64, i64, i64,  # block_tables, stride, max_blocks_per_seq, num_table_rows
         ptr, ptr, ptr, i64,  # context_lens, query_start_loc, seq_indices, num_seqs
         i64, ctypes.c_float, i64,  # num_heads, scale, sliding_window
-        i64, i64, i32,  # query_tile, key_tile_blocks, num_threads
+        ctypes.c_float, i64, i64, i32,  # softcap, query_tile, key_tile_blocks, num_threads
     ]  # fmt: skip
     lib.asyncpaged_cache_write.restype = i32
     lib.asyncpaged_cache_write.argtypes = [

@@ -9,19 +9,22 @@
 
 Positions: sequence ``i`` has ``q_len = query_start_loc[i+1] - query_start_loc[i]`` new rows at
 positions ``context_len - q_len ..``; the row at position ``p`` sees keys ``k <= p`` (and
-``k > p - w`` with a sliding window ``w``), as in ``asyncpaged.model.attention``.
+``k > p - w`` with a sliding window ``w``), as in ``asyncpaged.model.attention``. Scores are
+``scale * q.k``, or ``softcap * tanh(scale * q.k / softcap)`` with a ``softcap`` (Gemma 2's
+attention logit softcapping), before the mask and the softmax. Head dims: ``SUPPORTED_HEAD_DIMS``.
 """
 
 from __future__ import annotations
 
 import ctypes
+import math
 from typing import Final
 
 import torch
 
 from .cpu_build import load_library
 
-SUPPORTED_HEAD_DIMS: Final = frozenset({16, 32, 64, 80, 96, 128})
+SUPPORTED_HEAD_DIMS: Final = frozenset({16, 32, 64, 80, 96, 128, 256})
 KV_DTYPE_CODES: Final = {torch.float32: 0, torch.bfloat16: 1}
 BLOCK_SIZE_MULTIPLE: Final = 16
 # Prefill tiling: query rows per work item come from the score rows wanted per tile (query rows x
@@ -59,6 +62,7 @@ def check_inputs(
     block_tables: torch.Tensor,
     context_lens: torch.Tensor,
     sliding_window: int | None,
+    softcap: float | None = None,
 ) -> None:
     """The checks every attention entry point makes (raises ``ValueError``)."""
     tensors = (query, key_cache, value_cache, block_tables, context_lens)
@@ -92,6 +96,8 @@ def check_inputs(
         )
     if sliding_window is not None and sliding_window <= 0:
         raise ValueError(f"sliding_window must be > 0 or None, got {sliding_window}.")
+    if softcap is not None and not (0.0 < softcap < math.inf):
+        raise ValueError(f"softcap must be > 0 and finite, or None, got {softcap}.")
 
 
 def check_cache(key_cache: torch.Tensor, value_cache: torch.Tensor, head_dim: int) -> None:
@@ -145,6 +151,7 @@ def paged_prefill_attention(
     sliding_window: int | None = None,
     out: torch.Tensor | None = None,
     *,
+    softcap: float | None = None,
     seq_indices: torch.Tensor | None = None,
     num_threads: int | None = None,
     target: str | None = None,
@@ -156,11 +163,12 @@ def paged_prefill_attention(
 
     query [T, Hq, D] float32 (sequence ``i`` owns rows ``query_start_loc[i]:[i+1]``); key_cache
     / value_cache and block_tables as for ``paged_decode_attention``; query_start_loc [S+1] and
-    context_lens [S] int64 (cached + new tokens) -> out [T, Hq, D] float32. ``query_tile`` (rows
+    context_lens [S] int64 (cached + new tokens) -> out [T, Hq, D] float32; ``softcap``: Gemma 2's
+    logit softcapping (None: none). ``query_tile`` (rows
     per work item, default ``default_query_tile``) and ``key_tile_blocks`` (<= 0: two-pass) tune
     the tiling; ``num_threads`` defaults to ``torch.get_num_threads()``.
     """
-    check_inputs(query, key_cache, value_cache, block_tables, context_lens, sliding_window)
+    check_inputs(query, key_cache, value_cache, block_tables, context_lens, sliding_window, softcap)
     num_seqs = block_tables.shape[0]
     if context_lens.shape[0] != num_seqs or tuple(query_start_loc.shape) != (num_seqs + 1,):
         raise ValueError(
@@ -184,7 +192,7 @@ def paged_prefill_attention(
     launch_prefill(
         library_or_raise(target), out, query, key_cache, value_cache, block_tables, query_start_loc,
         context_lens, seq_indices, scale, sliding_window, num_threads,
-        query_tile=query_tile, key_tile_blocks=key_tile_blocks,
+        softcap=softcap, query_tile=query_tile, key_tile_blocks=key_tile_blocks,
     )  # fmt: skip
     return out
 
@@ -203,6 +211,7 @@ def launch_prefill(
     sliding_window: int | None,
     num_threads: int | None,
     *,
+    softcap: float | None = None,
     query_tile: int | None = None,
     key_tile_blocks: int = PREFILL_KEY_TILE_BLOCKS,
 ) -> None:
@@ -221,7 +230,7 @@ def launch_prefill(
         block_tables.data_ptr(), block_tables.stride(0), block_tables.shape[1],
         block_tables.shape[0],
         context_lens.data_ptr(), query_start_loc.data_ptr(), seq_indices.data_ptr(),
-        seq_indices.numel(), num_heads, scale, sliding_window or 0,
+        seq_indices.numel(), num_heads, scale, sliding_window or 0, softcap or 0.0,
         query_tile, key_tile_blocks,
         torch.get_num_threads() if num_threads is None else num_threads,
     )  # fmt: skip
@@ -238,6 +247,7 @@ def reference_paged_prefill(
     context_lens: torch.Tensor,
     scale: float,
     sliding_window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """The same attention in float64 for every sequence (masked softmax): [T, Hq, D]."""
     num_tokens, num_heads, head_dim = query.shape
@@ -257,6 +267,8 @@ def reference_paged_prefill(
             visible &= k_pos > q_pos - sliding_window
         q = query[start:end].double().view(-1, kv_heads, group, head_dim).permute(1, 2, 0, 3)
         scores = (q @ keys[:, None].transpose(2, 3)) * scale  # [Hkv, G, q, ctx]
+        if softcap is not None:
+            scores = torch.tanh(scores / softcap) * softcap
         probs = torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=-1)
         o = probs @ values[:, None]  # [Hkv, G, q, D]
         out[start:end] = o.permute(2, 0, 1, 3).reshape(end - start, num_heads, head_dim)

@@ -4,6 +4,9 @@ Inputs follow ``asyncpaged.model.attention``: a flat batch of ``T`` new query ro
 owning rows ``query_start_loc[i]:query_start_loc[i+1]``; ``context_lens[i]`` tokens (cached prefix
 plus the new ones) already in the cache. New row ``j`` of a sequence sits at position
 ``context_len - query_len + j`` and sees keys ``0..position`` (within the sliding window if any).
+Scores are ``scale * q.k``, or ``softcap * tanh(scale * q.k / softcap)`` with a ``softcap``
+(Gemma 2's attention logit softcapping), before the mask and the softmax. Any head dim works (the
+head-dim tile is the next power of two, ``block_d_for``); tested at 64, 80 and 256.
 
 Cache layout. The kernels read the cache through a *logical view* ``[num_blocks, block_size,
 kv_heads, head_dim]`` with arbitrary strides, so one kernel serves every physical layout:
@@ -24,8 +27,9 @@ host-built tile map) and one KV head. The ``G = Hq / Hkv`` query heads of that K
 into the rows of the tile (``BLOCK_M = BLOCK_Q * G`` rows; row ``r`` = token ``r // G``, head
 ``r % G``), so every K/V tile is loaded once per KV head and feeds all of its query heads. Keys are
 walked in tiles of ``BLOCK_N`` positions (several pages; page numbers come from the block table per
-position, int64), only up to the last position the tile's rows may see. Online softmax in base 2,
-fp32 accumulation; 16-bit inputs go through fp32 right after every load.
+position, int64), only up to the last position the tile's rows may see. Online softmax in base 2
+(log2(e) folded into the score scale, or into the cap: ``softcap * log2(e) * tanh(scale / softcap
+* q.k)``), fp32 accumulation; 16-bit inputs go through fp32 right after every load.
 
 Split-K (flash decoding). With few programs and long contexts, a third grid axis cuts each tile's
 key range into ``num_splits`` pieces; each writes an fp32 partial output normalized by its own sum
@@ -52,6 +56,24 @@ _LOG2E = 1.4426950408889634
 _MAX_SPLITS = 16
 
 
+@triton.jit
+def _tanh(x):  # type: ignore[no-untyped-def]
+    """tanh from exp2 (tl.math has no tanh in every Triton version, nor in the interpreter), as
+    the CPU kernels do it (csrc/cpu_vec.h): (1 - e) / (1 + e) with e = exp(-2|x|) for |x| >= 0.3,
+    where 1 - e cannot cancel, and the Taylor series to x^11 below; the sign put back."""
+    a = tl.abs(x)
+    e = tl.math.exp2(-2.8853900817779268 * a)  # exp(-2a): 2 log2(e) = 2.885...
+    big = (1.0 - e) / (1.0 + e)
+    a2 = a * a
+    poly = -1382.0 / 155925.0
+    poly = poly * a2 + 62.0 / 2835.0
+    poly = poly * a2 - 17.0 / 315.0
+    poly = poly * a2 + 2.0 / 15.0
+    poly = poly * a2 - 1.0 / 3.0
+    t = tl.where(a < 0.3, a + a * (a2 * poly), big)
+    return tl.where(x < 0.0, -t, t)
+
+
 # Integers that change from step to step are not specialized (Triton compiles a variant per
 # value that is 1 or a multiple of 16): the block-table row stride follows the longest sequence
 # and the split strides the token count, so a live engine would otherwise recompile mid-run.
@@ -67,7 +89,8 @@ def _paged_attention_kernel(  # type: ignore[no-untyped-def]
     context_lens_ptr,  # [S] int64
     tile_seq_ptr,  # [num_tiles] int32
     tile_q_start_ptr,  # [num_tiles] int32, first new token of the tile, relative to its sequence
-    scale_log2,  # softmax scale * log2(e)
+    qk_scale,  # softmax scale * log2(e); with HAS_SOFTCAP: scale / softcap
+    softcap_log2,  # softcap * log2(e), used only with HAS_SOFTCAP
     window,  # sliding window (keys > position - window), used only with HAS_WINDOW
     stride_qt,
     stride_qh,
@@ -94,6 +117,7 @@ def _paged_attention_kernel(  # type: ignore[no-untyped-def]
     BLOCK_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
     HAS_WINDOW: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
     NATIVE_DOT: tl.constexpr,
     IEEE_DOT: tl.constexpr,
 ):
@@ -153,7 +177,9 @@ def _paged_attention_kernel(  # type: ignore[no-untyped-def]
             s = tl.dot(q, k, input_precision="ieee")
         else:
             s = tl.dot(q, k)
-        s = s * scale_log2  # [M, N]
+        s = s * qk_scale  # [M, N], base 2
+        if HAS_SOFTCAP:  # softcap * tanh(scale * q.k / softcap), base 2
+            s = _tanh(s) * softcap_log2
         visible = row_valid[:, None] & n_valid[None, :] & (offs_n[None, :] <= q_pos[:, None])
         if HAS_WINDOW:
             visible = visible & (offs_n[None, :] > q_pos[:, None] - window)
@@ -265,8 +291,12 @@ def attention_config(
     with Triton's default stages, and the engine on the built-in model (head dim 32) ran 2.3x
     faster in fp32 and 1.9x in bf16. Elsewhere (larger head dims, fp32 at head dim 128 on an
     H200, GPUs with less shared memory) decode keeps 64 keys and Triton's default stages.
+    Above head dim 128 (Gemma's 256) decode and prefill run one stage: Triton's default three
+    stages of 256-wide K and V tiles would take ~192 KiB of shared memory in bf16, ~384 in fp32
+    (not yet measured on a GPU; one stage needs the least).
     """
     g = num_queries_per_kv
+    stages = 1 if head_dim > 128 else None
     if max_query_len <= 1:
         block_m = max(16, triton.next_power_of_2(g))
         staged = 2 * 2 * block_d_for(head_dim) * 128 * elem_bytes  # K and V, two stages
@@ -274,9 +304,13 @@ def attention_config(
             return AttentionConfig(
                 block_m=block_m, block_q=block_m // g, block_n=128, num_warps=4, num_stages=2
             )
-        return AttentionConfig(block_m=block_m, block_q=block_m // g, block_n=64, num_warps=4)
+        return AttentionConfig(
+            block_m=block_m, block_q=block_m // g, block_n=64, num_warps=4, num_stages=stages
+        )
     block_m = max(64, triton.next_power_of_2(g))
-    return AttentionConfig(block_m=block_m, block_q=block_m // g, block_n=64, num_warps=4)
+    return AttentionConfig(
+        block_m=block_m, block_q=block_m // g, block_n=64, num_warps=4, num_stages=stages
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -348,6 +382,7 @@ def paged_attention(
     max_context_len: int,
     scale: float,
     sliding_window: int | None = None,
+    softcap: float | None = None,
     num_splits: int | None = None,
     plan: TilePlan | None = None,
     out: torch.Tensor | None = None,
@@ -356,7 +391,8 @@ def paged_attention(
     """query [T, Hq, D] over logical caches [blocks, block_size, Hkv, D] -> [T, Hq, D].
 
     ``block_tables`` [S, max_blocks], ``query_start_loc`` [S+1], ``context_lens`` [S] are int64
-    on the device; ``query_lens`` and ``max_context_len`` are their host-side facts. ``plan`` is
+    on the device; ``query_lens`` and ``max_context_len`` are their host-side facts. ``softcap``
+    (> 0; None: none) caps the scores at ``softcap * tanh(scores / softcap)``. ``plan`` is
     ``plan_tiles(query_lens, config.block_q)`` when the caller caches it across layers.
     ``config`` overrides ``attention_config``'s tiles (for tuning; a given ``plan`` must use its
     ``block_q``).
@@ -397,6 +433,7 @@ def paged_attention(
         )
     assert num_splits >= 1, f"num_splits must be >= 1, got {num_splits}"
     assert num_splits & (num_splits - 1) == 0, f"num_splits must be a power of 2, got {num_splits}"
+    assert softcap is None or softcap > 0, f"softcap must be > 0 or None, got {softcap}"
     block_d = block_d_for(head_dim)
     dtype = key_cache.dtype
     native = dtype in (torch.float16, torch.bfloat16) and not (
@@ -425,7 +462,8 @@ def paged_attention(
         context_lens,
         plan.tile_seq,
         plan.tile_q_start,
-        scale * _LOG2E,
+        scale * _LOG2E if softcap is None else scale / softcap,
+        0.0 if softcap is None else softcap * _LOG2E,
         sliding_window or 0,
         query.stride(0),
         query.stride(1),
@@ -446,6 +484,7 @@ def paged_attention(
         BLOCK_N=cfg.block_n,
         NUM_SPLITS=num_splits,
         HAS_WINDOW=sliding_window is not None,
+        HAS_SOFTCAP=softcap is not None,
         NATIVE_DOT=native,
         IEEE_DOT=dtype == torch.float32,
         num_warps=cfg.num_warps,
@@ -479,6 +518,7 @@ def paged_attention_reference(
     context_lens: Sequence[int],
     scale: float,
     sliding_window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Float64 torch reference over the same logical caches; returns float64 [T, Hq, D]."""
     num_heads = query.shape[1]
@@ -495,6 +535,8 @@ def paged_attention_reference(
         values = values.repeat_interleave(g, dim=1).transpose(0, 1)
         q = query[start : start + q_len].double().transpose(0, 1)  # [Hq, q, D]
         scores = (q @ keys.transpose(1, 2)) * scale  # [Hq, q, ctx]
+        if softcap is not None:
+            scores = torch.tanh(scores / softcap) * softcap
         q_pos = torch.arange(ctx - q_len, ctx, device=query.device)[:, None]
         visible = pos[None, :] <= q_pos
         if sliding_window is not None:

@@ -16,8 +16,9 @@
 //
 //   1. scores: for each 16-position chunk of a K block, acc[g][0..16) += q[g][d] * K[d][0..16)
 //      (16-wide FMAs, no horizontal sums), into a per-thread scratch [heads, L];
-//   2. softmax over the valid positions (max subtracted, vectorised exp), then the weighted sum
-//      of the V rows, o[g][:] += p[g][t] * V[t][:].
+//   2. softmax over the valid positions (softcapped first when there is a cap: cap * tanh(s /
+//      cap), Gemma 2; then max subtracted, vectorised exp), then the weighted sum of the V rows,
+//      o[g][:] += p[g][t] * V[t][:].
 //
 // The hardware prefetcher cannot follow a block table: the blocks are read as one stream (K
 // blocks, V blocks, then the next item's K blocks) and the block two ahead in that stream is
@@ -58,6 +59,7 @@ struct Params {
   int64_t num_heads;
   float scale;
   int64_t sliding_window;  // <= 0: none
+  float softcap;           // <= 0: none
 };
 
 struct Scratch {  // per thread, reused across calls (OpenMP threads persist)
@@ -94,7 +96,11 @@ inline Span make_span(const Params& p, int64_t item) {
 
 // Softmax over [lo, hi) of each head's row of s [G, L], in place (0 outside); returns 1 / sum
 // per head in inv_sum (the normalisation is applied to the output, G * D multiplies, not G * L).
-inline void softmax_rows(float* s, int G, int64_t L, int64_t lo, int64_t hi, float* inv_sum) {
+// kCap: the scores are softcapped first (in place, as the max is taken); positions outside
+// [lo, hi) go in as 0 (their scratch may hold anything) and are never used.
+template <bool kCap>
+inline void softmax_rows(float* s, int G, int64_t L, int64_t lo, int64_t hi, float cap,
+                         float* inv_sum) {
   const int64_t lo_v = lo / W * W, hi_v = (hi + W - 1) / W * W;
   vi lane;
   for (int j = 0; j < W; ++j) lane[j] = j;
@@ -105,7 +111,13 @@ inline void softmax_rows(float* s, int G, int64_t L, int64_t lo, int64_t hi, flo
     for (int64_t j = lo_v; j < hi_v; j += W) {
       const vi idx = lane + static_cast<int32_t>(j);
       const vi valid = (idx >= static_cast<int32_t>(lo)) & (idx < static_cast<int32_t>(hi));
-      m = vmax(m, valid ? load(sg + j) : neg_inf);
+      if constexpr (kCap) {
+        const vf x = vsoftcap(valid ? load(sg + j) : vf{}, cap, 1.0f / cap);
+        store(sg + j, x);
+        m = vmax(m, valid ? x : neg_inf);
+      } else {
+        m = vmax(m, valid ? load(sg + j) : neg_inf);
+      }
     }
     const float mx = reduce_max(m);
     vf acc = vf{};
@@ -181,7 +193,10 @@ void attend_one(const Params& p, const Span& sp, int64_t h0, int64_t nh, const S
     }
   }
 
-  softmax_rows(s, rows, L, sp.lo, sp.hi, inv_sum);
+  if (p.softcap > 0.0f)
+    softmax_rows<true>(s, rows, L, sp.lo, sp.hi, p.softcap, inv_sum);
+  else
+    softmax_rows<false>(s, rows, L, sp.lo, sp.hi, 0.0f, inv_sum);
 
   // Pass 2: weighted sum of the valid V rows.
   std::fill(o, o + num_q, 0.0f);
@@ -263,6 +278,7 @@ int32_t dispatch_head_dim(const Params& p, int64_t head_dim, int64_t num_items, 
     case 80: run_all<80, KV>(p, num_items, num_threads); return kOk;
     case 96: run_all<96, KV>(p, num_items, num_threads); return kOk;
     case 128: run_all<128, KV>(p, num_items, num_threads); return kOk;
+    case 256: run_all<256, KV>(p, num_items, num_threads); return kOk;
     default: return kBadHeadDim;
   }
 }
@@ -323,8 +339,9 @@ int32_t asyncpaged_vec_bytes() { return kVecBytes; }
 // nullptr and sets *status (a Status) when a check fails.
 //
 // Item i is sequence seq_indices[i] (nullable: i) of the tables, reading and writing
-// query/out row query_rows[i] (nullable: i): out[row, h, :] = softmax(q K^T * scale) V over
-// the sequence's context for each query head h. kv_dtype: 0 = fp32, 1 = bf16.
+// query/out row query_rows[i] (nullable: i): out[row, h, :] = softmax(S) V over the sequence's
+// context for each query head h, S = q K^T * scale, or softcap * tanh(S / softcap) when
+// softcap > 0 (<= 0: none). kv_dtype: 0 = fp32, 1 = bf16.
 void* asyncpaged_decode_plan_create(int64_t num_query_rows, int32_t kv_dtype, int64_t num_blocks,
                                     int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
                                     const int64_t* block_tables, int64_t block_table_stride,
@@ -332,7 +349,7 @@ void* asyncpaged_decode_plan_create(int64_t num_query_rows, int32_t kv_dtype, in
                                     const int64_t* context_lens, const int64_t* seq_indices,
                                     const int64_t* query_rows, int64_t num_items,
                                     int64_t num_heads, float scale, int64_t sliding_window,
-                                    int32_t* status) {
+                                    float softcap, int32_t* status) {
   *status = check_decode(kv_dtype, num_blocks, num_kv_heads, head_dim, block_size, block_tables,
                          block_table_stride, max_blocks_per_seq, num_table_rows, context_lens,
                          seq_indices, query_rows, num_query_rows, num_items, num_heads,
@@ -353,7 +370,7 @@ void* asyncpaged_decode_plan_create(int64_t num_query_rows, int32_t kv_dtype, in
   plan->params = Params{nullptr, 0, nullptr, 0, nullptr, nullptr, num_kv_heads, block_size,
                         plan->tables.data(), max_blocks_per_seq, plan->context_lens.data(),
                         plan->seq_indices.data(), plan->query_rows.data(), num_heads, scale,
-                        sliding_window};
+                        sliding_window, softcap};
   return plan;
 }
 

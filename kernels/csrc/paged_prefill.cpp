@@ -17,8 +17,9 @@
 //
 //   1. scores S[M, KB] = (scale * Q) K^T, chunk by 16 positions (score_chunk in cpu_vec.h:
 //      16-wide FMAs over the transposed K block, no horizontal sums);
-//   2. online softmax per row over the positions it may see: new running max, P = exp(S - max)
-//      (0 outside the row's range), running sum and output rescaled by exp(old max - new max);
+//   2. online softmax per row over the positions it may see (softcapped first when there is a
+//      cap: cap * tanh(S / cap), Gemma 2): new running max, P = exp(S - max) (0 outside the
+//      row's range), running sum and output rescaled by exp(old max - new max);
 //   3. O[M, D] += P V (value_rows in cpu_vec.h), the V rows of the block loaded once per tile.
 //
 // key_tile_blocks <= 0 makes the key tile cover the query tile's whole range: the plain two-pass
@@ -57,6 +58,7 @@ struct PrefillParams {
   int64_t num_heads;
   float scale;
   int64_t sliding_window;   // <= 0: none
+  float softcap;            // <= 0: none
   int64_t key_tile_blocks;  // cache blocks per key tile; <= 0: the query tile's whole range
 };
 
@@ -81,9 +83,12 @@ inline T* grow(std::vector<T>& v, size_t n) {
 
 // Step 2 for one key tile: rows m of S [M, KB] (positions k0 + j) become P over [pv_lo, pv_hi)
 // (0 where row m may not look); updates the running max/sum and sets the output rescale alpha.
+// kCap: the scores row m may see are softcapped first (in place, as the max is taken); the
+// others go in as 0 (they may hold anything) and are never used.
+template <bool kCap>
 inline void online_softmax(float* s, int M, int G, int64_t KB, int64_t k0, int64_t pv_lo,
-                           int64_t pv_hi, int64_t pos0, int64_t window, float* row_max,
-                           float* row_sum, float* alpha) {
+                           int64_t pv_hi, int64_t pos0, int64_t window, float cap,
+                           float* row_max, float* row_sum, float* alpha) {
   const int64_t lo_v = pv_lo / W * W, hi_v = (pv_hi + W - 1) / W * W;
   vi lane;
   for (int j = 0; j < W; ++j) lane[j] = j;
@@ -103,7 +108,14 @@ inline void online_softmax(float* s, int M, int G, int64_t KB, int64_t k0, int64
     vf mv = neg_inf;
     for (int64_t j = a / W * W; j < e; j += W) {
       const vi idx = lane + static_cast<int32_t>(j);
-      mv = vmax(mv, (idx >= a32) & (idx < e32) ? load(sm + j) : neg_inf);
+      const vi valid = (idx >= a32) & (idx < e32);
+      if constexpr (kCap) {
+        const vf x = vsoftcap(valid ? load(sm + j) : vf{}, cap, 1.0f / cap);
+        store(sm + j, x);
+        mv = vmax(mv, valid ? x : neg_inf);
+      } else {
+        mv = vmax(mv, valid ? load(sm + j) : neg_inf);
+      }
     }
     const float mx = reduce_max(mv);
     const float old_max = row_max[m];
@@ -174,8 +186,12 @@ void prefill_tile(const PrefillParams& p, const Item& it) {
       }
     }
     const int64_t pv_lo = std::max(k0, lo) - k0, pv_hi = std::min(b1 * bs, hi) - k0;
-    online_softmax(s, M, G, KB, k0, pv_lo, pv_hi, pos0, p.sliding_window, row_max, row_sum,
-                   alpha);  // 2.
+    if (p.softcap > 0.0f)  // 2.
+      online_softmax<true>(s, M, G, KB, k0, pv_lo, pv_hi, pos0, p.sliding_window, p.softcap,
+                           row_max, row_sum, alpha);
+    else
+      online_softmax<false>(s, M, G, KB, k0, pv_lo, pv_hi, pos0, p.sliding_window, 0.0f,
+                            row_max, row_sum, alpha);
     for (int m = 0; m < M; ++m) {
       if (alpha[m] == 1.0f) continue;
       const vf am = splat(alpha[m]);
@@ -219,6 +235,7 @@ int32_t dispatch_prefill(const PrefillParams& p, int64_t head_dim, const std::ve
     case 80: run_prefill<80, KV>(p, items, num_threads); return kOk;
     case 96: run_prefill<96, KV>(p, items, num_threads); return kOk;
     case 128: run_prefill<128, KV>(p, items, num_threads); return kOk;
+    case 256: run_prefill<256, KV>(p, items, num_threads); return kOk;
     default: return kBadHeadDim;
   }
 }
@@ -230,8 +247,9 @@ extern "C" {
 // Prefill attention for the sequences seq_indices[0..num_seqs) (rows of the block tables,
 // context_lens and query_start_loc); returns a Status (0 = ok, nothing written otherwise).
 //
-// out[row, h, :] = softmax(q K^T * scale) V over the keys row's position sees, for every new
-// query row of those sequences. query/out rows are [num_heads, head_dim] contiguous with the
+// out[row, h, :] = softmax(S) V over the keys row's position sees, for every new query row of
+// those sequences, S = q K^T * scale, or softcap * tanh(S / softcap) when softcap > 0 (<= 0:
+// none). query/out rows are [num_heads, head_dim] contiguous with the
 // given row strides (elements); kv_dtype: 0 = fp32, 1 = bf16; query_tile: query rows per work
 // item; key_tile_blocks: cache blocks per online-softmax step (<= 0: two-pass). Every index the
 // kernel would follow is checked first.
@@ -244,7 +262,7 @@ int32_t asyncpaged_paged_prefill(float* out, int64_t out_row_stride, const float
                                  int64_t num_table_rows, const int64_t* context_lens,
                                  const int64_t* query_start_loc, const int64_t* seq_indices,
                                  int64_t num_seqs, int64_t num_heads, float scale,
-                                 int64_t sliding_window, int64_t query_tile,
+                                 int64_t sliding_window, float softcap, int64_t query_tile,
                                  int64_t key_tile_blocks, int32_t num_threads) {
   if (kv_dtype != 0 && kv_dtype != 1) return kBadDtype;
   if (head_dim % W != 0) return kBadHeadDim;
@@ -276,10 +294,11 @@ int32_t asyncpaged_paged_prefill(float* out, int64_t out_row_stride, const float
   if (threads > 1)  // costliest first, so the dynamic schedule ends balanced
     std::stable_sort(items.begin(), items.end(),
                      [](const Item& a, const Item& b) { return a.cost > b.cost; });
-  const PrefillParams p{out,          out_row_stride,    query,        query_row_stride,
-                        key_cache,    value_cache,       num_kv_heads, block_size,
-                        block_tables, block_table_stride, context_lens, query_start_loc,
-                        num_heads,    scale,             sliding_window, key_tile_blocks};
+  const PrefillParams p{out,          out_row_stride,    query,          query_row_stride,
+                        key_cache,    value_cache,       num_kv_heads,   block_size,
+                        block_tables, block_table_stride, context_lens,  query_start_loc,
+                        num_heads,    scale,             sliding_window, softcap,
+                        key_tile_blocks};
   if (kv_dtype == 0) return dispatch_prefill<float>(p, head_dim, items, threads);
   return dispatch_prefill<uint16_t>(p, head_dim, items, threads);
 }

@@ -63,18 +63,19 @@ class Case:
         self,
         window: int | None = None,
         *,
+        softcap: float | None = None,
         num_threads: int | None = None,
         target: str | None = None,
     ) -> torch.Tensor:
         return paged_decode_attention(
             self.query, self.key_cache, self.value_cache, self.block_tables, self.context_lens,
-            self.scale, window, num_threads=num_threads, target=target,
+            self.scale, window, softcap=softcap, num_threads=num_threads, target=target,
         )  # fmt: skip
 
-    def reference(self, window: int | None = None) -> torch.Tensor:
+    def reference(self, window: int | None = None, softcap: float | None = None) -> torch.Tensor:
         return reference_paged_decode(
             self.query, self.key_cache, self.value_cache, self.block_tables,
-            self.context_lens, self.scale, window,
+            self.context_lens, self.scale, window, softcap,
         )  # fmt: skip
 
 
@@ -128,7 +129,7 @@ def assert_matches(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) ->
 @needs_compiler
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("heads", [2, 8, 12], ids=["group1", "group4", "group6"])
-@pytest.mark.parametrize("head_dim", [64, 80, 96, 128])
+@pytest.mark.parametrize("head_dim", [64, 80, 96, 128, 256])
 def test_matches_reference(head_dim: int, heads: int, dtype: torch.dtype) -> None:
     case = make_case(head_dim=head_dim, heads=heads, dtype=dtype, seed=head_dim + heads)
     assert_matches(case.run(num_threads=1), case.reference(), dtype)
@@ -411,10 +412,10 @@ class PrefillCase:
             self.query_start_loc, self.context_lens, self.scale, window, **kwargs,
         )  # fmt: skip
 
-    def reference(self, window: int | None = None) -> torch.Tensor:
+    def reference(self, window: int | None = None, softcap: float | None = None) -> torch.Tensor:
         return reference_paged_prefill(
             self.query, self.key_cache, self.value_cache, self.block_tables,
-            self.query_start_loc, self.context_lens, self.scale, window,
+            self.query_start_loc, self.context_lens, self.scale, window, softcap,
         )  # fmt: skip
 
 
@@ -631,14 +632,17 @@ def _mixed_step(
     head_dim: int,
     seed: int,
     shapes: tuple[tuple[int, int], ...] = MIXED_SHAPES,
+    device: torch.device | None = None,
 ) -> tuple[PagedKVCache, AttentionMetadata, torch.Tensor, torch.Tensor, torch.Tensor]:
     """A step of decodes and prefills (chunks on cached prefixes) over a NaN cache whose cached
-    prefixes are already written; returns the cache, metadata, query and new K/V."""
+    prefixes are already written; returns the cache, metadata, query and new K/V (on
+    ``device``; the same numbers on any device)."""
     rng = random.Random(seed)
     gen = torch.Generator().manual_seed(seed)
+    device = torch.device("cpu") if device is None else device
     cache = PagedKVCache(
         num_layers=2, num_blocks=300, block_size=BLOCK, num_kv_heads=2, head_dim=head_dim,
-        dtype=dtype, fill_value=NAN,
+        dtype=dtype, fill_value=NAN, device=device,
     )  # fmt: skip
     free = rng.sample(range(1, 300), 299)
     tables, slots = [], []
@@ -647,8 +651,8 @@ def _mixed_step(
         table = [free.pop() for _ in range(-(-ctx // BLOCK))]
         all_slots = [table[p // BLOCK] * BLOCK + p % BLOCK for p in range(ctx)]
         if cached:
-            k, v = (torch.randn(cached, 2, head_dim, generator=gen) for _ in range(2))
-            cache.write(1, k, v, torch.tensor(all_slots[:cached]))
+            k, v = (torch.randn(cached, 2, head_dim, generator=gen).to(device) for _ in range(2))
+            cache.write(1, k, v, torch.tensor(all_slots[:cached], device=device))
         tables.append(table)
         slots.extend(all_slots[cached:])
     md = AttentionMetadata.build(
@@ -656,12 +660,12 @@ def _mixed_step(
         context_lens=[c + n for c, n in shapes],
         block_tables=tables,
         slot_mapping=slots,
-        device=torch.device("cpu"),
+        device=device,
     )
     num_tokens = len(slots)
-    query = torch.randn(num_tokens, 8, head_dim, generator=gen)
-    key = torch.randn(num_tokens, 2, head_dim, generator=gen)
-    value = torch.randn(num_tokens, 2, head_dim, generator=gen)
+    query = torch.randn(num_tokens, 8, head_dim, generator=gen).to(device)
+    key = torch.randn(num_tokens, 2, head_dim, generator=gen).to(device)
+    value = torch.randn(num_tokens, 2, head_dim, generator=gen).to(device)
     return cache, md, query, key, value
 
 
@@ -708,6 +712,24 @@ def test_backend_equals_torch_backend_on_a_mixed_step(
     for name in ("key", "value"):  # K/V written exactly as the parent writes them
         a, b = getattr(caches[0], name), getattr(caches[1], name)
         assert torch.equal(a.nan_to_num(7.0), b.nan_to_num(7.0))
+
+
+@needs_compiler
+@pytest.mark.parametrize("native_prefill", [True, False], ids=["native", "torch-prefill"])
+@pytest.mark.parametrize("window", [None, 12])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_backend_with_softcap_equals_torch_backend(
+    dtype: torch.dtype, window: int | None, native_prefill: bool, launches: list[str]
+) -> None:
+    outs = []
+    for impl in (TorchAttentionBackend(), CpuAttentionBackend(native_prefill=native_prefill)):
+        cache, md, query, key, value = _mixed_step(dtype, 64, seed=11)
+        outs.append(impl.forward(1, query * 3.0, key, value, cache, md, scale=0.125,
+                                 sliding_window=window, softcap=2.0))  # fmt: skip
+    assert launches == (["write", "decode", "prefill"] if native_prefill else ["decode"])
+    want, got = outs
+    assert not got.isnan().any()
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
 
 
 @needs_compiler

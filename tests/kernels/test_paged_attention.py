@@ -35,6 +35,7 @@ def _run(
     *,
     num_splits: int | None = None,
     window: int | None = None,
+    softcap: float | None = None,
     config: AttentionConfig | None = None,
 ) -> torch.Tensor:
     return paged_attention(
@@ -48,12 +49,20 @@ def _run(
         max_context_len=max(case.context_lens_host),
         scale=case.query.shape[-1] ** -0.5,
         sliding_window=window,
+        softcap=softcap,
         num_splits=num_splits,
         config=config,
     )
 
 
-def _check(case: PagedCase, out: torch.Tensor, *, window: int | None = None) -> None:
+def _check(
+    case: PagedCase,
+    out: torch.Tensor,
+    *,
+    window: int | None = None,
+    softcap: float | None = None,
+) -> float:
+    """Asserts ``out`` matches the float64 reference; returns the max abs error."""
     ref = paged_attention_reference(
         case.query,
         case.key_cache,
@@ -63,11 +72,13 @@ def _check(case: PagedCase, out: torch.Tensor, *, window: int | None = None) -> 
         context_lens=case.context_lens_host,
         scale=case.query.shape[-1] ** -0.5,
         sliding_window=window,
+        softcap=softcap,
     )
     assert out.dtype == case.query.dtype and out.shape == case.query.shape
     assert torch.isfinite(out).all(), "a NaN-poisoned slot was read"
     tol = TOLERANCE[case.query.dtype]
     torch.testing.assert_close(out.double(), ref, atol=tol, rtol=tol)
+    return float((out.double() - ref).abs().max())
 
 
 def _decode_case(
@@ -138,6 +149,20 @@ def test_mixed_decode_prefill_chunk_batch_matches_reference(
     _check(case, _run(case))
 
 
+@pytest.mark.parametrize("num_splits", [1, 2])
+def test_head_dim_256(num_splits: int, device: torch.device) -> None:
+    """Gemma's head dim: a 256-wide head-dim tile; decode on the 64-key tiles (head dims above
+    128), a mixed batch on the prefill tiles."""
+    assert attention_config(1, 4, head_dim=256, elem_bytes=4).block_n == 64
+    assert attention_config(7, 2, head_dim=256, elem_bytes=2).num_stages == 1
+    decode = make_case(query_lens=[1, 1, 1], context_lens=[17, 40, 300], kv_heads=2, group=4,
+                       head_dim=256, dtype=torch.float32, device=device, seed=3)  # fmt: skip
+    _check(decode, _run(decode, num_splits=num_splits))
+    mixed = make_case(query_lens=[1, 17, 7], context_lens=[33, 17, 40], kv_heads=1, group=2,
+                      head_dim=256, dtype=torch.float16, device=device, seed=4)  # fmt: skip
+    _check(mixed, _run(mixed, num_splits=num_splits))
+
+
 @pytest.mark.parametrize("layout", ["runner", "nhd"])
 def test_mixed_batch_head_dim_80_in_both_cache_layouts(
     layout: Layout, device: torch.device
@@ -189,7 +214,7 @@ def test_decode_tiles_follow_dtype_head_dim_and_shared_memory() -> None:
 
     wide, narrow = (128, 4, 2), (64, 4, 0)
     assert decode(32, 4) == decode(80, 2) == decode(128, 4) == wide  # no limit: interpreter
-    assert decode(256, 2) == narrow  # larger head dims: not measured
+    assert decode(256, 2) == (64, 4, 1)  # larger head dims: one stage (not measured)
     h200 = 227 * 1024
     assert decode(128, 2, h200) == decode(64, 4, h200) == decode(32, 4, h200) == wide
     assert decode(128, 4, h200) == narrow  # two fp32 stages of K and V: 256 KiB
