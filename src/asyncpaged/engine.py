@@ -77,6 +77,7 @@ class EngineStatistics:
     num_swap_outs: int
     num_swap_ins: int
     num_recomputes: int
+    num_rope_restarts: int
     num_cow_copies: int
     prefix_cache_query_tokens: int
     prefix_cache_hit_tokens: int
@@ -182,6 +183,7 @@ class AsyncEngine:
                 max_num_batched_tokens=cfg.max_num_batched_tokens,
                 preemption_mode=cfg.preemption_mode if num_host else "recompute",
                 watermark=cfg.watermark,
+                rope_switch_len=self.runner.model.rope_switch_len,
             ),
             new_seq_id=self._seq_ids.__next__,
         )
@@ -485,8 +487,8 @@ class AsyncEngine:
         rid = request_id if request_id is not None else f"req-{uuid.uuid4().hex[:12]}"
         if not isinstance(rid, str):
             raise InvalidRequestError(f"request_id must be a str, got {type(rid).__name__}.")
-        if cache_salt is not None and not isinstance(cache_salt, str):
-            raise InvalidRequestError(f"cache_salt must be a str, got {type(cache_salt).__name__}.")
+        if cache_salt is not None and (not isinstance(cache_salt, str) or "\x00" in cache_salt):
+            raise InvalidRequestError("cache_salt must be a str without NUL characters.")
         if rid in self._live and not self._live[rid].is_done:
             raise InvalidRequestError(f"request id {rid!r} is already in use.")
         if prompt is None:
@@ -586,6 +588,7 @@ class AsyncEngine:
             num_swap_outs=sched.num_swap_outs,
             num_swap_ins=sched.num_swap_ins,
             num_recomputes=sched.num_recomputes,
+            num_rope_restarts=sched.num_rope_restarts,
             num_cow_copies=pool.num_cow_copies,
             prefix_cache_query_tokens=pool.prefix_query_tokens,
             prefix_cache_hit_tokens=pool.prefix_hit_tokens,

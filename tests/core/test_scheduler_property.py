@@ -175,6 +175,8 @@ def test_scheduler_outputs_equal_running_each_request_alone(data: st.DataObject)
         max_num_seqs=data.draw(st.integers(1, 8)),
         max_num_batched_tokens=data.draw(st.integers(4, 48)),
         preemption_mode=mode,
+        # longrope: requests that grow past it restart from their first token (a new cache key)
+        rope_switch_len=data.draw(st.sampled_from([None, None, 5, 9]), label="rope switch"),
     )
     pool = BlockPool(
         num_device, num_host, block_size=BS, enable_prefix_caching=data.draw(st.booleans())
@@ -285,6 +287,8 @@ def test_scheduler_outputs_equal_running_each_request_alone(data: st.DataObject)
         event("swapped in")
     if stats_s.num_recomputes:
         event("recomputed")
+    if stats_s.num_rope_restarts:
+        event("restarted in the long rope regime")
     if aborted:
         event("aborted")
     if any(len(r.seqs) > 1 for r in every.values()):

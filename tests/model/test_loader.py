@@ -117,15 +117,9 @@ def test_unsupported_architecture(tiny_checkpoint: Callable[[str], Path], tmp_pa
 def test_unsupported_rope_type(tiny_checkpoint: Callable[[str], Path], tmp_path: Path) -> None:
     dst = _copy(tiny_checkpoint("llama-gqa"), tmp_path / "ckpt")
     config = json.loads((dst / "config.json").read_text())
-    config["rope_parameters"] = {
-        "rope_type": "longrope",
-        "rope_theta": 10000.0,
-        "short_factor": [1.0] * 8,
-        "long_factor": [1.0] * 8,
-        "original_max_position_embeddings": 128,
-    }
+    config["rope_parameters"] = {"rope_type": "fancy", "rope_theta": 10000.0, "factor": 2.0}
     (dst / "config.json").write_text(json.dumps(config))
-    with pytest.raises(UnsupportedModelError, match="rope_type 'longrope'"):
+    with pytest.raises(UnsupportedModelError, match="rope_type 'fancy'"):
         load_model(dst)
 
 

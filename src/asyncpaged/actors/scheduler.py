@@ -189,6 +189,7 @@ class SchedulerActor:
                     if s.num_samples > 1
                     else (),
                     want_logprob=state.ranks_by_logprob,
+                    min_rope_len=s.min_rope_len,
                 )
             )
         self._in_flight = out

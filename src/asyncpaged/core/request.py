@@ -103,11 +103,21 @@ class Request:
     pin_id: int | None = None  # compute the prompt, then pin its full blocks under this id
     beam: BeamSearcher | None = None  # a beam-search request: its live sequences are the beams
     beam_top: dict[int, tuple[tuple[int, float], ...]] = field(default_factory=dict)
+    long_rope: bool = False  # a longrope model's request past original_max_position_embeddings
     swap_id: int | None = None
     num_swap_blocks: int = 0  # blocks of its last swap-out: what a swap-in takes back
     num_preemptions: int = 0
     num_cached_tokens: int = 0
     metadata: dict[str, object] = field(default_factory=dict)
+
+    @property
+    def cache_key(self) -> str | None:
+        """The prefix-cache key of the request's blocks: its ``cache_salt``, marked for the
+        long RoPE regime of a longrope model (K/V rotated with the long factors never serve a
+        short sequence, nor the reverse). User salts cannot contain NUL, so no salt equals it."""
+        if not self.long_rope:
+            return self.cache_salt
+        return f"\x00longrope\x00{self.cache_salt or ''}"
 
     @property
     def live_seqs(self) -> list[Sequence]:

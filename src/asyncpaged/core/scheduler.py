@@ -57,6 +57,10 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 2048
     preemption_mode: PreemptionMode = "recompute"
     watermark: float = 0.01  # share of device blocks kept free when admitting or swapping in
+    # A longrope model's original_max_position_embeddings: a request longer than this rotates
+    # every token with the long factors, so one that grows past it is recomputed from scratch
+    # (transformers' Phi-3 generate drops its cache then); None for every other model.
+    rope_switch_len: int | None = None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -72,6 +76,7 @@ class ScheduledSeq:
     block_table: tuple[int, ...]
     samples: bool
     num_samples: int = 1  # > 1: the prompt's end of a parallel-sampling request (fan-out)
+    min_rope_len: int = 0  # the RoPE scaling sees at least this length (longrope's long regime)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -105,6 +110,7 @@ class SchedulerStatistics:
     num_swap_outs: int
     num_swap_ins: int
     num_recomputes: int
+    num_rope_restarts: int
     num_finished: int
     num_aborted: int
 
@@ -158,14 +164,19 @@ class Scheduler:
         self._preempted: tuple[str, ...] = ()
         self._planned: list[tuple[Request, Sequence]] = []  # the last plan's appends
         self._watermark = math.ceil(config.watermark * config.num_device_blocks)
+        self._min_rope_len = (config.rope_switch_len or 0) + 1
         self.num_preemptions = self.num_swap_outs = self.num_swap_ins = 0
         self.num_recomputes = self.num_finished = self.num_aborted = 0
+        self.num_rope_restarts = 0
 
     # ---- requests -------------------------------------------------------------------------
 
     def add_request(self, request: Request) -> None:
         assert request.request_id not in self.requests, f"duplicate id {request.request_id!r}"
         assert request.status is RequestStatus.WAITING
+        switch = self.config.rope_switch_len
+        if switch is not None and len(request.seqs[0].token_ids) > switch:
+            request.long_rope = True  # long from the first token, as a one-shot prefill
         self.requests[request.request_id] = request
         _insort(self.waiting, request)
 
@@ -298,6 +309,9 @@ class Scheduler:
                     i += 1  # beams that reported wait for their siblings: nothing to compute
                     continue
                 need = sum(self._blocks_to_append(s, n, s.seq_id in shared) for s, n in chunks)
+            if self._outgrows_short_rope(request, chunks):
+                self._restart_long_rope(request, frees)
+                continue  # the next request moved into index i
             while need > plan.free and need > plan.free + plan.coming:
                 victim = running[-1]
                 self._preempt(victim, plan, snap, frees, swap_outs)
@@ -315,6 +329,28 @@ class Scheduler:
                 plan.seats_left -= 1
             i += 1
         return appends
+
+    def _outgrows_short_rope(self, request: Request, chunks: list[tuple[Sequence, int]]) -> bool:
+        switch = self.config.rope_switch_len
+        return (
+            switch is not None
+            and not request.long_rope
+            and any(s.num_computed_tokens + n > switch for s, n in chunks)
+        )
+
+    def _restart_long_rope(self, request: Request, frees: list[int]) -> None:
+        """Recompute a request from its first token in the long RoPE regime: its cached K/V
+        were rotated with the short factors. Frees land before admissions in the transaction,
+        so it may be admitted again in this very step (under its long-regime cache key)."""
+        self.running.remove(request)
+        request.long_rope = True
+        frees.extend(s.seq_id for s in request.live_seqs)
+        for seq in request.live_seqs:
+            seq.num_computed_tokens = 0
+            seq.has_blocks = False
+        request.status = RequestStatus.WAITING
+        _insort(self.waiting, request)
+        self.num_rope_restarts += 1
 
     def _blocks_to_append(self, seq: Sequence, n: int, shared_tail: bool) -> int:
         bs = self.config.block_size
@@ -387,7 +423,7 @@ class Scheduler:
             chunk = plan.budget_left // len(seqs)
             ops = tuple(
                 AllocateOp(seq_id=s.seq_id, token_ids=tuple(s.token_ids), max_new_tokens=chunk,
-                           extra_key=request.cache_salt)
+                           extra_key=request.cache_key)
                 for s in seqs
             )  # fmt: skip
             admissions.append(Admission(request_id=request.request_id, ops=ops))
@@ -469,6 +505,7 @@ class Scheduler:
                 block_table=table,
                 samples=samples,
                 num_samples=request.num_samples if fan_out else 1,
+                min_rope_len=self._min_rope_len if request.long_rope else 0,
             )
         )
         return n
@@ -658,7 +695,7 @@ class Scheduler:
         if request.pin_id is not None and request.seqs[0].finish_reason != "abort":
             seq = request.seqs[0]
             prompt = tuple(seq.token_ids[: seq.num_prompt_tokens])
-            pin = PinOp(pin_id=request.pin_id, token_ids=prompt, extra_key=request.cache_salt)
+            pin = PinOp(pin_id=request.pin_id, token_ids=prompt, extra_key=request.cache_key)
             self._pending_pins.append(pin)
         status = request.status
         request.status = RequestStatus.FINISHED
@@ -682,6 +719,7 @@ class Scheduler:
             num_swap_outs=self.num_swap_outs,
             num_swap_ins=self.num_swap_ins,
             num_recomputes=self.num_recomputes,
+            num_rope_restarts=self.num_rope_restarts,
             num_finished=self.num_finished,
             num_aborted=self.num_aborted,
         )

@@ -35,7 +35,9 @@ class AttentionMetadata:
     context_lens: torch.Tensor  # [S] int64, cached + new tokens per sequence
     block_tables: torch.Tensor  # [S, max_blocks] int64, padded with block 0 (never read)
     slot_mapping: torch.Tensor  # [T] int64, -1 = do not write
-    token_context_lens: torch.Tensor  # [T] int64, context_lens of each token's sequence
+    # [T] int64: the sequence length each token's RoPE scaling is chosen for (dynamic,
+    # longrope): its sequence's context length after the step, or more (``rope_lens``)
+    token_rope_lens: torch.Tensor
     query_start_loc_host: tuple[int, ...]
     context_lens_host: tuple[int, ...]
     decode_indices: tuple[int, ...]  # sequences with exactly one new token
@@ -53,6 +55,7 @@ class AttentionMetadata:
         slot_mapping: Sequence[int],
         device: torch.device,
         block_size: int = 16,
+        rope_lens: Sequence[int] | None = None,
     ) -> AttentionMetadata:
         starts = [0]
         for n in query_lens:
@@ -68,8 +71,9 @@ class AttentionMetadata:
             slot_mapping=slots,
             slot_targets=SlotTargets.of(slots, block_size),
             block_size=block_size,
-            token_context_lens=torch.repeat_interleave(
-                lens, torch.tensor(list(query_lens), dtype=torch.int64)
+            token_rope_lens=torch.repeat_interleave(
+                lens if rope_lens is None else torch.tensor(list(rope_lens), dtype=torch.int64),
+                torch.tensor(list(query_lens), dtype=torch.int64),
             ).to(device),
             query_start_loc_host=tuple(starts),
             context_lens_host=tuple(context_lens),
@@ -171,9 +175,7 @@ class TorchAttentionBackend(AttentionBackend):
             groups = self._decode_plan(metadata, key_cache, group_heads, sliding_window)
             workspace = self._gather_workspace(groups, key_cache)
             for group in groups:
-                _decode_group(
-                    group, out, query, key_cache, value_cache, workspace, scale, softcap
-                )
+                _decode_group(group, out, query, key_cache, value_cache, workspace, scale, softcap)
         for i in metadata.prefill_indices:
             _prefill_one(
                 i, out, query, key_cache, value_cache, metadata, scale, sliding_window, softcap

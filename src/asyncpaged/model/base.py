@@ -176,6 +176,12 @@ class CausalLM(nn.Module, metaclass=ABCMeta):
     transposed_suffixes: ClassVar[tuple[str, ...]] = ()
     #: Checkpoint key suffixes that are buffers, not weights (ignored when present).
     ignored_suffixes: ClassVar[tuple[str, ...]] = ("rotary_emb.inv_freq",)
+    #: Final logit softcapping (Gemma 2): logits become ``cap * tanh(logits / cap)`` (float32).
+    final_logit_softcap: float | None = None
+    #: longrope models: ``original_max_position_embeddings``, past which a sequence rotates with
+    #: the long factors (the scheduler recomputes a request that grows past it; see
+    #: ``SchedulerConfig.rope_switch_len``). None for every other model.
+    rope_switch_len: int | None = None
 
     def __init__(
         self,
@@ -214,8 +220,13 @@ class CausalLM(nn.Module, metaclass=ABCMeta):
         """[V, H] output embedding (the input embedding when tied)."""
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [N, H] (rows that sample) -> float32 logits [N, V]."""
-        return torch.nn.functional.linear(hidden, self.lm_head_weight()).float()
+        """hidden [N, H] (rows that sample) -> float32 logits [N, V], softcapped when
+        ``final_logit_softcap`` is set."""
+        logits = torch.nn.functional.linear(hidden, self.lm_head_weight()).float()  # [N, V]
+        cap = self.final_logit_softcap
+        if cap is not None:
+            logits = torch.tanh(logits / cap) * cap
+        return logits
 
     def is_ignored_checkpoint_key(self, name: str) -> bool:
         if self.tie_word_embeddings and name == "lm_head.weight":

@@ -1,13 +1,24 @@
-"""Llama, Mistral and Qwen2: RMSNorm, RoPE (with scaling variants), GQA, SwiGLU.
+"""Llama, Mistral, Qwen2, Qwen3, Qwen3-MoE and Mixtral: RMSNorm, RoPE (with scaling variants),
+GQA, SwiGLU (dense, or sparse MoE blocks from ``asyncpaged.model.moe``).
 
 Parameter names are the transformers ones (``model.layers.0.self_attn.q_proj.weight`` ...).
-Differences between the three: Qwen2 has q/k/v biases; Llama may have ``attention_bias`` /
-``mlp_bias``; Mistral (all layers) and Qwen2 (``layer_types``) may use a sliding window.
+Differences between them: Qwen2 has q/k/v biases; Llama, Qwen3 and Qwen3-MoE may have
+``attention_bias`` (all four projections; Llama also ``mlp_bias``); Qwen3 and Qwen3-MoE
+RMS-norm each query and key head over ``head_dim`` (``self_attn.q_norm`` / ``k_norm``) before
+RoPE; ``head_dim`` is read from the config where it has one.
+
+Sliding windows: Mistral, Mixtral and Qwen3-MoE on every layer when ``sliding_window`` is set
+(transformers' config clears it for Qwen3-MoE unless ``use_sliding_window``); Qwen2 and Qwen3 on
+the layers ``layer_types`` marks ``sliding_attention`` (the config derives them from
+``use_sliding_window`` and ``max_window_layers``). Qwen3-MoE and Mixtral layers carry a sparse
+MoE block where ``moe.is_sparse_layer`` says so (Qwen3-MoE ``mlp_only_layers`` /
+``decoder_sparse_step`` layers keep the dense MLP of ``intermediate_size``).
 
 Tensor parallel (``TensorShard``): q/k/v and gate/up are column-parallel (a rank holds
 ``heads / N`` query heads, ``kv_heads / N`` KV heads and ``intermediate / N`` MLP columns);
 o_proj and down_proj are row-parallel, each followed by an all-reduce. Embeddings, norms and the
-LM head are replicated.
+LM head are replicated. MoE blocks split each expert the same way and keep the router replicated
+(``moe``).
 
 Fused elementwise work (``CausalLM.fused_ops``, set by the runner for float32 CPU models): the
 residual adds fused with the RMSNorm that reads each sum, RoPE on q/k in place, and SiLU x up,
@@ -36,7 +47,14 @@ from asyncpaged.model.base import (
 )
 from asyncpaged.model.errors import UnsupportedModelError
 from asyncpaged.model.kv_cache import PagedKVCache
+from asyncpaged.model.moe import SparseMoeBlock, block_name, is_sparse_layer
 from asyncpaged.model.rotary import RotaryEmbedding, apply_rotary
+
+#: families whose attention RMS-norms each q/k head before RoPE
+_QK_NORM_MODEL_TYPES = ("qwen3", "qwen3_moe")
+#: families with one sliding window on every layer / on the ``layer_types`` sliding layers
+_ALL_LAYERS_WINDOW = ("mistral", "mixtral", "qwen3_moe")
+_LAYER_TYPES_WINDOW = ("qwen2", "qwen3")
 
 
 class RMSNorm(nn.Module):
@@ -54,10 +72,14 @@ class RMSNorm(nn.Module):
 
 def _sliding_windows(config: Any, num_layers: int) -> list[int | None]:
     window = getattr(config, "sliding_window", None)
-    if config.model_type == "mistral":
+    if config.model_type in _ALL_LAYERS_WINDOW:
         return [window] * num_layers
     layer_types = getattr(config, "layer_types", None)
-    if config.model_type == "qwen2" and window is not None and layer_types:
+    if config.model_type == "qwen3" and layer_types:
+        unknown = set(layer_types) - {"full_attention", "sliding_attention"}
+        if unknown:
+            raise UnsupportedModelError(f"layer_types {sorted(unknown)} are not supported.")
+    if config.model_type in _LAYER_TYPES_WINDOW and window is not None and layer_types:
         return [window if t == "sliding_attention" else None for t in layer_types]
     return [None] * num_layers
 
@@ -80,6 +102,11 @@ class LlamaAttention(nn.Module):
         self.k_proj = column_parallel(hidden, kv_heads * head_dim, shard, bias=qkv_bias)
         self.v_proj = column_parallel(hidden, kv_heads * head_dim, shard, bias=qkv_bias)
         self.o_proj = row_parallel(heads * head_dim, hidden, shard, bias=o_bias)
+        self.q_norm: RMSNorm | None = None
+        self.k_norm: RMSNorm | None = None
+        if config.model_type in _QK_NORM_MODEL_TYPES:
+            self.q_norm = RMSNorm(head_dim, config.rms_norm_eps)
+            self.k_norm = RMSNorm(head_dim, config.rms_norm_eps)
         self.scale = head_dim**-0.5
 
     def forward(
@@ -91,11 +118,14 @@ class LlamaAttention(nn.Module):
         kv_cache: PagedKVCache,
         ops: FusedElementwise | None = None,
     ) -> torch.Tensor:
-        """``ops``: fused RoPE (in place on the fresh q/k) for float32 CPU inputs."""
+        """``ops``: fused RoPE (in place on the fresh q/k) for float32 CPU inputs; q/k norms
+        (Qwen3) are torch code before it."""
         num_tokens = x.shape[0]
         q = linear(self.q_proj, x).view(num_tokens, self.num_heads, self.head_dim)  # [T, Hq, D]
         k = linear(self.k_proj, x).view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
         v = linear(self.v_proj, x).view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
+        if self.q_norm is not None and self.k_norm is not None:  # per head, over D; new tensors
+            q, k = self.q_norm.forward(q), self.k_norm.forward(k)  # [T, Hq, D], [T, Hkv, D]
         if ops is not None and q.is_contiguous() and k.is_contiguous():
             ops.rotary_(q, k, *cos_sin)
         else:
@@ -143,7 +173,15 @@ class LlamaDecoderLayer(nn.Module):
     ) -> None:
         super().__init__()
         self.self_attn = LlamaAttention(config, layer_idx, head_dim, window, shard)
-        self.mlp = LlamaMLP(config, shard)
+        ffn: LlamaMLP | SparseMoeBlock
+        if is_sparse_layer(config, layer_idx):
+            ffn = SparseMoeBlock(config, shard)
+        else:
+            ffn = LlamaMLP(config, shard)
+        self.add_module(block_name(config), ffn)  # "mlp", or Mixtral's "block_sparse_moe"
+        # The same module, unregistered: the forward's handle on it whatever its name.
+        self.ffn: LlamaMLP | SparseMoeBlock
+        self.__dict__["ffn"] = ffn
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -161,7 +199,8 @@ class LlamaModel(nn.Module):
 
 
 class LlamaForCausalLM(CausalLM):
-    """Llama / Mistral / Qwen2 (transformers ``*ForCausalLM`` checkpoints)."""
+    """Llama / Mistral / Qwen2 / Qwen3 / Qwen3-MoE / Mixtral (transformers ``*ForCausalLM``
+    checkpoints)."""
 
     def __init__(self, config: Any, shard: TensorShard = SINGLE_SHARD) -> None:
         head_dim = getattr(config, "head_dim", None) or (
@@ -194,7 +233,7 @@ class LlamaForCausalLM(CausalLM):
         h = torch.nn.functional.embedding(input_ids, self.model.embed_tokens.weight)  # [T, H]
         if self.rotary.inv_freq.device != h.device:
             self.rotary.inv_freq = self.rotary.inv_freq.to(h.device)
-        cos_sin = self.rotary.cos_sin(positions, attn_metadata.token_context_lens, h.dtype)
+        cos_sin = self.rotary.cos_sin(positions, attn_metadata.token_rope_lens, h.dtype)
         ops = self._usable_fused_ops(h)
         if ops is not None:
             return self._forward_fused(ops, h, cos_sin, attn_metadata, kv_cache)
@@ -204,7 +243,7 @@ class LlamaForCausalLM(CausalLM):
             h = h + layer.self_attn.forward(
                 layer.input_layernorm.forward(h), cos_sin, self, attn_metadata, kv_cache
             )
-            h = h + layer.mlp.forward(layer.post_attention_layernorm.forward(h))
+            h = h + layer.ffn.forward(layer.post_attention_layernorm.forward(h))
         out: torch.Tensor = self.model.norm.forward(h)  # [T, H]
         return out
 
@@ -231,7 +270,7 @@ class LlamaForCausalLM(CausalLM):
             attn = layer.self_attn.forward(x, cos_sin, self, md, kv_cache, ops)  # [T, H]
             norm = norms.pop()
             x = ops.add_rms_norm(h, attn, norm.weight, norm.eps)  # h += attn; x = norm(h)
-            mlp = layer.mlp.forward(x, ops)  # [T, H]
+            mlp = layer.ffn.forward(x, ops)  # [T, H]
             norm = norms.pop()
             x = ops.add_rms_norm(h, mlp, norm.weight, norm.eps)
         assert not norms, "every norm used once"

@@ -27,20 +27,52 @@ import torch
 
 from asyncpaged.model.base import SINGLE_SHARD, CausalLM, ShardRule, TensorShard
 from asyncpaged.model.errors import CheckpointError, UnsupportedModelError
+from asyncpaged.model.gemma import GemmaForCausalLM
 from asyncpaged.model.gpt2 import GPT2LMHeadModel
 from asyncpaged.model.llama import LlamaForCausalLM
 from asyncpaged.model.opt import OPTForCausalLM
+from asyncpaged.model.phi3 import Phi3ForCausalLM
 
 #: transformers architecture name -> family class
 MODEL_REGISTRY: dict[str, Callable[[Any, TensorShard], CausalLM]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": LlamaForCausalLM,
+    "Qwen3ForCausalLM": LlamaForCausalLM,
+    "Qwen3MoeForCausalLM": LlamaForCausalLM,
+    "MixtralForCausalLM": LlamaForCausalLM,
     "OPTForCausalLM": OPTForCausalLM,
     "GPT2LMHeadModel": GPT2LMHeadModel,
+    "Phi3ForCausalLM": Phi3ForCausalLM,
+    "Gemma2ForCausalLM": GemmaForCausalLM,
+    "Gemma3ForCausalLM": GemmaForCausalLM,
 }
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+#: The transformers releases whose config objects the families are tested against (5.x: RoPE in
+#: ``rope_parameters``, per-layer-type parameters, ``layer_types``). 4.x configs are read by the
+#: legacy-field paths too, but are not tested; 4.46 silently dropped fields the families need.
+MIN_TRANSFORMERS = (5, 0)
+
+
+def check_transformers_version(version: str | None = None) -> None:
+    """UnsupportedModelError unless transformers is at least ``MIN_TRANSFORMERS``."""
+    if version is None:
+        import transformers
+
+        version = str(transformers.__version__)
+    parts = []
+    for piece in version.split(".")[:2]:
+        digits = "".join(c for c in piece if c.isdigit())
+        parts.append(int(digits or 0))
+    if tuple(parts) < MIN_TRANSFORMERS:
+        raise UnsupportedModelError(
+            f"asyncpaged needs transformers>={'.'.join(map(str, MIN_TRANSFORMERS))} (tested with "
+            f"5.24), found {version}: older releases read the RoPE fields of these configs "
+            "differently, and greedy output would be wrong. pip install -U 'transformers>=5'."
+        )
 
 
 def load_config(path: str | Path) -> Any:
@@ -48,6 +80,7 @@ def load_config(path: str | Path) -> Any:
     directory = Path(path)
     if not (directory / "config.json").is_file():
         raise CheckpointError(f"no config.json in checkpoint directory {str(directory)!r}.")
+    check_transformers_version()
     from transformers import AutoConfig
 
     try:

@@ -53,7 +53,9 @@ class SequenceStep:
     ``num_computed_tokens + len(token_ids)`` tokens, which ``block_table`` must cover. ``do_sample``
     is False for a prefill chunk that stops short of the prompt's end (its logits are not needed).
     ``sampling`` None = greedy with no penalties. The sampled token's logprob and rank come back
-    when ``want_logprob`` or ``sampling.num_logprobs`` is set.
+    when ``want_logprob`` or ``sampling.num_logprobs`` is set. ``min_rope_len``: the RoPE
+    scaling of length-dependent types (dynamic, longrope) is chosen for at least this sequence
+    length (the scheduler sets it for a longrope request in its long regime).
     """
 
     seq_id: int
@@ -67,6 +69,7 @@ class SequenceStep:
     # Parallel sampling: when not empty, the row is sampled once per entry (sample ``i`` with
     # ``fanout[i]``) instead of once with ``sampling``.
     fanout: tuple[SamplingOptions | None, ...] = ()
+    min_rope_len: int = 0
 
     @property
     def wants_logprob(self) -> bool:
@@ -210,7 +213,14 @@ class ModelRunner:
             from asyncpaged.kernels.cpu_fused import fused_ops
 
             self.model.fused_ops = fused_ops()  # None (torch code) when it cannot be built
-        screened = screened_lm_head and cpu_fp32 and shard.rank == 0
+        # The screens rank raw logits; a final softcap's float32 tanh can merge distinct logits
+        # into ties (broken by index), so a softcapped model always takes the full head.
+        screened = (
+            screened_lm_head
+            and cpu_fp32
+            and shard.rank == 0
+            and self.model.final_logit_softcap is None
+        )
         self.screened_head = ScreenedLMHead(self.model.lm_head_weight()) if screened else None
         self.int8_head: Int8ScreenedArgmax | None = None
         if self.screened_head is not None and int8_lm_head and int8_screen_supported():
@@ -281,6 +291,9 @@ class ModelRunner:
             slot_mapping=slots,
             device=self.device,
             block_size=self.block_size,
+            rope_lens=[
+                max(s.num_computed_tokens + len(s.token_ids), s.min_rope_len) for s in plan.seqs
+            ],
         )
         input_tensor = torch.tensor(input_ids, dtype=torch.int64, device=self.device)
         position_tensor = torch.tensor(positions, dtype=torch.int64, device=self.device)

@@ -124,8 +124,150 @@ TINY_MODELS: dict[str, tuple[str, dict[str, Any], float]] = {
         0.2,
     ),
     # ---- Qwen3, Qwen3-MoE, Mixtral ----
+    # head_dim 32 != hidden / heads (16); GQA 2; untied.
+    "qwen3": ("Qwen3Config", {**_LLAMA, "head_dim": 32}, 0.2),
+    # GQA 4, tied, q/k/v/o biases; layer 1 slides (window 12 < the prompts), layer 0 does not.
+    "qwen3-sliding-tied": (
+        "Qwen3Config",
+        {
+            **_LLAMA,
+            "num_key_value_heads": 1,
+            "head_dim": 32,
+            "tie_word_embeddings": True,
+            "attention_bias": True,
+            "use_sliding_window": True,
+            "sliding_window": 12,
+            "max_window_layers": 1,
+        },
+        0.25,
+    ),
+    # 8 experts top-2, renormalised; head_dim 32.
+    "qwen3-moe": (
+        "Qwen3MoeConfig",
+        {
+            **_LLAMA,
+            "head_dim": 32,
+            "num_experts": 8,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 32,
+            "norm_topk_prob": True,
+        },
+        0.2,
+    ),
+    # 4 experts top-3, not renormalised; layer 0 dense (mlp_only_layers); window 12 everywhere.
+    "qwen3-moe-dense-sliding": (
+        "Qwen3MoeConfig",
+        {
+            **_LLAMA,
+            "num_experts": 4,
+            "num_experts_per_tok": 3,
+            "moe_intermediate_size": 48,
+            "norm_topk_prob": False,
+            "mlp_only_layers": [0],
+            "use_sliding_window": True,
+            "sliding_window": 12,
+        },
+        0.2,
+    ),
+    # 6 experts top-2 (always renormalised), window 12 on every layer, GQA 2.
+    "mixtral": (
+        "MixtralConfig",
+        {
+            **_LLAMA,
+            "intermediate_size": 64,
+            "num_local_experts": 6,
+            "num_experts_per_tok": 2,
+            "sliding_window": 12,
+        },
+        0.2,
+    ),
     # ---- Gemma 2, Gemma 3 ----
+    # head_dim x heads != hidden, query_pre_attn_scalar != head_dim, windows shorter than the
+    # prompts, softcaps that saturate. Norm weights are zero-centred here (1 + w applied), so the
+    # randomised 1 + 0.1 noise doubles each norm's scale (with noise), which transformers applies.
+    "gemma2": (
+        "Gemma2Config",
+        {
+            **_COMMON,
+            "hidden_size": 64,
+            "intermediate_size": 128,
+            "num_hidden_layers": 3,  # sliding, full, sliding
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "head_dim": 32,
+            "query_pre_attn_scalar": 24,
+            "sliding_window": 12,
+            "attn_logit_softcapping": 8.0,
+            "final_logit_softcapping": 10.0,
+            "tie_word_embeddings": False,  # tied, this random model repeats its input token
+            "max_position_embeddings": 256,
+        },
+        0.2,
+    ),
+    "gemma3": (
+        "Gemma3TextConfig",
+        {
+            **_COMMON,
+            "hidden_size": 64,
+            "intermediate_size": 128,
+            "num_hidden_layers": 4,
+            "layer_types": [
+                "sliding_attention",
+                "full_attention",
+                "sliding_attention",
+                "full_attention",
+            ],
+            "num_attention_heads": 4,
+            "num_key_value_heads": 1,
+            "head_dim": 32,
+            "query_pre_attn_scalar": 20,
+            "sliding_window": 12,
+            "rope_parameters": {
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1000.0},
+            },
+            "max_position_embeddings": 256,
+        },
+        0.1,
+    ),
     # ---- Phi-3 ----
+    "phi3-swa": (  # Phi-3-mini-4k-like: default RoPE, a sliding window shorter than the prompts
+        "Phi3Config",
+        {**_LLAMA, "sliding_window": 12, "original_max_position_embeddings": 256},
+        0.2,
+    ),
+    "phi3-longrope": (  # Phi-3.5-like: MHA, longrope switching at 20 tokens
+        "Phi3Config",
+        {
+            **_LLAMA,
+            "num_key_value_heads": 4,
+            "max_position_embeddings": 64,
+            "original_max_position_embeddings": 20,
+            **_rope(
+                "longrope",
+                short_factor=[1.0 + 0.13 * ((5 * i) % 7) for i in range(8)],
+                long_factor=[1.0 + 1.7 * ((3 * i) % 8) for i in range(8)],
+            ),
+        },
+        0.2,
+    ),
+    "phi4-mini": (  # Phi-4-mini-like: GQA 4:1, tied, partial rotary 0.75 (12 of 16), longrope
+        "Phi3Config",
+        {
+            **_LLAMA,
+            "num_key_value_heads": 1,
+            "tie_word_embeddings": True,
+            "partial_rotary_factor": 0.75,
+            "max_position_embeddings": 64,
+            "original_max_position_embeddings": 20,
+            **_rope(
+                "longrope",
+                short_factor=[1.0 + 0.11 * ((4 * i) % 5) for i in range(6)],
+                long_factor=[1.0 + 2.3 * ((5 * i) % 6) for i in range(6)],
+            ),
+        },
+        0.2,
+    ),
 }
 
 #: transformers config class -> model class, where it is not ``*Config`` -> ``*ForCausalLM``.

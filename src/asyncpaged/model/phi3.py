@@ -1,0 +1,223 @@
+"""Phi-3, Phi-3.5 and Phi-4-mini (transformers ``Phi3ForCausalLM``): fused qkv and gate|up.
+
+The Llama block (RMSNorm, RoPE, GQA, SwiGLU) with two fused projections, as the checkpoints store
+them: ``self_attn.qkv_proj`` ``[(Hq + 2 * Hkv) * D, H]`` (q rows, then k, then v) and
+``mlp.gate_up_proj`` ``[2 * I, H]`` (gate rows, then up). No biases.
+
+transformers fields honoured: ``hidden_size``, ``intermediate_size``, ``num_hidden_layers``,
+``num_attention_heads``, ``num_key_value_heads``, ``head_dim`` (if set; else hidden / heads),
+``rms_norm_eps``, ``hidden_act`` (``silu`` only), ``vocab_size``, ``tie_word_embeddings``
+(Phi-4-mini), ``sliding_window`` (every layer when set: key ``k`` is visible to query ``p`` iff
+``p - window < k <= p``, transformers' mask), ``max_position_embeddings``,
+``original_max_position_embeddings`` and ``rope_parameters`` / legacy ``rope_theta`` +
+``rope_scaling`` (``default``, ``longrope``, legacy ``su``), with ``partial_rotary_factor``
+(Phi-4-mini: 0.75; the leading ``int(D * factor)`` dims of each head rotate). Dropouts
+(``resid_pdrop``, ``embd_pdrop``, ``attention_dropout``) do nothing at inference.
+``UnsupportedModelError`` at build time: another ``hidden_act``, another RoPE type, longrope
+factor lists missing or not of length rotary dim / 2, a partial factor giving an odd rotary dim,
+and tensor parallelism (``world_size > 1``: the fused qkv's parts are unequal, which the loader's
+``ShardRule`` cannot slice).
+
+Fused elementwise work (``CausalLM.fused_ops``, float32 CPU): residual add + RMSNorm, RoPE in place
+on q/k when the rotation is full (a partial one takes ``apply_rotary``), SiLU x up.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from asyncpaged.model.attention import AttentionMetadata
+from asyncpaged.model.base import (
+    SINGLE_SHARD,
+    CausalLM,
+    Embedding,
+    FusedElementwise,
+    Linear,
+    TensorShard,
+    linear,
+)
+from asyncpaged.model.errors import UnsupportedModelError
+from asyncpaged.model.kv_cache import PagedKVCache
+from asyncpaged.model.llama import RMSNorm
+from asyncpaged.model.rotary import RotaryEmbedding, apply_rotary
+
+
+class Phi3Attention(nn.Module):
+    def __init__(self, config: Any, layer_idx: int, head_dim: int) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads = config.num_attention_heads, config.num_key_value_heads
+        self.head_dim, self.layer_idx = head_dim, layer_idx
+        self.sliding_window: int | None = getattr(config, "sliding_window", None)
+        width = (self.num_heads + 2 * self.num_kv_heads) * head_dim
+        self.qkv_proj = Linear(config.hidden_size, width, bias=False)
+        self.o_proj = Linear(self.num_heads * head_dim, config.hidden_size, bias=False)
+        self.scale = head_dim**-0.5
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos_sin: tuple[torch.Tensor, torch.Tensor],
+        model: CausalLM,
+        md: AttentionMetadata,
+        kv_cache: PagedKVCache,
+        ops: FusedElementwise | None = None,
+    ) -> torch.Tensor:
+        """x [T, H] -> [T, H]; ``ops``: fused RoPE (full rotation only) for float32 CPU inputs."""
+        num_tokens, d = x.shape[0], self.head_dim
+        qkv = linear(self.qkv_proj, x)  # [T, (Hq + 2 Hkv) D]
+        q_end, k_end = self.num_heads * d, (self.num_heads + self.num_kv_heads) * d
+        # contiguous copies: the fused RoPE and the attention backends want dense rows
+        q = qkv[:, :q_end].contiguous().view(num_tokens, self.num_heads, d)  # [T, Hq, D]
+        k = qkv[:, q_end:k_end].contiguous().view(num_tokens, self.num_kv_heads, d)  # [T, Hkv, D]
+        v = qkv[:, k_end:].contiguous().view(num_tokens, self.num_kv_heads, d)  # [T, Hkv, D]
+        if ops is not None and cos_sin[0].shape[-1] == d:
+            ops.rotary_(q, k, *cos_sin)
+        else:
+            q, k = apply_rotary(q, *cos_sin), apply_rotary(k, *cos_sin)
+        o = model.attn_backend.forward(
+            self.layer_idx, q, k, v, kv_cache, md,
+            scale=self.scale, sliding_window=self.sliding_window,
+        )  # fmt: skip
+        return linear(self.o_proj, o.reshape(num_tokens, -1))  # [T, Hq D] -> [T, H]
+
+
+class Phi3MLP(nn.Module):
+    def __init__(self, config: Any) -> None:
+        super().__init__()
+        if getattr(config, "hidden_act", "silu") != "silu":
+            raise UnsupportedModelError(f"hidden_act {config.hidden_act!r} is not supported.")
+        self.intermediate = config.intermediate_size
+        self.gate_up_proj = Linear(config.hidden_size, 2 * self.intermediate, bias=False)
+        self.down_proj = Linear(self.intermediate, config.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor, ops: FusedElementwise | None = None) -> torch.Tensor:
+        """x [T, H] -> [T, H]; ``ops``: fused SiLU x up for float32 CPU inputs."""
+        gate_up = linear(self.gate_up_proj, x)  # [T, 2I]: gate | up
+        gate, up = gate_up[:, : self.intermediate], gate_up[:, self.intermediate :]  # [T, I] views
+        if ops is not None:
+            gated = ops.silu_mul(gate.contiguous(), up.contiguous())  # [T, I]
+        else:
+            gated = up * torch.nn.functional.silu(gate)  # transformers' order
+        return linear(self.down_proj, gated)
+
+
+class Phi3DecoderLayer(nn.Module):
+    def __init__(self, config: Any, layer_idx: int, head_dim: int) -> None:
+        super().__init__()
+        self.self_attn = Phi3Attention(config, layer_idx, head_dim)
+        self.mlp = Phi3MLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+class Phi3Model(nn.Module):
+    def __init__(self, config: Any, head_dim: int) -> None:
+        super().__init__()
+        self.embed_tokens = Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(
+            Phi3DecoderLayer(config, i, head_dim) for i in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+class Phi3ForCausalLM(CausalLM):
+    """Phi-3 / Phi-3.5 / Phi-4-mini (transformers ``Phi3ForCausalLM`` checkpoints)."""
+
+    def __init__(self, config: Any, shard: TensorShard = SINGLE_SHARD) -> None:
+        if shard.world_size > 1:
+            raise UnsupportedModelError(
+                "Phi3ForCausalLM does not support tensor parallelism (tensor_parallel_size > 1): "
+                "its fused qkv_proj has unequal q / k / v parts."
+            )
+        head_dim = getattr(config, "head_dim", None) or (
+            config.hidden_size // config.num_attention_heads
+        )
+        super().__init__(
+            config,
+            num_layers=config.num_hidden_layers,
+            num_kv_heads=config.num_key_value_heads,
+            head_dim=head_dim,
+            shard=shard,
+        )
+        self.model = Phi3Model(config, head_dim)
+        if not self.tie_word_embeddings:
+            self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.rotary = RotaryEmbedding(
+            config, head_dim, torch.device("cpu"), allow_partial=True, allow_longrope=True
+        )
+        if self.rotary.long_inv_freq is not None:
+            self.rope_switch_len = int(self.rotary.params["original_max_position_embeddings"])
+
+    def lm_head_weight(self) -> torch.Tensor:
+        if self.tie_word_embeddings:
+            return self.model.embed_tokens.weight
+        return self.lm_head.weight
+
+    def _layers(self) -> list[Phi3DecoderLayer]:
+        return [layer for layer in self.model.layers if isinstance(layer, Phi3DecoderLayer)]
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        attn_metadata: AttentionMetadata,
+        kv_cache: PagedKVCache,
+    ) -> torch.Tensor:
+        h = torch.nn.functional.embedding(input_ids, self.model.embed_tokens.weight)  # [T, H]
+        if self.rotary.inv_freq.device != h.device:
+            self.rotary.inv_freq = self.rotary.inv_freq.to(h.device)
+        cos_sin = self.rotary.cos_sin(positions, attn_metadata.token_rope_lens, h.dtype)
+        ops = self._usable_fused_ops(h)
+        if ops is not None:
+            return self._forward_fused(ops, h, cos_sin, attn_metadata, kv_cache)
+        for layer in self._layers():
+            attn_in = layer.input_layernorm.forward(h)
+            h = h + layer.self_attn.forward(attn_in, cos_sin, self, attn_metadata, kv_cache)
+            h = h + layer.mlp.forward(layer.post_attention_layernorm.forward(h))
+        out: torch.Tensor = self.model.norm.forward(h)  # [T, H]
+        return out
+
+    def _forward_fused(
+        self,
+        ops: FusedElementwise,
+        h: torch.Tensor,
+        cos_sin: tuple[torch.Tensor, torch.Tensor],
+        md: AttentionMetadata,
+        kv_cache: PagedKVCache,
+    ) -> torch.Tensor:
+        """The forward with fused ops: ``h`` [T, H] (the embeddings, owned here) is the residual
+        stream, updated in place; each residual add is fused with the norm reading its sum."""
+        layers = self._layers()
+        first = layers[0].input_layernorm if layers else self.model.norm
+        x = ops.rms_norm(h, first.weight, first.eps)  # [T, H]
+        for i, layer in enumerate(layers):
+            attn = layer.self_attn.forward(x, cos_sin, self, md, kv_cache, ops)  # [T, H]
+            norm = layer.post_attention_layernorm
+            x = ops.add_rms_norm(h, attn, norm.weight, norm.eps)  # h += attn; x = norm(h)
+            mlp = layer.mlp.forward(x, ops)  # [T, H]
+            norm = layers[i + 1].input_layernorm if i + 1 < len(layers) else self.model.norm
+            x = ops.add_rms_norm(h, mlp, norm.weight, norm.eps)
+        return x
+
+    def _usable_fused_ops(self, h: torch.Tensor) -> FusedElementwise | None:
+        """``fused_ops`` for contiguous float32 CPU hidden states and float32 contiguous CPU norm
+        weights (checked once per ops object)."""
+        ops = self.fused_ops
+        if ops is None or h.dtype != torch.float32 or h.device.type != "cpu":
+            return None
+        if not h.is_contiguous():
+            return None
+        checked = self.__dict__.get("_fused_ops_check")
+        if checked is None or checked[0] is not ops:
+            fits = all(
+                m.weight.dtype == torch.float32
+                and m.weight.device.type == "cpu"
+                and m.weight.is_contiguous()
+                for m in self.modules()
+                if isinstance(m, RMSNorm)
+            )
+            checked = self.__dict__["_fused_ops_check"] = (ops, fits)
+        return ops if checked[1] else None
