@@ -42,7 +42,7 @@ from asyncpaged.messages import (
 )
 from asyncpaged.model.generation_config import GenerationDefaults, load_generation_defaults
 from asyncpaged.model.hub import resolve_model_path
-from asyncpaged.model.loader import load_config, load_tokenizer, resolve_dtype
+from asyncpaged.model.loader import load_config, load_tokenizer, resolve_dtype, text_config
 from asyncpaged.model.runner import ModelRunner, StepRunner, select_attention_backend
 from asyncpaged.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 from asyncpaged.streams import RequestState, RequestStream
@@ -116,6 +116,7 @@ class AsyncEngine:
         self.model_path = path
         hf_config = await anyio.to_thread.run_sync(load_config, path)
         dtype = resolve_dtype(cfg.dtype, hf_config, torch.device(cfg.device))
+        hf_config = text_config(hf_config)  # a multimodal checkpoint: its language model
         kv_dtype = dtype if cfg.kv_cache_dtype == "auto" else getattr(torch, cfg.kv_cache_dtype)
         tp_size = cfg.tensor_parallel_size
         if tp_size > 1:

@@ -97,3 +97,15 @@ def test_indivisible_heads_are_refused_before_any_process_starts(
     with pytest.raises(UnsupportedModelError, match=f"tensor_parallel_size={size} must divide"):
         anyio.run(main)
     assert not multiprocessing.active_children()
+
+
+def test_moe_expert_width_is_checked_before_any_process_starts() -> None:
+    from types import SimpleNamespace
+
+    from asyncpaged.distributed import check_tensor_parallel
+
+    config = SimpleNamespace(num_attention_heads=4, num_key_value_heads=2, intermediate_size=128,
+                             hidden_size=64, moe_intermediate_size=30)  # fmt: skip
+    with pytest.raises(UnsupportedModelError, match=r"moe_intermediate_size \(30\)"):
+        check_tensor_parallel(config, 4)
+    check_tensor_parallel(config, 2)

@@ -92,6 +92,14 @@ async def test_chat_prompt_is_the_chat_template_and_output_matches_transformers(
             messages, GREEDY, chat_template=custom, chat_template_kwargs={"greeting": "The"}
         )
         assert own.prompt == "The the paged attention design blocks of memory"
+        # Tools reach the template as transformers passes them.
+        tools = [{"type": "function", "function": {"name": "lookup", "parameters": {}}}]
+        with_tools = (
+            "{% for t in tools %}{{ t['function']['name'] }} {% endfor %}"
+            "{{ messages[-1]['content'] }}"
+        )
+        used = await engine.chat(messages, GREEDY, chat_template=with_tools, tools=tools)
+        assert used.prompt == "lookup blocks of memory"
 
 
 async def test_chat_errors_are_the_requests_own(

@@ -17,7 +17,7 @@ from tests.model.reference import HFReference
 pytestmark = pytest.mark.anyio
 
 #: One tiny checkpoint per family added for real use (the older ones: tests/engine/test_engine).
-FAMILIES = ["qwen3", "qwen3-moe", "mixtral", "gemma2", "gemma3", "phi3-swa"]
+FAMILIES = ["qwen3", "qwen3-moe", "mixtral", "gemma2", "gemma3", "gemma3-multimodal", "phi3-swa"]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
 
 

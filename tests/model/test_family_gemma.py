@@ -19,7 +19,7 @@ import torch
 from asyncpaged.kernels.cpu_attention import CpuAttentionBackend
 
 from asyncpaged.model.attention import AttentionBackend
-from asyncpaged.model.errors import UnsupportedModelError
+from asyncpaged.model.errors import CheckpointError, UnsupportedModelError
 from asyncpaged.model.gemma import GemmaForCausalLM
 from asyncpaged.model.loader import load_model
 from asyncpaged.model.runner import ModelRunner
@@ -248,12 +248,32 @@ def test_unsupported_fields_fail_at_build(name: str, overrides: dict[str, Any], 
         GemmaForCausalLM(_config(name, **overrides))
 
 
-def test_gemma3_multimodal_checkpoint_is_refused(tmp_path: Path) -> None:
+@pytest.mark.parametrize("backend", ["torch", "cpu-native"])
+def test_gemma3_multimodal_checkpoint_runs_its_language_model(
+    backend: str,
+    tiny_checkpoint: Callable[[str], Path],
+    hf_reference: Callable[[str], HFReference],
+) -> None:
+    """A ``Gemma3ForConditionalGeneration`` checkpoint (gemma-3-4b-it's layout: the language
+    model under ``language_model.``, a vision tower beside it) serves text prompts exactly as
+    transformers' multimodal model does on text."""
+    path = tiny_checkpoint("gemma3-multimodal")
+    cpu = CpuAttentionBackend() if backend == "cpu-native" else None
+    runner = _runner(path, backend=cpu)
+    assert runner.model.config.model_type == "gemma3_text"
+    assert not any("vision" in name for name, _ in runner.model.named_parameters())
+    seqs = _make_sequences(seed=3)
+    Driver(runner, seed=4).run(seqs)
+    _assert_matches(seqs, hf_reference("gemma3-multimodal"))
+
+
+def test_gemma3_multimodal_checkpoint_without_its_language_model_is_refused(
+    tmp_path: Path,
+) -> None:
     from transformers import Gemma3Config
 
-    _, text_kwargs, _ = TINY_MODELS["gemma3"]
-    config = Gemma3Config(text_config=text_kwargs)
+    config = Gemma3Config(text_config=dict(TINY_MODELS["gemma3"][1]))
     config.architectures = ["Gemma3ForConditionalGeneration"]
     config.save_pretrained(str(tmp_path))
-    with pytest.raises(UnsupportedModelError, match="Gemma3ForConditionalGeneration"):
+    with pytest.raises(CheckpointError, match="no weights"):
         load_model(tmp_path)

@@ -102,6 +102,8 @@ def check_tensor_parallel(hf_config: Any, world_size: int) -> None:
             break
     else:  # GPT-2 without n_inner: 4 * hidden
         sizes["4 * hidden_size"] = 4 * int(hf_config.hidden_size)
+    if getattr(hf_config, "moe_intermediate_size", None):  # Qwen3-MoE experts
+        sizes["moe_intermediate_size"] = int(hf_config.moe_intermediate_size)
     bad = {k: v for k, v in sizes.items() if v % world_size}
     if bad:
         raise UnsupportedModelError(

@@ -176,6 +176,12 @@ class CausalLM(nn.Module, metaclass=ABCMeta):
     transposed_suffixes: ClassVar[tuple[str, ...]] = ()
     #: Checkpoint key suffixes that are buffers, not weights (ignored when present).
     ignored_suffixes: ClassVar[tuple[str, ...]] = ("rotary_emb.inv_freq",)
+    #: Checkpoint key prefixes of parts this family does not run (a multimodal checkpoint's
+    #: vision tower), ignored.
+    ignored_prefixes: ClassVar[tuple[str, ...]] = ()
+    #: (checkpoint prefix, parameter prefix) pairs: a multimodal checkpoint's language model is
+    #: stored under its own prefix (``language_model.model.`` -> ``model.``).
+    checkpoint_renames: ClassVar[tuple[tuple[str, str], ...]] = ()
     #: Final logit softcapping (Gemma 2): logits become ``cap * tanh(logits / cap)`` (float32).
     final_logit_softcap: float | None = None
     #: longrope models: ``original_max_position_embeddings``, past which a sequence rotates with
@@ -231,7 +237,14 @@ class CausalLM(nn.Module, metaclass=ABCMeta):
     def is_ignored_checkpoint_key(self, name: str) -> bool:
         if self.tie_word_embeddings and name == "lm_head.weight":
             return True  # some tied checkpoints store the copy anyway
-        return name.endswith(self.ignored_suffixes)
+        return name.endswith(self.ignored_suffixes) or name.startswith(self.ignored_prefixes)
+
+    def parameter_name(self, checkpoint_name: str) -> str:
+        """The parameter a checkpoint key names, after ``checkpoint_renames``."""
+        for stored, ours in self.checkpoint_renames:
+            if checkpoint_name.startswith(stored):
+                return ours + checkpoint_name[len(stored) :]
+        return checkpoint_name
 
     def shard_rules(self) -> dict[str, ShardRule]:
         """Parameter name -> how its checkpoint tensor is sliced for this rank (absent names

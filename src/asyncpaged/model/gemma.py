@@ -271,3 +271,21 @@ class GemmaForCausalLM(CausalLM):
             h = h + layer.post_feedforward_layernorm.forward(x)  # [T, H]
         out: torch.Tensor = self.model.norm.forward(h)  # [T, H]
         return out
+
+
+class Gemma3ForConditionalGenerationText(GemmaForCausalLM):
+    """The language model of a multimodal Gemma 3 checkpoint (``Gemma3ForConditionalGeneration``,
+    gemma-3-4b/12b/27b): the text config and the ``language_model`` weights, run as Gemma 3
+    text; the vision tower and projector are not loaded, so prompts are text only."""
+
+    ignored_prefixes = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.",
+                        "model.multi_modal_projector.")  # fmt: skip
+    # The hub layout (transformers 4) and the one transformers 5 uses in memory.
+    checkpoint_renames = (
+        ("language_model.model.", "model."),
+        ("language_model.lm_head.", "lm_head."),
+        ("model.language_model.", "model."),
+    )
+
+    def __init__(self, config: Any, shard: TensorShard = SINGLE_SHARD) -> None:
+        super().__init__(config.get_text_config(), shard)

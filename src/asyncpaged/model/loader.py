@@ -27,7 +27,7 @@ import torch
 
 from asyncpaged.model.base import SINGLE_SHARD, CausalLM, ShardRule, TensorShard
 from asyncpaged.model.errors import CheckpointError, UnsupportedModelError
-from asyncpaged.model.gemma import GemmaForCausalLM
+from asyncpaged.model.gemma import Gemma3ForConditionalGenerationText, GemmaForCausalLM
 from asyncpaged.model.gpt2 import GPT2LMHeadModel
 from asyncpaged.model.llama import LlamaForCausalLM
 from asyncpaged.model.opt import OPTForCausalLM
@@ -46,6 +46,7 @@ MODEL_REGISTRY: dict[str, Callable[[Any, TensorShard], CausalLM]] = {
     "Phi3ForCausalLM": Phi3ForCausalLM,
     "Gemma2ForCausalLM": GemmaForCausalLM,
     "Gemma3ForCausalLM": GemmaForCausalLM,
+    "Gemma3ForConditionalGeneration": Gemma3ForConditionalGenerationText,  # text only
 }
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -89,6 +90,12 @@ def load_config(path: str | Path) -> Any:
         raise UnsupportedModelError(
             f"transformers cannot read the config in {str(directory)!r}: {exc}"
         ) from exc
+
+
+def text_config(config: Any) -> Any:
+    """The language model's config: ``config`` itself, or a multimodal one's ``text_config``."""
+    get = getattr(config, "get_text_config", None)
+    return config if get is None else get()
 
 
 def resolve_dtype(dtype: str | torch.dtype, config: Any, device: torch.device) -> torch.dtype:
@@ -209,6 +216,7 @@ def _read_shard(entry: CheckpointEntry, rule: ShardRule, dim: int, shard: Tensor
 
 
 def _canonical_name(name: str, model: CausalLM, expected: dict[str, torch.Size]) -> str:
+    name = model.parameter_name(name)
     if name not in expected and model.base_model_prefix + name in expected:
         return model.base_model_prefix + name  # saved from the base model, without its prefix
     return name

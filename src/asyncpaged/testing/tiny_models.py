@@ -46,6 +46,31 @@ _LLAMA: dict[str, Any] = {
 }
 
 
+#: Gemma 3 text: local/global layers with their own RoPE, 1 KV head, a scale != head_dim.
+TINY_GEMMA3_TEXT: dict[str, Any] = {
+    **_COMMON,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 4,
+    "layer_types": [
+        "sliding_attention",
+        "full_attention",
+        "sliding_attention",
+        "full_attention",
+    ],
+    "num_attention_heads": 4,
+    "num_key_value_heads": 1,
+    "head_dim": 32,
+    "query_pre_attn_scalar": 20,
+    "sliding_window": 12,
+    "rope_parameters": {
+        "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+        "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1000.0},
+    },
+    "max_position_embeddings": 256,
+}
+
+
 def _rope(rope_type: str, **params: Any) -> dict[str, Any]:
     return {"rope_parameters": {"rope_type": rope_type, "rope_theta": 10000.0, **params}}
 
@@ -204,29 +229,22 @@ TINY_MODELS: dict[str, tuple[str, dict[str, Any], float]] = {
         },
         0.2,
     ),
-    "gemma3": (
-        "Gemma3TextConfig",
+    "gemma3": ("Gemma3TextConfig", {**TINY_GEMMA3_TEXT}, 0.1),
+    # gemma-3-4b-it-like: the same language model inside a multimodal checkpoint (its weights
+    # under language_model., a small vision tower the engine does not load).
+    "gemma3-multimodal": (
+        "Gemma3Config",
         {
-            **_COMMON,
-            "hidden_size": 64,
-            "intermediate_size": 128,
-            "num_hidden_layers": 4,
-            "layer_types": [
-                "sliding_attention",
-                "full_attention",
-                "sliding_attention",
-                "full_attention",
-            ],
-            "num_attention_heads": 4,
-            "num_key_value_heads": 1,
-            "head_dim": 32,
-            "query_pre_attn_scalar": 20,
-            "sliding_window": 12,
-            "rope_parameters": {
-                "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
-                "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1000.0},
+            "text_config": {**TINY_GEMMA3_TEXT},
+            "vision_config": {
+                "hidden_size": 32,
+                "intermediate_size": 64,
+                "num_hidden_layers": 1,
+                "num_attention_heads": 2,
+                "image_size": 28,
+                "patch_size": 14,
             },
-            "max_position_embeddings": 256,
+            "mm_tokens_per_image": 4,
         },
         0.1,
     ),
@@ -271,7 +289,11 @@ TINY_MODELS: dict[str, tuple[str, dict[str, Any], float]] = {
 }
 
 #: transformers config class -> model class, where it is not ``*Config`` -> ``*ForCausalLM``.
-_MODEL_CLASSES = {"GPT2Config": "GPT2LMHeadModel", "Gemma3TextConfig": "Gemma3ForCausalLM"}
+_MODEL_CLASSES = {
+    "GPT2Config": "GPT2LMHeadModel",
+    "Gemma3TextConfig": "Gemma3ForCausalLM",
+    "Gemma3Config": "Gemma3ForConditionalGeneration",
+}
 
 
 def model_class_name(config_cls_name: str) -> str:
