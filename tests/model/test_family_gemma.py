@@ -22,11 +22,10 @@ from asyncpaged.model.attention import AttentionBackend
 from asyncpaged.model.errors import CheckpointError, UnsupportedModelError
 from asyncpaged.model.gemma import GemmaForCausalLM
 from asyncpaged.model.loader import load_model
-from asyncpaged.model.runner import ModelRunner
 from asyncpaged.testing.tiny_models import TINY_MODELS, build_tiny_model
 from tests.model.driver import Driver, SimSequence
 from tests.model.reference import HFReference
-from tests.model.test_generate_equality import _assert_matches, _make_sequences
+from tests.model.test_generate_equality import _assert_matches, _make_sequences, _runner
 
 GEMMAS = ["gemma2", "gemma3"]
 _LEVERS_OFF = {"packed_linears": False, "screened_lm_head": False, "fused_elementwise": False}
@@ -38,24 +37,6 @@ _LEVERS_OFF = {"packed_linears": False, "screened_lm_head": False, "fused_elemen
 #: catches a systematic error (a missing cap or norm offset, wrong embedding rounding).
 BF16_LOGPROB_TOL = 0.25
 BF16_MEAN_TOL = 0.05
-
-
-def _runner(
-    path: Path,
-    dtype: str = "float32",
-    backend: AttentionBackend | None = None,
-    levers: dict[str, bool] | None = None,
-) -> ModelRunner:
-    return ModelRunner(
-        path,
-        dtype,
-        num_blocks=64,
-        block_size=16,
-        num_host_blocks=16,
-        kv_fill_value=float("nan"),
-        attn_backend=backend,
-        **(levers or {}),
-    )
 
 
 @pytest.mark.parametrize("levers", ["levers-default", "levers-off"])
@@ -73,8 +54,8 @@ def test_greedy_matches_transformers(
         native = CpuAttentionBackend()
         assert native.is_native, "the native CPU attention kernel did not build"
         attn = native
-    kwargs = _LEVERS_OFF if levers == "levers-off" else None
-    runner = _runner(tiny_checkpoint(name), backend=attn, levers=kwargs)
+    kwargs = _LEVERS_OFF if levers == "levers-off" else {}
+    runner = _runner(tiny_checkpoint(name), backend=attn, **kwargs)
     seqs = _make_sequences(seed=1)
     Driver(runner, seed=7).run(seqs)
     _assert_matches(seqs, hf_reference(name))
@@ -201,7 +182,7 @@ def test_bfloat16_close_to_transformers_bfloat16(
 
     path = tiny_checkpoint(name)
     seqs = [dataclasses.replace(s, max_new_tokens=8) for s in _make_sequences(seed=3)]
-    Driver(_runner(path, "bfloat16"), seed=9).run(seqs)
+    Driver(_runner(path, dtype="bfloat16"), seed=9).run(seqs)
     ref: Any = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.bfloat16)
     ref.eval()
     deviations = [d for seq in seqs for d in _bf16_deviations(seq, ref)]

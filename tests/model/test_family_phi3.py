@@ -26,12 +26,10 @@ import torch
 from asyncpaged.kernels import cpu_build
 from asyncpaged.kernels.cpu_attention import CpuAttentionBackend
 
-from asyncpaged.model.attention import AttentionBackend
 from asyncpaged.model.base import TensorShard
 from asyncpaged.model.errors import UnsupportedModelError
 from asyncpaged.model.phi3 import Phi3ForCausalLM
 from asyncpaged.model.rotary import RotaryEmbedding, apply_rotary, rope_parameters
-from asyncpaged.model.runner import ModelRunner
 from asyncpaged.testing.tiny_models import TINY_MODELS
 from tests.model.driver import Driver, SimSequence
 from tests.model.reference import HFReference
@@ -40,6 +38,7 @@ from tests.model.test_generate_equality import (
     MAX_NEW,
     _assert_matches,
     _make_sequences,
+    _runner,
 )
 
 NAMES = ["phi3-swa", "phi3-longrope", "phi4-mini"]
@@ -58,21 +57,6 @@ def _config(name: str) -> Any:
 
     config_cls, kwargs, _ = TINY_MODELS[name]
     return getattr(transformers, config_cls)(**copy.deepcopy(kwargs))  # configs edit their dicts
-
-
-def _runner(
-    path: Path, backend: AttentionBackend | None = None, dtype: str = "float32", **levers: bool
-) -> ModelRunner:
-    return ModelRunner(
-        path,
-        dtype,
-        num_blocks=64,
-        block_size=16,
-        num_host_blocks=16,
-        kv_fill_value=float("nan"),
-        attn_backend=backend,
-        **levers,
-    )
 
 
 def _stays_below(seq: SimSequence) -> bool:
@@ -115,7 +99,11 @@ def test_greedy_matches_transformers(
         assert attn.is_native
     on = levers == "default"  # the three exact CPU levers, all True by default
     runner = _runner(
-        tiny_checkpoint(name), attn, packed_linears=on, screened_lm_head=on, fused_elementwise=on
+        tiny_checkpoint(name),
+        backend=attn,
+        packed_linears=on,
+        screened_lm_head=on,
+        fused_elementwise=on,
     )
     assert isinstance(runner.model, Phi3ForCausalLM)
     assert (runner.model.fused_ops is not None) == (on and cpu_build.find_compiler() is not None)

@@ -17,6 +17,7 @@ import pytest
 import torch
 from asyncpaged.kernels import cpu_build
 
+from asyncpaged.model.attention import AttentionBackend
 from asyncpaged.model.base import FusedElementwise
 from asyncpaged.model.runner import ModelRunner
 from asyncpaged.model.sampler import SamplingOptions
@@ -58,14 +59,24 @@ def _make_sequences(seed: int, *, chunked: bool = True) -> list[SimSequence]:
     return seqs
 
 
-def _runner(path: Path, num_blocks: int = 64, **levers: bool) -> ModelRunner:
+def _runner(
+    path: Path,
+    num_blocks: int = 64,
+    *,
+    dtype: str = "float32",
+    backend: AttentionBackend | None = None,
+    **levers: bool,
+) -> ModelRunner:
+    """A runner over a NaN-poisoned cache of 16-token blocks (the levers at their defaults
+    unless given; ``backend`` None: the torch attention path)."""
     return ModelRunner(
         path,
-        "float32",
+        dtype,
         num_blocks=num_blocks,
         block_size=16,
         num_host_blocks=16,
         kv_fill_value=float("nan"),
+        attn_backend=backend,
         **levers,
     )
 

@@ -47,7 +47,8 @@ from asyncpaged.model.base import (
 )
 from asyncpaged.model.errors import UnsupportedModelError
 from asyncpaged.model.kv_cache import PagedKVCache
-from asyncpaged.model.rotary import RotaryEmbedding, apply_rotary, rope_parameters
+from asyncpaged.model.llama import LlamaAttention
+from asyncpaged.model.rotary import RotaryEmbedding, rope_parameters
 
 SLIDING, FULL = "sliding_attention", "full_attention"
 _GEMMA3 = "gemma3_text"
@@ -102,61 +103,19 @@ def _rotary(config: Any, head_dim: int, params: dict[str, Any]) -> RotaryEmbeddi
     return RotaryEmbedding(config, head_dim, torch.device("cpu"), params=params)
 
 
-class GemmaAttention(nn.Module):
-    def __init__(
-        self, config: Any, layer_idx: int, layer_type: str, head_dim: int, shard: TensorShard
-    ) -> None:
-        super().__init__()
-        hidden, heads, kv_heads = (
-            config.hidden_size, config.num_attention_heads, config.num_key_value_heads
-        )  # fmt: skip
-        self.num_heads = shard.split(heads, "num_attention_heads")  # this rank's heads
-        self.num_kv_heads = shard.split(kv_heads, "num_key_value_heads")
-        self.head_dim, self.shard, self.layer_idx = head_dim, shard, layer_idx
-        self.sliding_window: int | None = (
-            getattr(config, "sliding_window", None) if layer_type == SLIDING else None
-        )
-        self.scale = float(config.query_pre_attn_scalar) ** -0.5
-        softcap = getattr(config, "attn_logit_softcapping", None)
-        self.softcap: float | None = None if softcap is None else float(softcap)
-        bias = bool(getattr(config, "attention_bias", False))
-        self.q_proj = column_parallel(hidden, heads * head_dim, shard, bias=bias)
-        self.k_proj = column_parallel(hidden, kv_heads * head_dim, shard, bias=bias)
-        self.v_proj = column_parallel(hidden, kv_heads * head_dim, shard, bias=bias)
-        self.o_proj = row_parallel(heads * head_dim, hidden, shard, bias=bias)
-        self.qk_norm = config.model_type == _GEMMA3
-        if self.qk_norm:
-            self.q_norm = GemmaRMSNorm(head_dim, config.rms_norm_eps)
-            self.k_norm = GemmaRMSNorm(head_dim, config.rms_norm_eps)
-
-    def forward(
-        self,
-        x: torch.Tensor,
-        cos_sin: tuple[torch.Tensor, torch.Tensor],
-        model: CausalLM,
-        md: AttentionMetadata,
-        kv_cache: PagedKVCache,
-    ) -> torch.Tensor:
-        num_tokens = x.shape[0]
-        q = linear(self.q_proj, x).view(num_tokens, self.num_heads, self.head_dim)  # [T, Hq, D]
-        k = linear(self.k_proj, x).view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
-        v = linear(self.v_proj, x).view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
-        if self.qk_norm:  # Gemma 3: per-head norms over D, before RoPE
-            q, k = self.q_norm.forward(q), self.k_norm.forward(k)
-        q, k = apply_rotary(q, *cos_sin), apply_rotary(k, *cos_sin)
-        o = model.attn_backend.forward(
-            self.layer_idx,
-            q,
-            k,
-            v,
-            kv_cache,
-            md,
-            scale=self.scale,
-            sliding_window=self.sliding_window,
-            softcap=self.softcap,
-        )  # [T, Hq, D]
-        # o [T, Hq/N, D] -> partial [T, H] on each rank -> summed over the ranks
-        return self.shard.reduce(linear(self.o_proj, o.reshape(num_tokens, -1)))  # [T, H]
+def _attention(
+    config: Any, layer_idx: int, layer_type: str, head_dim: int, shard: TensorShard
+) -> LlamaAttention:
+    """Llama's attention with Gemma's scale (``query_pre_attn_scalar ** -0.5``), softcap (Gemma
+    2), the layer type's window and Gemma 3's (1 + w) q/k norms."""
+    softcap = getattr(config, "attn_logit_softcapping", None)
+    window = getattr(config, "sliding_window", None) if layer_type == SLIDING else None
+    return LlamaAttention(
+        config, layer_idx, head_dim, window, shard,
+        scale=float(config.query_pre_attn_scalar) ** -0.5,
+        softcap=None if softcap is None else float(softcap),
+        qk_norm=GemmaRMSNorm if config.model_type == _GEMMA3 else None,
+    )  # fmt: skip
 
 
 class GemmaMLP(nn.Module):
@@ -181,7 +140,7 @@ class GemmaDecoderLayer(nn.Module):
         super().__init__()
         hidden, eps = config.hidden_size, config.rms_norm_eps
         self.layer_type = layer_type
-        self.self_attn = GemmaAttention(config, layer_idx, layer_type, head_dim, shard)
+        self.self_attn = _attention(config, layer_idx, layer_type, head_dim, shard)
         self.mlp = GemmaMLP(config, shard)
         self.input_layernorm = GemmaRMSNorm(hidden, eps)
         self.post_attention_layernorm = GemmaRMSNorm(hidden, eps)

@@ -28,7 +28,8 @@ fp32 summation order. Any other dtype or device takes the torch code.
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -85,8 +86,23 @@ def _sliding_windows(config: Any, num_layers: int) -> list[int | None]:
 
 
 class LlamaAttention(nn.Module):
+    """q/k/v/o projections, optional per-head q/k norms before RoPE, paged attention.
+
+    Families built on it (Gemma) pass their own ``scale`` (default ``head_dim ** -0.5``),
+    ``softcap`` (attention logit softcapping) and q/k norm class (default: RMSNorm for Qwen3
+    and Qwen3-MoE, none for the rest)."""
+
     def __init__(
-        self, config: Any, layer_idx: int, head_dim: int, window: int | None, shard: TensorShard
+        self,
+        config: Any,
+        layer_idx: int,
+        head_dim: int,
+        window: int | None,
+        shard: TensorShard,
+        *,
+        scale: float | None = None,
+        softcap: float | None = None,
+        qk_norm: Callable[[int, float], nn.Module] | None = None,
     ) -> None:
         super().__init__()
         hidden, heads, kv_heads = (
@@ -102,12 +118,15 @@ class LlamaAttention(nn.Module):
         self.k_proj = column_parallel(hidden, kv_heads * head_dim, shard, bias=qkv_bias)
         self.v_proj = column_parallel(hidden, kv_heads * head_dim, shard, bias=qkv_bias)
         self.o_proj = row_parallel(heads * head_dim, hidden, shard, bias=o_bias)
-        self.q_norm: RMSNorm | None = None
-        self.k_norm: RMSNorm | None = None
-        if config.model_type in _QK_NORM_MODEL_TYPES:
-            self.q_norm = RMSNorm(head_dim, config.rms_norm_eps)
-            self.k_norm = RMSNorm(head_dim, config.rms_norm_eps)
-        self.scale = head_dim**-0.5
+        if qk_norm is None and config.model_type in _QK_NORM_MODEL_TYPES:
+            qk_norm = RMSNorm
+        self.q_norm: nn.Module | None = None
+        self.k_norm: nn.Module | None = None
+        if qk_norm is not None:
+            self.q_norm = qk_norm(head_dim, config.rms_norm_eps)
+            self.k_norm = qk_norm(head_dim, config.rms_norm_eps)
+        self.scale = head_dim**-0.5 if scale is None else scale
+        self.softcap = softcap
 
     def forward(
         self,
@@ -139,6 +158,7 @@ class LlamaAttention(nn.Module):
             md,
             scale=self.scale,
             sliding_window=self.sliding_window,
+            softcap=self.softcap,
         )  # [T, Hq, D]
         # o [T, Hq/N, D] -> partial [T, H] on each rank -> summed over the ranks
         return self.shard.reduce(linear(self.o_proj, o.reshape(num_tokens, -1)))  # [T, H]
@@ -186,6 +206,46 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
 
+class DecoderLayer(Protocol):
+    """What the forward reads of a decoder layer (Llama's, or a family built on it: Phi-3)."""
+
+    @property
+    def input_layernorm(self) -> RMSNorm: ...
+    @property
+    def post_attention_layernorm(self) -> RMSNorm: ...
+    @property
+    def self_attn(self) -> _Attention: ...
+    @property
+    def ffn(self) -> _FeedForward: ...
+
+
+class _Attention(Protocol):
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos_sin: tuple[torch.Tensor, torch.Tensor],
+        model: CausalLM,
+        md: AttentionMetadata,
+        kv_cache: PagedKVCache,
+        ops: FusedElementwise | None = None,
+    ) -> torch.Tensor: ...
+
+
+class _FeedForward(Protocol):
+    def forward(self, x: torch.Tensor, ops: FusedElementwise | None = None) -> torch.Tensor: ...
+
+
+class Backbone(Protocol):
+    """The decoder stack a family builds (an ``nn.Module`` under ``model.``)."""
+
+    @property
+    def embed_tokens(self) -> Embedding: ...
+    @property
+    def layers(self) -> nn.ModuleList: ...
+    @property
+    def norm(self) -> RMSNorm: ...
+
+
 class LlamaModel(nn.Module):
     def __init__(self, config: Any, head_dim: int, shard: TensorShard) -> None:
         super().__init__()
@@ -213,10 +273,18 @@ class LlamaForCausalLM(CausalLM):
             head_dim=head_dim,
             shard=shard,
         )
-        self.model = LlamaModel(config, head_dim, shard)
+        self.model = self._build_model(config, head_dim, shard)
         if not self.tie_word_embeddings:
             self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
-        self.rotary = RotaryEmbedding(config, head_dim, torch.device("cpu"))
+        self.rotary = self._build_rotary(config, head_dim)
+        self._decoder_layers: list[DecoderLayer] = list(self.model.layers)  # type: ignore[arg-type]
+
+    def _build_model(self, config: Any, head_dim: int, shard: TensorShard) -> Backbone:
+        """The ``nn.Module`` with ``embed_tokens``, ``layers`` (``DecoderLayer`` each), ``norm``."""
+        return LlamaModel(config, head_dim, shard)
+
+    def _build_rotary(self, config: Any, head_dim: int) -> RotaryEmbedding:
+        return RotaryEmbedding(config, head_dim, torch.device("cpu"))
 
     def lm_head_weight(self) -> torch.Tensor:
         if self.tie_word_embeddings:
@@ -238,8 +306,7 @@ class LlamaForCausalLM(CausalLM):
         if ops is not None:
             return self._forward_fused(ops, h, cos_sin, attn_metadata, kv_cache)
         # Submodules' forward called directly: nn.Module.__call__ adds nothing here (no hooks).
-        for layer in self.model.layers:
-            assert isinstance(layer, LlamaDecoderLayer)
+        for layer in self._decoder_layers:
             h = h + layer.self_attn.forward(
                 layer.input_layernorm.forward(h), cos_sin, self, attn_metadata, kv_cache
             )
@@ -260,13 +327,11 @@ class LlamaForCausalLM(CausalLM):
         reads its sum (the next layer's input norm, or the final norm). The same math as the
         torch path up to fp32 summation order."""
         norms = [self.model.norm]
-        for layer in reversed(self.model.layers):
-            assert isinstance(layer, LlamaDecoderLayer)
+        for layer in reversed(self._decoder_layers):
             norms += (layer.post_attention_layernorm, layer.input_layernorm)
         norm = norms.pop()  # the first layer's input norm
         x = ops.rms_norm(h, norm.weight, norm.eps)
-        for layer in self.model.layers:
-            assert isinstance(layer, LlamaDecoderLayer)
+        for layer in self._decoder_layers:
             attn = layer.self_attn.forward(x, cos_sin, self, md, kv_cache, ops)  # [T, H]
             norm = norms.pop()
             x = ops.add_rms_norm(h, attn, norm.weight, norm.eps)  # h += attn; x = norm(h)

@@ -41,7 +41,7 @@ from asyncpaged.model.base import (
 )
 from asyncpaged.model.errors import UnsupportedModelError
 from asyncpaged.model.kv_cache import PagedKVCache
-from asyncpaged.model.llama import RMSNorm
+from asyncpaged.model.llama import Backbone, LlamaForCausalLM, RMSNorm
 from asyncpaged.model.rotary import RotaryEmbedding, apply_rotary
 
 
@@ -112,6 +112,11 @@ class Phi3DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
+    @property
+    def ffn(self) -> Phi3MLP:
+        """The feed-forward block, by the name Llama's forward calls it."""
+        return self.mlp
+
 
 class Phi3Model(nn.Module):
     def __init__(self, config: Any, head_dim: int) -> None:
@@ -123,8 +128,9 @@ class Phi3Model(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
 
-class Phi3ForCausalLM(CausalLM):
-    """Phi-3 / Phi-3.5 / Phi-4-mini (transformers ``Phi3ForCausalLM`` checkpoints)."""
+class Phi3ForCausalLM(LlamaForCausalLM):
+    """Phi-3 / Phi-3.5 / Phi-4-mini (transformers ``Phi3ForCausalLM`` checkpoints): Llama's
+    forward (plain and fused) over Phi-3's layers and rotary."""
 
     def __init__(self, config: Any, shard: TensorShard = SINGLE_SHARD) -> None:
         if shard.world_size > 1:
@@ -132,92 +138,14 @@ class Phi3ForCausalLM(CausalLM):
                 "Phi3ForCausalLM does not support tensor parallelism (tensor_parallel_size > 1): "
                 "its fused qkv_proj has unequal q / k / v parts."
             )
-        head_dim = getattr(config, "head_dim", None) or (
-            config.hidden_size // config.num_attention_heads
-        )
-        super().__init__(
-            config,
-            num_layers=config.num_hidden_layers,
-            num_kv_heads=config.num_key_value_heads,
-            head_dim=head_dim,
-            shard=shard,
-        )
-        self.model = Phi3Model(config, head_dim)
-        if not self.tie_word_embeddings:
-            self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
-        self.rotary = RotaryEmbedding(
-            config, head_dim, torch.device("cpu"), allow_partial=True, allow_longrope=True
-        )
+        super().__init__(config, shard)
         if self.rotary.long_inv_freq is not None:
             self.rope_switch_len = int(self.rotary.params["original_max_position_embeddings"])
 
-    def lm_head_weight(self) -> torch.Tensor:
-        if self.tie_word_embeddings:
-            return self.model.embed_tokens.weight
-        return self.lm_head.weight
+    def _build_model(self, config: Any, head_dim: int, shard: TensorShard) -> Backbone:
+        return Phi3Model(config, head_dim)
 
-    def _layers(self) -> list[Phi3DecoderLayer]:
-        return [layer for layer in self.model.layers if isinstance(layer, Phi3DecoderLayer)]
-
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        attn_metadata: AttentionMetadata,
-        kv_cache: PagedKVCache,
-    ) -> torch.Tensor:
-        h = torch.nn.functional.embedding(input_ids, self.model.embed_tokens.weight)  # [T, H]
-        if self.rotary.inv_freq.device != h.device:
-            self.rotary.inv_freq = self.rotary.inv_freq.to(h.device)
-        cos_sin = self.rotary.cos_sin(positions, attn_metadata.token_rope_lens, h.dtype)
-        ops = self._usable_fused_ops(h)
-        if ops is not None:
-            return self._forward_fused(ops, h, cos_sin, attn_metadata, kv_cache)
-        for layer in self._layers():
-            attn_in = layer.input_layernorm.forward(h)
-            h = h + layer.self_attn.forward(attn_in, cos_sin, self, attn_metadata, kv_cache)
-            h = h + layer.mlp.forward(layer.post_attention_layernorm.forward(h))
-        out: torch.Tensor = self.model.norm.forward(h)  # [T, H]
-        return out
-
-    def _forward_fused(
-        self,
-        ops: FusedElementwise,
-        h: torch.Tensor,
-        cos_sin: tuple[torch.Tensor, torch.Tensor],
-        md: AttentionMetadata,
-        kv_cache: PagedKVCache,
-    ) -> torch.Tensor:
-        """The forward with fused ops: ``h`` [T, H] (the embeddings, owned here) is the residual
-        stream, updated in place; each residual add is fused with the norm reading its sum."""
-        layers = self._layers()
-        first = layers[0].input_layernorm if layers else self.model.norm
-        x = ops.rms_norm(h, first.weight, first.eps)  # [T, H]
-        for i, layer in enumerate(layers):
-            attn = layer.self_attn.forward(x, cos_sin, self, md, kv_cache, ops)  # [T, H]
-            norm = layer.post_attention_layernorm
-            x = ops.add_rms_norm(h, attn, norm.weight, norm.eps)  # h += attn; x = norm(h)
-            mlp = layer.mlp.forward(x, ops)  # [T, H]
-            norm = layers[i + 1].input_layernorm if i + 1 < len(layers) else self.model.norm
-            x = ops.add_rms_norm(h, mlp, norm.weight, norm.eps)
-        return x
-
-    def _usable_fused_ops(self, h: torch.Tensor) -> FusedElementwise | None:
-        """``fused_ops`` for contiguous float32 CPU hidden states and float32 contiguous CPU norm
-        weights (checked once per ops object)."""
-        ops = self.fused_ops
-        if ops is None or h.dtype != torch.float32 or h.device.type != "cpu":
-            return None
-        if not h.is_contiguous():
-            return None
-        checked = self.__dict__.get("_fused_ops_check")
-        if checked is None or checked[0] is not ops:
-            fits = all(
-                m.weight.dtype == torch.float32
-                and m.weight.device.type == "cpu"
-                and m.weight.is_contiguous()
-                for m in self.modules()
-                if isinstance(m, RMSNorm)
-            )
-            checked = self.__dict__["_fused_ops_check"] = (ops, fits)
-        return ops if checked[1] else None
+    def _build_rotary(self, config: Any, head_dim: int) -> RotaryEmbedding:
+        return RotaryEmbedding(
+            config, head_dim, torch.device("cpu"), allow_partial=True, allow_longrope=True
+        )
