@@ -244,6 +244,11 @@ class SamplingParams:
     * ``include_stop_str_in_output=False``, ``skip_special_tokens=True``,
       ``spaces_between_special_tokens=True``: detokenization options.
     * ``output_kind=RequestOutputKind.CUMULATIVE``: what each streamed output carries.
+
+    Model defaults: ``temperature``, ``top_p``, ``top_k``, ``min_p``, ``repetition_penalty`` and
+    ``max_tokens`` left unset (``explicit_fields`` records the ones given) take the model's
+    ``generation_config.json`` values in the engine (``with_defaults``), as in vLLM. A
+    ``dataclasses.replace`` copy passes every field, so it counts them all as given.
     """
 
     n: int

@@ -293,7 +293,9 @@ class ModelRunner:
             block_size=self.block_size,
             rope_lens=[
                 max(s.num_computed_tokens + len(s.token_ids), s.min_rope_len) for s in plan.seqs
-            ],
+            ]
+            if any(s.min_rope_len for s in plan.seqs)
+            else None,  # the context lengths themselves
         )
         input_tensor = torch.tensor(input_ids, dtype=torch.int64, device=self.device)
         position_tensor = torch.tensor(positions, dtype=torch.int64, device=self.device)
