@@ -22,9 +22,11 @@ class EngineConfig:
     ``max_position_embeddings``. ``watermark`` is the share of device blocks kept free when
     admitting new requests, so that running ones rarely need preempting right after.
 
-    ``packed_linears``, ``screened_lm_head`` (with ``int8_lm_head``) and ``fused_elementwise`` are
+    ``packed_linears``, ``screened_lm_head``, ``int8_lm_head`` and ``fused_elementwise`` are
     exact CPU float32 speed-ups (see docs/tuning.md); turning them off changes speed, not tokens.
-    They do nothing elsewhere.
+    ``"auto"`` (the default) uses each where this CPU runs it fast and exactly
+    (``asyncpaged.model.cpu_plan``: feature flags and a timed probe; ``engine.cpu_plan`` says
+    what was chosen and why); ``True`` / ``False`` force it. They do nothing elsewhere.
     ``kv_cache_dtype`` stores K/V in another dtype than the model's ("auto"): "bfloat16" halves KV
     memory and decode-attention bytes but is not bit-exact (attention math stays float32).
 
@@ -55,12 +57,12 @@ class EngineConfig:
     # auto: Triton on CUDA; on CPU the native C++ decode kernel if it builds, else torch
     attention_backend: Literal["auto", "torch", "triton", "cpu"] = "auto"
     kv_cache_dtype: Literal["auto", "float32", "float16", "bfloat16"] = "auto"  # auto: model's
-    packed_linears: bool = True  # CPU fp32: oneDNN pre-packed weights (exact)
-    screened_lm_head: bool = True  # CPU fp32: greedy argmax through a bf16 screen (exact)
-    int8_lm_head: bool = True  # with screened_lm_head: all-greedy steps screen in int8 (exact)
+    packed_linears: bool | Literal["auto"] = "auto"  # CPU fp32: oneDNN pre-packed weights
+    screened_lm_head: bool | Literal["auto"] = "auto"  # CPU fp32: greedy / top-k via a bf16 screen
+    int8_lm_head: bool | Literal["auto"] = "auto"  # CPU fp32: all-greedy steps via an int8 screen
     # CPU fp32: native fused residual add + RMSNorm, RoPE, SiLU x up (Llama family); exact up to
     # fp32 summation order
-    fused_elementwise: bool = True
+    fused_elementwise: bool | Literal["auto"] = "auto"
     tensor_parallel_size: int = 1  # ranks the model is split over (torch.distributed)
 
     def __post_init__(self) -> None:
@@ -92,6 +94,10 @@ class EngineConfig:
              f"{self.kv_cache_dtype!r}."),
             (self.tensor_parallel_size >= 1,
              f"tensor_parallel_size must be at least 1, got {self.tensor_parallel_size}."),
+            *((getattr(self, lever) in (True, False, "auto"),
+               f"{lever} must be True, False or 'auto', got {getattr(self, lever)!r}.")
+              for lever in ("packed_linears", "screened_lm_head", "int8_lm_head",
+                            "fused_elementwise")),
             (self.attention_backend in ("auto", "torch", "triton", "cpu"),
              f"attention_backend must be 'auto', 'torch', 'triton' or 'cpu', got "
              f"{self.attention_backend!r}."),

@@ -40,6 +40,7 @@ from asyncpaged.messages import (
     SwapBlocks,
     UnpinPrefix,
 )
+from asyncpaged.model.cpu_plan import LEVERS, CpuPlan, plan_cpu
 from asyncpaged.model.generation_config import GenerationDefaults, load_generation_defaults
 from asyncpaged.model.hub import resolve_model_path
 from asyncpaged.model.loader import load_config, load_tokenizer, resolve_dtype, text_config
@@ -127,10 +128,11 @@ class AsyncEngine:
             getattr(hf_config, "max_position_embeddings", 2048)
         )
         self.vocab_size = int(hf_config.vocab_size)
+        levers = await anyio.to_thread.run_sync(self._plan_levers, hf_config, dtype)
         step_runner: StepRunner
         if tp_size > 1:
             local = dataclasses.replace(cfg, model=str(path), revision=None)
-            spec = worker_spec(local, dtype, kv_dtype, num_device, num_host)
+            spec = worker_spec(local, dtype, kv_dtype, num_device, num_host, levers)
             self._tp = await anyio.to_thread.run_sync(
                 TensorParallelRunner.start, spec, tp_size, cfg.device
             )
@@ -143,10 +145,10 @@ class AsyncEngine:
                 lambda: ModelRunner(path, dtype, num_device, cfg.block_size, num_host,
                                     device=cfg.device, seed=cfg.seed, attn_backend=backend,
                                     kv_cache_dtype=kv_dtype,
-                                    packed_linears=cfg.packed_linears,
-                                    screened_lm_head=cfg.screened_lm_head,
-                                    int8_lm_head=cfg.int8_lm_head,
-                                    fused_elementwise=cfg.fused_elementwise)
+                                    packed_linears=levers["packed_linears"],
+                                    screened_lm_head=levers["screened_lm_head"],
+                                    int8_lm_head=levers["int8_lm_head"],
+                                    fused_elementwise=levers["fused_elementwise"])
             )  # fmt: skip
             step_runner = self.runner  # TP=1: the executor drives the runner itself
         try:
@@ -158,6 +160,21 @@ class AsyncEngine:
                  num_host_blocks=num_host, dtype=str(dtype), kv_cache_dtype=str(kv_dtype),
                  tensor_parallel_size=tp_size)  # fmt: skip
         return self
+
+    def _plan_levers(self, hf_config: Any, dtype: torch.dtype) -> dict[str, bool]:
+        """The CPU levers' on/off (``engine.cpu_plan`` says why); they act on float32 CPU
+        models only, so elsewhere nothing is probed and "auto" is passed on as on."""
+        cfg = self.config
+        settings = {name: getattr(cfg, name) for name in LEVERS}
+        self.cpu_plan: CpuPlan | None = None
+        if torch.device(cfg.device).type != "cpu" or dtype != torch.float32:
+            return {name: setting is not False for name, setting in settings.items()}
+        hidden = int(hf_config.hidden_size)
+        width = next((int(v) for k in ("intermediate_size", "ffn_dim", "n_inner")
+                      if (v := getattr(hf_config, k, None))), 4 * hidden)  # fmt: skip
+        self.cpu_plan = plan_cpu(settings, hidden_size=hidden, intermediate_size=width,
+                                 vocab_size=int(hf_config.vocab_size))  # fmt: skip
+        return self.cpu_plan.levers()
 
     async def _start(
         self, hf_config: Any, num_device: int, num_host: int, step_runner: StepRunner

@@ -28,7 +28,12 @@ from tests.model.reference import HFReference
 from tests.model.test_generate_equality import _assert_matches, _make_sequences, _runner
 
 GEMMAS = ["gemma2", "gemma3"]
-_LEVERS_OFF = {"packed_linears": False, "screened_lm_head": False, "fused_elementwise": False}
+_LEVERS_OFF = {
+    "packed_linears": False,
+    "screened_lm_head": False,
+    "int8_lm_head": False,
+    "fused_elementwise": False,
+}
 #: bf16 vs bf16: both sides round every activation to 8 mantissa bits, in different orders
 #: (paged, chunked attention and our float32 final softcap vs one-shot eager/SDPA and a bf16
 #: softcap), so neither is the truth: transformers' own bf16 logprobs differ from its float32

@@ -97,12 +97,13 @@ def test_greedy_matches_transformers(
     attn = CpuAttentionBackend() if backend == "cpu" else None
     if attn is not None:
         assert attn.is_native
-    on = levers == "default"  # the three exact CPU levers, all True by default
+    on = levers == "default"  # the four exact CPU levers, all True by default
     runner = _runner(
         tiny_checkpoint(name),
         backend=attn,
         packed_linears=on,
         screened_lm_head=on,
+        int8_lm_head=on,
         fused_elementwise=on,
     )
     assert isinstance(runner.model, Phi3ForCausalLM)

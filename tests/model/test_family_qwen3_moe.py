@@ -75,12 +75,13 @@ def test_greedy_matches_transformers(
     runner = ModelRunner(
         tiny_checkpoint(name), "float32", num_blocks=64, block_size=16, num_host_blocks=16,
         kv_fill_value=float("nan"), attn_backend=_backend(backend),
-        packed_linears=on, fused_elementwise=on, screened_lm_head=on,
+        packed_linears=on, fused_elementwise=on, screened_lm_head=on, int8_lm_head=on,
     )  # fmt: skip
     num_packed = sum(packed_linear.PACKED_ATTR in m.__dict__ for m in runner.model.modules())
     assert (num_packed > 0) == (on and packed_linear.packing_supported())
     assert (runner.model.fused_ops is not None) == (on and cpu_build.find_compiler() is not None)
     assert (runner.screened_head is not None) == on
+    assert runner.bf16_screen == on
     seqs = _make_sequences(seed=1)
     Driver(runner, seed=7, want_logprob=want_logprob).run(seqs)
     _assert_matches(seqs, hf_reference(name))

@@ -29,7 +29,7 @@ import contextlib
 import multiprocessing
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from datetime import timedelta
 from multiprocessing.process import BaseProcess
 from typing import Any
@@ -66,9 +66,10 @@ def worker_spec(
     kv_dtype: torch.dtype,
     num_device_blocks: int,
     num_host_blocks: int,
+    levers: Mapping[str, bool],
 ) -> WorkerSpec:
     """What every rank needs to build its shard, from the engine's settings (resolved dtypes,
-    block counts; rank 0's torch thread count)."""
+    block counts, the CPU levers rank 0 planned; rank 0's torch thread count)."""
     return WorkerSpec(
         model=config.model,
         dtype=str(dtype).removeprefix("torch."),
@@ -78,10 +79,10 @@ def worker_spec(
         block_size=config.block_size,
         device_type=torch.device(config.device).type,
         attention_backend=config.attention_backend,
-        packed_linears=config.packed_linears,
-        fused_elementwise=config.fused_elementwise,
-        screened_lm_head=config.screened_lm_head,
-        int8_lm_head=config.int8_lm_head,
+        packed_linears=levers["packed_linears"],
+        fused_elementwise=levers["fused_elementwise"],
+        screened_lm_head=levers["screened_lm_head"],
+        int8_lm_head=levers["int8_lm_head"],
         seed=config.seed,
         num_threads=torch.get_num_threads(),
     )

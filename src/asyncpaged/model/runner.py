@@ -185,9 +185,10 @@ class ModelRunner:
         CPU levers apply to float32 models on CPU only: ``packed_linears`` pre-packs the layers'
         weights for oneDNN (``packed_linear``), ``screened_lm_head`` picks greedy and top-k
         tokens through a bf16 screen (``lm_head``) when every row of a step qualifies
-        (``sampler.is_screenable``, no logprob asked): the full head's tokens; with
-        ``int8_lm_head`` too, all-greedy steps screen with an int8 GEMM instead
-        (``lm_head_int8``, the same tokens; where this CPU lacks exact int8 sums, bf16);
+        (``sampler.is_screenable``, no logprob asked): the full head's tokens;
+        ``int8_lm_head`` screens all-greedy steps with an int8 GEMM (``lm_head_int8``, the same
+        tokens; where this CPU lacks exact int8 sums, the bf16 screen or the full head), with
+        or without the bf16 screen (``asyncpaged.model.cpu_plan`` decides both per CPU);
         ``fused_elementwise`` gives the model native fused norm / RoPE / SiLU ops
         (``CausalLM.fused_ops``; used by the Llama family, exact up to fp32 summation order)
         when the kernel library builds here. ``shard`` picks a
@@ -215,13 +216,11 @@ class ModelRunner:
             self.model.fused_ops = fused_ops()  # None (torch code) when it cannot be built
         # The screens rank raw logits; a final softcap's float32 tanh can merge distinct logits
         # into ties (broken by index), so a softcapped model always takes the full head.
-        screened = (
-            screened_lm_head
-            and cpu_fp32
-            and shard.rank == 0
-            and self.model.final_logit_softcap is None
-        )
-        self.screened_head = ScreenedLMHead(self.model.lm_head_weight()) if screened else None
+        screenable = cpu_fp32 and shard.rank == 0 and self.model.final_logit_softcap is None
+        # ScreenedLMHead is the bf16 screen and the fp32 rescorer the int8 screen uses too.
+        self.bf16_screen = screenable and screened_lm_head
+        wants_head = self.bf16_screen or (screenable and int8_lm_head)
+        self.screened_head = ScreenedLMHead(self.model.lm_head_weight()) if wants_head else None
         self.int8_head: Int8ScreenedArgmax | None = None
         if self.screened_head is not None and int8_lm_head and int8_screen_supported():
             try:
@@ -333,14 +332,10 @@ class ModelRunner:
             for _ in range(len(plan.seqs[i].fanout) or 1)
         ]
         hidden = hidden[torch.tensor(rows, device=self.device)]
-        if self.screened_head is not None and all(_plain_greedy(s, o) for s, _, o in draws):
-            token_ids = self.int8_head.argmax(hidden) if self.int8_head is not None else None
+        greedy = self._screened_argmax(draws, hidden)
+        if greedy is not None:
             out = SamplerOutput(
-                token_ids=self.screened_head.argmax(hidden) if token_ids is None else token_ids,
-                logprobs=None,
-                ranks=None,
-                top_token_ids=None,
-                top_logprobs=None,
+                token_ids=greedy, logprobs=None, ranks=None, top_token_ids=None, top_logprobs=None
             )
             compute_s = time.perf_counter() - began
             return StepResult(sampled=_sampled_tokens(draws, out), compute_s=compute_s)
@@ -358,14 +353,31 @@ class ModelRunner:
         compute_s = time.perf_counter() - began
         return StepResult(sampled=_sampled_tokens(draws, out), compute_s=compute_s)
 
+    def _screened_argmax(
+        self, draws: list[tuple[SequenceStep, int, SamplingOptions | None]], hidden: torch.Tensor
+    ) -> torch.Tensor | None:
+        """The full head's greedy tokens through the int8 screen, else the bf16 one, when every
+        row is plain greedy; None: neither applies (or both gave up on NaN/inf hidden states)."""
+        if self.screened_head is None or not all(_plain_greedy(s, o) for s, _, o in draws):
+            return None
+        token_ids = self.int8_head.argmax(hidden) if self.int8_head is not None else None
+        if token_ids is None and self.bf16_screen:
+            token_ids = self.screened_head.argmax(hidden)
+        return token_ids
+
     def _sample_screened(
         self, draws: list[tuple[SequenceStep, int, SamplingOptions | None]], hidden: torch.Tensor
     ) -> SamplerOutput | None:
-        """Greedy and top-k rows from the screened head's candidates, the same tokens as
+        """Greedy and top-k rows from the bf16 screen's candidates, the same tokens as
         ``sample`` on the full logits; None (nothing drawn yet): use the full head."""
         head = self.screened_head
-        if head is None or not all(
-            not seq.want_logprob and is_screenable(opt, head.vocab_size) for seq, _, opt in draws
+        if (
+            head is None
+            or not self.bf16_screen
+            or not all(
+                not seq.want_logprob and is_screenable(opt, head.vocab_size)
+                for seq, _, opt in draws
+            )
         ):
             return None
         opts = [opt for _, _, opt in draws]

@@ -1,0 +1,335 @@
+"""Which exact CPU levers an engine uses, decided at start from the CPU it runs on.
+
+The levers (docs/tuning.md) change speed, never tokens, but each wins only on some CPUs: the bf16
+screen of the LM head is +14-25% where the CPU has bf16 dot products (avx512_bf16, AMX) and 2.3x
+slower where oneDNN emulates them (AVX2-only EPYC, measured); the int8 screen needs VNNI for
+exact int32 sums. So each lever is ``"auto"`` by default (``EngineConfig``), and ``plan_cpu``
+turns it into on or off with a reason:
+
+==================  ==========================================================================
+lever               ``"auto"`` means on when
+==================  ==========================================================================
+packed_linears      this torch has oneDNN's packed linear, and a timed GEMM at the model's decode
+                    shape (64 rows) runs faster packed than through ``F.linear``
+screened_lm_head    the CPU has bf16 dot products (flags), and the screened greedy head, timed at
+                    the model's LM-head shape, beats the fp32 head's argmax by
+                    ``BF16_MIN_SPEEDUP`` (this catches emulation, e.g. ``ONEDNN_MAX_CPU_ISA``)
+int8_lm_head        the CPU has VNNI (flags) and oneDNN's int8 sums check exact on it
+                    (``lm_head_int8.int8_screen_supported``)
+fused_elementwise   the native kernel library builds here
+==================  ==========================================================================
+
+``True`` / ``False`` force a lever (the reason says so). The native attention kernels' build
+target (the best the CPU runs, ``ASYNCPAGED_CPU_TARGET`` overrides) and the torch thread count
+are reported too. Timings take well under a second and are cached in the kernel cache directory
+(``cpu_plan.json``), keyed by the CPU model, its flags, the torch and asyncpaged versions, the
+oneDNN ISA cap and the shapes, so a restart on the same machine times nothing. A result that is
+simply "not on this CPU" is an INFO line (``cpu_plan``), never a warning.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import platform
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import structlog
+import torch
+
+log = structlog.get_logger("asyncpaged")
+
+LeverSetting = bool | Literal["auto"]
+LEVERS = ("packed_linears", "screened_lm_head", "int8_lm_head", "fused_elementwise")
+BF16_MIN_SPEEDUP = 1.1  # the screened argmax (rescore included) over the fp32 head's
+DECODE_ROWS = 64  # rows of the timed GEMMs: a decode step of a busy engine
+_BF16_FLAGS = frozenset({"avx512_bf16", "amx_bf16", "bf16"})  # x86; "bf16" on aarch64
+_VNNI_FLAGS = frozenset({"avx512_vnni", "avx_vnni", "amx_int8"})
+
+
+@dataclass(frozen=True, slots=True)
+class CpuFeatures:
+    """What the plan reads of the CPU: its architecture, model name and feature flags."""
+
+    arch: str
+    model_name: str
+    flags: frozenset[str]
+
+    @classmethod
+    def detect(cls) -> CpuFeatures:
+        """This machine's (``/proc/cpuinfo``; empty flags where there is none)."""
+        flags: frozenset[str] = frozenset()
+        name = ""
+        try:
+            text = Path("/proc/cpuinfo").read_text()
+        except OSError:
+            text = ""
+        for line in text.splitlines():
+            key, _, value = line.partition(":")
+            key = key.strip().lower()
+            if key == "model name" and not name:
+                name = value.strip()
+            elif key in ("flags", "features") and not flags:  # x86 / aarch64
+                flags = frozenset(value.split())
+        machine = platform.machine().lower()
+        return cls(machine, name or platform.processor() or machine, flags)
+
+    @property
+    def has_bf16_dot(self) -> bool:
+        return bool(self.flags & _BF16_FLAGS)
+
+    @property
+    def has_vnni(self) -> bool:
+        return bool(self.flags & _VNNI_FLAGS)
+
+
+@dataclass(frozen=True, slots=True)
+class LeverChoice:
+    enabled: bool
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class CpuPlan:
+    """The levers an engine runs with on this CPU, each with why (logged as ``cpu_plan``)."""
+
+    packed_linears: LeverChoice
+    screened_lm_head: LeverChoice
+    int8_lm_head: LeverChoice
+    fused_elementwise: LeverChoice
+    attention_target: str | None  # the native kernels' build target; None: no library
+    num_threads: int
+    cpu: str
+    flags: tuple[str, ...] = field(default=())  # the flags the decisions read
+
+    def levers(self) -> dict[str, bool]:
+        """The ``ModelRunner`` keyword arguments."""
+        return {name: getattr(self, name).enabled for name in LEVERS}
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+Timer = Callable[[str, Mapping[str, int]], tuple[float, float]]
+
+
+def plan_cpu(
+    settings: Mapping[str, LeverSetting],
+    *,
+    hidden_size: int,
+    intermediate_size: int,
+    vocab_size: int,
+    features: CpuFeatures | None = None,
+    timer: Timer | None = None,
+    int8_exact: Callable[[], bool] | None = None,
+    library_target: Callable[[], str | None] | None = None,
+    cache: Path | Literal[False] | None = None,
+) -> CpuPlan:
+    """Decide every lever of ``settings`` (name -> True / False / "auto").
+
+    The model's sizes fix the timed shapes. ``features``, ``timer`` (name, shape -> seconds of
+    (candidate, baseline)), ``int8_exact`` and ``library_target`` default to this machine's;
+    tests pass forced ones. ``cache`` (default: ``cpu_plan.json`` in the kernel cache) keeps
+    timings across restarts; ``False`` keeps them for this call only."""
+    features = CpuFeatures.detect() if features is None else features
+    shapes = {"rows": DECODE_ROWS, "hidden": hidden_size, "inter": intermediate_size,
+              "vocab": vocab_size}  # fmt: skip
+    timings = _CachedTimings(features, cache if cache is not None else _default_cache(),
+                             timer or measure)  # fmt: skip
+    target = (library_target or _library_target)()
+    choices = {
+        "packed_linears": _packed(settings["packed_linears"], timings, shapes),
+        "screened_lm_head": _bf16_screen(settings["screened_lm_head"], features, timings, shapes),
+        "int8_lm_head": _int8_screen(settings["int8_lm_head"], features, int8_exact),
+        "fused_elementwise": _fused(settings["fused_elementwise"], target),
+    }
+    timings.save()
+    read = sorted(features.flags & (_BF16_FLAGS | _VNNI_FLAGS | {"avx2", "avx512f", "fma"}))
+    plan = CpuPlan(**choices, attention_target=target, num_threads=torch.get_num_threads(),
+                   cpu=features.model_name, flags=tuple(read))  # fmt: skip
+    decisions = {k: f"{'on' if c.enabled else 'off'}: {c.reason}" for k, c in choices.items()}
+    log.info("cpu_plan", cpu=plan.cpu, flags=list(plan.flags), attention_target=target,
+             num_threads=plan.num_threads, **decisions)  # fmt: skip
+    return plan
+
+
+def _forced(setting: LeverSetting) -> LeverChoice | None:
+    if setting == "auto":
+        return None
+    return LeverChoice(bool(setting), f"{'on' if setting else 'off'} in EngineConfig")
+
+
+def _packed(setting: LeverSetting, timings: _CachedTimings, shapes: dict[str, int]) -> LeverChoice:
+    from asyncpaged.model.packed_linear import packing_supported
+
+    forced = _forced(setting)
+    if forced is not None:
+        return forced
+    if not packing_supported():
+        return LeverChoice(False, "this torch build has no oneDNN packed linear")
+    packed, plain = timings.get("packed_linear", shapes)
+    wins = packed < plain
+    return LeverChoice(wins, f"packed {packed * 1e3:.2f} ms vs F.linear {plain * 1e3:.2f} ms "
+                             f"per [{shapes['rows']} x {shapes['hidden']}] GEMM")  # fmt: skip
+
+
+def _bf16_screen(
+    setting: LeverSetting, features: CpuFeatures, timings: _CachedTimings, shapes: dict[str, int]
+) -> LeverChoice:
+    forced = _forced(setting)
+    if forced is not None:
+        return forced
+    if not features.has_bf16_dot:
+        return LeverChoice(False, "no bf16 dot products on this CPU (avx512_bf16, AMX, bf16): "
+                                  "oneDNN would emulate them")  # fmt: skip
+    bf16, fp32 = timings.get("bf16_head", shapes)
+    speedup = fp32 / max(bf16, 1e-9)
+    return LeverChoice(speedup >= BF16_MIN_SPEEDUP,
+                       f"the screened head {speedup:.2f}x as fast as the fp32 head "
+                       f"(on from {BF16_MIN_SPEEDUP}x)")  # fmt: skip
+
+
+def _int8_screen(
+    setting: LeverSetting, features: CpuFeatures, int8_exact: Callable[[], bool] | None
+) -> LeverChoice:
+    forced = _forced(setting)
+    if forced is not None:
+        return forced
+    if not features.has_vnni:
+        return LeverChoice(False, "no VNNI on this CPU: oneDNN's int8 sums would saturate")
+    if int8_exact is None:
+        from asyncpaged.model.lm_head_int8 import int8_screen_supported
+
+        int8_exact = int8_screen_supported
+    if not int8_exact():
+        return LeverChoice(False, "oneDNN's int8 GEMM failed its exactness check here")
+    return LeverChoice(True, "VNNI; oneDNN's int8 sums checked exact")
+
+
+def _fused(setting: LeverSetting, target: str | None) -> LeverChoice:
+    forced = _forced(setting)
+    if forced is not None:
+        return forced
+    if target is None:
+        return LeverChoice(False, "the native kernel library does not build here (no g++?)")
+    return LeverChoice(True, f"native kernels built for {target}")
+
+
+def _library_target() -> str | None:
+    from asyncpaged.kernels import cpu_build
+
+    target = cpu_build.select_target()
+    return target if cpu_build.load_library(target) is not None else None
+
+
+def _default_cache() -> Path:
+    from asyncpaged.kernels import cpu_build
+
+    directory: Path = cpu_build.cache_dir()
+    return directory / "cpu_plan.json"
+
+
+class _CachedTimings:
+    """Timings by (CPU, versions, ISA cap, probe, shapes), read from and saved to ``path``."""
+
+    def __init__(self, features: CpuFeatures, path: Path | Literal[False], timer: Timer) -> None:
+        import asyncpaged
+
+        self._path = path
+        self._timer = timer
+        self._prefix = json.dumps([features.model_name, sorted(features.flags), torch.__version__,
+                                   asyncpaged.__version__,
+                                   os.environ.get("ONEDNN_MAX_CPU_ISA", "")])  # fmt: skip
+        self._entries: dict[str, list[float]] = {}
+        self._dirty = False
+        if path is not False and path.is_file():
+            try:
+                self._entries = dict(json.loads(path.read_text()))
+            except (OSError, ValueError, TypeError):
+                self._entries = {}
+
+    def get(self, probe: str, shapes: Mapping[str, int]) -> tuple[float, float]:
+        key = f"{self._prefix}|{probe}|{json.dumps(dict(sorted(shapes.items())))}"
+        if key not in self._entries:
+            self._entries[key] = list(self._timer(probe, shapes))
+            self._dirty = True
+        candidate, baseline = self._entries[key]
+        return float(candidate), float(baseline)
+
+    def save(self) -> None:
+        if self._path is False or not self._dirty:
+            return
+        try:
+            self._path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = self._path.with_suffix(f".{os.getpid()}.tmp")
+            tmp.write_text(json.dumps(self._entries))
+            os.replace(tmp, self._path)
+        except OSError as exc:  # a read-only cache only costs the timing next time
+            log.info("cpu_plan_not_cached", path=str(self._path), error=str(exc))
+
+
+def measure(probe: str, shapes: Mapping[str, int]) -> tuple[float, float]:
+    """Best-of seconds of (candidate, baseline) for ``probe``: "packed_linear" (oneDNN packed vs
+    ``F.linear``, the MLP up projection) or "bf16_head" (the bf16-screened greedy head vs the
+    fp32 head's argmax). Timed on one thread: a lever's win is per core, and on a shared VM
+    a second thread's stalls would swamp it (docs/tuning.md, hygiene)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return _measure(probe, shapes)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _measure(probe: str, shapes: Mapping[str, int]) -> tuple[float, float]:
+    gen = torch.Generator().manual_seed(0)
+    rows, hidden = shapes["rows"], shapes["hidden"]
+    x = torch.randn(rows, hidden, generator=gen)
+    with torch.inference_mode():
+        if probe == "packed_linear":
+            from asyncpaged.model.packed_linear import linear, pack_linears
+
+            plain = torch.nn.Linear(hidden, shapes["inter"], bias=False)
+            plain.weight.data = torch.randn(shapes["inter"], hidden, generator=gen)
+            packed = copy.deepcopy(plain)
+            pack_linears(packed, batch_hint=rows)
+
+            def candidate() -> object:
+                return linear(packed, x)
+
+            def baseline() -> object:
+                return linear(plain, x)
+
+        elif probe == "bf16_head":
+            from asyncpaged.model.lm_head import ScreenedLMHead
+
+            weight = torch.randn(shapes["vocab"], hidden, generator=gen) * hidden**-0.5
+            head = ScreenedLMHead(weight)
+
+            def candidate() -> object:
+                return head.argmax(x)
+
+            def baseline() -> object:
+                return torch.argmax(torch.nn.functional.linear(x, weight), dim=-1)
+
+        else:
+            raise ValueError(f"unknown probe {probe!r}")
+        return _best_of(candidate), _best_of(baseline)
+
+
+def _best_of(fn: Callable[[], object], budget_s: float = 0.05, min_runs: int = 3) -> float:
+    fn()  # warm-up: first-call allocations and kernel selection
+    best, spent, runs = float("inf"), 0.0, 0
+    while runs < min_runs or spent < budget_s:
+        began = time.perf_counter()
+        fn()
+        took = time.perf_counter() - began
+        best, spent, runs = min(best, took), spent + took, runs + 1
+        if runs >= 50:
+            break
+    return best

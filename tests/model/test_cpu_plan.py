@@ -1,0 +1,156 @@
+"""The CPU plan: each lever decided from forced feature sets and timings, cached, logged once;
+the engine runs with what it decided, and every lever combination keeps greedy tokens exact."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from pathlib import Path
+
+import anyio
+import pytest
+from structlog.testing import capture_logs
+
+from asyncpaged import AsyncEngine, EngineConfig, SamplingParams
+from asyncpaged.model.cpu_plan import LEVERS, CpuFeatures, LeverSetting, plan_cpu
+from tests.model.driver import Driver
+from tests.model.reference import HFReference
+from tests.model.test_generate_equality import _assert_matches, _make_sequences, _runner
+
+AUTO: dict[str, LeverSetting] = dict.fromkeys(LEVERS, "auto")
+ZEN4 = CpuFeatures("x86_64", "AMD EPYC (Zen 4)",
+                   frozenset({"avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni"}))  # fmt: skip
+AVX2 = CpuFeatures("x86_64", "AMD EPYC (AVX2)", frozenset({"avx", "avx2", "fma"}))
+ICELAKE = CpuFeatures("x86_64", "Xeon (Ice Lake)", frozenset({"avx2", "avx512f", "avx512_vnni"}))
+GRAVITON3 = CpuFeatures("aarch64", "Neoverse-V1", frozenset({"asimd", "sve", "bf16", "i8mm"}))
+
+
+class Timings:
+    """A fake timer: (candidate, baseline) seconds per probe; records what it was asked."""
+
+    def __init__(self, **results: tuple[float, float]) -> None:
+        self.results = {"packed_linear": (1.0, 2.0), "bf16_head": (1.0, 3.0), **results}
+        self.calls: list[str] = []
+
+    def __call__(self, probe: str, shapes: Mapping[str, int]) -> tuple[float, float]:
+        assert shapes == {"rows": 64, "hidden": 512, "inter": 1376, "vocab": 32000}
+        self.calls.append(probe)
+        return self.results[probe]
+
+
+def _plan(
+    features: CpuFeatures,
+    timer: Timings,
+    *,
+    settings: Mapping[str, LeverSetting] = AUTO,
+    int8_exact: Callable[[], bool] = lambda: True,
+    target: str | None = "avx2",
+    cache: Path | None = None,
+) -> dict[str, bool]:
+    plan = plan_cpu(
+        settings, hidden_size=512, intermediate_size=1376, vocab_size=32000,
+        features=features, timer=timer, int8_exact=int8_exact,
+        library_target=lambda: target, cache=False if cache is None else cache,
+    )  # fmt: skip
+    return plan.levers()
+
+
+def test_features_decide_what_timing_cannot() -> None:
+    timer = Timings()
+    assert _plan(ZEN4, timer) == dict.fromkeys(LEVERS, True)
+    assert sorted(timer.calls) == ["bf16_head", "packed_linear"]
+    timer = Timings()
+    avx2 = _plan(AVX2, timer)  # no bf16 dot products, no VNNI: neither screen, nothing timed
+    assert avx2 == {"packed_linears": True, "screened_lm_head": False, "int8_lm_head": False,
+                    "fused_elementwise": True}  # fmt: skip
+    assert timer.calls == ["packed_linear"]
+    assert _plan(ICELAKE, Timings())["screened_lm_head"] is False  # VNNI, no bf16
+    assert _plan(ICELAKE, Timings())["int8_lm_head"] is True
+    assert _plan(GRAVITON3, Timings())["screened_lm_head"] is True  # aarch64 "bf16" flag
+    assert _plan(AVX2, Timings(), target=None)["fused_elementwise"] is False  # no library
+
+
+def test_timings_decide_where_features_allow() -> None:
+    slow_screen = Timings(bf16_head=(2.0, 2.1))  # emulated bf16 (ONEDNN_MAX_CPU_ISA, ...)
+    assert _plan(ZEN4, slow_screen)["screened_lm_head"] is False
+    slow_packing = Timings(packed_linear=(2.0, 1.5))
+    assert _plan(ZEN4, slow_packing)["packed_linears"] is False
+    assert _plan(ZEN4, Timings(), int8_exact=lambda: False)["int8_lm_head"] is False
+
+
+def test_explicit_settings_win_and_time_nothing() -> None:
+    timer = Timings()
+    settings: dict[str, LeverSetting] = {
+        "packed_linears": False,
+        "screened_lm_head": True,
+        "int8_lm_head": True,
+        "fused_elementwise": False,
+    }
+    forced = _plan(AVX2, timer, settings=settings)
+    assert forced == settings
+    assert timer.calls == []
+
+
+def test_timings_are_cached_per_cpu(tmp_path: Path) -> None:
+    cache = tmp_path / "cpu_plan.json"
+    first = Timings()
+    _plan(ZEN4, first, cache=cache)
+    assert cache.is_file()
+    assert len(first.calls) == 2
+    again = Timings()
+    _plan(ZEN4, again, cache=cache)
+    assert again.calls == []  # a restart on the same CPU times nothing
+    other = Timings()
+    _plan(ICELAKE, other, cache=cache)
+    assert other.calls == ["packed_linear"]  # another CPU model: its own entries
+    cache.write_text("not json")
+    _plan(ZEN4, Timings(), cache=cache)  # a damaged cache is ignored and rewritten
+
+
+def test_the_plan_is_logged_once_at_info_without_warnings() -> None:
+    with capture_logs() as logs:
+        plan_cpu(AUTO, hidden_size=512, intermediate_size=1376, vocab_size=32000,
+                 features=AVX2, timer=Timings(), library_target=lambda: "avx2",
+                 cache=False)  # fmt: skip
+    events = [(e["event"], e["log_level"]) for e in logs]
+    assert events == [("cpu_plan", "info")]
+    (entry,) = logs
+    assert entry["screened_lm_head"].startswith("off: no bf16 dot products")
+    assert entry["int8_lm_head"].startswith("off: no VNNI")
+
+
+@pytest.mark.parametrize(
+    ("screened", "int8"), [(False, True), (False, False), (True, False), (True, True)]
+)
+def test_every_screen_combination_keeps_greedy_exact(
+    screened: bool,
+    int8: bool,
+    tiny_checkpoint: Callable[[str], Path],
+    hf_reference: Callable[[str], HFReference],
+) -> None:
+    """The int8 screen also runs without the bf16 one (a VNNI CPU without bf16: Ice Lake)."""
+    from asyncpaged.model.lm_head_int8 import int8_screen_supported
+
+    runner = _runner(tiny_checkpoint("llama-gqa"), screened_lm_head=screened, int8_lm_head=int8)
+    assert runner.bf16_screen == screened
+    assert (runner.int8_head is not None) == (int8 and int8_screen_supported())
+    seqs = _make_sequences(seed=14)
+    Driver(runner, seed=2, want_logprob=False).run(seqs)
+    _assert_matches(seqs, hf_reference("llama-gqa"))
+
+
+def test_engine_reports_its_plan(tiny_checkpoint: Callable[[str], Path]) -> None:
+    config = EngineConfig(model=str(tiny_checkpoint("llama-gqa")), dtype="float32",
+                          packed_linears=False)  # fmt: skip
+
+    async def main() -> None:
+        async with AsyncEngine(config) as engine:
+            plan = engine.cpu_plan
+            assert plan is not None
+            assert plan.packed_linears.enabled is False
+            assert plan.packed_linears.reason == "off in EngineConfig"
+            assert engine.runner.bf16_screen == plan.screened_lm_head.enabled
+            with anyio.fail_after(30):
+                params = SamplingParams(temperature=0.0, max_tokens=3)
+                await engine.generate([5, 6, 7], params)
+
+    anyio.run(main)
