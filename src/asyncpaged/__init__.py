@@ -14,6 +14,7 @@ from asyncpaged.inputs import PromptType, TextPrompt, TokensPrompt
 from asyncpaged.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from asyncpaged.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 from asyncpaged.streams import RequestStream
+from asyncpaged.structured_outputs import StructuredOutputsParams
 
 __version__ = "0.1.0"
 
@@ -35,6 +36,7 @@ __all__ = [
     "RequestOutputKind",
     "RequestStream",
     "SamplingParams",
+    "StructuredOutputsParams",
     "TextPrompt",
     "TokensPrompt",
     "WorkerDiedError",

@@ -47,6 +47,9 @@ from asyncpaged.model.loader import load_config, load_tokenizer, resolve_dtype, 
 from asyncpaged.model.runner import ModelRunner, StepRunner, select_attention_backend
 from asyncpaged.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 from asyncpaged.streams import RequestState, RequestStream
+from asyncpaged.structured_outputs import EXTRA_HINT as STRUCTURED_EXTRA_HINT
+from asyncpaged.structured_outputs import GrammarBackend
+from asyncpaged.structured_outputs import is_available as structured_outputs_available
 
 log = structlog.get_logger("asyncpaged")
 
@@ -223,13 +226,14 @@ class AsyncEngine:
         self._allocator = AllocatorActor(pool, txn_recv, res_send)
         self._executor = ExecutorActor(runner, exec_recv, sched_send.clone())
         self._swap_space = SwapSpaceActor(runner, swap_recv, sched_send.clone())
+        grammars = GrammarBackend(self.tokenizer, self.vocab_size, sorted(self._eos))
         self._scheduler = SchedulerActor(
             scheduler, self._allocator.snapshot(), sched_recv, txn_send, res_recv,
-            exec_send, swap_send, self._eos, self.tokenizer,
+            exec_send, swap_send, self._eos, self.tokenizer, grammars,
         )  # fmt: skip
         self._intake = IntakeActor(
             self.tokenizer, self._check_ids, self._stop_criteria, intake_recv, sched_send.clone(),
-            self._seq_ids,
+            self._seq_ids, grammars,
         )  # fmt: skip
         self._control = sched_send  # aborts
         self._submit = intake_send
@@ -509,6 +513,11 @@ class AsyncEngine:
             raise InvalidRequestError("cache_salt must be a str without NUL characters.")
         if rid in self._live and not self._live[rid].is_done:
             raise InvalidRequestError(f"request id {rid!r} is already in use.")
+        self._check_vocab(params)
+        if params.structured_outputs is not None and not structured_outputs_available():
+            raise InvalidRequestError(STRUCTURED_EXTRA_HINT)
+        if params.structured_outputs is not None and beam is not None:
+            raise InvalidRequestError("beam search does not take structured outputs.")
         if prompt is None:
             text, ids = None, None
         elif isinstance(prompt, str):
@@ -545,6 +554,16 @@ class AsyncEngine:
             raise EngineDeadError("the engine stopped") from self._dead
         if self._tg is None or self._closed:
             raise RuntimeError("the engine is not running: use `async with AsyncEngine(...)`.")
+
+    def _check_vocab(self, params: SamplingParams) -> None:
+        """Token ids of the logit controls must be in the model's vocabulary."""
+        for name, ids in (("logit_bias", [t for t, _ in params.logit_bias]),
+                          ("allowed_token_ids", params.allowed_token_ids or ())):  # fmt: skip
+            bad = [t for t in ids if t >= self.vocab_size]
+            if bad:
+                raise InvalidRequestError(
+                    f"{name} token ids must be in [0, {self.vocab_size}), got {bad[:5]}."
+                )
 
     def _check_ids(self, ids: Sequence[int], params: SamplingParams) -> int:
         """Validate prompt token ids; returns the request's max new tokens."""

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any, Literal, cast
 
 from asyncpaged.errors import InvalidRequestError
+from asyncpaged.structured_outputs import StructuredOutputsParams
 
 __all__ = [
     "MODEL_DEFAULT_FIELDS",
@@ -132,6 +133,45 @@ def _normalize_stop_token_ids(stop_token_ids: Iterable[int] | None) -> tuple[int
             f"stop_token_ids must contain only non-negative integers, got {list(ids)}."
         )
     return tuple(dict.fromkeys(ids))
+
+
+def _normalize_logit_bias(logit_bias: object) -> tuple[tuple[int, float], ...]:
+    if logit_bias is None:
+        return ()
+    if not isinstance(logit_bias, Mapping):
+        raise InvalidRequestError(
+            f"logit_bias must be a dict of token id -> bias, got {type(logit_bias).__name__}."
+        )
+    pairs = []
+    for token, bias in logit_bias.items():
+        if isinstance(token, bool) or not isinstance(token, int) or token < 0:
+            raise InvalidRequestError(
+                f"logit_bias keys must be token ids (ints >= 0), got {token!r}."
+            )
+        pairs.append((token, _check_float(f"logit_bias[{token}]", bias)))
+    return tuple(sorted(pairs))
+
+
+def _normalize_allowed(allowed: Iterable[int] | None) -> tuple[int, ...] | None:
+    if allowed is None:
+        return None
+    ids = tuple(allowed)
+    if not ids:
+        raise InvalidRequestError("allowed_token_ids must not be empty (None allows every token).")
+    if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
+        raise InvalidRequestError(
+            f"allowed_token_ids must contain only non-negative integers, got {list(ids)[:8]}."
+        )
+    return tuple(dict.fromkeys(ids))
+
+
+def _normalize_bad_words(bad_words: str | Sequence[str] | None) -> tuple[str, ...]:
+    if bad_words is None:
+        return ()
+    words = (bad_words,) if isinstance(bad_words, str) else tuple(bad_words)
+    if not all(isinstance(w, str) and w.strip() for w in words):
+        raise InvalidRequestError(f"bad_words must be non-empty strings, got {bad_words!r}.")
+    return words
 
 
 _BOOL_FIELDS = frozenset(
@@ -244,6 +284,13 @@ class SamplingParams:
     * ``include_stop_str_in_output=False``, ``skip_special_tokens=True``,
       ``spaces_between_special_tokens=True``: detokenization options.
     * ``output_kind=RequestOutputKind.CUMULATIVE``: what each streamed output carries.
+    * ``logit_bias=None``: token id -> bias added to its logit before sampling (stored as sorted
+      ``(id, bias)`` pairs); ``allowed_token_ids=None``: only these may be sampled;
+      ``bad_words=None``: words never generated (vLLM's rule: each word is tokenized with and
+      without a leading space; its last token is banned whenever the output ends with the rest).
+      Token ids must be in the model's vocabulary (checked by the engine).
+    * ``structured_outputs=None``: a ``StructuredOutputsParams`` constraint (JSON schema, regex,
+      choice, grammar, any JSON object) the output follows (``asyncpaged.structured_outputs``).
 
     Model defaults: ``temperature``, ``top_p``, ``top_k``, ``min_p``, ``repetition_penalty`` and
     ``max_tokens`` left unset (``explicit_fields`` records the ones given) take the model's
@@ -271,6 +318,10 @@ class SamplingParams:
     skip_special_tokens: bool
     spaces_between_special_tokens: bool
     output_kind: RequestOutputKind
+    logit_bias: tuple[tuple[int, float], ...]
+    allowed_token_ids: tuple[int, ...] | None
+    bad_words: tuple[str, ...]
+    structured_outputs: StructuredOutputsParams | None
     #: The model-default fields (``MODEL_DEFAULT_FIELDS``) the caller gave explicitly; the rest
     #: take the model's ``generation_config.json`` values in the engine (``with_defaults``).
     explicit_fields: frozenset[str] = field(init=False, compare=False, repr=False)
@@ -298,6 +349,10 @@ class SamplingParams:
         skip_special_tokens: bool = True,
         spaces_between_special_tokens: bool = True,
         output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE,
+        logit_bias: Mapping[int, float] | Iterable[tuple[int, float]] | None = None,
+        allowed_token_ids: Iterable[int] | None = None,
+        bad_words: str | Sequence[str] | None = None,
+        structured_outputs: StructuredOutputsParams | None = None,
     ) -> None:
         """Validate and normalize; raise ``InvalidRequestError`` naming the first bad value."""
         given = {"temperature": temperature, "top_p": top_p, "top_k": top_k, "min_p": min_p,
@@ -347,7 +402,20 @@ class SamplingParams:
             "skip_special_tokens": skip_special_tokens,
             "spaces_between_special_tokens": spaces_between_special_tokens,
             "output_kind": output_kind,
+            "logit_bias": _normalize_logit_bias(
+                dict(logit_bias) if isinstance(logit_bias, tuple) else logit_bias
+            ),
+            "allowed_token_ids": _normalize_allowed(allowed_token_ids),
+            "bad_words": _normalize_bad_words(bad_words),
+            "structured_outputs": structured_outputs,
         }
+        if structured_outputs is not None and not isinstance(
+            structured_outputs, StructuredOutputsParams
+        ):
+            raise InvalidRequestError(
+                "structured_outputs must be a StructuredOutputsParams, got "
+                f"{type(structured_outputs).__name__}."
+            )
         for name, value in values.items():
             if name in _BOOL_FIELDS:
                 _check_bool(name, value)

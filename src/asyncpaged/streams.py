@@ -64,6 +64,10 @@ class RequestState:
                 c.cumulative_logprob = 0.0
         self.metrics = RequestMetrics(arrival_time=arrival_time)
         self.num_cached_tokens = 0
+        # Structured outputs: the compiled constraint (set by intake) and one grammar matcher
+        # per completion index (made by the scheduler actor on its first step).
+        self.grammar: Any = None
+        self.matchers: dict[int, Any] = {}
         self.error: BaseException | None = None
         self.rejection: BaseException | None = None
         self._event = anyio.Event()

@@ -38,6 +38,10 @@ VLLM_DEFAULTS = {
     "skip_special_tokens": True,
     "spaces_between_special_tokens": True,
     "output_kind": RequestOutputKind.CUMULATIVE,
+    # vLLM's None, stored normalized: no bias pairs, every token allowed, no bad words
+    "logit_bias": (),
+    "allowed_token_ids": None,
+    "bad_words": (),
 }
 
 

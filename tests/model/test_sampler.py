@@ -403,3 +403,26 @@ def test_exponential_draws_from_the_uniform_stream_equal_exponential_(
     assert torch.equal(fast, slow)
     assert torch.equal(fast_generator.get_state(), slow_generator.get_state())
     assert len({tuple(row[:4].tolist()) for row in fast}) == len(opts)  # rows really differ
+
+
+def test_logit_controls_in_vllms_order_and_never_screened() -> None:
+    """allowed_token_ids mask, then logit_bias, then the banned (bad-word) tokens, before the
+    penalties; raw logprobs stay the unprocessed ones; no screened shortcut takes such rows."""
+    from asyncpaged.model.sampler import is_screenable
+
+    logits = torch.tensor([[0.0, 1.0, 2.0, 3.0, 4.0], [4.0, 3.0, 2.0, 1.0, 0.0]])
+    opts = [
+        SamplingOptions(temperature=0.0, allowed_token_ids=(0, 1, 2), logit_bias=((0, 1.5),)),
+        SamplingOptions(
+            temperature=0.0, banned_token_ids=(0,), logit_bias=((4, 3.5),), num_logprobs=0
+        ),
+    ]
+    out = sample(logits, opts)
+    # row 0: allowed {0, 1, 2} -> [0, 1, 2] + bias 1.5 on 0 -> 2 (2.0 beats 1.5)
+    # row 1: 0 banned, 4 biased to 3.5 -> 4 (3.5 beats 3.0)
+    assert out.token_ids.tolist() == [2, 4]
+    assert out.logprobs is not None
+    raw = torch.log_softmax(logits, dim=-1)
+    assert torch.allclose(out.logprobs, raw[torch.arange(2), out.token_ids])
+    assert not any(is_screenable(o, 5) for o in opts)
+    assert is_screenable(SamplingOptions(temperature=0.0), 5)

@@ -16,6 +16,7 @@ from asyncpaged.core.request import Request, StopCriteria
 from asyncpaged.core.request import Sequence as Seq
 from asyncpaged.errors import InvalidRequestError
 from asyncpaged.messages import AddRequest, ChatPrompt, SchedulerInbox, SubmitRequest
+from asyncpaged.structured_outputs import GrammarBackend
 
 log = structlog.get_logger("asyncpaged")
 
@@ -37,8 +38,10 @@ class IntakeActor:
         inbox: MemoryObjectReceiveStream[SubmitRequest],
         outbox: MemoryObjectSendStream[SchedulerInbox],
         seq_ids: Iterator[int],
+        grammars: GrammarBackend | None = None,
     ) -> None:
         self.tokenizer = tokenizer
+        self._grammars = grammars
         self._validate_ids = validate_ids
         self._stop_criteria = stop_criteria
         self._inbox = inbox
@@ -55,6 +58,7 @@ class IntakeActor:
                 try:
                     ids = await self._token_ids(msg)
                     max_tokens = self._validate_ids(ids, msg.params)
+                    await self._compile_grammar(msg)
                 except InvalidRequestError as exc:
                     msg.state.reject(exc)
                     continue
@@ -90,6 +94,17 @@ class IntakeActor:
                     )
                     request.beam.start(request.seqs[0].seq_id)
                 await self._outbox.send(AddRequest(request=request, state=msg.state))
+
+    async def _compile_grammar(self, msg: SubmitRequest) -> None:
+        """Structured outputs: compile the request's constraint (cached) in the worker thread."""
+        constraint = msg.params.structured_outputs
+        if constraint is None:
+            return
+        assert self._grammars is not None, "structured outputs without a grammar backend"
+        grammars = self._grammars
+        msg.state.grammar = await anyio.to_thread.run_sync(
+            lambda: grammars.compile(constraint), limiter=self._limiter
+        )
 
     async def _token_ids(self, msg: SubmitRequest) -> Sequence[int]:
         if msg.prompt_token_ids is not None:

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import anyio
 import structlog
+import torch
 from anyio.abc import TaskStatus
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
@@ -31,6 +32,7 @@ from asyncpaged.model.sampler import SamplingOptions, derive_generator_key
 from asyncpaged.outputs import Logprob
 from asyncpaged.sampling_params import SamplingParams
 from asyncpaged.streams import RequestState
+from asyncpaged.structured_outputs import GrammarBackend
 
 log = structlog.get_logger("asyncpaged")
 
@@ -57,9 +59,12 @@ class SchedulerActor:
         swaps: MemoryObjectSendStream[SwapBlocks],
         eos_token_ids: frozenset[int],
         tokenizer: Any = None,
+        grammars: GrammarBackend | None = None,
     ) -> None:
         self.scheduler = scheduler
         self._tokenizer = tokenizer
+        self._grammars = grammars
+        self._bad_words: dict[tuple[str, ...], tuple[tuple[int, ...], ...]] = {}
         self.snapshot = snapshot
         self.states: dict[str, RequestState] = {}
         self._inbox = inbox
@@ -168,12 +173,14 @@ class SchedulerActor:
                 index: int,
                 request: Request = request,
                 seq: Seq = seq,
-                params: SamplingParams = state.params,
+                state: RequestState = state,
             ) -> SamplingOptions | None:
                 if request.beam is not None:  # each beam offers its 2k best continuations
                     return SamplingOptions(temperature=0.0, num_logprobs=2 * request.beam.width)
+                params = state.params
                 return _sampling_options(
-                    params, seq.token_ids, seq.num_prompt_tokens, index, self._eos
+                    params, seq.token_ids, seq.num_prompt_tokens, index, self._eos,
+                    self._bad_words_ids(params.bad_words), self._grammar_bitmask(state, index),
                 )  # fmt: skip
 
             steps.append(
@@ -235,6 +242,9 @@ class SchedulerActor:
         updates = self.scheduler.update(out, tokens, top)
         for upd in updates:
             state = self.states[upd.request_id]
+            if not self._accept_grammar_tokens(state, upd.index, upd.new_token_ids):
+                self._log.warning("grammar_rejected_token", request_id=upd.request_id,
+                                  tokens=list(upd.new_token_ids))  # fmt: skip
             token = by_row[upd.row]
             logprobs = (
                 _logprobs(token, state.params.logprobs) if token.logprob is not None else None
@@ -255,6 +265,39 @@ class SchedulerActor:
             self._log_if_finished(rid, state)
         self.scheduler.finished_beams.clear()
 
+    def _grammar_bitmask(self, state: RequestState, index: int) -> torch.Tensor | None:
+        """Structured outputs: the next-token bitmask of completion ``index``'s matcher (made
+        on its first step; it has accepted every token the completion generated)."""
+        if state.grammar is None:
+            return None
+        assert self._grammars is not None, "a compiled grammar without a grammar backend"
+        matcher = state.matchers.get(index)
+        if matcher is None:
+            matcher = state.matchers[index] = self._grammars.matcher(state.grammar)
+        bitmask: torch.Tensor = self._grammars.next_token_bitmask(matcher)
+        return bitmask
+
+    def _accept_grammar_tokens(
+        self, state: RequestState, index: int, tokens: Sequence[int]
+    ) -> bool:
+        """Feed a completion's new tokens to its matcher; False if the grammar refused one
+        (the bitmask allowed it, so only a stop token past the end can)."""
+        matcher = state.matchers.get(index)
+        if matcher is None:
+            return True
+        return all(matcher.accept_token(t) or matcher.is_terminated() for t in tokens)
+
+    def _bad_words_ids(self, words: tuple[str, ...]) -> tuple[tuple[int, ...], ...]:
+        """Token ids of a request's bad words, tokenized once per distinct word list."""
+        if not words:
+            return ()
+        ids = self._bad_words.get(words)
+        if ids is None:
+            if len(self._bad_words) >= 1024:
+                self._bad_words.clear()
+            ids = self._bad_words[words] = bad_words_token_ids(self._tokenizer, words)
+        return ids
+
     def _log_if_finished(self, request_id: str, state: RequestState) -> None:
         if state.finished and request_id in self.states:
             del self.states[request_id]
@@ -272,9 +315,18 @@ def _sampling_options(
     num_prompt: int,
     index: int,
     eos_token_ids: frozenset[int],
+    bad_words_ids: tuple[tuple[int, ...], ...] = (),
+    token_bitmask: torch.Tensor | None = None,
 ) -> SamplingOptions | None:
     """The executor's per-row sampling options; None for plain greedy (the fast path)."""
     num_generated = len(token_ids) - num_prompt
+    banned = banned_next_tokens(bad_words_ids, token_ids[num_prompt:])
+    controlled = bool(
+        params.logit_bias
+        or params.allowed_token_ids is not None
+        or banned
+        or token_bitmask is not None
+    )
     mask: tuple[int, ...] = ()
     if num_generated < params.min_tokens:
         mask = tuple(params.stop_token_ids)
@@ -285,7 +337,13 @@ def _sampling_options(
         or params.frequency_penalty != 0.0
         or params.repetition_penalty != 1.0
     )
-    if params.is_greedy and not penalized and not mask and params.logprobs is None:
+    if (
+        params.is_greedy
+        and not penalized
+        and not mask
+        and not controlled
+        and params.logprobs is None
+    ):
         return None
     return SamplingOptions(
         temperature=params.temperature,
@@ -303,7 +361,37 @@ def _sampling_options(
         generator_key=derive_generator_key(params.seed, index, num_generated)
         if params.seed is not None
         else 0,
+        logit_bias=params.logit_bias,
+        allowed_token_ids=params.allowed_token_ids,
+        banned_token_ids=banned,
+        token_bitmask=token_bitmask,
     )
+
+
+def bad_words_token_ids(tokenizer: Any, words: tuple[str, ...]) -> tuple[tuple[int, ...], ...]:
+    """Each bad word's token ids, as vLLM tokenizes them: the word (left-stripped), and the word
+    after a space where that tokenizes into as many tokens, starting with another one."""
+    out: list[tuple[int, ...]] = []
+    for word in words:
+        plain = tuple(tokenizer.encode(word.lstrip(), add_special_tokens=False))
+        spaced = tuple(tokenizer.encode(" " + word.lstrip(), add_special_tokens=False))
+        out.append(plain)
+        if spaced and plain and spaced[0] != plain[0] and len(spaced) == len(plain):
+            out.append(spaced)
+    return tuple(ids for ids in out if ids)
+
+
+def banned_next_tokens(
+    bad_words_ids: tuple[tuple[int, ...], ...], output: list[int]
+) -> tuple[int, ...]:
+    """The last token of every bad word whose other tokens end the output (vLLM's rule: a
+    one-token word is always banned)."""
+    banned = []
+    for ids in bad_words_ids:
+        prefix = ids[:-1]
+        if len(prefix) <= len(output) and (not prefix or tuple(output[-len(prefix) :]) == prefix):
+            banned.append(ids[-1])
+    return tuple(dict.fromkeys(banned))
 
 
 def _logprobs(token: SampledToken, num_top: int | None) -> dict[int, Logprob]:

@@ -395,6 +395,7 @@ def _plain_greedy(seq: SequenceStep, opt: SamplingOptions | None) -> bool:
         opt.is_greedy
         and not opt.has_penalties
         and not opt.min_tokens_mask_ids
+        and not opt.has_logit_controls
         and opt.num_logprobs is None
     )
 

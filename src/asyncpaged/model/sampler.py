@@ -35,6 +35,7 @@ from asyncpaged.model.logits_processors import (
     apply_penalties,
     apply_top_k_top_p,
 )
+from asyncpaged.structured_outputs import bitmask_to_allowed
 
 SAMPLING_EPS = 1e-5
 """Temperatures below this sample greedily (vLLM's ``_SAMPLING_EPS``)."""
@@ -52,7 +53,10 @@ class SamplingOptions:
     ``min_tokens_mask_ids`` (EOS + stop token ids) only while fewer than ``min_tokens`` tokens
     were generated. ``prompt_token_ids`` / ``output_token_ids`` feed the penalties.
     ``generator_key`` seeds this row's generator when ``seed`` is set (see
-    ``derive_generator_key``); it is ignored otherwise.
+    ``derive_generator_key``); it is ignored otherwise. Logit controls (vLLM's): only
+    ``allowed_token_ids`` keep their logits (None: all), ``logit_bias`` (token id, bias) pairs
+    are added, ``banned_token_ids`` (the bad words' next tokens this step) get -inf; all before
+    the penalties, none in the raw logprobs.
     """
 
     temperature: float = 1.0
@@ -68,6 +72,10 @@ class SamplingOptions:
     prompt_token_ids: tuple[int, ...] = ()
     output_token_ids: tuple[int, ...] = ()
     generator_key: int = 0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    allowed_token_ids: tuple[int, ...] | None = None
+    banned_token_ids: tuple[int, ...] = ()
+    token_bitmask: torch.Tensor | None = None  # [ceil(V / 32)] int32: structured outputs
 
     def __post_init__(self) -> None:
         if self.temperature < 0.0:
@@ -88,6 +96,17 @@ class SamplingOptions:
     @property
     def is_greedy(self) -> bool:
         return self.temperature < SAMPLING_EPS
+
+    @property
+    def has_logit_controls(self) -> bool:
+        """Whether logit_bias, allowed_token_ids, banned tokens or a grammar's bitmask move this
+        row's logits."""
+        return bool(
+            self.logit_bias
+            or self.allowed_token_ids is not None
+            or self.banned_token_ids
+            or self.token_bitmask is not None
+        )
 
     @property
     def has_penalties(self) -> bool:
@@ -188,12 +207,16 @@ def sample(
 
 
 def _process(logits: torch.Tensor, opts: Sequence[SamplingOptions | None]) -> torch.Tensor:
-    """Min-tokens masking and penalties (they change greedy rows too); ``logits`` is not edited."""
+    """Logit controls, min-tokens masking and penalties (they change greedy rows too);
+    ``logits`` is not edited."""
     masked = [i for i, o in enumerate(opts) if o is not None and o.min_tokens_mask_ids]
     penalized = [i for i, o in enumerate(opts) if o is not None and o.has_penalties]
-    if not masked and not penalized:
+    controlled = [o is not None and o.has_logit_controls for o in opts]
+    if not masked and not penalized and not any(controlled):
         return logits
     logits = logits.clone()
+    if any(controlled):
+        apply_logit_controls(logits, opts)
     apply_min_tokens_mask(logits, [o.min_tokens_mask_ids if o is not None else () for o in opts])
     if penalized:
         rows = torch.tensor(penalized, dtype=torch.int64, device=logits.device)
@@ -211,6 +234,31 @@ def _process(logits: torch.Tensor, opts: Sequence[SamplingOptions | None]) -> to
             presence_penalties=column([o.presence_penalty for o in subset]),
         )
     return logits
+
+
+def apply_logit_controls(logits: torch.Tensor, opts: Sequence[SamplingOptions | None]) -> None:
+    """In place, per row: keep only ``allowed_token_ids``, add ``logit_bias``, ban
+    ``banned_token_ids`` and every token ``token_bitmask`` rules out (vLLM v1's order; -inf
+    stays -inf under any bias)."""
+    device = logits.device
+    for r, o in enumerate(opts):
+        if o is None or not o.has_logit_controls:
+            continue
+        row = logits[r]
+        if o.allowed_token_ids is not None:
+            keep = torch.tensor(o.allowed_token_ids, dtype=torch.int64, device=device)
+            kept = row[keep].clone()
+            row.fill_(_NEG_INF)
+            row[keep] = kept
+        if o.logit_bias:
+            ids = torch.tensor([t for t, _ in o.logit_bias], dtype=torch.int64, device=device)
+            bias = torch.tensor([b for _, b in o.logit_bias], dtype=row.dtype, device=device)
+            row.index_add_(0, ids, bias)
+        if o.banned_token_ids:
+            row[torch.tensor(o.banned_token_ids, dtype=torch.int64, device=device)] = _NEG_INF
+        if o.token_bitmask is not None:  # structured outputs: the grammar's next tokens
+            allowed = bitmask_to_allowed(o.token_bitmask.to(device), row.shape[0])
+            row.masked_fill_(~allowed, _NEG_INF)
 
 
 def _sample_random(
@@ -295,7 +343,12 @@ def is_screenable(opt: SamplingOptions | None, vocab_size: int) -> bool:
     """
     if opt is None:
         return True
-    if opt.num_logprobs is not None or opt.has_penalties or opt.min_tokens_mask_ids:
+    if (
+        opt.num_logprobs is not None
+        or opt.has_penalties
+        or opt.min_tokens_mask_ids
+        or opt.has_logit_controls
+    ):
         return False
     if opt.is_greedy:
         return True

@@ -1,0 +1,115 @@
+"""vLLM's logit controls end to end: ``logit_bias``, ``allowed_token_ids`` and ``bad_words``
+(its multi-token rule), checked against transformers' logits and by construction."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+
+from asyncpaged import InvalidRequestError, SamplingParams
+from asyncpaged.actors.scheduler import bad_words_token_ids, banned_next_tokens
+from asyncpaged.testing.tiny_models import VOCAB_SIZE
+from tests.engine.conftest import running_engine
+from tests.model.reference import HFReference
+
+pytestmark = pytest.mark.anyio
+MODEL = "llama-gqa"
+PROMPT = list(range(40, 57))
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+async def test_logit_bias_matches_biased_transformers_logits(
+    tiny_checkpoint: Callable[[str], Path], hf_reference: Callable[[str], HFReference]
+) -> None:
+    ref = hf_reference(MODEL)
+    plain = ref.generate(tuple(PROMPT), 8)[0]
+    # Push the greedy tokens down and two others up: a different, fully determined path.
+    bias = {plain[0]: -8.0, plain[1]: -5.0, 7: 3.0, 11: 2.5}
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logit_bias=bias)
+    async with running_engine(tiny_checkpoint(MODEL)) as engine:
+        out = (await engine.generate(PROMPT, params)).outputs[0].token_ids
+        forced = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True,
+                                logit_bias={9: 100.0})  # fmt: skip
+        assert (await engine.generate(PROMPT, forced)).outputs[0].token_ids == [9] * 4
+    assert out != plain
+    scores = ref.score(tuple(PROMPT), tuple(out))  # [8, V] log-softmax, teacher-forced
+    biased = scores.clone()
+    for token, b in bias.items():
+        biased[:, token] += b
+    assert out == biased.argmax(dim=-1).tolist()
+
+
+async def test_allowed_token_ids_bound_every_sample(
+    tiny_checkpoint: Callable[[str], Path], hf_reference: Callable[[str], HFReference]
+) -> None:
+    allowed = [5, 17, 42, 99, 250]
+    async with running_engine(tiny_checkpoint(MODEL), num_device_blocks=12) as engine:
+        sampled = SamplingParams(n=4, temperature=1.2, seed=3, max_tokens=12, ignore_eos=True,
+                                 allowed_token_ids=allowed)  # fmt: skip
+        out = await engine.generate(PROMPT, sampled)
+        assert len(out.outputs) == 4
+        for completion in out.outputs:
+            assert set(completion.token_ids) <= set(allowed)
+        assert len({t for c in out.outputs for t in c.token_ids}) > 1  # it did sample
+        greedy = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True,
+                                allowed_token_ids=allowed)  # fmt: skip
+        tokens = (await engine.generate(PROMPT, greedy)).outputs[0].token_ids
+    scores = hf_reference(MODEL).score(tuple(PROMPT), tuple(tokens))
+    mask = torch.full((VOCAB_SIZE,), float("-inf"))
+    mask[allowed] = 0.0
+    assert tokens == (scores + mask).argmax(dim=-1).tolist()
+
+
+def test_bad_word_rule_is_vllms() -> None:
+    words = ((7,), (3, 4, 5), (9, 9))
+    assert banned_next_tokens(words, []) == (7,)
+    assert banned_next_tokens(words, [1, 3, 4]) == (7, 5)  # the rest of (3, 4, 5) ends it
+    assert banned_next_tokens(words, [3, 4, 1]) == (7,)
+    assert banned_next_tokens(words, [9]) == (7, 9)
+    assert banned_next_tokens((), [1, 2]) == ()
+
+
+async def test_bad_words_are_never_generated(
+    tiny_checkpoint: Callable[[str], Path], hf_reference: Callable[[str], HFReference]
+) -> None:
+    """A one-token and a two-token word taken from the greedy output, banned: the output
+    avoids the first everywhere and the second's last token after its first."""
+    plain = hf_reference(MODEL).generate(tuple(PROMPT), 10)[0]
+    async with running_engine(tiny_checkpoint(MODEL)) as engine:
+        tok = engine.tokenizer
+
+        def word_of(ids: list[int]) -> str | None:  # text that tokenizes back into ids
+            text = tok.decode(ids)
+            same = tok.encode(text.lstrip(), add_special_tokens=False) == ids
+            return text if same and text.strip() else None
+
+        one = next(w for t in plain if (w := word_of([t])))
+        two = next(w for a, b in itertools.pairwise(plain) if (w := word_of([a, b])))
+        ids = bad_words_token_ids(tok, (one, two))
+        single = next(w for w in ids if len(w) == 1)
+        pair = next(w for w in ids if len(w) == 2)
+        params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True,
+                                bad_words=[one, two])  # fmt: skip
+        out = (await engine.generate(PROMPT, params)).outputs[0].token_ids
+    assert out != plain
+    assert single[0] not in out
+    assert all(tuple(out[i : i + 2]) != pair for i in range(len(out) - 1))
+
+
+async def test_bad_ids_are_refused_before_queueing(tiny_checkpoint: Callable[[str], Path]) -> None:
+    async with running_engine(tiny_checkpoint(MODEL)) as engine:
+        for params in (
+            SamplingParams(logit_bias={VOCAB_SIZE: 1.0}),
+            SamplingParams(allowed_token_ids=[1, VOCAB_SIZE + 5]),
+        ):
+            with pytest.raises(InvalidRequestError, match="token ids must be in"):
+                engine.generate(PROMPT, params)
+        assert engine.statistics().num_waiting == 0
