@@ -131,6 +131,9 @@ def test_cpu_levers_keep_greedy_equal_to_transformers(
     )
     num_packed = sum(packed_linear.PACKED_ATTR in m.__dict__ for m in runner.model.modules())
     assert (num_packed > 0) == (packed and packed_linear.packing_supported())
+    # Without the bf16 screen the full head runs every step: packed like the layers.
+    packed_head = runner.model.packed_lm_head is not None
+    assert packed_head == (packed and screen is None and packed_linear.packing_supported())
     seqs = _make_sequences(seed=4)
     Driver(runner, seed=5, want_logprob=False).run(seqs)
     used = screen if screen != "int8" or lm_head_int8.int8_screen_supported() else "bf16"

