@@ -42,6 +42,7 @@ VLLM_DEFAULTS = {
     "logit_bias": (),
     "allowed_token_ids": None,
     "bad_words": (),
+    "structured_outputs": None,
 }
 
 
