@@ -30,7 +30,13 @@ from asyncpaged.core.scheduler import Scheduler, SchedulerConfig
 from asyncpaged.core.txn import StepTxn, TxnResult
 from asyncpaged.distributed import TensorParallelRunner, check_tensor_parallel, worker_spec
 from asyncpaged.errors import EngineDeadError, InvalidRequestError
-from asyncpaged.inputs import ChatMessage, PromptType, check_messages, parse_prompt
+from asyncpaged.inputs import (
+    ChatMessage,
+    PromptType,
+    check_messages,
+    parse_prompt,
+    truncate_prompt,
+)
 from asyncpaged.messages import (
     AbortRequest,
     ChatPrompt,
@@ -525,7 +531,7 @@ class AsyncEngine:
                 raise InvalidRequestError("prompt must not be empty.")
             text, ids = prompt, None
         else:
-            ids = tuple(prompt)
+            ids = truncate_prompt(tuple(prompt), params)
             self._check_ids(ids, params)
             text = None
         state = RequestState(rid, text, params, time.monotonic(), beam=beam is not None)

@@ -23,6 +23,7 @@ __all__ = [
     "TokensPrompt",
     "check_messages",
     "parse_prompt",
+    "truncate_prompt",
 ]
 
 
@@ -89,6 +90,13 @@ def parse_prompt(prompt: object) -> ParsedPrompt:
     if keys in ({"prompt_token_ids"}, {"prompt_token_ids", "cache_salt"}):
         return ParsedPrompt(None, _token_ids(prompt["prompt_token_ids"]), salt)
     raise InvalidRequestError(f"a prompt must be {_FORMS}; got a dict with keys {sorted(keys)}.")
+
+
+def truncate_prompt(token_ids: Sequence[int], params: Any) -> tuple[int, ...]:
+    """The prompt's last ``params.truncate_prompt_tokens`` ids (all of them when unset)."""
+    keep = params.truncate_prompt_tokens
+    ids = tuple(token_ids)
+    return ids if keep is None or len(ids) <= keep else ids[-keep:]
 
 
 def check_messages(messages: object) -> list[dict[str, Any]]:

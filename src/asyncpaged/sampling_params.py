@@ -180,6 +180,7 @@ _BOOL_FIELDS = frozenset(
         "include_stop_str_in_output",
         "skip_special_tokens",
         "spaces_between_special_tokens",
+        "detokenize",
     }
 )
 
@@ -289,6 +290,9 @@ class SamplingParams:
       ``bad_words=None``: words never generated (vLLM's rule: each word is tokenized with and
       without a leading space; its last token is banned whenever the output ends with the rest).
       Token ids must be in the model's vocabulary (checked by the engine).
+    * ``detokenize=True``: False leaves ``text`` empty (ids only; no stop strings, no
+      ``Logprob.decoded_token``). ``truncate_prompt_tokens=None``: an int k keeps only the
+      prompt's last k tokens (left truncation, after tokenizing).
     * ``structured_outputs=None``: a ``StructuredOutputsParams`` constraint (JSON schema, regex,
       choice, grammar, any JSON object) the output follows (``asyncpaged.structured_outputs``).
 
@@ -322,6 +326,8 @@ class SamplingParams:
     allowed_token_ids: tuple[int, ...] | None
     bad_words: tuple[str, ...]
     structured_outputs: StructuredOutputsParams | None
+    detokenize: bool
+    truncate_prompt_tokens: int | None
     #: The model-default fields (``MODEL_DEFAULT_FIELDS``) the caller gave explicitly; the rest
     #: take the model's ``generation_config.json`` values in the engine (``with_defaults``).
     explicit_fields: frozenset[str] = field(init=False, compare=False, repr=False)
@@ -353,6 +359,8 @@ class SamplingParams:
         allowed_token_ids: Iterable[int] | None = None,
         bad_words: str | Sequence[str] | None = None,
         structured_outputs: StructuredOutputsParams | None = None,
+        detokenize: bool = True,
+        truncate_prompt_tokens: int | None = None,
     ) -> None:
         """Validate and normalize; raise ``InvalidRequestError`` naming the first bad value."""
         given = {"temperature": temperature, "top_p": top_p, "top_k": top_k, "min_p": min_p,
@@ -408,7 +416,17 @@ class SamplingParams:
             "allowed_token_ids": _normalize_allowed(allowed_token_ids),
             "bad_words": _normalize_bad_words(bad_words),
             "structured_outputs": structured_outputs,
+            "detokenize": detokenize,
+            "truncate_prompt_tokens": truncate_prompt_tokens,
         }
+        if truncate_prompt_tokens is not None and (
+            _check_int("truncate_prompt_tokens", truncate_prompt_tokens) < 1
+        ):
+            raise InvalidRequestError(
+                f"truncate_prompt_tokens must be at least 1, got {truncate_prompt_tokens}."
+            )
+        if not detokenize and values["stop"]:
+            raise InvalidRequestError("stop strings are only supported when detokenize is True.")
         if structured_outputs is not None and not isinstance(
             structured_outputs, StructuredOutputsParams
         ):

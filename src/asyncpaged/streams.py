@@ -78,7 +78,7 @@ class RequestState:
         """The request reached the scheduler: set up detokenizing (no tokenizer: ids only)."""
         self.prompt_token_ids = prompt_token_ids
         self.metrics.num_prompt_tokens = len(prompt_token_ids)
-        if tokenizer is not None:
+        if tokenizer is not None and self.params.detokenize:
             for c in self.completions:
                 c.detokenizer = IncrementalDetokenizer(tokenizer, prompt_token_ids, self.params)
 

@@ -43,6 +43,8 @@ VLLM_DEFAULTS = {
     "allowed_token_ids": None,
     "bad_words": (),
     "structured_outputs": None,
+    "detokenize": True,
+    "truncate_prompt_tokens": None,
 }
 
 

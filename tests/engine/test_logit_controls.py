@@ -113,3 +113,40 @@ async def test_bad_ids_are_refused_before_queueing(tiny_checkpoint: Callable[[st
             with pytest.raises(InvalidRequestError, match="token ids must be in"):
                 engine.generate(PROMPT, params)
         assert engine.statistics().num_waiting == 0
+
+
+async def test_detokenize_truncate_and_decoded_tokens(
+    tiny_checkpoint: Callable[[str], Path], hf_reference: Callable[[str], HFReference]
+) -> None:
+    """vLLM's ``detokenize=False`` (ids only), ``truncate_prompt_tokens`` (the prompt's last k
+    tokens) and ``Logprob.decoded_token`` (each id's text)."""
+    ref = hf_reference(MODEL)
+    async with running_engine(tiny_checkpoint(MODEL)) as engine:
+        greedy = {"temperature": 0.0, "max_tokens": 5, "ignore_eos": True}
+        plain = await engine.generate(PROMPT, SamplingParams(detokenize=False, **greedy))
+        assert plain.outputs[0].text == ""
+        assert plain.outputs[0].token_ids == ref.generate(tuple(PROMPT), 5)[0]
+        cut = SamplingParams(truncate_prompt_tokens=6, **greedy)
+        for prompt in (PROMPT, engine.tokenizer.decode(PROMPT)):
+            out = await engine.generate(prompt, cut)
+            assert len(out.prompt_token_ids) == 6
+            want = ref.generate(tuple(out.prompt_token_ids), 5)[0]
+            assert out.outputs[0].token_ids == want
+        scored = await engine.generate(PROMPT, SamplingParams(logprobs=2, **greedy))
+        completion = scored.outputs[0]
+        assert completion.logprobs is not None
+        for position in completion.logprobs:
+            assert len(position) >= 2
+            for token_id, logprob in position.items():
+                assert logprob.decoded_token == engine.tokenizer.decode([token_id])
+        silent = await engine.generate(
+            PROMPT, SamplingParams(logprobs=1, detokenize=False, **greedy)
+        )
+        assert silent.outputs[0].logprobs is not None
+        assert all(
+            lp.decoded_token is None for p in silent.outputs[0].logprobs for lp in p.values()
+        )
+    with pytest.raises(InvalidRequestError, match="detokenize"):
+        SamplingParams(detokenize=False, stop=["x"])
+    with pytest.raises(InvalidRequestError, match="truncate_prompt_tokens"):
+        SamplingParams(truncate_prompt_tokens=0)

@@ -15,6 +15,7 @@ from asyncpaged.core.beam_search import BeamSearcher
 from asyncpaged.core.request import Request, StopCriteria
 from asyncpaged.core.request import Sequence as Seq
 from asyncpaged.errors import InvalidRequestError
+from asyncpaged.inputs import truncate_prompt
 from asyncpaged.messages import AddRequest, ChatPrompt, SchedulerInbox, SubmitRequest
 from asyncpaged.structured_outputs import GrammarBackend
 
@@ -56,7 +57,7 @@ class IntakeActor:
         async with self._inbox, self._outbox:
             async for msg in self._inbox:
                 try:
-                    ids = await self._token_ids(msg)
+                    ids = truncate_prompt(await self._token_ids(msg), msg.params)
                     max_tokens = self._validate_ids(ids, msg.params)
                     await self._compile_grammar(msg)
                 except InvalidRequestError as exc:

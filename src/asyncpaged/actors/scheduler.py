@@ -246,8 +246,11 @@ class SchedulerActor:
                 self._log.warning("grammar_rejected_token", request_id=upd.request_id,
                                   tokens=list(upd.new_token_ids))  # fmt: skip
             token = by_row[upd.row]
+            tokenizer = self._tokenizer if state.params.detokenize else None
             logprobs = (
-                _logprobs(token, state.params.logprobs) if token.logprob is not None else None
+                _logprobs(token, state.params.logprobs, tokenizer)
+                if token.logprob is not None
+                else None
             )
             matched = state.add_tokens(
                 upd.index, upd.new_token_ids, upd.finish_reason, upd.stop_reason, logprobs
@@ -394,10 +397,18 @@ def banned_next_tokens(
     return tuple(dict.fromkeys(banned))
 
 
-def _logprobs(token: SampledToken, num_top: int | None) -> dict[int, Logprob]:
-    """The sampled token's logprob and the top ``num_top`` (vLLM's per-position dict)."""
+def _logprobs(token: SampledToken, num_top: int | None, tokenizer: Any) -> dict[int, Logprob]:
+    """The sampled token's logprob and the top ``num_top`` (vLLM's per-position dict), each
+    with its text (``tokenizer.decode([id])``, as vLLM fills ``decoded_token``) when a
+    tokenizer is given."""
+
+    def text(token_id: int) -> str | None:
+        return None if tokenizer is None else str(tokenizer.decode([token_id]))
+
     top = enumerate(token.top_logprobs[: num_top or 0], 1)
-    out = {tid: Logprob(logprob=lp, rank=rank) for rank, (tid, lp) in top}
+    out = {tid: Logprob(logprob=lp, rank=rank, decoded_token=text(tid)) for rank, (tid, lp) in top}
     assert token.logprob is not None
-    out[token.token_id] = Logprob(logprob=token.logprob, rank=token.rank)
+    out[token.token_id] = Logprob(
+        logprob=token.logprob, rank=token.rank, decoded_token=text(token.token_id)
+    )
     return out
