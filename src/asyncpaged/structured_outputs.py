@@ -41,9 +41,10 @@ EXTRA_HINT = "structured outputs need xgrammar: pip install 'asyncpaged[structur
 @dataclass(frozen=True, slots=True, kw_only=True, init=False)
 class StructuredOutputsParams:
     """Exactly one constraint (vLLM's names): ``json`` (a JSON schema, as a dict or a JSON
-    string; stored as canonical JSON text), ``regex``, ``choice`` (a list of strings: the output
-    is one of them), ``grammar`` (EBNF / GBNF, xgrammar's dialect) or ``json_object=True`` (any
-    JSON object). ``disable_any_whitespace`` keeps a schema's JSON compact."""
+    string; stored as JSON text, key order kept), ``regex``, ``choice`` (a list of strings: the
+    output is one of them), ``grammar`` (EBNF / GBNF, xgrammar's dialect) or
+    ``json_object=True`` (any JSON object). ``disable_any_whitespace`` keeps a schema's JSON
+    compact."""
 
     json: str | None
     regex: str | None
@@ -72,7 +73,7 @@ class StructuredOutputsParams:
         if json is not None and not isinstance(json, str):
             if not isinstance(json, Mapping):
                 raise InvalidRequestError("json must be a JSON schema: a dict or a JSON string.")
-            json = json_module.dumps(json, sort_keys=True)
+            json = json_module.dumps(json)  # key order kept: properties generate in it
         for name, value in (("json", json), ("regex", regex), ("grammar", grammar)):
             if value is not None and (not isinstance(value, str) or not value):
                 raise InvalidRequestError(f"{name} must be a non-empty string.")
@@ -179,7 +180,7 @@ def _compile(compiler: Any, params: StructuredOutputsParams) -> Any:
 
 
 def bitmask_to_allowed(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """[W] int32 bitmask -> [vocab_size] bool: which tokens it allows."""
+    """[..., W] int32 bitmasks -> [..., vocab_size] bool: which tokens each allows."""
     shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
-    bits = (bitmask.to(torch.int32)[:, None] >> shifts[None, :]) & 1  # [W, 32]
-    return bits.reshape(-1)[:vocab_size].bool()
+    bits = (bitmask.to(torch.int32)[..., None] >> shifts) & 1  # [..., W, 32]
+    return bits.flatten(-2)[..., :vocab_size].bool()

@@ -239,8 +239,9 @@ def _process(logits: torch.Tensor, opts: Sequence[SamplingOptions | None]) -> to
 def apply_logit_controls(logits: torch.Tensor, opts: Sequence[SamplingOptions | None]) -> None:
     """In place, per row: keep only ``allowed_token_ids``, add ``logit_bias``, ban
     ``banned_token_ids`` and every token ``token_bitmask`` rules out (vLLM v1's order; -inf
-    stays -inf under any bias)."""
+    stays -inf under any bias; the masks commute, so the bitmasks go last, in one batch)."""
     device = logits.device
+    masked = [r for r, o in enumerate(opts) if o is not None and o.token_bitmask is not None]
     for r, o in enumerate(opts):
         if o is None or not o.has_logit_controls:
             continue
@@ -256,9 +257,11 @@ def apply_logit_controls(logits: torch.Tensor, opts: Sequence[SamplingOptions | 
             row.index_add_(0, ids, bias)
         if o.banned_token_ids:
             row[torch.tensor(o.banned_token_ids, dtype=torch.int64, device=device)] = _NEG_INF
-        if o.token_bitmask is not None:  # structured outputs: the grammar's next tokens
-            allowed = bitmask_to_allowed(o.token_bitmask.to(device), row.shape[0])
-            row.masked_fill_(~allowed, _NEG_INF)
+    if masked:  # structured outputs: each row's grammar allows the set bits of its bitmask
+        bitmasks = torch.stack([opts[r].token_bitmask for r in masked])  # type: ignore[union-attr,misc]
+        allowed = bitmask_to_allowed(bitmasks.to(device), logits.shape[1])  # [R, V]
+        rows = torch.tensor(masked, dtype=torch.int64, device=device)
+        logits[rows] = logits[rows].masked_fill(~allowed, _NEG_INF)
 
 
 def _sample_random(
