@@ -8,6 +8,7 @@ from asyncpaged.errors import (
     BlockPoolError,
     EngineDeadError,
     InvalidRequestError,
+    RequestFailedError,
     WorkerDiedError,
 )
 from asyncpaged.inputs import PromptType, TextPrompt, TokensPrompt
@@ -31,6 +32,7 @@ __all__ = [
     "InvalidRequestError",
     "Logprob",
     "PromptType",
+    "RequestFailedError",
     "RequestMetrics",
     "RequestOutput",
     "RequestOutputKind",

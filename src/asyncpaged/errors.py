@@ -6,6 +6,8 @@ AsyncPagedError
  |    duplicate live request id). The engine keeps serving.
  +-- BlockPoolError (also ValueError): a call the block pool refuses (unknown sequence,
  |    duplicate id, operation on a sequence in the wrong place); the pool is left unchanged.
+ +-- RequestFailedError: one request failed while it ran (its logits processor raised); the
+ |    cause is chained, the request's blocks are freed and every other request goes on.
  +-- EngineDeadError: the engine failed; every waiter gets it, with the cause chained.
  +-- WorkerDiedError: a tensor-parallel worker process exited or its process group broke; it
       reaches waiters as the ``__cause__`` of an EngineDeadError.
@@ -27,6 +29,10 @@ class BlockPoolError(AsyncPagedError, ValueError):
 
     Raised before anything changes: the pool is exactly as it was before the call.
     """
+
+
+class RequestFailedError(AsyncPagedError):
+    """One request failed while running (``__cause__`` says why); the engine goes on."""
 
 
 class EngineDeadError(AsyncPagedError):

@@ -24,12 +24,15 @@ from __future__ import annotations
 
 import enum
 import math
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, fields
-from typing import Any, Literal, cast
+from typing import TYPE_CHECKING, Any, Literal, cast
 
 from asyncpaged.errors import InvalidRequestError
 from asyncpaged.structured_outputs import StructuredOutputsParams
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = [
     "MODEL_DEFAULT_FIELDS",
@@ -41,6 +44,9 @@ __all__ = [
 
 _SAMPLING_EPS = 1e-5
 """Temperatures below this mean greedy sampling (vLLM's ``_SAMPLING_EPS``)."""
+
+LogitsProcessor = Callable[[list[int], "torch.Tensor"], "torch.Tensor"]
+"""``(output_token_ids, logits [V]) -> logits [V]``: per request, run in the executor's thread."""
 
 _SEED_MIN = -(2**63)
 _SEED_MAX = 2**64 - 1  # the range torch.Generator.manual_seed accepts
@@ -293,6 +299,9 @@ class SamplingParams:
     * ``detokenize=True``: False leaves ``text`` empty (ids only; no stop strings, no
       ``Logprob.decoded_token``). ``truncate_prompt_tokens=None``: an int k keeps only the
       prompt's last k tokens (left truncation, after tokenizing).
+    * ``logits_processors=None``: callables ``(output_token_ids, logits) -> logits`` applied to
+      each of the request's rows after the logit controls, in the executor's thread; one that
+      raises fails its own request (``RequestFailedError``) and no other.
     * ``structured_outputs=None``: a ``StructuredOutputsParams`` constraint (JSON schema, regex,
       choice, grammar, any JSON object) the output follows (``asyncpaged.structured_outputs``).
 
@@ -328,6 +337,7 @@ class SamplingParams:
     structured_outputs: StructuredOutputsParams | None
     detokenize: bool
     truncate_prompt_tokens: int | None
+    logits_processors: tuple[LogitsProcessor, ...]
     #: The model-default fields (``MODEL_DEFAULT_FIELDS``) the caller gave explicitly; the rest
     #: take the model's ``generation_config.json`` values in the engine (``with_defaults``).
     explicit_fields: frozenset[str] = field(init=False, compare=False, repr=False)
@@ -361,6 +371,7 @@ class SamplingParams:
         structured_outputs: StructuredOutputsParams | None = None,
         detokenize: bool = True,
         truncate_prompt_tokens: int | None = None,
+        logits_processors: Sequence[LogitsProcessor] | None = None,
     ) -> None:
         """Validate and normalize; raise ``InvalidRequestError`` naming the first bad value."""
         given = {"temperature": temperature, "top_p": top_p, "top_k": top_k, "min_p": min_p,
@@ -418,7 +429,12 @@ class SamplingParams:
             "structured_outputs": structured_outputs,
             "detokenize": detokenize,
             "truncate_prompt_tokens": truncate_prompt_tokens,
+            "logits_processors": tuple(logits_processors or ()),
         }
+        if not all(callable(p) for p in values["logits_processors"]):  # type: ignore[attr-defined]
+            raise InvalidRequestError(
+                "logits_processors must be callables (output_token_ids, logits) -> logits."
+            )
         if truncate_prompt_tokens is not None and (
             _check_int("truncate_prompt_tokens", truncate_prompt_tokens) < 1
         ):

@@ -147,6 +147,11 @@ class RequestState:
         self.metrics.finished_time = time.monotonic()
         self._event.set()
 
+    def fail_alone(self, error: BaseException) -> None:
+        """This request failed while running (the engine goes on): its waiter gets ``error``."""
+        self.rejection = error
+        self._event.set()
+
     def fail(self, error: BaseException) -> None:
         self.error = error
         self._event.set()

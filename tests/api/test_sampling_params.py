@@ -45,6 +45,7 @@ VLLM_DEFAULTS = {
     "structured_outputs": None,
     "detokenize": True,
     "truncate_prompt_tokens": None,
+    "logits_processors": (),
 }
 
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from asyncpaged import InvalidRequestError, SamplingParams
+from asyncpaged import InvalidRequestError, RequestFailedError, SamplingParams
 from asyncpaged.actors.scheduler import bad_words_token_ids, banned_next_tokens
 from asyncpaged.testing.tiny_models import VOCAB_SIZE
 from tests.engine.conftest import running_engine
@@ -150,3 +150,40 @@ async def test_detokenize_truncate_and_decoded_tokens(
         SamplingParams(detokenize=False, stop=["x"])
     with pytest.raises(InvalidRequestError, match="truncate_prompt_tokens"):
         SamplingParams(truncate_prompt_tokens=0)
+
+
+async def test_logits_processors_run_per_request_and_fail_alone(
+    tiny_checkpoint: Callable[[str], Path], hf_reference: Callable[[str], HFReference]
+) -> None:
+    """A processor sees the request's output so far and its row's logits; one that raises
+    fails its own request with RequestFailedError while the others finish exactly."""
+    seen: list[list[int]] = []
+
+    def force_seven_then_eight(output: list[int], logits: torch.Tensor) -> torch.Tensor:
+        seen.append(list(output))
+        out = torch.full_like(logits, float("-inf"))
+        out[7 if len(output) % 2 == 0 else 8] = 0.0
+        return out
+
+    def broken(output: list[int], logits: torch.Tensor) -> torch.Tensor:
+        if len(output) >= 2:
+            raise RuntimeError("boom")
+        return logits
+
+    greedy = {"temperature": 0.0, "max_tokens": 6, "ignore_eos": True}
+    async with running_engine(tiny_checkpoint(MODEL)) as engine:
+        innocent = engine.generate(PROMPT, SamplingParams(**greedy))
+        forced = engine.generate(
+            PROMPT, SamplingParams(logits_processors=[force_seven_then_eight], **greedy)
+        )
+        failing = engine.generate(PROMPT, SamplingParams(logits_processors=[broken], **greedy))
+        with pytest.raises(RequestFailedError) as info:
+            await failing
+        assert isinstance(info.value.__cause__, RuntimeError)
+        assert (await forced).outputs[0].token_ids == [7, 8, 7, 8, 7, 8]
+        assert (await innocent).outputs[0].token_ids == hf_reference(MODEL).generate(
+            tuple(PROMPT), 6
+        )[0]
+    assert seen[:3] == [[], [7], [7, 8]]
+    with pytest.raises(InvalidRequestError, match="logits_processors"):
+        SamplingParams(logits_processors=[3])  # type: ignore[list-item]

@@ -17,6 +17,7 @@ from asyncpaged.core.request import Request, RequestStatus
 from asyncpaged.core.request import Sequence as Seq
 from asyncpaged.core.scheduler import Scheduler, SchedulerOutput, SchedulerStatistics
 from asyncpaged.core.txn import PoolSnapshot, StepTxn, TxnResult
+from asyncpaged.errors import RequestFailedError
 from asyncpaged.messages import (
     AbortRequest,
     AddRequest,
@@ -234,6 +235,8 @@ class SchedulerActor:
                 handled.set()
 
     def _finish_step(self, out: SchedulerOutput, sampled: Iterable[SampledToken]) -> None:
+        sampled = list(sampled)
+        self._fail_requests_of(out, [t for t in sampled if t.error is not None])
         by_row = {(t.seq_id, t.sample_index): t for t in sampled}
         tokens: dict[int, list[int]] = {}
         for (seq_id, _), t in sorted(by_row.items()):
@@ -267,6 +270,22 @@ class SchedulerActor:
             )
             self._log_if_finished(rid, state)
         self.scheduler.finished_beams.clear()
+
+    def _fail_requests_of(self, out: SchedulerOutput, failed: list[SampledToken]) -> None:
+        """Rows whose logits processor raised: each such request fails alone (its waiter gets
+        RequestFailedError, its blocks are freed by the next transaction)."""
+        if not failed:
+            return
+        owner = {s.seq_id: s.request_id for s in out.seqs}
+        for token in failed:
+            rid = owner[token.seq_id]
+            if self.scheduler.abort(rid) is None:
+                continue  # another row of it failed first
+            state = self.states.pop(rid)
+            error = RequestFailedError(f"request {rid!r}: its logits processor raised")
+            error.__cause__ = token.error
+            state.fail_alone(error)
+            self._log.info("request_failed", request_id=rid, error=repr(token.error))
 
     def _grammar_bitmask(self, state: RequestState, index: int) -> torch.Tensor | None:
         """Structured outputs: the next-token bitmask of completion ``index``'s matcher (made
@@ -329,6 +348,7 @@ def _sampling_options(
         or params.allowed_token_ids is not None
         or banned
         or token_bitmask is not None
+        or params.logits_processors
     )
     mask: tuple[int, ...] = ()
     if num_generated < params.min_tokens:
@@ -360,7 +380,9 @@ def _sampling_options(
         num_logprobs=params.logprobs,
         min_tokens_mask_ids=mask,
         prompt_token_ids=tuple(token_ids[:num_prompt]) if penalized else (),
-        output_token_ids=tuple(token_ids[num_prompt:]) if penalized else (),
+        output_token_ids=(
+            tuple(token_ids[num_prompt:]) if penalized or params.logits_processors else ()
+        ),
         generator_key=derive_generator_key(params.seed, index, num_generated)
         if params.seed is not None
         else 0,
@@ -368,6 +390,7 @@ def _sampling_options(
         allowed_token_ids=params.allowed_token_ids,
         banned_token_ids=banned,
         token_bitmask=token_bitmask,
+        logits_processors=params.logits_processors,
     )
 
 

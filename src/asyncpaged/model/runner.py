@@ -96,6 +96,7 @@ class SampledToken:
     rank: int | None = None  # 1-based rank of the sampled token by raw logprob, if asked
     top_logprobs: tuple[tuple[int, float], ...] = ()  # (token id, logprob), best first
     sample_index: int = 0  # which entry of the step's ``fanout`` drew it
+    error: BaseException | None = None  # the row's logits processor raised: the request fails
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -430,6 +431,7 @@ def _sampled_tokens(
                 rank=rank,
                 top_logprobs=top,
                 sample_index=index,
+                error=out.errors.get(k),
             )
         )
     return tuple(sampled)

@@ -23,8 +23,8 @@ hold -inf wherever ``sample`` has -inf after top-k.
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 
 import torch
 
@@ -76,6 +76,8 @@ class SamplingOptions:
     allowed_token_ids: tuple[int, ...] | None = None
     banned_token_ids: tuple[int, ...] = ()
     token_bitmask: torch.Tensor | None = None  # [ceil(V / 32)] int32: structured outputs
+    # The request's own processors, (output_token_ids, logits [V]) -> logits [V], after the rest
+    logits_processors: tuple[Callable[[list[int], torch.Tensor], torch.Tensor], ...] = ()
 
     def __post_init__(self) -> None:
         if self.temperature < 0.0:
@@ -106,6 +108,7 @@ class SamplingOptions:
             or self.allowed_token_ids is not None
             or self.banned_token_ids
             or self.token_bitmask is not None
+            or bool(self.logits_processors)
         )
 
     @property
@@ -146,6 +149,8 @@ class SamplerOutput:
     ranks: torch.Tensor | None  # [N] int64, 1-based: number of tokens with logprob >= chosen
     top_token_ids: torch.Tensor | None  # [N, K] int64, K = max num_logprobs, best first
     top_logprobs: torch.Tensor | None  # [N, K] float32
+    # row -> what its logits processor raised (the row's token is then meaningless)
+    errors: Mapping[int, BaseException] = field(default_factory=dict)
 
 
 def greedy(logits: torch.Tensor) -> torch.Tensor:
@@ -174,7 +179,8 @@ def sample(
     num_top = max((o.num_logprobs or 0 for o in opts if o is not None), default=0)
     want_logprobs = want_logprobs or any(o is not None and o.num_logprobs is not None for o in opts)
     raw_logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None  # [N, V]
-    processed = _process(logits, opts)  # [N, V]: masks and penalties applied
+    errors: dict[int, BaseException] = {}
+    processed = _process(logits, opts, errors)  # [N, V]: masks and penalties applied
     random_rows = [i for i, o in enumerate(opts) if o is not None and not o.is_greedy]
     if not random_rows:
         token_ids = greedy(processed)
@@ -190,8 +196,9 @@ def sample(
         token_ids[rows] = _sample_random(processed[rows], chosen, generator)
     if raw_logprobs is None:
         return SamplerOutput(
-            token_ids=token_ids, logprobs=None, ranks=None, top_token_ids=None, top_logprobs=None
-        )
+            token_ids=token_ids, logprobs=None, ranks=None, top_token_ids=None,
+            top_logprobs=None, errors=errors,
+        )  # fmt: skip
     chosen_logprobs = raw_logprobs.gather(1, token_ids[:, None])  # [N, 1]
     ranks = (raw_logprobs >= chosen_logprobs).sum(dim=-1)  # [N]
     top_logprobs, top_ids = (None, None)
@@ -203,10 +210,15 @@ def sample(
         ranks=ranks,
         top_token_ids=top_ids,
         top_logprobs=top_logprobs,
+        errors=errors,
     )
 
 
-def _process(logits: torch.Tensor, opts: Sequence[SamplingOptions | None]) -> torch.Tensor:
+def _process(
+    logits: torch.Tensor,
+    opts: Sequence[SamplingOptions | None],
+    errors: dict[int, BaseException] | None = None,
+) -> torch.Tensor:
     """Logit controls, min-tokens masking and penalties (they change greedy rows too);
     ``logits`` is not edited."""
     masked = [i for i, o in enumerate(opts) if o is not None and o.min_tokens_mask_ids]
@@ -216,7 +228,7 @@ def _process(logits: torch.Tensor, opts: Sequence[SamplingOptions | None]) -> to
         return logits
     logits = logits.clone()
     if any(controlled):
-        apply_logit_controls(logits, opts)
+        apply_logit_controls(logits, opts, {} if errors is None else errors)
     apply_min_tokens_mask(logits, [o.min_tokens_mask_ids if o is not None else () for o in opts])
     if penalized:
         rows = torch.tensor(penalized, dtype=torch.int64, device=logits.device)
@@ -236,7 +248,11 @@ def _process(logits: torch.Tensor, opts: Sequence[SamplingOptions | None]) -> to
     return logits
 
 
-def apply_logit_controls(logits: torch.Tensor, opts: Sequence[SamplingOptions | None]) -> None:
+def apply_logit_controls(
+    logits: torch.Tensor,
+    opts: Sequence[SamplingOptions | None],
+    errors: dict[int, BaseException] | None = None,
+) -> None:
     """In place, per row: keep only ``allowed_token_ids``, add ``logit_bias``, ban
     ``banned_token_ids`` and every token ``token_bitmask`` rules out (vLLM v1's order; -inf
     stays -inf under any bias; the masks commute, so the bitmasks go last, in one batch)."""
@@ -262,6 +278,27 @@ def apply_logit_controls(logits: torch.Tensor, opts: Sequence[SamplingOptions | 
         allowed = bitmask_to_allowed(bitmasks.to(device), logits.shape[1])  # [R, V]
         rows = torch.tensor(masked, dtype=torch.int64, device=device)
         logits[rows] = logits[rows].masked_fill(~allowed, _NEG_INF)
+    for r, o in enumerate(opts):
+        if o is not None and o.logits_processors:
+            _run_processors(logits, r, o, {} if errors is None else errors)
+
+
+def _run_processors(
+    logits: torch.Tensor, r: int, o: SamplingOptions, errors: dict[int, BaseException]
+) -> None:
+    """Row ``r`` through its request's processors; what one raises is recorded, not raised
+    (it fails that request alone), and the row keeps its logits."""
+    row = logits[r]
+    try:
+        for processor in o.logits_processors:
+            row = processor(list(o.output_token_ids), row)
+            if not (isinstance(row, torch.Tensor) and row.shape == logits[r].shape):
+                raise TypeError(
+                    f"a logits processor must return a tensor of shape {tuple(logits[r].shape)}"
+                )
+        logits[r] = row.to(logits.dtype)
+    except Exception as exc:  # the user's code: it fails its own request
+        errors[r] = exc
 
 
 def _sample_random(
