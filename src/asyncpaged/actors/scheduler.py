@@ -342,7 +342,8 @@ def _sampling_options(
 ) -> SamplingOptions | None:
     """The executor's per-row sampling options; None for plain greedy (the fast path)."""
     num_generated = len(token_ids) - num_prompt
-    banned = banned_next_tokens(bad_words_ids, token_ids[num_prompt:])
+    # The output is sliced only for bad words: a per-step copy of every history otherwise.
+    banned = banned_next_tokens(bad_words_ids, token_ids[num_prompt:]) if bad_words_ids else ()
     controlled = bool(
         params.logit_bias
         or params.allowed_token_ids is not None

@@ -1,8 +1,9 @@
 """Gemma 2 and Gemma 3 (text): Gemma RMSNorm, four norms per layer, softcaps, local/global layers.
 
 Checkpoints: ``Gemma2ForCausalLM`` and ``Gemma3ForCausalLM`` (``Gemma3TextConfig``); parameter
-names are the transformers ones. Multimodal ``Gemma3ForConditionalGeneration`` checkpoints are
-not accepted (the loader's registry lacks them and raises ``UnsupportedModelError``).
+names are the transformers ones. Multimodal ``Gemma3ForConditionalGeneration`` checkpoints run
+their language model on text prompts (``Gemma3ForConditionalGenerationText``: the text config,
+``language_model.`` weights renamed, the vision tower not loaded).
 
 transformers fields honoured: ``hidden_size``, ``intermediate_size``, ``num_hidden_layers``,
 ``num_attention_heads``, ``num_key_value_heads``, ``head_dim``, ``rms_norm_eps``,
