@@ -1,0 +1,136 @@
+"""``asyncpaged bench overhead``: the engine's own cost per step, on a model whose math is ~free.
+
+A micro Llama (1 layer, hidden 128, 2 heads, vocabulary 2000, float32, seed 0) saved as an HF
+directory with the benchmark's word tokenizer; ``--num-seqs`` requests (default 256) of 8-token
+prompts each generate ``--max-tokens`` (default 64) tokens, greedy, EOS ignored, every request
+read as a DELTA stream by its own task, all submitted at once with ``max_num_seqs`` equal to
+their number. The forward of such a model costs well under a millisecond, so the step time is
+what the host spends per step: planning, allocation, runner inputs, sampling bookkeeping,
+detokenizing and streaming. On an accelerator this is what the device waits for.
+
+Reported per run (``--repeats`` runs, medians): milliseconds per step (the run's wall time
+over its steps: one prefill step of 256 x 8 tokens, then decode steps), the share of that time
+outside the runner's forward (``1 - compute_time_s / wall``), steps per second, and a digest of
+every request's tokens (greedy tokens must not change when the engine changes). ``--output
+DIR`` receives ``overhead.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import platform
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import anyio
+
+MICRO_MODEL: dict[str, Any] = {
+    "hidden_size": 128,
+    "intermediate_size": 344,
+    "num_hidden_layers": 1,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 2,
+    "vocab_size": 2000,
+    "initializer_range": 0.05,
+    "max_position_embeddings": 1024,
+}
+
+
+def build_micro_checkpoint(directory: Path) -> Path:
+    """The micro model as an HF directory (idempotent: a directory with this config is reused)."""
+    from asyncpaged.tools.bench_workload import Workload, build_checkpoint
+
+    workload = Workload(name="overhead", model_config=MICRO_MODEL, prompts=(), max_tokens=())
+    return build_checkpoint(workload, directory)
+
+
+def _prompts(num_seqs: int, vocab: int) -> list[list[int]]:
+    return [[4 + (7 * i + 13 * j) % (vocab - 4) for j in range(8)] for i in range(num_seqs)]
+
+
+async def _one_run(args: argparse.Namespace, checkpoint: Path) -> dict[str, Any]:
+    from asyncpaged import AsyncEngine, EngineConfig, RequestOutputKind, SamplingParams
+
+    config = EngineConfig(
+        model=str(checkpoint), max_num_seqs=args.num_seqs, max_num_batched_tokens=2048,
+        seed=0, enable_prefix_caching=False,
+    )  # fmt: skip
+    params = SamplingParams(
+        temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True,
+        output_kind=RequestOutputKind.DELTA,
+    )  # fmt: skip
+    prompts = _prompts(args.num_seqs, MICRO_MODEL["vocab_size"])
+    tokens: list[list[int]] = [[] for _ in prompts]
+    async with AsyncEngine(config) as engine:
+        await engine.generate(prompts[0], SamplingParams(temperature=0.0, max_tokens=4))
+        before = engine.statistics()
+
+        async def one(i: int) -> None:
+            async for delta in engine.generate(prompts[i], params):
+                tokens[i].extend(delta.outputs[0].token_ids)
+
+        began = time.perf_counter()
+        async with anyio.create_task_group() as tg:
+            for i in range(len(prompts)):
+                tg.start_soon(one, i)
+        wall = time.perf_counter() - began
+        after = engine.statistics()
+    steps = after.num_steps - before.num_steps
+    compute = after.compute_time_s - before.compute_time_s
+    digest = hashlib.sha256(json.dumps(tokens).encode()).hexdigest()[:16]
+    return {"wall_s": wall, "steps": steps,
+            "ms_per_step": 1000 * wall / steps, "outside_forward": 1 - compute / wall,
+            "steps_per_s": steps / wall, "tokens_digest": digest}  # fmt: skip
+
+
+def _cpu_flags() -> str:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return platform.processor()
+    flags = next((ln.split(":", 1)[1].split() for ln in text.splitlines()
+                  if ln.startswith(("flags", "Features"))), [])  # fmt: skip
+    keep = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_int8", "asimd")
+    return " ".join(f for f in flags if f in keep)
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+
+    torch.set_num_threads(args.threads)
+    checkpoint = build_micro_checkpoint(Path(args.model_dir).expanduser())
+    runs = [anyio.run(_one_run, args, checkpoint) for _ in range(args.repeats)]
+    for r in runs:
+        print(f"{r['ms_per_step']:6.2f} ms/step over {r['steps']} steps, "
+              f"{100 * r['outside_forward']:.0f}% outside the forward, "
+              f"{r['steps_per_s']:.1f} steps/s, tokens {r['tokens_digest']}")  # fmt: skip
+    median = {key: statistics.median(r[key] for r in runs)
+              for key in ("ms_per_step", "outside_forward", "steps_per_s")}  # fmt: skip
+    same = len({r["tokens_digest"] for r in runs}) == 1
+    differ = "" if same else "; TOKENS DIFFER BETWEEN RUNS"
+    print(f"median {median['ms_per_step']:.2f} ms/step (goal <= 4 at 256 sequences), "
+          f"{100 * median['outside_forward']:.0f}% outside the forward, "
+          f"{median['steps_per_s']:.1f} steps/s; CPU flags: {_cpu_flags()}; "
+          f"{args.threads} torch thread(s){differ}")  # fmt: skip
+    out = Path(args.output)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "overhead.json").write_text(json.dumps(
+        {"model": MICRO_MODEL, "num_seqs": args.num_seqs, "max_tokens": args.max_tokens,
+         "threads": args.threads, "cpu_flags": _cpu_flags(), "runs": runs, "median": median},
+        indent=2))  # fmt: skip
+    return 0 if same else 1
+
+
+def add_parser(modes: Any) -> None:
+    p = modes.add_parser("overhead", help="the engine's host time per step on a micro model")
+    p.add_argument("--num-seqs", type=int, default=256)
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--threads", type=int, default=1, help="torch threads")
+    p.add_argument("--model-dir", default="~/.cache/asyncpaged/bench/overhead")
+    p.add_argument("--output", default="bench-results", help="folder for overhead.json")
+    p.set_defaults(func=run)

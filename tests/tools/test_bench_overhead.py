@@ -1,0 +1,29 @@
+"""``asyncpaged bench overhead`` on a small run: every sequence decoded, the numbers consistent."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from asyncpaged.tools.bench_overhead import run
+
+
+def test_bench_overhead_small_run(tmp_path: Path) -> None:
+    args = argparse.Namespace(num_seqs=16, max_tokens=12, repeats=2, threads=1,
+                              model_dir=str(tmp_path / "model"), output=str(tmp_path))  # fmt: skip
+    assert run(args) == 0  # the two runs' greedy tokens agree
+    report = json.loads((tmp_path / "overhead.json").read_text())
+    assert report["model"]["num_hidden_layers"] == 1
+    for r in report["runs"]:
+        # One step per token once every sequence is admitted (intake may spread the 16 over the
+        # first steps).
+        assert 12 <= r["steps"] <= 12 + 3
+        assert 0.0 < r["outside_forward"] < 1.0
+        assert r["ms_per_step"] * r["steps_per_s"] == pytest_approx(1000.0)
+
+
+def pytest_approx(value: float) -> object:
+    import pytest
+
+    return pytest.approx(value, rel=1e-9)
