@@ -40,11 +40,12 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Final
 
-import structlog
+from asyncpaged._log import get_logger
 
-log = structlog.get_logger(__name__)
+log = get_logger(__name__)
 
 TARGETS: Final = ("avx512", "avx2", "baseline")
+BUILD_NOTE: Final = "building native CPU kernels (one time, ~15 s)"  # logged with the cache path
 _CSRC: Final = Path(__file__).resolve().parent / "csrc"
 SOURCES: Final = tuple(
     _CSRC / n for n in ("paged_decode.cpp", "paged_prefill.cpp", "cache_write.cpp", "fused_ops.cpp")
@@ -194,7 +195,7 @@ def build(
         return None
     os.close(fd)
     tmp = Path(tmp_name)
-    log.info("cpu_kernel_compile_started", target=target, path=str(path))
+    log.info("cpu_kernel_compile_started", note=BUILD_NOTE, target=target, path=str(path))
     start = time.perf_counter()
     try:
         failure = _compile_and_link(compiler, target, sources, tmp)

@@ -13,6 +13,8 @@ import pytest
 import structlog
 from hypothesis import HealthCheck, settings
 
+from asyncpaged.tools import cli_log
+
 settings.register_profile(
     "ci",
     max_examples=500,
@@ -36,6 +38,7 @@ settings.load_profile(os.environ.get("ASYNCPAGED_HYPOTHESIS_PROFILE", "ci"))
 
 @pytest.fixture(autouse=True)
 def _reset_structlog() -> Iterator[None]:
-    """The command line configures structlog (it is an application); undo it after each test."""
+    """The command line configures logging (it is an application); undo it after each test."""
     yield
     structlog.reset_defaults()
+    cli_log.reset()

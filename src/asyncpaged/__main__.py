@@ -4,49 +4,74 @@ from __future__ import annotations
 
 import argparse
 import sys
+import traceback
 from collections.abc import Sequence
+from importlib.metadata import PackageNotFoundError, version
 
 
-def _configure_logging(level: str) -> None:
-    """The command line is an application: it routes the library's structlog events to stderr."""
-    import logging
-    import sys
+def _version() -> str:
+    try:
+        return version("asyncpaged")
+    except PackageNotFoundError:  # run from a source tree that is not installed
+        from asyncpaged import __version__
 
-    import structlog
-
-    structlog.configure(
-        wrapper_class=structlog.make_filtering_bound_logger(getattr(logging, level.upper())),
-        logger_factory=structlog.PrintLoggerFactory(sys.stderr),
-    )
+        return __version__
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="asyncpaged", description=__doc__)
-    parser.add_argument("--log-level", default="warning", help="engine events on stderr")
-    sub = parser.add_subparsers(dest="command", required=True)
+def _error_line(exc: BaseException) -> str:
+    """One line for a failure: its message (its type when it has none), then its cause's."""
+    text = str(exc) or type(exc).__name__
+    cause = exc.__cause__
+    if cause is not None:
+        text += f" ({type(cause).__name__}: {cause})" if str(cause) else f" ({cause!r})"
+    return " ".join(text.split())
+
+
+def _parser() -> argparse.ArgumentParser:
     from asyncpaged.tools import (
         bench,
         chat,
+        cli_log,
         demo,
         pool_bench,
+        serve,
         sharing_report,
         simulate,
         waste_report,
     )
 
-    demo.add_parser(sub)
-    chat.add_parser(sub)
-    bench.add_parser(sub)
-    waste_report.add_parser(sub)
-    pool_bench.add_parser(sub)
-    sharing_report.add_parser(sub)
-    simulate.add_parser(sub)
+    parser = argparse.ArgumentParser(prog="asyncpaged", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
+    parser.add_argument("--log-level", default="warning", choices=cli_log.LEVELS,
+                        help="engine events shown on stderr (default: warning)")  # fmt: skip
+    parser.add_argument("--debug", action="store_true", help="show the traceback of an error")
+    sub = parser.add_subparsers(dest="command", required=True)
+    for tool in (demo, chat, bench, waste_report, pool_bench, sharing_report, simulate):
+        tool.add_parser(sub)
+    serve.add_parser(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run one command; returns its exit status. A failure is one line on stderr
+    (``asyncpaged: error: ...``, the traceback too with ``--debug``) and status 2."""
+    parser = _parser()
     args = parser.parse_args(argv)
-    _configure_logging(args.log_level)
+    from asyncpaged.tools import cli_log
     from asyncpaged.tools.malloc_tuning import tune_this_process
 
+    cli_log.configure(args.log_level)
     tune_this_process()  # an application's choice: keeps freed activations for reuse
-    result: int = args.func(args)
+    try:
+        result: int = args.func(args)
+    except KeyboardInterrupt:
+        sys.stderr.write(f"{parser.prog}: interrupted\n")
+        return 130
+    except Exception as exc:
+        if args.debug:
+            traceback.print_exc()
+        sys.stderr.write(f"{parser.prog}: error: {_error_line(exc)}\n")
+        return 2
     return result
 
 

@@ -9,6 +9,8 @@ AsyncPagedError
  +-- RequestFailedError: one request failed while it ran (its logits processor raised); the
  |    cause is chained, the request's blocks are freed and every other request goes on.
  +-- EngineDeadError: the engine failed; every waiter gets it, with the cause chained.
+ +-- EngineClosedError (also RuntimeError): a call on an engine that is not running (not started
+ |    yet, or closed), or a second start of the same engine.
  +-- WorkerDiedError: a tensor-parallel worker process exited or its process group broke; it
       reaches waiters as the ``__cause__`` of an EngineDeadError.
 """
@@ -37,6 +39,10 @@ class RequestFailedError(AsyncPagedError):
 
 class EngineDeadError(AsyncPagedError):
     """The engine stopped because of an error; the original error is ``__cause__``."""
+
+
+class EngineClosedError(AsyncPagedError, RuntimeError):
+    """The engine is not running (not started yet, or closed); an engine starts only once."""
 
 
 class WorkerDiedError(AsyncPagedError):

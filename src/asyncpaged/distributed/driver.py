@@ -35,10 +35,10 @@ from multiprocessing.process import BaseProcess
 from typing import Any
 
 import anyio
-import structlog
 import torch
 from torch.distributed import Store, TCPStore  # type: ignore[attr-defined]  # public API
 
+from asyncpaged._log import get_logger
 from asyncpaged.config import EngineConfig
 from asyncpaged.core.block_table import SwapDirection
 from asyncpaged.distributed.commands import (
@@ -55,7 +55,7 @@ from asyncpaged.errors import InvalidRequestError, WorkerDiedError
 from asyncpaged.model.errors import UnsupportedModelError
 from asyncpaged.model.runner import ModelRunner, StepPlan, StepResult, select_attention_backend
 
-log = structlog.get_logger("asyncpaged")
+log = get_logger(__name__)
 
 JOIN_TIMEOUT_S = 10.0  # a worker told to shut down exits within this, or is terminated
 

@@ -15,10 +15,10 @@ from __future__ import annotations
 import os
 import signal
 
-import structlog
 import torch
 from torch.distributed import TCPStore  # type: ignore[attr-defined]  # public API
 
+from asyncpaged._log import get_logger
 from asyncpaged.core.block_table import SwapDirection
 from asyncpaged.distributed.commands import RunStep, Shutdown, SwapCommand, WorkerReady, WorkerSpec
 from asyncpaged.distributed.group import INIT_TIMEOUT_S, JOINED_KEY, ProcessGroups, torchrun_env
@@ -26,7 +26,7 @@ from asyncpaged.model.attention import AttentionBackend
 from asyncpaged.model.base import TensorShard
 from asyncpaged.model.runner import ModelRunner, select_attention_backend
 
-log = structlog.get_logger("asyncpaged")
+log = get_logger(__name__)
 
 
 def rank_device(device_type: str, local_rank: int) -> torch.device:

@@ -39,10 +39,11 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-import structlog
 import torch
 
-log = structlog.get_logger("asyncpaged")
+from asyncpaged._log import get_logger
+
+log = get_logger(__name__)
 
 LeverSetting = bool | Literal["auto"]
 LEVERS = ("packed_linears", "screened_lm_head", "int8_lm_head", "fused_elementwise")

@@ -20,13 +20,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import structlog
-
+from asyncpaged._log import get_logger
 from asyncpaged.errors import InvalidRequestError
 from asyncpaged.model.errors import CheckpointError
 from asyncpaged.sampling_params import SamplingParams
 
-log = structlog.get_logger("asyncpaged")
+log = get_logger(__name__)
 
 #: generation_config.json key -> SamplingParams field (vLLM's get_diff_sampling_param).
 SAMPLING_KEYS = {

@@ -12,11 +12,12 @@ GEMM shapes already differ; greedy output stays equal to transformers (tests che
 
 from __future__ import annotations
 
-import structlog
 import torch
 from torch import nn
 
-_log = structlog.get_logger(__name__)
+from asyncpaged._log import get_logger
+
+_log = get_logger(__name__)
 
 PACKED_ATTR = "packed_weight"
 

@@ -7,8 +7,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-import structlog
-
+from asyncpaged._log import get_logger
 from asyncpaged.core.scheduler import PreemptionMode
 from asyncpaged.sim.cost_model import CostModel
 from asyncpaged.sim.presets import GPUS, MODELS, GpuSpec, ModelShape, num_kv_blocks
@@ -16,7 +15,7 @@ from asyncpaged.sim.reservation import Placement
 from asyncpaged.sim.simulator import SimConfig, SimEngine, StepRecord
 from asyncpaged.sim.workload import SimRequest, WorkloadSpec, generate
 
-log = structlog.get_logger("asyncpaged")
+log = get_logger(__name__)
 
 NUM_TIMELINE_POINTS = 200
 

@@ -27,8 +27,7 @@ from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-import structlog
-
+from asyncpaged._log import get_logger
 from asyncpaged.core.beam_search import BeamSearcher
 from asyncpaged.core.block_pool import BlockPool
 from asyncpaged.core.request import Request, RequestStatus, Sequence, StopCriteria
@@ -38,7 +37,7 @@ from asyncpaged.sim.cost_model import CostModel
 from asyncpaged.sim.reservation import Placement, ReservingBlockPool
 from asyncpaged.sim.workload import SimRequest
 
-log = structlog.get_logger("asyncpaged")
+log = get_logger(__name__)
 
 SYSTEMS = ("paged", "orca-max", "orca-pow2", "orca-oracle")
 

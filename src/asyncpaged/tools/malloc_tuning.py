@@ -17,9 +17,9 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 
-import structlog
+from asyncpaged._log import get_logger
 
-_log = structlog.get_logger(__name__)
+_log = get_logger(__name__)
 
 THRESHOLD_BYTES = 1 << 30
 # glibc's tunables, read when a process starts (the trailing underscores are part of the names)
