@@ -111,12 +111,18 @@ def test_cpu_levers_keep_greedy_equal_to_transformers(
     bf16_argmax = lm_head.ScreenedLMHead.argmax
     int8_argmax = lm_head_int8.Int8ScreenedArgmax.argmax
 
-    def bf16_spy(self: lm_head.ScreenedLMHead, hidden: torch.Tensor) -> torch.Tensor:
+    def bf16_spy(
+        self: lm_head.ScreenedLMHead, hidden: torch.Tensor, mask_bias: torch.Tensor | None = None
+    ) -> torch.Tensor:
         screens["bf16"] += 1
-        return bf16_argmax(self, hidden)
+        return bf16_argmax(self, hidden, mask_bias)
 
-    def int8_spy(self: lm_head_int8.Int8ScreenedArgmax, hidden: torch.Tensor) -> torch.Tensor:
-        tokens = int8_argmax(self, hidden)
+    def int8_spy(
+        self: lm_head_int8.Int8ScreenedArgmax,
+        hidden: torch.Tensor,
+        mask_bias: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        tokens = int8_argmax(self, hidden, mask_bias)
         assert tokens is not None, "the int8 screen gave up on finite hidden states"
         screens["int8"] += 1
         return tokens

@@ -1,4 +1,4 @@
-"""``asyncpaged bench structured`` end to end on a small run: both modes, JSON written."""
+"""``asyncpaged bench structured`` end to end on a small run: the three modes, JSON written."""
 
 from __future__ import annotations
 
@@ -14,9 +14,14 @@ def test_bench_structured_small_run(tmp_path: Path) -> None:
                               output=str(tmp_path), progress=False)  # fmt: skip
     assert run(args) == 0  # every finished constrained output parses
     report = json.loads((tmp_path / "structured.json").read_text())
-    modes = [r["constrained"] for r in report["runs"]]
-    assert modes == [False, True]
-    free, bound = report["runs"]
+    assert [r["mode"] for r in report["runs"]] == ["free", "json", "json_jf"]
+    free, bound, jumped = report["runs"]
     assert free["tokens"] == 3 * 140  # EOS ignored: every request makes max_tokens
-    assert bound["num_stopped"] == bound["num_valid_json"] > 0
+    for r in (bound, jumped):
+        assert r["num_stopped"] == r["num_valid_json"] > 0
+    # jump-forward appends the schema's keys without sampling: far fewer steps
+    assert bound["num_jump_forward_tokens"] == 0 < jumped["num_jump_forward_tokens"]
+    assert jumped["num_steps"] * 3 < bound["num_steps"]
+    assert report["same_json"]
+    assert set(report["ratios"]) >= {"json_vs_free", "jump_forward_on_vs_off"}
     assert report["ratio"] > 0

@@ -46,9 +46,9 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
-import structlog
 import torch
 
+from asyncpaged._log import get_logger
 from asyncpaged.model.lm_head import (
     FP32_UNIT_ROUNDOFF,
     SCREEN_CHUNK,
@@ -56,9 +56,11 @@ from asyncpaged.model.lm_head import (
     _at_least,
     _chunk,
     _round_down_f32,
+    allows_some,
+    mask_scores,
 )
 
-_log = structlog.get_logger(__name__)
+_log = get_logger(__name__)
 
 INT8_LIMIT = 127  # symmetric int8 range: -127..127 for weights and activations
 ZERO_POINT = 128  # activations travel as u8 = q + 128
@@ -157,12 +159,16 @@ class Int8ScreenedArgmax:
     def vocab_size(self) -> int:
         return int(self.weight.shape[0])
 
-    def argmax(self, hidden: torch.Tensor) -> torch.Tensor | None:
+    def argmax(
+        self, hidden: torch.Tensor, mask_bias: torch.Tensor | None = None
+    ) -> torch.Tensor | None:
         """hidden [N, H] fp32 -> [N] int64, the argmax of the fp32 logits (ties: lowest id).
 
-        The same tokens as ``ScreenedLMHead.argmax``. None when the screen cannot certify the
-        batch (NaN/inf hidden states, logits that could overflow float32, a failing oneDNN
-        call): use another head.
+        The same tokens as ``ScreenedLMHead.argmax``. ``mask_bias`` [N, V] (0 at a grammar's
+        allowed tokens, -inf elsewhere) restricts each row's argmax to its allowed tokens (the
+        bound argument over them: the others' screening logits are -inf). None when the
+        screen cannot certify the batch (NaN/inf hidden states, logits that could overflow
+        float32, a failing oneDNN call, a row with no allowed token): use another head.
         """
         assert hidden.dtype == torch.float32, f"expected float32 hidden states, got {hidden.dtype}"
         assert tuple(hidden.shape[1:]) == (self.weight.shape[1],), (
@@ -171,23 +177,30 @@ class Int8ScreenedArgmax:
         num_rows, vocab = hidden.shape[0], self.vocab_size
         if num_rows == 0:
             return torch.empty(0, dtype=torch.int64, device=hidden.device)
+        if mask_bias is not None and not allows_some(mask_bias):
+            return None
         screen = self._screen(hidden)
         if screen is None:
             return None
-        rows, cols = self._candidates(screen)
+        rows, cols = self._candidates(screen, mask_bias)
         values = self.rescorer._rescore_pairs(hidden, rows, cols)  # [K] fp32
         best = torch.full((num_rows,), float("-inf"), dtype=values.dtype, device=values.device)
         best.scatter_reduce_(0, rows, values, reduce="amax")
         is_best = values == best[rows]
         token_ids = torch.full((num_rows,), vocab, dtype=torch.int64, device=hidden.device)
         token_ids.scatter_reduce_(0, rows[is_best], cols[is_best], reduce="amin")
-        token_ids.masked_fill_(screen.is_zero, 0)  # every fp32 logit is zero: the lowest id
+        if bool(screen.is_zero.any()):  # every fp32 logit is zero: the lowest (allowed) id
+            lowest = 0 if mask_bias is None else torch.argmax((mask_bias == 0).byte(), dim=-1)
+            token_ids = torch.where(screen.is_zero, lowest, token_ids)
         assert bool((token_ids < vocab).all()), "a row of the int8 screen kept no candidate"
         return token_ids
 
-    def _candidates(self, screen: _Screen) -> tuple[torch.Tensor, torch.Tensor]:
-        """(rows [K], token ids [K]), row-major: every token that could be its row's argmax."""
-        scores = screen.scores
+    def _candidates(
+        self, screen: _Screen, mask_bias: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(rows [K], token ids [K]), row-major: every token that could be its row's argmax
+        (among the tokens ``mask_bias`` allows)."""
+        scores = mask_scores(screen.scores, mask_bias)
         chunks, chunk_max = _chunk(scores, SCREEN_CHUNK)  # [N, B, chunk], [N, B]
         error = self._row_error(screen)  # E [N]
         threshold = _round_down_f32(chunk_max.amax(dim=-1).double() - 2 * error)  # [N]

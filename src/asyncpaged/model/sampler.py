@@ -35,7 +35,7 @@ from asyncpaged.model.logits_processors import (
     apply_penalties,
     apply_top_k_top_p,
 )
-from asyncpaged.structured_outputs import bitmask_to_allowed
+from asyncpaged.structured_outputs import grammar_mask_bias
 
 SAMPLING_EPS = 1e-5
 """Temperatures below this sample greedily (vLLM's ``_SAMPLING_EPS``)."""
@@ -274,13 +274,29 @@ def apply_logit_controls(
         if o.banned_token_ids:
             row[torch.tensor(o.banned_token_ids, dtype=torch.int64, device=device)] = _NEG_INF
     if masked:  # structured outputs: each row's grammar allows the set bits of its bitmask
-        bitmasks = torch.stack([opts[r].token_bitmask for r in masked])  # type: ignore[union-attr,misc]
-        allowed = bitmask_to_allowed(bitmasks.to(device), logits.shape[1])  # [R, V]
-        rows = torch.tensor(masked, dtype=torch.int64, device=device)
-        logits[rows] = logits[rows].masked_fill(~allowed, _NEG_INF)
+        _apply_bitmasks(logits, masked, [opts[r].token_bitmask for r in masked])  # type: ignore[union-attr]
     for r, o in enumerate(opts):
         if o is not None and o.logits_processors:
             _run_processors(logits, r, o, {} if errors is None else errors)
+
+
+def _apply_bitmasks(
+    logits: torch.Tensor, masked: list[int], bitmasks: list[torch.Tensor | None]
+) -> None:
+    """-inf in rows ``masked`` of ``logits`` wherever their bitmasks rule a token out: the
+    0 / -inf mask bias added (exact where no logit is NaN or +inf: then a ``masked_fill``),
+    in place when every row is masked."""
+    bias = grammar_mask_bias(bitmasks, logits.shape[1], logits.device)  # [R, V]
+    assert bias is not None
+    every = len(masked) == logits.shape[0]
+    rows = None if every else torch.tensor(masked, dtype=torch.int64, device=logits.device)
+    sub = logits if rows is None else logits[rows]
+    if bool(sub.amax() < float("inf")):  # amax is NaN if any logit is
+        sub.add_(bias)
+    else:
+        sub.masked_fill_(bias != 0, _NEG_INF)
+    if rows is not None:
+        logits[rows] = sub
 
 
 def _run_processors(

@@ -1,15 +1,18 @@
-"""``asyncpaged bench structured``: the cost of a JSON-schema constraint against unconstrained.
+"""``asyncpaged bench structured``: the cost of a JSON-schema constraint against unconstrained,
+and what jump-forward decoding gains.
 
 The reference workload's tokenizer has no punctuation (its words are ``w4 .. w31999``), so no
 JSON can be spelled with it: this benchmark runs the built-in model (a byte-level BPE over the
 Python docs) instead. ``--num-requests`` prompts (the workload's seeded lengths over the built-in
-vocabulary) each generate up to ``--max-tokens`` tokens, greedy, in one engine per run; a run is
-either unconstrained (EOS ignored, every request makes ``max_tokens``) or constrained by a
-schema with long fixed keys (it ends at the grammar's end). Throughput is output tokens
-actually generated per second of wall time; runs alternate between the two modes,
-``--repeats`` times each, and medians are reported with their ratio (goal >= 0.9x).
-Constrained outputs are checked to parse as JSON. Jump-forward decoding is not implemented
-yet: its gain is not measured here. ``--output DIR`` receives ``structured.json``.
+vocabulary) each generate up to ``--max-tokens`` tokens, greedy, in one engine per run, in one
+of three modes: ``free`` (unconstrained, EOS ignored: every request makes ``max_tokens``),
+``json`` (a schema with long fixed keys, jump-forward off: it ends at the grammar's end) and
+``json_jf`` (the same with ``structured_outputs_jump_forward=True``: the keys and punctuation
+are appended without sampling). Throughput is output tokens (forced ones included) per second
+of wall time; runs alternate between the modes, ``--repeats`` times each, and medians are
+reported with their spread and the ratios (goals: constrained >= 0.9x free; jump-forward on
+above off). Constrained outputs are checked to parse as JSON. ``--output DIR`` receives
+``structured.json``.
 """
 
 from __future__ import annotations
@@ -45,13 +48,19 @@ SCHEMA: dict[str, Any] = {
 }
 
 
-async def _one_run(args: argparse.Namespace, constrained: bool) -> dict[str, Any]:
+MODES = ("free", "json", "json_jf")
+
+
+async def _one_run(args: argparse.Namespace, mode: str) -> dict[str, Any]:
     from asyncpaged import AsyncEngine, EngineConfig, SamplingParams, StructuredOutputsParams
     from asyncpaged.tools.demo import default_model
 
+    constrained = mode != "free"
     rng = random.Random(args.seed)
     prompts: list[list[int]] = []
-    async with AsyncEngine(EngineConfig(model=default_model(), seed=args.seed)) as engine:
+    config = EngineConfig(model=default_model(), seed=args.seed,
+                          structured_outputs_jump_forward=mode == "json_jf")  # fmt: skip
+    async with AsyncEngine(config) as engine:
         vocab = engine.vocab_size
         for _ in range(args.num_requests):
             prompts.append([rng.randrange(4, vocab) for _ in range(rng.randint(16, 64))])
@@ -61,10 +70,10 @@ async def _one_run(args: argparse.Namespace, constrained: bool) -> dict[str, Any
             structured_outputs=constraint if constrained else None,
         )  # fmt: skip
         await engine.generate(prompts[0][:8], params)  # warm-up: compiles the grammar
+        before = engine.statistics()
         outputs: list[Any] = [None] * len(prompts)
-        bar = tqdm(total=len(prompts), desc="structured" if constrained else "free",
-                   leave=False, disable=not args.progress)  # fmt: skip
-        began = time.perf_counter()
+        bar = tqdm(total=len(prompts), desc=mode, leave=False, disable=not args.progress)
+        began, began_cpu = time.perf_counter(), time.process_time()
 
         async def one(i: int) -> None:
             outputs[i] = (await engine.generate(prompts[i], params)).outputs[0]
@@ -73,13 +82,26 @@ async def _one_run(args: argparse.Namespace, constrained: bool) -> dict[str, Any
         async with anyio.create_task_group() as tg:
             for i in range(len(prompts)):
                 tg.start_soon(one, i)
-        wall = time.perf_counter() - began
+        wall, cpu = time.perf_counter() - began, time.process_time() - began_cpu
         bar.close()
+        after = engine.statistics()
     tokens = sum(len(o.token_ids) for o in outputs)
     stopped = [o for o in outputs if o.finish_reason == "stop"] if constrained else []
-    return {"constrained": constrained, "wall_s": wall, "tokens": tokens,
-            "tok_per_s": tokens / wall, "num_stopped": len(stopped),
-            "num_valid_json": sum(_parses(o.text) for o in stopped)}  # fmt: skip
+    return {
+        "mode": mode,
+        "constrained": constrained,
+        "wall_s": wall,
+        "cpu_s": cpu,  # this process's CPU time: steadier than wall time on a shared machine
+        "tokens": tokens,
+        "tok_per_s": tokens / wall,
+        "req_per_s": len(prompts) / wall,
+        "tok_per_cpu_s": tokens / cpu,
+        "num_steps": after.num_steps - before.num_steps,
+        "num_jump_forward_tokens": after.num_jump_forward_tokens - before.num_jump_forward_tokens,
+        "num_stopped": len(stopped),
+        "num_valid_json": sum(_parses(o.text) for o in stopped),
+        "texts": [o.text for o in stopped],
+    }
 
 
 def _parses(text: str) -> bool:
@@ -90,30 +112,65 @@ def _parses(text: str) -> bool:
     return True
 
 
+def _summary(runs: list[dict[str, Any]], mode: str) -> dict[str, float]:
+    mine = [r for r in runs if r["mode"] == mode]
+    out: dict[str, float] = {"median_steps": statistics.median(r["num_steps"] for r in mine)}
+    for key in ("tok_per_s", "req_per_s", "tok_per_cpu_s"):
+        values = [r[key] for r in mine]
+        out.update({f"median_{key}": statistics.median(values), f"min_{key}": min(values),
+                    f"max_{key}": max(values)})  # fmt: skip
+    return out
+
+
 def run(args: argparse.Namespace) -> int:
     runs: list[dict[str, Any]] = []
     for _ in range(args.repeats):
-        for constrained in (False, True):
-            runs.append(anyio.run(_one_run, args, constrained))
-    free = statistics.median(r["tok_per_s"] for r in runs if not r["constrained"])
-    bound = statistics.median(r["tok_per_s"] for r in runs if r["constrained"])
+        for mode in MODES:
+            runs.append(anyio.run(_one_run, args, mode))
+    summary = {mode: _summary(runs, mode) for mode in MODES}
+    median = {mode: summary[mode]["median_tok_per_s"] for mode in MODES}
+    requests = {mode: summary[mode]["median_req_per_s"] for mode in MODES}
+    ratios = {
+        "json_vs_free": median["json"] / median["free"],
+        "json_jf_vs_free": median["json_jf"] / median["free"],
+        "jump_forward_on_vs_off": median["json_jf"] / median["json"],
+        "jump_forward_on_vs_off_req_per_s": requests["json_jf"] / requests["json"],
+    }
     checked = [r for r in runs if r["constrained"]]
     stopped = sum(r["num_stopped"] for r in checked)
     valid = sum(r["num_valid_json"] for r in checked)
+    # greedy: every run of a mode writes the same JSON
+    same = all(len({tuple(r["texts"]) for r in checked if r["mode"] == m}) == 1
+               for m in ("json", "json_jf"))  # fmt: skip
+    for mode in MODES:
+        m = summary[mode]
+        print(
+            f"{mode:8s} {m['median_tok_per_s']:8.1f} tok/s (median; {m['min_tok_per_s']:.1f}"
+            f"-{m['max_tok_per_s']:.1f}), {m['median_req_per_s']:.2f} requests/s, "
+            f"{m['median_tok_per_cpu_s']:.1f} tok per CPU s, {m['median_steps']:.0f} steps"
+        )
     print(
-        f"unconstrained {free:.1f} tok/s, json schema {bound:.1f} tok/s: ratio "
-        f"{bound / free:.2f}x (goal >= 0.9); {valid} of {stopped} finished outputs parse"
+        f"json / free {ratios['json_vs_free']:.2f}x, json + jump-forward / free "
+        f"{ratios['json_jf_vs_free']:.2f}x (goal >= 0.9); jump-forward on / off "
+        f"{ratios['jump_forward_on_vs_off']:.2f}x tok/s, "
+        f"{ratios['jump_forward_on_vs_off_req_per_s']:.2f}x requests/s; {valid} of {stopped} "
+        f"finished outputs parse{'' if same else '; the JSON of one mode differs between runs'}"
     )
     out = Path(args.output)
     out.mkdir(parents=True, exist_ok=True)
+    for r in runs:
+        r.pop("texts")
     (out / "structured.json").write_text(json.dumps(
-        {"schema": SCHEMA, "runs": runs, "median_tok_per_s": {"free": free, "json": bound},
-         "ratio": bound / free}, indent=2))  # fmt: skip
+        {"schema": SCHEMA, "runs": runs, "summary": summary, "median_tok_per_s": median,
+         "ratios": ratios, "ratio": ratios["json_jf_vs_free"], "same_json": same},
+        indent=2))  # fmt: skip
     return 0 if valid == stopped else 1
 
 
 def add_parser(modes: Any) -> None:
-    p = modes.add_parser("structured", help="JSON-schema constrained vs free generation")
+    p = modes.add_parser(
+        "structured", help="JSON-schema constrained vs free generation, jump-forward on and off"
+    )
     p.add_argument("--num-requests", type=int, default=32)
     p.add_argument("--max-tokens", type=int, default=160, help="the schema's JSON needs ~100")
     p.add_argument("--repeats", type=int, default=3, help="runs of each mode, interleaved")
