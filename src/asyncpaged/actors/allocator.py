@@ -2,16 +2,19 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import anyio
-import structlog
 from anyio.abc import TaskStatus
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
+from asyncpaged._log import get_logger
 from asyncpaged.core.block_pool import BlockPool
 from asyncpaged.core.block_table import PoolStatistics
+from asyncpaged.core.prefix_hash import BlockHash
 from asyncpaged.core.txn import PoolSnapshot, StepTxn, TxnResult, apply_txn, snapshot
 
-log = structlog.get_logger("asyncpaged")
+log = get_logger(__name__)
 
 
 class AllocatorActor:
@@ -26,8 +29,12 @@ class AllocatorActor:
         pool: BlockPool,
         inbox: MemoryObjectReceiveStream[StepTxn],
         replies: MemoryObjectSendStream[TxnResult],
+        failed_spills: Callable[[], list[BlockHash]] | None = None,
     ) -> None:
+        """``failed_spills``: the KV-tier store's drain of disk writes that failed; those
+        entries are forgotten before each transaction, so no lookup can restore them."""
         self.pool = pool
+        self._failed_spills = failed_spills
         self._inbox = inbox
         self._replies = replies
         self._log = log.bind(actor="allocator")
@@ -44,6 +51,8 @@ class AllocatorActor:
         task_status.started()
         async with self._inbox, self._replies:
             async for txn in self._inbox:
+                if self._failed_spills is not None:
+                    self.pool.begin_tier_txn(self._failed_spills())
                 result = apply_txn(self.pool, txn)
                 if result.swap_outs:
                     self._log.debug("blocks_swapped_out", num_swaps=len(result.swap_outs))

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+from typing import assert_never
+
 import anyio
 from anyio.abc import TaskStatus
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from asyncpaged.core.block_table import SwapDirection
-from asyncpaged.messages import SchedulerInbox, SwapBlocks, SwapDone
+from asyncpaged.messages import CopyTierBlocks, SchedulerInbox, SwapBlocks, SwapDone, SwapSpaceInbox
+from asyncpaged.model.kv_tier_store import KVTierStore
 from asyncpaged.model.runner import StepRunner
 
 
@@ -18,15 +21,21 @@ class SwapSpaceActor:
     writes, so they run concurrently with the executor's forward. Under tensor parallelism the
     runner's ``swap_out`` / ``swap_in`` first send the swap to every other rank (each moves its
     share of the same blocks), ordered with the steps.
+
+    KV-tier copies (:class:`CopyTierBlocks`, with ``tier_store``) run in the same thread, after
+    every swap sent before them; the scheduler waits for them before it starts their step, so
+    they never race a forward (an offloaded block is about to be reused, a restored one read).
     """
 
     def __init__(
         self,
         runner: StepRunner,
-        inbox: MemoryObjectReceiveStream[SwapBlocks],
+        inbox: MemoryObjectReceiveStream[SwapSpaceInbox],
         events: MemoryObjectSendStream[SchedulerInbox],
+        tier_store: KVTierStore | None = None,
     ) -> None:
         self.runner = runner
+        self.tier_store = tier_store
         self._inbox = inbox
         self._events = events
         self._limiter = anyio.CapacityLimiter(1)
@@ -35,13 +44,24 @@ class SwapSpaceActor:
         task_status.started()
         async with self._inbox, self._events:
             async for msg in self._inbox:
-                plan = msg.plan
-                copy = (
-                    self.runner.swap_out
-                    if plan.direction is SwapDirection.OUT
-                    else self.runner.swap_in
-                )
-                await anyio.to_thread.run_sync(
-                    copy, plan.block_mapping, limiter=self._limiter, abandon_on_cancel=False
-                )
-                await self._events.send(SwapDone(swap_id=plan.swap_id))
+                match msg:
+                    case SwapBlocks(plan=plan):
+                        copy = (
+                            self.runner.swap_out
+                            if plan.direction is SwapDirection.OUT
+                            else self.runner.swap_in
+                        )
+                        await anyio.to_thread.run_sync(
+                            copy, plan.block_mapping, limiter=self._limiter,
+                            abandon_on_cancel=False,
+                        )  # fmt: skip
+                        await self._events.send(SwapDone(swap_id=plan.swap_id))
+                    case CopyTierBlocks(ops=ops, done=done):
+                        store = self.tier_store
+                        assert store is not None, "KV-tier copies without a tier store"
+                        await anyio.to_thread.run_sync(
+                            store.run, ops, limiter=self._limiter, abandon_on_cancel=False
+                        )
+                        done.set()
+                    case _:
+                        assert_never(msg)

@@ -144,7 +144,11 @@ class PoolStatistics:
     num_swaps_in_flight: int
     num_cow_copies: int
     prefix_query_tokens: int
-    prefix_hit_tokens: int
+    prefix_hit_tokens: int  # all tiers: device + host + disk
+    prefix_host_hit_tokens: int = 0  # restored from the host tier (core/kv_tiers.py)
+    prefix_disk_hit_tokens: int = 0  # restored from the disk tier
+    num_tier_offloads: int = 0  # evicted device blocks copied to the host tier
+    num_tier_spills: int = 0  # host-tier entries written to disk
 
     @property
     def device_utilization(self) -> float:

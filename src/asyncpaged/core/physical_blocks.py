@@ -15,7 +15,7 @@ O(blocks touched).
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 from asyncpaged.core.prefix_hash import BlockHash
 
@@ -50,6 +50,7 @@ class PhysicalBlocks:
         "num_filled_held",
         "num_held",
         "num_shared",
+        "on_evict",
         "ref_cnt",
     )
 
@@ -68,6 +69,9 @@ class PhysicalBlocks:
         self._evictable: OrderedDict[int, None] = OrderedDict()  # least recently used first
         self._hash_of: dict[int, BlockHash] = {}
         self._block_of: dict[BlockHash, int] = {}
+        # Called with (block, hash) when a cached block is evicted, before it is reused (the
+        # KV tiers offload it); None: evicted blocks are forgotten.
+        self.on_evict: Callable[[int, BlockHash], None] | None = None
 
     # ---- capacity -------------------------------------------------------------------------
 
@@ -113,7 +117,7 @@ class PhysicalBlocks:
             self._next_fresh += 1
         else:
             block, _ = self._evictable.popitem(last=False)
-            self._unregister(block)
+            self._evicted(block)
         self.ref_cnt[block] = 1
         self.num_filled[block] = 0
         self.num_held += 1
@@ -207,13 +211,19 @@ class PhysicalBlocks:
         count = 0
         while self._evictable and (num_blocks is None or count < num_blocks):
             block, _ = self._evictable.popitem(last=False)
-            self._unregister(block)
+            self._evicted(block)
             self._free[block] = None
             count += 1
         return count
 
     def _unregister(self, block: int) -> None:
         del self._block_of[self._hash_of.pop(block)]
+
+    def _evicted(self, block: int) -> None:
+        block_hash = self._hash_of[block]
+        self._unregister(block)
+        if self.on_evict is not None:
+            self.on_evict(block, block_hash)
 
     # ---- introspection --------------------------------------------------------------------
 

@@ -1,0 +1,224 @@
+"""The KV tiers end to end: host-tier hits, a restart that hits the disk tier, and the disk
+entries that must be misses (corrupted, truncated, another model, a full disk), each with
+greedy tokens identical to a run without tiers."""
+
+from __future__ import annotations
+
+import json
+import random
+import shutil
+from pathlib import Path
+from typing import Any
+
+import anyio
+import pytest
+
+from asyncpaged import SamplingParams
+from asyncpaged.core.prefix_hash import hash_full_blocks
+from asyncpaged.model import kv_tier_store
+from asyncpaged.model.kv_tier_store import HEADER
+from asyncpaged.testing.tiny_models import build_tiny_checkpoint
+from tests.engine.conftest import running_engine
+
+GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+BS = 16
+PREFIX_LEN = 1000
+NUM_PREFIX_BLOCKS = PREFIX_LEN // BS  # 62 full blocks
+
+pytestmark = pytest.mark.anyio
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+@pytest.fixture(scope="module")
+def long_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny GQA Llama with room for 1,000-token prompts (default RoPE extends as is)."""
+    path = build_tiny_checkpoint("llama-gqa", tmp_path_factory.mktemp("long-llama"))
+    config_path = path / "config.json"
+    config = json.loads(config_path.read_text())
+    config["max_position_embeddings"] = 2048
+    config_path.write_text(json.dumps(config))
+    return path
+
+
+def tokens(seed: int, n: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(3, 200) for _ in range(n)]
+
+
+PREFIX = tokens(0, PREFIX_LEN)
+FLUSH = [tokens(1, PREFIX_LEN + 10), tokens(2, PREFIX_LEN + 10)]
+SECOND = [*PREFIX, 7, 8, 9]
+
+
+def engine_config(**kw: Any) -> dict[str, Any]:
+    # 70 device blocks: one 1,000-token request at a time, and two others evict all of it.
+    base: dict[str, Any] = {"num_device_blocks": 70, "max_num_batched_tokens": 2048,
+                                "attention_backend": "torch"}  # fmt: skip
+    base.update(kw)
+    return base
+
+
+async def run_turns(path: Path, prompts: list[list[int]], **kw: Any) -> tuple[list[list[int]], Any]:
+    with anyio.fail_after(120):
+        async with running_engine(path, **engine_config(**kw)) as engine:
+            outs = [list((await engine.generate(p, GREEDY)).outputs[0].token_ids) for p in prompts]
+            stats = engine.statistics()
+    return outs, stats
+
+
+@pytest.fixture(scope="module")
+def no_tier_tokens(long_llama: Path) -> list[int]:
+    async def main() -> list[int]:
+        outs, stats = await run_turns(long_llama, [SECOND])
+        assert stats.prefix_cache_hit_tokens == 0
+        return outs[0]
+
+    return anyio.run(main)
+
+
+async def test_host_tier_serves_a_prefix_the_device_evicted(
+    long_llama: Path, no_tier_tokens: list[int]
+) -> None:
+    outs, stats = await run_turns(
+        long_llama, [[*PREFIX, 5], FLUSH[0], SECOND], kv_offload_host_bytes=1 << 20
+    )
+    assert outs[2] == no_tier_tokens
+    # The device kept the prefix's head (the LRU evicts tails first), the host tier the rest.
+    assert stats.prefix_cache_host_hit_tokens > 0
+    assert stats.prefix_cache_device_hit_tokens > 0
+    hits = stats.prefix_cache_host_hit_tokens + stats.prefix_cache_device_hit_tokens
+    assert hits == NUM_PREFIX_BLOCKS * BS
+    assert stats.prefix_cache_disk_hit_tokens == 0
+    assert stats.num_kv_offloads > 0
+
+
+async def test_without_tiers_the_evicted_prefix_is_recomputed(long_llama: Path) -> None:
+    _, stats = await run_turns(long_llama, [[*PREFIX, 5], FLUSH[0], SECOND])
+    assert stats.prefix_cache_hit_tokens < NUM_PREFIX_BLOCKS * BS
+    assert stats.prefix_cache_host_hit_tokens == 0
+
+
+def disk_kw(directory: Path, entries: int = 400) -> dict[str, Any]:
+    entry = HEADER.size + 2 * 2 * 2 * 16 * BS * 4  # layers x K/V x kv heads x head dim x bs x fp32
+    return {"kv_offload_host_bytes": 8 * 4096, "kv_offload_dir": str(directory),
+                "kv_offload_disk_bytes": entries * entry}  # fmt: skip
+
+
+async def fill_disk(path: Path, directory: Path, **kw: Any) -> None:
+    """One engine computes the prefix, then two others push it down to the disk tier."""
+    _, stats = await run_turns(path, [[*PREFIX, 5], *FLUSH], **disk_kw(directory), **kw)
+    assert stats.num_kv_spills >= NUM_PREFIX_BLOCKS
+
+
+def block_file(directory: Path, index: int) -> Path:
+    """The entry of the prefix's block ``index`` (the directory holds one model's folder)."""
+    (model_dir,) = directory.iterdir()
+    block_hash = hash_full_blocks(PREFIX, BS, None, index + 1)[index]
+    return model_dir / f"{block_hash.hex()}.kv"
+
+
+async def test_close_writes_the_cached_blocks_to_disk(
+    long_llama: Path, no_tier_tokens: list[int], tmp_path: Path
+) -> None:
+    """Nothing was evicted: the prefix was still on the device when the engine closed."""
+    _, stats = await run_turns(long_llama, [[*PREFIX, 5]], **disk_kw(tmp_path))
+    assert stats.num_kv_offloads == 0
+    outs, stats = await run_turns(long_llama, [SECOND], **disk_kw(tmp_path))
+    assert outs[0] == no_tier_tokens
+    assert stats.prefix_cache_disk_hit_tokens == NUM_PREFIX_BLOCKS * BS
+
+
+async def test_restart_hits_the_disk_tier(
+    long_llama: Path, no_tier_tokens: list[int], tmp_path: Path
+) -> None:
+    await fill_disk(long_llama, tmp_path)
+    assert all(block_file(tmp_path, i).exists() for i in range(NUM_PREFIX_BLOCKS))
+    outs, stats = await run_turns(long_llama, [SECOND], **disk_kw(tmp_path))
+    assert outs[0] == no_tier_tokens
+    assert stats.prefix_cache_disk_hit_tokens == NUM_PREFIX_BLOCKS * BS
+    assert stats.prefix_cache_device_hit_tokens == stats.prefix_cache_host_hit_tokens == 0
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate", "truncate-header"])
+async def test_a_damaged_entry_is_a_miss(
+    damage: str, long_llama: Path, no_tier_tokens: list[int], tmp_path: Path
+) -> None:
+    await fill_disk(long_llama, tmp_path)
+    victim = block_file(tmp_path, 5)
+    data = bytearray(victim.read_bytes())
+    if damage == "flip":
+        data[HEADER.size + 100] ^= 0x40
+    elif damage == "truncate":
+        data = data[:-1]
+    else:
+        data = data[:20]
+    victim.write_bytes(bytes(data))
+    outs, stats = await run_turns(long_llama, [SECOND], **disk_kw(tmp_path))
+    assert outs[0] == no_tier_tokens
+    # The chain stops at the damaged block: blocks 0-4 came from disk, the rest recomputed.
+    assert stats.prefix_cache_disk_hit_tokens == 5 * BS
+    assert not victim.exists() or victim.read_bytes() != bytes(data)  # dropped or rewritten
+
+
+async def test_another_model_never_reads_the_entries(
+    long_llama: Path, tmp_path: Path, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    await fill_disk(long_llama, tmp_path)
+    other = tmp_path_factory.mktemp("other-llama")
+    shutil.copytree(long_llama, other, dirs_exist_ok=True)
+    build_tiny_checkpoint("llama-gqa", other / "weights", seed=1)  # new weights, same shapes
+    shutil.copy(other / "weights" / "model.safetensors", other / "model.safetensors")
+    before = {p: p.read_bytes() for p in tmp_path.rglob("*.kv")}
+    reference, _ = await run_turns(other, [SECOND])
+    outs, stats = await run_turns(other, [SECOND], **disk_kw(tmp_path))
+    assert outs == reference
+    assert stats.prefix_cache_disk_hit_tokens == 0
+    after = {p: p.read_bytes() for p in tmp_path.rglob("*.kv") if p in before}
+    assert after == before  # the first model's entries are left as they were
+    assert len(list(tmp_path.iterdir())) == 2  # the other model wrote its own folder
+
+
+async def test_the_disk_budget_is_never_exceeded(long_llama: Path, tmp_path: Path) -> None:
+    kw = disk_kw(tmp_path, entries=10)
+    _, stats = await run_turns(long_llama, [[*PREFIX, 5], *FLUSH], **kw)
+    files = list(tmp_path.rglob("*.kv"))
+    assert stats.num_kv_spills > 10
+    assert len(files) == 10
+    assert sum(f.stat().st_size for f in files) <= kw["kv_offload_disk_bytes"]
+    assert not list(tmp_path.rglob("*.tmp"))
+
+
+async def test_a_full_disk_is_a_miss(
+    long_llama: Path, no_tier_tokens: list[int], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def no_space(src: str, dst: str) -> None:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr("asyncpaged.model.kv_tier_store.os.replace", no_space)
+    # Same engine: the spilled blocks are never restored; SECOND hits only what stayed above.
+    prompts = [[*PREFIX, 5], *FLUSH, SECOND]
+    outs, stats = await run_turns(long_llama, prompts, **disk_kw(tmp_path))
+    assert outs[3] == no_tier_tokens
+    assert stats.num_kv_spills > 0
+    assert stats.prefix_cache_disk_hit_tokens == 0
+    assert not list(tmp_path.rglob("*.*"))
+
+
+def test_disk_entries_round_trip_and_reject_other_identities(tmp_path: Path) -> None:
+    disk = kv_tier_store.DiskTier(tmp_path, b"\x01" * 32, payload_bytes=64)
+    h = bytes(range(32))
+    assert disk.write(h, bytes(range(64)))
+    assert disk.read(h) == bytes(range(64))
+    assert disk.scan(10) == [h]
+    other = kv_tier_store.DiskTier(tmp_path, b"\x02" * 32, payload_bytes=64)
+    assert other.directory != disk.directory
+    shutil.copy(disk.path(h), other.path(h))  # a file moved into another model's folder
+    assert other.read(h) is None  # its header names the first model
+    assert other.scan(10) == []
+    assert other.path(h).exists()  # not ours: left in place
+    assert disk.scan(0) == []  # over the budget: dropped
+    assert not disk.path(h).exists()
