@@ -34,11 +34,14 @@ def token_bin_counts(
 
 
 def apply_min_tokens_mask(logits: torch.Tensor, mask_ids: Sequence[Sequence[int]]) -> None:
-    """In place: ``logits[r, id] = -inf`` for every id in ``mask_ids[r]`` (EOS and stop ids)."""
-    rows = [r for r, ids in enumerate(mask_ids) for _ in ids]
-    if not rows:
+    """In place: ``logits[r, id] = -inf`` for every id in ``mask_ids[r]`` (EOS and stop ids).
+    Ids outside the vocabulary (an EOS id a config lists beyond it) cannot be sampled anyway and
+    are skipped: a bad id never fails the step."""
+    vocab = logits.shape[-1]
+    pairs = [(r, i) for r, ids in enumerate(mask_ids) for i in ids if 0 <= i < vocab]
+    if not pairs:
         return
-    cols = [i for ids in mask_ids for i in ids]
+    rows, cols = [r for r, _ in pairs], [i for _, i in pairs]
     logits.index_put_(
         (
             torch.tensor(rows, dtype=torch.int64, device=logits.device),
