@@ -6,12 +6,14 @@ from asyncpaged.engine import AsyncEngine, EngineStatistics
 from asyncpaged.errors import (
     AsyncPagedError,
     BlockPoolError,
+    EngineClosedError,
     EngineDeadError,
     InvalidRequestError,
     RequestFailedError,
     WorkerDiedError,
 )
 from asyncpaged.inputs import PromptType, TextPrompt, TokensPrompt
+from asyncpaged.llm import LLM
 from asyncpaged.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from asyncpaged.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 from asyncpaged.streams import RequestStream
@@ -20,12 +22,14 @@ from asyncpaged.structured_outputs import StructuredOutputsParams
 __version__ = "0.1.0"
 
 __all__ = [
+    "LLM",
     "AsyncEngine",
     "AsyncPagedError",
     "BeamSearchParams",
     "BlockPool",
     "BlockPoolError",
     "CompletionOutput",
+    "EngineClosedError",
     "EngineConfig",
     "EngineDeadError",
     "EngineStatistics",

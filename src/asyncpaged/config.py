@@ -54,6 +54,8 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     watermark: float = 0.01
     seed: int = 0
+    # The most SamplingParams.logprobs / prompt_logprobs may ask for (vLLM's); -1: no limit
+    max_logprobs: int = 20
     # auto: Triton on CUDA; on CPU the native C++ decode kernel if it builds, else torch
     attention_backend: Literal["auto", "torch", "triton", "cpu"] = "auto"
     kv_cache_dtype: Literal["auto", "float32", "float16", "bfloat16"] = "auto"  # auto: model's
@@ -64,6 +66,23 @@ class EngineConfig:
     # fp32 summation order
     fused_elementwise: bool | Literal["auto"] = "auto"
     tensor_parallel_size: int = 1  # ranks the model is split over (torch.distributed)
+    # Structured outputs: append the tokens a grammar forces (a schema's keys, punctuation)
+    # without sampling each one; they are computed in the next step like a prefill chunk
+    structured_outputs_jump_forward: bool = True
+    # gc.freeze() once started (every object alive then leaves the cyclic GC's walks, which
+    # otherwise stall the host loop 100+ ms), gc.unfreeze() when the last such engine closes
+    gc_freeze: bool = True
+    # Queue order (core/policy.py): "fcfs", or "priority" (generate(priority=N): lower first,
+    # FCFS among equals; a waiting request preempts lower-ranked running ones; every
+    # priority_aging_steps plans spent waiting improve its effective priority by 1)
+    scheduling_policy: Literal["fcfs", "priority"] = "fcfs"
+    priority_aging_steps: int = 64
+    # KV tiers below the device prefix cache (docs/architecture.md, "KV tiers"): evicted full
+    # blocks go to host RAM (kv_offload_host_bytes), from there to files in kv_offload_dir
+    # (kv_offload_disk_bytes); a later prefix lookup brings them back instead of recomputing
+    kv_offload_host_bytes: int = 0
+    kv_offload_dir: str | None = None
+    kv_offload_disk_bytes: int = 0
 
     def __post_init__(self) -> None:
         checks = [
@@ -89,6 +108,8 @@ class EngineConfig:
             (self.max_model_len is None or self.max_model_len >= 2,
              f"max_model_len must be at least 2, got {self.max_model_len}."),
             (0.0 <= self.watermark < 1.0, f"watermark must be in [0, 1), got {self.watermark}."),
+            (self.max_logprobs >= -1,
+             f"max_logprobs must be -1 (no limit) or at least 0, got {self.max_logprobs}."),
             (self.kv_cache_dtype in ("auto", "float32", "float16", "bfloat16"),
              f"kv_cache_dtype must be 'auto', 'float32', 'float16' or 'bfloat16', got "
              f"{self.kv_cache_dtype!r}."),
@@ -98,6 +119,24 @@ class EngineConfig:
                f"{lever} must be True, False or 'auto', got {getattr(self, lever)!r}.")
               for lever in ("packed_linears", "screened_lm_head", "int8_lm_head",
                             "fused_elementwise")),
+            (self.scheduling_policy in ("fcfs", "priority"),
+             f"scheduling_policy must be 'fcfs' or 'priority', got {self.scheduling_policy!r}."),
+            (isinstance(self.priority_aging_steps, int) and self.priority_aging_steps >= 1,
+             f"priority_aging_steps must be at least 1, got {self.priority_aging_steps!r}."),
+            (self.kv_offload_host_bytes >= 0,
+             f"kv_offload_host_bytes must be non-negative, got {self.kv_offload_host_bytes}."),
+            (self.kv_offload_disk_bytes >= 0,
+             f"kv_offload_disk_bytes must be non-negative, got {self.kv_offload_disk_bytes}."),
+            ((self.kv_offload_dir is None) == (self.kv_offload_disk_bytes == 0),
+             "kv_offload_dir and kv_offload_disk_bytes go together (a directory and a positive "
+             f"budget, or neither), got {self.kv_offload_dir!r} and {self.kv_offload_disk_bytes}."),
+            (self.kv_offload_dir is None or self.kv_offload_host_bytes > 0,
+             "the disk tier is filled from the host tier: kv_offload_dir needs "
+             "kv_offload_host_bytes > 0."),
+            (self.kv_offload_host_bytes == 0 or self.enable_prefix_caching,
+             "kv_offload_host_bytes needs enable_prefix_caching=True."),
+            (self.kv_offload_host_bytes == 0 or self.tensor_parallel_size == 1,
+             "the KV tiers (kv_offload_*) need tensor_parallel_size=1."),
             (self.attention_backend in ("auto", "torch", "triton", "cpu"),
              f"attention_backend must be 'auto', 'torch', 'triton' or 'cpu', got "
              f"{self.attention_backend!r}."),

@@ -2,34 +2,41 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import gc
 import itertools
 import math
 import time
 import uuid
+import weakref
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from types import TracebackType
-from typing import Any
+from typing import Any, ParamSpec, TypeVar
 
 import anyio
-import structlog
 import torch
 from anyio.abc import TaskGroup
 
+from asyncpaged._detached import spawn_detached
+from asyncpaged._gc import freeze_after_start, unfreeze_at_close
+from asyncpaged._log import get_logger
 from asyncpaged.actors.allocator import AllocatorActor
 from asyncpaged.actors.executor import ExecutorActor
 from asyncpaged.actors.intake import IntakeActor
 from asyncpaged.actors.scheduler import SchedulerActor
 from asyncpaged.actors.swap_space import SwapSpaceActor
 from asyncpaged.config import EngineConfig, KVShape, num_blocks_for
+from asyncpaged.core.block_map import BlockMap, build_block_map
 from asyncpaged.core.block_pool import BlockPool
 from asyncpaged.core.block_table import PinnedPrefix
+from asyncpaged.core.policy import check_priority
 from asyncpaged.core.request import StopCriteria
 from asyncpaged.core.scheduler import Scheduler, SchedulerConfig
 from asyncpaged.core.txn import StepTxn, TxnResult
 from asyncpaged.distributed import TensorParallelRunner, check_tensor_parallel, worker_spec
-from asyncpaged.errors import EngineDeadError, InvalidRequestError
+from asyncpaged.errors import EngineClosedError, EngineDeadError, InvalidRequestError
 from asyncpaged.inputs import (
     ChatMessage,
     PromptType,
@@ -43,21 +50,45 @@ from asyncpaged.messages import (
     ExecuteStep,
     SchedulerInbox,
     SubmitRequest,
-    SwapBlocks,
+    SwapSpaceInbox,
     UnpinPrefix,
 )
 from asyncpaged.model.cpu_plan import LEVERS, CpuPlan, plan_cpu
 from asyncpaged.model.generation_config import GenerationDefaults, load_generation_defaults
 from asyncpaged.model.hub import resolve_model_path
+from asyncpaged.model.kv_tier_store import KVTierStore, build_kv_tiers
 from asyncpaged.model.loader import load_config, load_tokenizer, resolve_dtype, text_config
 from asyncpaged.model.runner import ModelRunner, StepRunner, select_attention_backend
+from asyncpaged.request_checks import (
+    check_cache_salt,
+    check_group_width,
+    check_request_id,
+    check_text_prompt,
+    max_prompt_chars,
+)
 from asyncpaged.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 from asyncpaged.streams import RequestState, RequestStream
 from asyncpaged.structured_outputs import EXTRA_HINT as STRUCTURED_EXTRA_HINT
 from asyncpaged.structured_outputs import GrammarBackend
 from asyncpaged.structured_outputs import is_available as structured_outputs_available
 
-log = structlog.get_logger("asyncpaged")
+log = get_logger(__name__)
+P = ParamSpec("P")
+R = TypeVar("R")
+
+
+def _weakly(method: Callable[P, R]) -> Callable[P, R]:
+    """``method`` (bound to the engine) without a strong reference to the engine: the actors
+    the engine holds call back into it, and strong references there would make every closed
+    engine a reference cycle, freed (with its model and KV cache) only by a full collection."""
+    ref = weakref.WeakMethod(method)
+
+    def call(*args: P.args, **kwargs: P.kwargs) -> R:
+        bound = ref()
+        assert bound is not None, "the engine was freed while its actors ran"
+        return bound(*args, **kwargs)
+
+    return call
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -96,15 +127,23 @@ class EngineStatistics:
     num_steps: int
     step_time_s: float
     compute_time_s: float
+    num_jump_forward_tokens: int = 0  # structured outputs: tokens appended without sampling
+    # Prefix-cache hit tokens by tier (they sum to prefix_cache_hit_tokens) and KV-tier copies
+    prefix_cache_device_hit_tokens: int = 0
+    prefix_cache_host_hit_tokens: int = 0
+    prefix_cache_disk_hit_tokens: int = 0
+    num_kv_offloads: int = 0  # evicted device blocks copied to the host tier
+    num_kv_spills: int = 0  # host-tier blocks written to the disk tier
 
 
 class AsyncEngine:
     """An LLM engine inside the caller's event loop (asyncio or trio, through anyio).
 
-    Enter it with ``async with``; leaving it aborts every unfinished request (finish reason
-    "abort"), waits for the step and swaps in flight, and joins the worker threads. If the engine
-    fails, every waiter gets :class:`EngineDeadError` (the cause chained) and so does the exit
-    of the ``async with``.
+    Enter it with ``async with``, or ``engine = await AsyncEngine.start(config)`` and later
+    ``await engine.aclose()`` from any task of the same loop (a notebook's cells). Closing aborts
+    every unfinished request (finish reason "abort"), waits for the step and swaps in flight, and
+    joins the worker threads. If the engine fails, every waiter gets :class:`EngineDeadError` (the
+    cause chained) and so do ``aclose`` and the exit of the ``async with``. An engine starts once.
     """
 
     def __init__(self, config: EngineConfig) -> None:
@@ -116,11 +155,36 @@ class AsyncEngine:
         self._live_pruned_at = 64
         self._ids = itertools.count()
         self._tp: TensorParallelRunner | None = None  # tensor_parallel_size > 1
+        self._tier_store: KVTierStore | None = None  # kv_offload_host_bytes > 0
         self._dead_event = anyio.Event()  # set with _dead
+        self._started = False  # start() was called: an engine starts once
+        self._gc_frozen = False  # EngineConfig.gc_freeze: froze at start, unfreezes at close
+        self._start_error: Exception | None = None  # the actors failed to start
+        self._stop = anyio.Event()  # aclose asks the engine's own task to stop the actors
+        self._owner_ready = anyio.Event()  # the actors started, or failed to
+        self._owner_done = anyio.Event()  # the engine's task group has exited
+        self._close_done = anyio.Event()  # aclose finished (a second aclose waits for it)
 
     # ---- lifecycle ----------------------------------------------------------------------------
 
+    @classmethod
+    async def start(cls, config: EngineConfig) -> AsyncEngine:
+        """A started engine, without ``async with`` (notebooks, long-lived applications): the
+        model is loaded and the actors run in a task the engine owns, so :meth:`aclose` may be
+        awaited from any task of this event loop. If cancelled midway, what was started is
+        stopped before the cancellation propagates."""
+        engine = cls(config)
+        await engine._open()
+        return engine
+
     async def __aenter__(self) -> AsyncEngine:
+        await self._open()
+        return self
+
+    async def _open(self) -> None:
+        if self._started:
+            raise EngineClosedError("an AsyncEngine starts only once; create a new one.")
+        self._started = True
         cfg = self.config
         path = await anyio.to_thread.run_sync(resolve_model_path, cfg.model, cfg.revision)
         self.model_path = path
@@ -168,7 +232,9 @@ class AsyncEngine:
         log.info("engine_started", model=cfg.model, num_device_blocks=num_device,
                  num_host_blocks=num_host, dtype=str(dtype), kv_cache_dtype=str(kv_dtype),
                  tensor_parallel_size=tp_size)  # fmt: skip
-        return self
+        if cfg.gc_freeze:  # the model, tokenizer and imports: out of every later GC walk
+            freeze_after_start()
+            self._gc_frozen = True
 
     def _plan_levers(self, hf_config: Any, dtype: torch.dtype) -> dict[str, bool]:
         """The CPU levers' on/off (``engine.cpu_plan`` says why); they act on float32 CPU
@@ -190,6 +256,9 @@ class AsyncEngine:
     ) -> None:
         cfg = self.config
         self.tokenizer = await anyio.to_thread.run_sync(load_tokenizer, self.model_path)
+        self.max_prompt_chars = await anyio.to_thread.run_sync(
+            max_prompt_chars, self.tokenizer, self.max_model_len
+        )  # a longer text prompt cannot fit: refused by its length at generate
         eos = getattr(self.tokenizer, "eos_token_id", None)
         self.generation_defaults: GenerationDefaults = await anyio.to_thread.run_sync(
             lambda: load_generation_defaults(
@@ -199,8 +268,17 @@ class AsyncEngine:
         )  # fmt: skip
         self._eos = self.generation_defaults.eos_token_ids
         self.num_device_blocks, self.num_host_blocks = num_device, num_host
+        tiers, self._tier_store = None, None
+        if cfg.kv_offload_host_bytes and cfg.enable_prefix_caching:
+            tiers, self._tier_store = await anyio.to_thread.run_sync(
+                lambda: build_kv_tiers(
+                    device_cache=self.runner.kv_cache, model_path=self.model_path,
+                    host_bytes=cfg.kv_offload_host_bytes, disk_dir=cfg.kv_offload_dir,
+                    disk_bytes=cfg.kv_offload_disk_bytes,
+                )
+            )  # fmt: skip
         pool = BlockPool(num_device, num_host, block_size=cfg.block_size,
-                         enable_prefix_caching=cfg.enable_prefix_caching)  # fmt: skip
+                         enable_prefix_caching=cfg.enable_prefix_caching, tiers=tiers)  # fmt: skip
         self._seq_ids = itertools.count()  # shared by intake and scheduler (one event loop)
         scheduler = Scheduler(
             SchedulerConfig(
@@ -211,13 +289,43 @@ class AsyncEngine:
                 preemption_mode=cfg.preemption_mode if num_host else "recompute",
                 watermark=cfg.watermark,
                 rope_switch_len=self.runner.model.rope_switch_len,
+                scheduling_policy=cfg.scheduling_policy,
+                priority_aging_steps=cfg.priority_aging_steps,
             ),
             new_seq_id=self._seq_ids.__next__,
         )
         self._build_actors(pool, scheduler, step_runner)
-        self._tg = anyio.create_task_group()
-        await self._tg.__aenter__()
-        await self._tg.start(self._supervise)
+        spawn_detached(self._own)
+        try:
+            await self._owner_ready.wait()
+        except BaseException:  # cancelled while the actors start: stop them, then propagate
+            self._stop.set()
+            with anyio.CancelScope(shield=True):
+                await self._owner_done.wait()
+            self._closed = True
+            self._close_done.set()
+            raise
+        if self._dead is not None:
+            raise EngineDeadError("the engine failed to start") from self._dead
+        if self._start_error is not None:
+            raise self._start_error
+
+    async def _own(self) -> None:
+        """The engine's own task (:func:`spawn_detached`): it holds the actors' task group
+        from start until :meth:`aclose` sets ``_stop``, so whichever task started the engine,
+        any task may close it. It never raises: a failure to start is handed to ``_open``."""
+        try:
+            async with anyio.create_task_group() as tg:
+                await tg.start(self._supervise)
+                self._tg = tg
+                self._owner_ready.set()
+                await self._stop.wait()
+                tg.cancel_scope.cancel()
+        except Exception as exc:  # an actor failed to start: _open raises it
+            self._start_error = exc
+        finally:
+            self._owner_ready.set()
+            self._owner_done.set()
 
     def _build_actors(self, pool: BlockPool, scheduler: Scheduler, runner: StepRunner) -> None:
         sched_send, sched_recv = anyio.create_memory_object_stream[SchedulerInbox](math.inf)
@@ -225,21 +333,29 @@ class AsyncEngine:
         res_send, res_recv = anyio.create_memory_object_stream[TxnResult](1)
         exec_send, exec_recv = anyio.create_memory_object_stream[ExecuteStep](1)
         # Each swap in flight holds at least one block at each end: this bound is never reached.
-        swap_send, swap_recv = anyio.create_memory_object_stream[SwapBlocks](
-            pool.device.num_blocks + pool.host.num_blocks + 1
+        # (+1: a transaction's KV-tier copies, one at a time)
+        swap_send, swap_recv = anyio.create_memory_object_stream[SwapSpaceInbox](
+            pool.device.num_blocks + pool.host.num_blocks + 2
         )
         intake_send, intake_recv = anyio.create_memory_object_stream[SubmitRequest](math.inf)
-        self._allocator = AllocatorActor(pool, txn_recv, res_send)
+        store = self._tier_store
+        self._allocator = AllocatorActor(
+            pool, txn_recv, res_send, store.take_failed_spills if store else None
+        )
         self._executor = ExecutorActor(runner, exec_recv, sched_send.clone())
-        self._swap_space = SwapSpaceActor(runner, swap_recv, sched_send.clone())
-        grammars = GrammarBackend(self.tokenizer, self.vocab_size, sorted(self._eos))
+        self._swap_space = SwapSpaceActor(runner, swap_recv, sched_send.clone(), store)
+        grammars = GrammarBackend(
+            self.tokenizer, self.vocab_size, sorted(self._eos),
+            jump_forward=self.config.structured_outputs_jump_forward,
+        )  # fmt: skip
         self._scheduler = SchedulerActor(
             scheduler, self._allocator.snapshot(), sched_recv, txn_send, res_recv,
             exec_send, swap_send, self._eos, self.tokenizer, grammars,
         )  # fmt: skip
         self._intake = IntakeActor(
-            self.tokenizer, self._check_ids, self._stop_criteria, intake_recv, sched_send.clone(),
-            self._seq_ids, grammars,
+            self.tokenizer, _weakly(self._check_ids), _weakly(self._stop_criteria), intake_recv,
+            sched_send.clone(), self._seq_ids, grammars,
+            on_released=self._scheduler.intake_released,
         )  # fmt: skip
         self._control = sched_send  # aborts
         self._submit = intake_send
@@ -286,29 +402,68 @@ class AsyncEngine:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        """Abort what is unfinished, wait for in-flight work, stop the actors.
+        """:meth:`aclose`; an exception leaving the body wins over the engine's failure."""
+        await self._shutdown()
+        if self._dead is not None and exc is None:
+            raise EngineDeadError("the engine stopped") from self._dead
 
-        If cancelled midway, the actors are cancelled at once (a forward already running still
-        finishes in its thread before the task group exits). Tensor-parallel ranks are stopped
-        and joined last, even when cancelled."""
-        assert self._tg is not None
+    async def aclose(self) -> None:
+        """Stop the engine, from any task of its event loop: abort what is unfinished, wait for
+        the step and swaps in flight, stop the actors and join their threads. Closing again
+        (or concurrently) waits for the first close; an engine never started is left as is.
+        If the engine had failed, raises :class:`EngineDeadError` (the cause chained).
+
+        If cancelled midway, the actors are cancelled at once and the call still waits for
+        them to stop (a forward already running finishes in its thread). Tensor-parallel ranks
+        are stopped and joined last, even when cancelled."""
+        await self._shutdown()
+        if self._dead is not None:
+            raise EngineDeadError("the engine stopped") from self._dead
+
+    async def _shutdown(self) -> None:
+        if self._tg is None:  # never started, or failed to start (already cleaned up)
+            return
+        if self._closed:  # closed, or being closed by another task
+            await self._close_done.wait()
+            return
         self._closed = True
         try:
             if self._dead is None:
                 for rid in list(self._scheduler.states):
                     self._abort_nowait(rid)
+                for state in list(self._live.values()):  # still in intake, too
+                    self._abort_state(state)
                 with anyio.fail_after(60):
                     await self._wait_or_dead(self._scheduler.wait_idle)
+                await self._persist_kv_tiers()
         finally:
             self._submit.close()
             self._control.close()
-            self._tg.cancel_scope.cancel()
+            self._stop.set()  # the engine's task cancels the actors and exits their group
             try:
-                await self._tg.__aexit__(None, None, None)
+                with anyio.CancelScope(shield=True):
+                    await self._owner_done.wait()
             finally:
                 await self._close_tensor_parallel(graceful=self._dead is None)
-        if self._dead is not None and exc is None:
-            raise EngineDeadError("the engine stopped") from self._dead
+                if self._gc_frozen:
+                    self._gc_frozen = False
+                    unfreeze_at_close()
+                # The stopped tasks' frames (held by their cancellation tracebacks, in cycles)
+                # still reference the engine: collect them now, so that the model and KV cache
+                # are freed with the engine's last reference, not at some later full collection.
+                gc.collect()
+                self._close_done.set()
+
+    async def _persist_kv_tiers(self) -> None:
+        """At close, with nothing running: write the cached device blocks and the host tier
+        to the disk tier (docs/architecture.md, "KV tiers"), in a worker thread."""
+        store = self._tier_store
+        if store is None or store.disk is None:
+            return
+        pool = self._allocator.pool
+        pool.begin_tier_txn(store.take_failed_spills())
+        ops = pool.persist_tiers()
+        await anyio.to_thread.run_sync(store.run, ops, abandon_on_cancel=False)
 
     def beam_search(
         self,
@@ -326,7 +481,9 @@ class AsyncEngine:
         sampling = SamplingParams(temperature=0.0, max_tokens=params.max_tokens,
                                   ignore_eos=params.ignore_eos, n=params.beam_width,
                                   output_kind=RequestOutputKind.FINAL_ONLY)  # fmt: skip
-        parsed = parse_prompt(prompt)
+        check_group_width(params.beam_width, "beam_width", self.config.max_num_seqs,
+                          self.config.max_num_batched_tokens)  # fmt: skip
+        parsed = parse_prompt(prompt, self.max_model_len)
         source = parsed.text if parsed.text is not None else parsed.token_ids
         assert source is not None
         salt = cache_salt if parsed.cache_salt is None else parsed.cache_salt
@@ -439,19 +596,22 @@ class AsyncEngine:
         left unset take the model's generation defaults (``EngineConfig.generation_config``);
         ``params=None`` is :meth:`default_sampling_params`.
 
-        Invalid input raises :class:`InvalidRequestError` here, before anything is queued (a
-        text prompt that is too long is found after tokenizing: awaiting the stream raises it).
+        Invalid input raises :class:`InvalidRequestError` here, before anything is built or
+        queued (types, group width, sizes, then values; docs/api.md, "Request validation"); a
+        text prompt found too long after tokenizing, or one the tokenizer fails on, raises it
+        when the stream is awaited, and only there. Dropping the stream unfinished aborts it.
         """
         self._check_alive()
-        if priority != 0:
-            raise InvalidRequestError("priority scheduling is not supported; use priority=0.")
-        parsed = parse_prompt(prompt)
+        priority = check_priority(priority, self.config.scheduling_policy)
+        params = self._with_model_defaults(params)
+        truncated = params.truncate_prompt_tokens is not None
+        parsed = parse_prompt(prompt, None if truncated else self.max_model_len)
         if parsed.cache_salt is not None and cache_salt is not None:
             raise InvalidRequestError("cache_salt is given twice (in the prompt and as keyword).")
         salt = cache_salt if parsed.cache_salt is None else parsed.cache_salt
         source = parsed.text if parsed.text is not None else parsed.token_ids
         assert source is not None
-        return self._submit_request(source, self._with_model_defaults(params), request_id, salt)
+        return self._submit_request(source, params, request_id, salt, priority=priority)
 
     def chat(
         self,
@@ -511,15 +671,20 @@ class AsyncEngine:
         pin_id: int | None = None,
         beam: BeamSearchParams | None = None,
         chat: ChatPrompt | None = None,
+        priority: int = 0,
     ) -> RequestStream:
-        rid = request_id if request_id is not None else f"req-{uuid.uuid4().hex[:12]}"
-        if not isinstance(rid, str):
-            raise InvalidRequestError(f"request_id must be a str, got {type(rid).__name__}.")
-        if cache_salt is not None and (not isinstance(cache_salt, str) or "\x00" in cache_salt):
-            raise InvalidRequestError("cache_salt must be a str without NUL characters.")
+        rid = check_request_id(
+            request_id if request_id is not None else f"req-{uuid.uuid4().hex[:12]}"
+        )
+        check_cache_salt(cache_salt)
+        if beam is None:  # sizes before any per-sequence state is built
+            what = "n" if params.best_of is None else "best_of"
+            check_group_width(params.num_sequences, what, self.config.max_num_seqs,
+                              self.config.max_num_batched_tokens)  # fmt: skip
         if rid in self._live and not self._live[rid].is_done:
             raise InvalidRequestError(f"request id {rid!r} is already in use.")
         self._check_vocab(params)
+        self._check_logprobs(params)
         if params.structured_outputs is not None and not structured_outputs_available():
             raise InvalidRequestError(STRUCTURED_EXTRA_HINT)
         if params.structured_outputs is not None and beam is not None:
@@ -527,8 +692,7 @@ class AsyncEngine:
         if prompt is None:
             text, ids = None, None
         elif isinstance(prompt, str):
-            if not prompt:
-                raise InvalidRequestError("prompt must not be empty.")
+            check_text_prompt(prompt, self.max_prompt_chars, self.max_model_len)
             text, ids = prompt, None
         else:
             ids = truncate_prompt(tuple(prompt), params)
@@ -541,30 +705,64 @@ class AsyncEngine:
             self._live_pruned_at = max(64, len(self._live))
         self._submit.send_nowait(
             SubmitRequest(state=state, prompt=text, prompt_token_ids=ids, params=params,
-                          cache_salt=cache_salt, priority=0, pin_id=pin_id, beam=beam,
+                          cache_salt=cache_salt, priority=priority, pin_id=pin_id, beam=beam,
                           chat=chat)
         )  # fmt: skip
-        return RequestStream(state, self._abort_nowait)
+        self._scheduler.expect_request()
+        return RequestStream(state, self._abort_state, self._scheduler.dropped.append)
 
     async def abort(self, request_id: str) -> None:
         """Abort a request (finish reason "abort"); its blocks are freed within one step.
-        Unknown or finished ids are ignored. Returns at once; cancelling it has no effect."""
-        self._abort_nowait(request_id)
+        Unknown or finished ids are ignored, and so is every id once the engine is closed (its
+        requests have all finished). Honoured wherever the request is: in intake (it is never
+        scheduled), waiting, running, swapped out or in, or finishing. Returns at once;
+        cancelling it has no effect."""
+        state = self._live.get(request_id) if isinstance(request_id, str) else None
+        if state is not None:
+            self._abort_state(state)
 
-    def _abort_nowait(self, request_id: str) -> None:
+    def _abort_state(self, state: RequestState) -> None:
+        """Abort this request (not a later one that reuses its id): the flag makes the intake
+        drop it if it is still there; the message reaches the scheduler otherwise (one loop,
+        so one of the two sees it)."""
+        if state.is_done or state.abort_requested:
+            return
+        state.abort_requested = True
+        self._abort_nowait(state.request_id, state)
+
+    def _abort_nowait(self, request_id: str, state: RequestState | None = None) -> None:
         if self._dead is None and self._tg is not None:
-            self._control.send_nowait(AbortRequest(request_id=request_id))
+            with contextlib.suppress(anyio.ClosedResourceError, anyio.BrokenResourceError):
+                # closed: every request has finished, nothing is left to abort
+                self._control.send_nowait(AbortRequest(request_id=request_id, state=state))
 
     def _check_alive(self) -> None:
         if self._dead is not None:
             raise EngineDeadError("the engine stopped") from self._dead
-        if self._tg is None or self._closed:
-            raise RuntimeError("the engine is not running: use `async with AsyncEngine(...)`.")
+        if self._closed:
+            raise EngineClosedError("the engine is not running: it was closed.")
+        if self._tg is None:
+            raise EngineClosedError(
+                "the engine is not running: use `async with AsyncEngine(...)` or "
+                "`await AsyncEngine.start(...)`."
+            )
+
+    def _check_logprobs(self, params: SamplingParams) -> None:
+        """``logprobs`` and ``prompt_logprobs`` at most ``EngineConfig.max_logprobs`` (vLLM's)."""
+        limit = self.config.max_logprobs
+        for name, num in (("sample", params.logprobs), ("prompt", params.prompt_logprobs)):
+            if num is not None and limit != -1 and num > limit:
+                raise InvalidRequestError(
+                    f"Requested {name} logprobs of {num}, which is greater than max allowed: "
+                    f"{limit}."
+                )
 
     def _check_vocab(self, params: SamplingParams) -> None:
-        """Token ids of the logit controls must be in the model's vocabulary."""
+        """Token ids of the logit controls and stop_token_ids (masked while ``min_tokens``
+        are generated) must be in the model's vocabulary."""
         for name, ids in (("logit_bias", [t for t, _ in params.logit_bias]),
-                          ("allowed_token_ids", params.allowed_token_ids or ())):  # fmt: skip
+                          ("allowed_token_ids", params.allowed_token_ids or ()),
+                          ("stop_token_ids", params.stop_token_ids)):  # fmt: skip
             bad = [t for t in ids if t >= self.vocab_size]
             if bad:
                 raise InvalidRequestError(
@@ -572,18 +770,20 @@ class AsyncEngine:
                 )
 
     def _check_ids(self, ids: Sequence[int], params: SamplingParams) -> int:
-        """Validate prompt token ids; returns the request's max new tokens."""
+        """Validate prompt token ids; returns the request's max new tokens. The length is
+        checked before the ids are looked at (O(1) for a prompt far too long). Runs on the
+        loop for id prompts and in the intake's worker thread for tokenized ones."""
         if not ids:
             raise InvalidRequestError("prompt must not be empty.")
-        bad = [t for t in ids if not isinstance(t, int) or not 0 <= t < self.vocab_size]
-        if bad:
-            raise InvalidRequestError(
-                f"token ids must be in [0, {self.vocab_size}), got {bad[:5]}."
-            )
         if len(ids) >= self.max_model_len:
             raise InvalidRequestError(
                 f"prompt is {len(ids)} tokens; it must be shorter than max_model_len "
                 f"({self.max_model_len})."
+            )
+        bad = [t for t in ids if not isinstance(t, int) or not 0 <= t < self.vocab_size]
+        if bad:
+            raise InvalidRequestError(
+                f"token ids must be in [0, {self.vocab_size}), got {bad[:5]}."
             )
         max_tokens = params.max_tokens or self.max_model_len - len(ids)
         if len(ids) + max_tokens > self.max_model_len:
@@ -613,6 +813,13 @@ class AsyncEngine:
 
     # ---- statistics ---------------------------------------------------------------------------
 
+    def block_map(self) -> BlockMap:
+        """Every device and host block as of the last step: free, cached, used (by which
+        requests, how many holders) or in a swap in flight (``core/block_map.py``). A pure
+        snapshot, O(pool): it changes nothing."""
+        self._check_alive()
+        return build_block_map(self._allocator.pool, self._scheduler.scheduler.requests.values())
+
     def statistics(self) -> EngineStatistics:
         pool = self._scheduler.snapshot.statistics
         sched = self._scheduler.statistics()
@@ -636,8 +843,16 @@ class AsyncEngine:
             prefix_cache_query_tokens=pool.prefix_query_tokens,
             prefix_cache_hit_tokens=pool.prefix_hit_tokens,
             num_finished=sched.num_finished,
-            num_aborted=sched.num_aborted,
+            num_aborted=sched.num_aborted + self._intake.num_aborted,
             num_steps=self._scheduler.num_steps,
             step_time_s=self._scheduler.step_time_s,
             compute_time_s=self._scheduler.compute_time_s,
+            num_jump_forward_tokens=self._scheduler.num_jump_forward_tokens,
+            prefix_cache_device_hit_tokens=pool.prefix_hit_tokens
+            - pool.prefix_host_hit_tokens
+            - pool.prefix_disk_hit_tokens,
+            prefix_cache_host_hit_tokens=pool.prefix_host_hit_tokens,
+            prefix_cache_disk_hit_tokens=pool.prefix_disk_hit_tokens,
+            num_kv_offloads=pool.num_tier_offloads,
+            num_kv_spills=pool.num_tier_spills,
         )

@@ -59,25 +59,54 @@ class ParsedPrompt:
     cache_salt: str | None = None
 
 
-def _token_ids(ids: object) -> tuple[int, ...]:
-    if isinstance(ids, str | bytes | bytearray | Mapping) or not isinstance(ids, Sequence):
+def _array_ids(ids: object) -> list[int] | None:
+    """A 1-D numpy array or torch tensor of integers as a list of ints (``None`` for anything
+    that is not an array); a float, bool or multi-dimensional array is refused."""
+    dtype, ndim = getattr(ids, "dtype", None), getattr(ids, "ndim", None)
+    if dtype is None or ndim is None or not hasattr(ids, "tolist"):
+        return None
+    name = str(dtype).removeprefix("torch.")
+    if not name.startswith(("int", "uint")) or ndim != 1:
+        raise InvalidRequestError(
+            f"prompt token ids as an array must be 1-D integers, got {ndim}-D {name}."
+        )
+    out: list[int] = ids.tolist()
+    return out
+
+
+def _token_ids(ids: object, max_num_tokens: int | None) -> tuple[int, ...]:
+    array = _array_ids(ids)
+    if array is not None:
+        ids = array
+    elif isinstance(ids, str | bytes | bytearray | Mapping) or not isinstance(ids, Sequence):
         raise InvalidRequestError(f"a prompt must be {_FORMS}; got {type(ids).__name__}.")
+    assert isinstance(ids, Sequence)
+    if max_num_tokens is not None and len(ids) >= max_num_tokens:  # before an O(len) loop
+        raise InvalidRequestError(
+            f"prompt is {len(ids)} tokens; it must be shorter than max_model_len "
+            f"({max_num_tokens})."
+        )
     out = []
     for t in ids:
         if isinstance(t, bool) or not hasattr(t, "__index__"):
             raise InvalidRequestError(
                 f"prompt token ids must be ints, got {type(t).__name__} ({t!r:.40})."
             )
+        if getattr(t, "dtype", None) is not None and str(t.dtype).endswith("bool"):
+            raise InvalidRequestError("prompt token ids must be ints, got a bool scalar.")
         out.append(operator.index(t))  # numpy / torch integer scalars included
     return tuple(out)
 
 
-def parse_prompt(prompt: object) -> ParsedPrompt:
-    """Check one of the accepted prompt forms; ``InvalidRequestError`` names them otherwise."""
+def parse_prompt(prompt: object, max_num_tokens: int | None = None) -> ParsedPrompt:
+    """Check one of the accepted prompt forms; ``InvalidRequestError`` names them otherwise.
+    Token ids may also be a 1-D integer numpy array or torch tensor. With ``max_num_tokens``
+    (the model length, when the prompt is not truncated), a longer list of ids is refused by
+    its length before its elements are looked at."""
     if isinstance(prompt, str):
         return ParsedPrompt(prompt, None)
     if not isinstance(prompt, Mapping):
-        return ParsedPrompt(None, _token_ids(prompt))
+        return ParsedPrompt(None, _token_ids(prompt, max_num_tokens))
     keys = set(prompt)
     salt = prompt.get("cache_salt")
     if salt is not None and not isinstance(salt, str):
@@ -88,7 +117,7 @@ def parse_prompt(prompt: object) -> ParsedPrompt:
             raise InvalidRequestError(f"'prompt' must be a str, got {type(text).__name__}.")
         return ParsedPrompt(text, None, salt)
     if keys in ({"prompt_token_ids"}, {"prompt_token_ids", "cache_salt"}):
-        return ParsedPrompt(None, _token_ids(prompt["prompt_token_ids"]), salt)
+        return ParsedPrompt(None, _token_ids(prompt["prompt_token_ids"], max_num_tokens), salt)
     raise InvalidRequestError(f"a prompt must be {_FORMS}; got a dict with keys {sorted(keys)}.")
 
 

@@ -16,6 +16,7 @@ from typing import Any
 import anyio
 
 from asyncpaged.core.block_table import SwapPlan
+from asyncpaged.core.kv_tiers import TierOp
 from asyncpaged.core.request import Request
 from asyncpaged.core.scheduler import SchedulerOutput
 from asyncpaged.model.runner import StepPlan, StepResult
@@ -59,6 +60,9 @@ class AddRequest:
 @dataclass(frozen=True, slots=True, kw_only=True)
 class AbortRequest:
     request_id: str
+    # The request aborted (by its stream or engine.abort): only that one, never a later
+    # request that reuses its id; None aborts whatever request holds the id (engine exit).
+    state: RequestState | None = None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -86,8 +90,18 @@ class SwapBlocks:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class CopyTierBlocks:
+    """Run one transaction's KV-tier copies (core/kv_tiers.py) in order, before its step;
+    ``done`` is set once they have landed."""
+
+    ops: tuple[TierOp, ...]
+    done: anyio.Event
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class SwapDone:
     swap_id: int
 
 
 SchedulerInbox = AddRequest | AbortRequest | StepDone | SwapDone | UnpinPrefix
+SwapSpaceInbox = SwapBlocks | CopyTierBlocks

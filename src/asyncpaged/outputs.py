@@ -15,6 +15,7 @@ __all__ = [
     "CompletionOutput",
     "FinishReason",
     "Logprob",
+    "PromptLogprobs",
     "RequestMetrics",
     "RequestOutput",
     "SampleLogprobs",
@@ -42,6 +43,11 @@ class Logprob:
 SampleLogprobs: TypeAlias = list[dict[int, Logprob]]
 """One dict per output token: token id -> Logprob, holding the sampled token and the top
 ``SamplingParams.logprobs`` alternatives (so one or two more entries than asked)."""
+
+PromptLogprobs: TypeAlias = list[dict[int, Logprob] | None]
+"""One entry per prompt position (vLLM's): ``None`` for the first token, then a dict holding the
+prompt token at that position (its logprob given the tokens before it, and its rank) and the top
+``SamplingParams.prompt_logprobs`` tokens there (ranks 1..k)."""
 
 
 @dataclass(slots=True)
@@ -114,7 +120,9 @@ class RequestOutput:
 
     ``finished`` is True in the last output of the request (every sequence has ended, or the
     request was aborted). ``num_cached_tokens`` is how many prompt tokens were served from the
-    prefix cache, when known.
+    prefix cache, when known. ``prompt_logprobs`` (``None`` unless
+    ``SamplingParams.prompt_logprobs`` was set) comes whole with the first output; with
+    ``RequestOutputKind.DELTA`` only the first output has it, later ones an empty list (vLLM's).
     """
 
     request_id: str
@@ -124,6 +132,7 @@ class RequestOutput:
     finished: bool
     metrics: RequestMetrics | None = None
     num_cached_tokens: int | None = None
+    prompt_logprobs: PromptLogprobs | None = None
 
     def add(self, next_output: RequestOutput, *, aggregate: bool) -> None:
         """Merge a later output of the same request into this one, in place (vLLM's ``add``).
@@ -132,7 +141,8 @@ class RequestOutput:
         cumulative logprob, finish and stop reasons are taken from ``next_output``.
         ``aggregate=False`` is for CUMULATIVE outputs: each sequence is replaced. Sequences new
         in ``next_output`` are appended. ``finished`` becomes True if either is; ``metrics`` and
-        ``num_cached_tokens`` are taken from ``next_output`` when it has them.
+        ``num_cached_tokens`` are taken from ``next_output`` when it has them, and
+        ``prompt_logprobs`` when this output has none (they come once, whole).
         """
         assert next_output.request_id == self.request_id, (
             f"cannot merge output of {next_output.request_id!r} into {self.request_id!r}"
@@ -142,6 +152,8 @@ class RequestOutput:
             self.metrics = next_output.metrics
         if next_output.num_cached_tokens is not None:
             self.num_cached_tokens = next_output.num_cached_tokens
+        if not self.prompt_logprobs and next_output.prompt_logprobs is not None:
+            self.prompt_logprobs = next_output.prompt_logprobs
         by_index = {completion.index: i for i, completion in enumerate(self.outputs)}
         for new in next_output.outputs:
             i = by_index.get(new.index)

@@ -16,8 +16,9 @@ Normalizations made at construction (as vLLM does, unless noted):
   not change an argmax.
 
 Not taken from vLLM: temperatures in (0, 0.01) are kept as given (vLLM raises them to 0.01 with a
-log line); no upper bound on ``temperature`` (recent vLLM caps it at 2); ``logprobs=-1`` ("whole
-vocabulary") is refused; int-typed fields refuse ``bool`` and float-typed ones refuse NaN/inf.
+log line); no upper bound on ``temperature`` (recent vLLM caps it at 2); ``logprobs=-1`` and
+``prompt_logprobs=-1`` ("whole vocabulary") are refused; int-typed fields refuse ``bool`` and
+float-typed ones refuse NaN/inf.
 """
 
 from __future__ import annotations
@@ -119,24 +120,43 @@ def _check_bool(name: str, value: object) -> bool:
     return value
 
 
+def _as_tuple(name: str, value: object, what: str) -> tuple[Any, ...]:
+    """``tuple(value)`` for a list, tuple, set or other iterable (not a str, bytes or dict);
+    InvalidRequestError naming the field otherwise."""
+    if isinstance(value, str | bytes | bytearray | Mapping) or not isinstance(value, Iterable):
+        raise InvalidRequestError(f"{name} must be {what}, got {type(value).__name__}.")
+    return tuple(value)
+
+
+def _is_unicode(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:  # a lone surrogate: tokenizers raise on it
+        return False
+    return True
+
+
 def _normalize_stop(stop: str | Sequence[str] | None) -> tuple[str, ...]:
     if stop is None:
         return ()
-    stop_strs = (stop,) if isinstance(stop, str) else tuple(stop)
+    what = "a string or a list of strings"
+    stop_strs = (stop,) if isinstance(stop, str) else _as_tuple("stop", stop, what)
     if not all(isinstance(s, str) for s in stop_strs):
-        raise InvalidRequestError(f"stop must be a string or a list of strings, got {stop!r}.")
+        raise InvalidRequestError(f"stop must be {what}, got {stop!r:.80}.")
     if any(not s for s in stop_strs):
         raise InvalidRequestError("stop cannot contain an empty string.")
+    if not all(_is_unicode(s) for s in stop_strs):
+        raise InvalidRequestError("stop strings must be valid Unicode (a lone surrogate?).")
     return stop_strs
 
 
 def _normalize_stop_token_ids(stop_token_ids: Iterable[int] | None) -> tuple[int, ...]:
     if stop_token_ids is None:
         return ()
-    ids = tuple(stop_token_ids)
+    ids = _as_tuple("stop_token_ids", stop_token_ids, "a list of token ids")
     if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
         raise InvalidRequestError(
-            f"stop_token_ids must contain only non-negative integers, got {list(ids)}."
+            f"stop_token_ids must contain only non-negative integers, got {list(ids)[:8]}."
         )
     return tuple(dict.fromkeys(ids))
 
@@ -161,7 +181,7 @@ def _normalize_logit_bias(logit_bias: object) -> tuple[tuple[int, float], ...]:
 def _normalize_allowed(allowed: Iterable[int] | None) -> tuple[int, ...] | None:
     if allowed is None:
         return None
-    ids = tuple(allowed)
+    ids = _as_tuple("allowed_token_ids", allowed, "a list of token ids")
     if not ids:
         raise InvalidRequestError("allowed_token_ids must not be empty (None allows every token).")
     if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
@@ -174,9 +194,12 @@ def _normalize_allowed(allowed: Iterable[int] | None) -> tuple[int, ...] | None:
 def _normalize_bad_words(bad_words: str | Sequence[str] | None) -> tuple[str, ...]:
     if bad_words is None:
         return ()
-    words = (bad_words,) if isinstance(bad_words, str) else tuple(bad_words)
+    what = "a string or a list of strings"
+    words = (bad_words,) if isinstance(bad_words, str) else _as_tuple("bad_words", bad_words, what)
     if not all(isinstance(w, str) and w.strip() for w in words):
-        raise InvalidRequestError(f"bad_words must be non-empty strings, got {bad_words!r}.")
+        raise InvalidRequestError(f"bad_words must be non-empty strings, got {bad_words!r:.80}.")
+    if not all(_is_unicode(w) for w in words):
+        raise InvalidRequestError("bad_words must be valid Unicode (a lone surrogate?).")
     return words
 
 
@@ -288,6 +311,11 @@ class SamplingParams:
       can end a sequence; in [0, max_tokens].
     * ``logprobs=None``: number of top log probabilities to return per output token besides the
       sampled token's own (which is always returned when this is not ``None``); >= 0.
+    * ``prompt_logprobs=None``: k >= 0 returns ``RequestOutput.prompt_logprobs``: for each prompt
+      position after the first, the prompt token's logprob and rank given the tokens before it,
+      and the top k there (0: the prompt token alone). Such a request reads no prefix-cache
+      blocks until its prompt logprobs are computed (as in vLLM); the engine caps k (and
+      ``logprobs``) at ``EngineConfig.max_logprobs``.
     * ``include_stop_str_in_output=False``, ``skip_special_tokens=True``,
       ``spaces_between_special_tokens=True``: detokenization options.
     * ``output_kind=RequestOutputKind.CUMULATIVE``: what each streamed output carries.
@@ -327,6 +355,7 @@ class SamplingParams:
     max_tokens: int | None
     min_tokens: int
     logprobs: int | None
+    prompt_logprobs: int | None
     include_stop_str_in_output: bool
     skip_special_tokens: bool
     spaces_between_special_tokens: bool
@@ -361,6 +390,7 @@ class SamplingParams:
         max_tokens: int | None = cast(int, _MODEL_DEFAULTS["max_tokens"]),
         min_tokens: int = 0,
         logprobs: int | None = None,
+        prompt_logprobs: int | None = None,
         include_stop_str_in_output: bool = False,
         skip_special_tokens: bool = True,
         spaces_between_special_tokens: bool = True,
@@ -390,6 +420,11 @@ class SamplingParams:
                 seed = None
         if logprobs is not None and _check_int("logprobs", logprobs) < 0:
             raise InvalidRequestError(f"logprobs must be non-negative, got {logprobs}.")
+        if prompt_logprobs is not None and _check_int("prompt_logprobs", prompt_logprobs) < 0:
+            raise InvalidRequestError(
+                f"prompt_logprobs must be non-negative, got {prompt_logprobs} (-1, the whole "
+                "vocabulary, is not supported)."
+            )
         if temperature < _SAMPLING_EPS:
             # Greedy: the truncation knobs cannot change an argmax, so store them disabled.
             top_p, top_k, min_p = 1.0, 0, 0.0
@@ -417,6 +452,7 @@ class SamplingParams:
             "max_tokens": max_tokens,
             "min_tokens": min_tokens,
             "logprobs": logprobs,
+            "prompt_logprobs": prompt_logprobs,
             "include_stop_str_in_output": include_stop_str_in_output,
             "skip_special_tokens": skip_special_tokens,
             "spaces_between_special_tokens": spaces_between_special_tokens,
@@ -429,7 +465,9 @@ class SamplingParams:
             "structured_outputs": structured_outputs,
             "detokenize": detokenize,
             "truncate_prompt_tokens": truncate_prompt_tokens,
-            "logits_processors": tuple(logits_processors or ()),
+            "logits_processors": _as_tuple(
+                "logits_processors", logits_processors or (), "a list of callables"
+            ),
         }
         if not all(callable(p) for p in values["logits_processors"]):  # type: ignore[attr-defined]
             raise InvalidRequestError(

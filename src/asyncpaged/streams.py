@@ -11,14 +11,23 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Generator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyio
 
 from asyncpaged.detokenizer import IncrementalDetokenizer
 from asyncpaged.errors import EngineDeadError
-from asyncpaged.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from asyncpaged.outputs import (
+    CompletionOutput,
+    Logprob,
+    PromptLogprobs,
+    RequestMetrics,
+    RequestOutput,
+)
 from asyncpaged.sampling_params import RequestOutputKind, SamplingParams
+
+if TYPE_CHECKING:
+    from asyncpaged.model.prompt_logprobs import PromptLogprobRows
 
 
 @dataclass(slots=True, eq=False)
@@ -64,12 +73,18 @@ class RequestState:
                 c.cumulative_logprob = 0.0
         self.metrics = RequestMetrics(arrival_time=arrival_time)
         self.num_cached_tokens = 0
+        # prompt_logprobs: [None, position 1, ...], filled in position order by the steps
+        self.prompt_logprobs: PromptLogprobs | None = None
+        self._prompt_logprobs_read = False  # DELTA: sent once
         # Structured outputs: the compiled constraint (set by intake) and one grammar matcher
         # per completion index (made by the scheduler actor on its first step).
         self.grammar: Any = None
         self.matchers: dict[int, Any] = {}
         self.error: BaseException | None = None
         self.rejection: BaseException | None = None
+        # Set by the engine's abort (and a dropped stream) wherever the request is: the intake
+        # then finishes it with "abort" instead of handing it to the scheduler.
+        self.abort_requested = False
         self._event = anyio.Event()
         # The reader waits for the end only: new tokens alone do not wake it.
         self._reader_wants_end = False
@@ -78,6 +93,8 @@ class RequestState:
         """The request reached the scheduler: set up detokenizing (no tokenizer: ids only)."""
         self.prompt_token_ids = prompt_token_ids
         self.metrics.num_prompt_tokens = len(prompt_token_ids)
+        if self.params.prompt_logprobs is not None:
+            self.prompt_logprobs = [None]
         if tokenizer is not None and self.params.detokenize:
             for c in self.completions:
                 c.detokenizer = IncrementalDetokenizer(tokenizer, prompt_token_ids, self.params)
@@ -137,6 +154,59 @@ class RequestState:
         if finish_reason is not None or not self._reader_wants_end:
             self._event.set()
         return matched
+
+    def prompt_logprob_targets(self, start: int, num_new: int) -> tuple[int, tuple[int, ...]]:
+        """(row offset, prompt tokens they predict) for a step computing positions ``start ..
+        start + num_new - 1``: the rows whose prompt logprob is still unknown ((0, ()): none;
+        a prefill recomputed after preemption skips the positions already known)."""
+        known = self.prompt_logprobs
+        if known is None:
+            return 0, ()
+        prompt = self.prompt_token_ids
+        first = max(start, len(known) - 1)
+        end = min(start + num_new, len(prompt) - 1)
+        if first >= end:
+            return 0, ()
+        return first - start, tuple(prompt[first + 1 : end + 1])
+
+    def add_prompt_logprobs(self, rows: PromptLogprobRows, tokenizer: Any) -> bool:
+        """Record one step's prompt logprobs (vLLM's dicts: the prompt token with its rank, then
+        the top k with ranks 1..k; ``decoded_token`` from ``tokenizer``, if given); True once
+        every position is known."""
+        known = self.prompt_logprobs
+        assert known is not None, "prompt logprobs for a request that did not ask for them"
+        assert rows.first_position <= len(known), "prompt logprobs must arrive in order"
+        texts: dict[int, str | None] = {}
+
+        def text(token_id: int) -> str | None:
+            if tokenizer is None:
+                return None
+            if token_id not in texts:
+                texts[token_id] = str(tokenizer.decode([token_id]))
+            return texts[token_id]
+
+        skip = len(known) - rows.first_position
+        entries = zip(rows.token_ids, rows.logprobs, rows.ranks, rows.top, strict=True)
+        for i, (token, logprob, rank, top) in enumerate(entries):
+            if i < skip:
+                continue
+            entry = {token: Logprob(logprob=logprob, rank=rank, decoded_token=text(token))}
+            for top_rank, (top_id, top_logprob) in enumerate(top, 1):
+                entry[top_id] = Logprob(top_logprob, top_rank, text(top_id))
+            known.append(entry)
+        return len(known) >= len(self.prompt_token_ids)
+
+    def _prompt_logprobs_out(self, kind: RequestOutputKind) -> PromptLogprobs | None:
+        """What an output carries: None until all are known, then all of them (DELTA: in its
+        first output only, later ones an empty list, as vLLM's ``pop_prompt_logprobs``)."""
+        known = self.prompt_logprobs
+        if known is None or len(known) < len(self.prompt_token_ids):
+            return None
+        if kind is RequestOutputKind.DELTA:
+            if self._prompt_logprobs_read:
+                return []
+            self._prompt_logprobs_read = True
+        return list(known)
 
     def abort(self) -> None:
         for c in self.completions:
@@ -233,6 +303,7 @@ class RequestState:
             finished=self.finished,
             metrics=self.metrics,
             num_cached_tokens=self.num_cached_tokens,
+            prompt_logprobs=self._prompt_logprobs_out(kind),
         )
 
 
@@ -242,15 +313,31 @@ class RequestStream:
 
     If the task awaiting or iterating is cancelled, or the iterator is closed with
     :meth:`aclose` before the end, the request is aborted (finish reason "abort") and its
-    blocks are freed within one scheduler step.
+    blocks are freed within one scheduler step. So is a stream dropped unfinished (breaking
+    out of ``async for`` without ``aclose``, never awaiting it): its finalizer only sets the
+    request's ``abort_requested`` and queues it on ``dropped`` (safe from any thread, as the
+    cyclic GC may run there); the scheduler takes it from there at its next loop.
     """
 
-    def __init__(self, state: RequestState, abort: Callable[[str], None]) -> None:
+    def __init__(
+        self,
+        state: RequestState,
+        abort: Callable[[RequestState], None],
+        dropped: Callable[[RequestState], None] | None = None,
+    ) -> None:
         self.request_id = state.request_id
         self._state = state
         self._abort = abort
+        self._dropped = dropped
         self._kind = state.params.output_kind
         self._done = False
+
+    def __del__(self) -> None:
+        state = self._state
+        if not self._done and not state.is_done and not state.abort_requested:
+            state.abort_requested = True
+            if self._dropped is not None:
+                self._dropped(state)
 
     def __await__(self) -> Generator[Any, None, RequestOutput]:
         return self._final().__await__()
@@ -275,12 +362,15 @@ class RequestStream:
         """Stop reading; aborts the request if it has not finished."""
         if not self._done:
             self._done = True
-            self._abort(self.request_id)
+            self._abort(self._state)
 
     async def _guarded_wait(self, kind: RequestOutputKind) -> None:
         try:
             await self._state.wait(kind)
         except anyio.get_cancelled_exc_class():
             if not self._state.finished and self._state.rejection is None:
-                self._abort(self.request_id)
+                self._abort(self._state)
+            raise
+        except BaseException:
+            self._done = True  # refused or failed: nothing is left to abort
             raise

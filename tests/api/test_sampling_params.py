@@ -34,6 +34,7 @@ VLLM_DEFAULTS = {
     "max_tokens": 16,
     "min_tokens": 0,
     "logprobs": None,
+    "prompt_logprobs": None,
     "include_stop_str_in_output": False,
     "skip_special_tokens": True,
     "spaces_between_special_tokens": True,
@@ -123,6 +124,12 @@ def _msg(text: str) -> str:
         ),
         ({"logprobs": -1}, "logprobs must be non-negative, got -1."),
         ({"logprobs": 1.5}, "logprobs must be an int, got float."),
+        (
+            {"prompt_logprobs": -1},
+            "prompt_logprobs must be non-negative, got -1 (-1, the whole "
+            "vocabulary, is not supported).",
+        ),
+        ({"prompt_logprobs": True}, "prompt_logprobs must be an int, got bool."),
         ({"stop": ["ok", ""]}, "stop cannot contain an empty string."),
         ({"stop": ""}, "stop cannot contain an empty string."),
         ({"stop": ["ok", 3]}, "stop must be a string or a list of strings, got ['ok', 3]."),

@@ -41,6 +41,20 @@ def test_engines_option_rejects_unknown_names() -> None:
         parse(["--engines", "asyncpaged,vllm"])
 
 
+def test_engine_options_are_config_fields_with_json_values() -> None:
+    args = parse(["--engine-option", "screened_lm_head=false", "--engine-option",
+                  "attention_backend=torch", "--engine-option", "max_num_seqs=3"])  # fmt: skip
+    assert dict(args.engine_option) == {
+        "screened_lm_head": False, "attention_backend": "torch", "max_num_seqs": 3,
+    }  # fmt: skip
+    for bad in ("no_such_field=1", "screened_lm_head"):
+        with pytest.raises(SystemExit):
+            parse(["--engine-option", bad])
+    spec = WorkerSpec(engine="asyncpaged", model_dir="m", quick=True, num_requests=None,
+                      threads=1, engine_options={"packed_linears": False})  # fmt: skip
+    assert WorkerSpec.from_json(spec.to_json()) == spec  # travels to the worker intact
+
+
 def test_a_failed_worker_is_reported_not_raised(tmp_path: Path) -> None:
     spec = WorkerSpec(engine="no-such-engine", model_dir=str(tmp_path), quick=True,
                       num_requests=2, threads=1, progress=False)  # fmt: skip

@@ -7,10 +7,10 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import anyio
-import structlog
 from anyio.abc import TaskStatus
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
+from asyncpaged._log import get_logger
 from asyncpaged.core.beam_search import BeamSearcher
 from asyncpaged.core.request import Request, StopCriteria
 from asyncpaged.core.request import Sequence as Seq
@@ -19,16 +19,24 @@ from asyncpaged.inputs import truncate_prompt
 from asyncpaged.messages import AddRequest, ChatPrompt, SchedulerInbox, SubmitRequest
 from asyncpaged.structured_outputs import GrammarBackend
 
-log = structlog.get_logger("asyncpaged")
+log = get_logger(__name__)
 
 
 class IntakeActor:
     """Turns :class:`SubmitRequest` into the scheduler's :class:`AddRequest`.
 
-    Chat conversations are rendered with the chat template and text prompts tokenized in a
-    worker thread (one at a time: fast tokenizers are not re-entrant); a prompt that turns out
-    invalid (too long, a template that fails on it) is rejected to its waiter and never reaches
-    the scheduler.
+    Per request: a prompt of token ids (validated by ``generate``) without a grammar is handed on
+    at once, in arrival order; one that needs work (a chat to render, a text to tokenize, a
+    grammar to compile) gets its own task, whose work runs in a worker thread (one at a time:
+    fast tokenizers are not re-entrant), so a long prompt never holds up a prompt of ids. A
+    prompt that turns out invalid (too long, a template or tokenizer that fails on it, a grammar
+    that does not compile) is rejected to its waiter alone and never reaches the scheduler; so
+    is whatever the tokenizer or grammar compiler raises. A request aborted while here (its
+    ``abort_requested`` set) is finished with "abort" instead of being handed on.
+
+    Invariant: every message taken from the inbox ends in exactly one of: an ``AddRequest`` sent,
+    a rejection, an abort; ``on_released`` is called for the latter two (the scheduler counts
+    requests still in intake as not idle).
     """
 
     def __init__(
@@ -40,6 +48,7 @@ class IntakeActor:
         outbox: MemoryObjectSendStream[SchedulerInbox],
         seq_ids: Iterator[int],
         grammars: GrammarBackend | None = None,
+        on_released: Callable[[], None] | None = None,
     ) -> None:
         self.tokenizer = tokenizer
         self._grammars = grammars
@@ -47,89 +56,144 @@ class IntakeActor:
         self._stop_criteria = stop_criteria
         self._inbox = inbox
         self._outbox = outbox
+        self._on_released = on_released
         self._limiter = anyio.CapacityLimiter(1)
         self._arrivals = itertools.count()
         self._seq_ids = seq_ids
         self._log = log.bind(actor="intake")
+        self.num_pending = 0  # taken from the inbox, not yet handed on, rejected or aborted
+        self.num_aborted = 0  # aborted before they reached the scheduler
 
     async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
         task_status.started()
-        async with self._inbox, self._outbox:
+        async with self._inbox, self._outbox, anyio.create_task_group() as tg:
             async for msg in self._inbox:
-                try:
-                    ids = truncate_prompt(await self._token_ids(msg), msg.params)
-                    max_tokens = self._validate_ids(ids, msg.params)
-                    await self._compile_grammar(msg)
-                except InvalidRequestError as exc:
-                    msg.state.reject(exc)
-                    continue
-                msg.state.start(list(ids), self.tokenizer)
-                request = Request(
-                    request_id=msg.state.request_id,
-                    arrival=next(self._arrivals),
-                    seqs=[
-                        Seq(
-                            seq_id=next(self._seq_ids),
-                            index=0,
-                            token_ids=list(ids),
-                            num_prompt_tokens=len(ids),
-                        )
-                    ],
-                    stop=self._stop_criteria(msg.params, max_tokens),
-                    cache_salt=msg.cache_salt,
-                    num_samples=msg.params.num_sequences if msg.beam is None else 1,
-                    pin_id=msg.pin_id,
-                    fork_ids=tuple(
-                        next(self._seq_ids)
-                        for _ in range(msg.params.num_sequences - 1 if msg.beam is None else 0)
-                    ),
-                )
-                if msg.beam is not None:
-                    request.beam = BeamSearcher(
-                        width=msg.beam.beam_width,
-                        max_tokens=msg.beam.max_tokens,
-                        eos_token_ids=request.stop.eos_token_ids,
-                        length_penalty=msg.beam.length_penalty,
-                        early_stopping=msg.beam.early_stopping,
-                        ignore_eos=msg.beam.ignore_eos,
-                    )
-                    request.beam.start(request.seqs[0].seq_id)
-                await self._outbox.send(AddRequest(request=request, state=msg.state))
+                self.num_pending += 1
+                if msg.prompt_token_ids is not None and msg.params.structured_outputs is None:
+                    self._admit_ids(msg)
+                else:
+                    tg.start_soon(self._admit, msg)
+
+    def _admit_ids(self, msg: SubmitRequest) -> None:
+        assert msg.prompt_token_ids is not None
+        try:
+            ids = truncate_prompt(msg.prompt_token_ids, msg.params)
+            max_tokens = self._validate_ids(ids, msg.params)
+        except InvalidRequestError as exc:
+            self._release(msg, exc)
+            return
+        self._hand_on(msg, ids, max_tokens)
+
+    async def _admit(self, msg: SubmitRequest) -> None:
+        """Render, tokenize and validate (worker thread), compile the grammar, hand it on."""
+        try:
+            ids, max_tokens = await anyio.to_thread.run_sync(
+                lambda: self._prepare(msg), limiter=self._limiter
+            )
+            await self._compile_grammar(msg)
+        except InvalidRequestError as exc:
+            self._release(msg, exc)
+            return
+        self._hand_on(msg, ids, max_tokens)
+
+    def _prepare(self, msg: SubmitRequest) -> tuple[tuple[int, ...], int]:
+        """(prompt ids, max new tokens), in the worker thread: nothing here is O(prompt) on
+        the event loop. What the tokenizer or template raises fails this request alone."""
+        if msg.prompt_token_ids is not None:
+            ids: Sequence[int] = msg.prompt_token_ids
+        elif msg.chat is not None:
+            text, ids = render_chat(self.tokenizer, msg.chat)
+            msg.state.prompt = text  # read by the waiter only after the request is handed on
+        else:
+            assert msg.prompt is not None
+            ids = tokenize(self.tokenizer, msg.prompt)
+        truncated = truncate_prompt(ids, msg.params)
+        return truncated, self._validate_ids(truncated, msg.params)
+
+    def _hand_on(self, msg: SubmitRequest, ids: tuple[int, ...], max_tokens: int) -> None:
+        """Send the request to the scheduler, unless it was aborted meanwhile (synchronous:
+        an abort either comes before, and is seen here, or after, and reaches the scheduler)."""
+        if msg.state.abort_requested:
+            self.num_aborted += 1
+            msg.state.abort()
+            self._release(msg, None)
+            return
+        msg.state.start(list(ids), self.tokenizer)
+        request = self._request(msg, ids, max_tokens)
+        self.num_pending -= 1
+        self._outbox.send_nowait(AddRequest(request=request, state=msg.state))
+
+    def _release(self, msg: SubmitRequest, error: InvalidRequestError | None) -> None:
+        if error is not None:
+            msg.state.reject(error)
+        self.num_pending -= 1
+        if self._on_released is not None:
+            self._on_released()
+
+    def _request(self, msg: SubmitRequest, ids: tuple[int, ...], max_tokens: int) -> Request:
+        num_seqs = msg.params.num_sequences if msg.beam is None else 1
+        request = Request(
+            request_id=msg.state.request_id,
+            arrival=next(self._arrivals),
+            seqs=[Seq(seq_id=next(self._seq_ids), index=0, token_ids=list(ids),
+                      num_prompt_tokens=len(ids))],
+            stop=self._stop_criteria(msg.params, max_tokens),
+            cache_salt=msg.cache_salt,
+            priority=msg.priority,
+            num_samples=num_seqs,
+            pin_id=msg.pin_id,
+            # Prompt logprobs need every position computed: no cache hits until then.
+            read_prefix_cache=msg.params.prompt_logprobs is None or len(ids) < 2,
+            fork_ids=tuple(next(self._seq_ids) for _ in range(num_seqs - 1)),
+        )  # fmt: skip
+        if msg.beam is not None:
+            request.beam = BeamSearcher(
+                width=msg.beam.beam_width,
+                max_tokens=msg.beam.max_tokens,
+                eos_token_ids=request.stop.eos_token_ids,
+                length_penalty=msg.beam.length_penalty,
+                early_stopping=msg.beam.early_stopping,
+                ignore_eos=msg.beam.ignore_eos,
+            )
+            request.beam.start(request.seqs[0].seq_id)
+        return request
 
     async def _compile_grammar(self, msg: SubmitRequest) -> None:
-        """Structured outputs: compile the request's constraint (cached) in the worker thread."""
+        """Structured outputs: compile the request's constraint (cached) in the worker thread;
+        whatever the compiler raises fails this request alone."""
         constraint = msg.params.structured_outputs
         if constraint is None:
             return
         assert self._grammars is not None, "structured outputs without a grammar backend"
         grammars = self._grammars
-        msg.state.grammar = await anyio.to_thread.run_sync(
-            lambda: grammars.compile(constraint), limiter=self._limiter
-        )
 
-    async def _token_ids(self, msg: SubmitRequest) -> Sequence[int]:
-        if msg.prompt_token_ids is not None:
-            return msg.prompt_token_ids
-        if msg.chat is not None:
-            chat = msg.chat
-            text, rendered = await anyio.to_thread.run_sync(
-                lambda: render_chat(self.tokenizer, chat), limiter=self._limiter
-            )
-            msg.state.prompt = text
-            return rendered
-        assert msg.prompt is not None
-        prompt = msg.prompt
-        ids: list[int] = await anyio.to_thread.run_sync(
-            lambda: self.tokenizer.encode(prompt), limiter=self._limiter
-        )
-        return ids
+        def compile_() -> Any:
+            try:
+                return grammars.compile(constraint)
+            except InvalidRequestError:
+                raise
+            except Exception as exc:  # the grammar backend's own errors, per constraint
+                raise InvalidRequestError(f"the constraint failed to compile: {exc!r}") from exc
+
+        msg.state.grammar = await anyio.to_thread.run_sync(compile_, limiter=self._limiter)
+
+
+def tokenize(tokenizer: Any, text: str) -> list[int]:
+    """``tokenizer.encode(text)``; whatever it raises on this text (a lone surrogate: TypeError
+    from a fast tokenizer) becomes InvalidRequestError for this request alone."""
+    try:
+        ids: list[int] = tokenizer.encode(text)
+    except Exception as exc:
+        raise InvalidRequestError(f"the tokenizer failed on this prompt: {exc!r}") from exc
+    return ids
 
 
 def render_chat(tokenizer: Any, chat: ChatPrompt) -> tuple[str, list[int]]:
     """(prompt text, token ids) of a conversation: the ids equal
     ``tokenizer.apply_chat_template(..., tokenize=True)`` (the rendered text tokenized without
     special tokens: the template writes them). A template that fails on this conversation (or
-    a tokenizer without one) raises InvalidRequestError for this request alone."""
+    a tokenizer without one), or a tokenizer that fails on the rendered text, raises
+    InvalidRequestError for this request alone."""
     try:
         text = tokenizer.apply_chat_template(
             list(chat.messages),
@@ -144,5 +208,8 @@ def render_chat(tokenizer: Any, chat: ChatPrompt) -> tuple[str, list[int]]:
         raise InvalidRequestError(f"the chat template failed on these messages: {exc}") from exc
     if not isinstance(text, str):
         raise InvalidRequestError(f"the chat template rendered {type(text).__name__}, not text.")
-    ids: list[int] = tokenizer.encode(text, add_special_tokens=False)
+    try:
+        ids: list[int] = tokenizer.encode(text, add_special_tokens=False)
+    except Exception as exc:  # a lone surrogate in a message, say
+        raise InvalidRequestError(f"the tokenizer failed on this conversation: {exc!r}") from exc
     return text, ids

@@ -2,32 +2,38 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
+from collections import deque
 from collections.abc import Iterable, Sequence
 from typing import Any
 
 import anyio
-import structlog
 import torch
 from anyio.abc import TaskStatus
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
+from asyncpaged._log import get_logger
 from asyncpaged.core.block_table import PinnedPrefix
+from asyncpaged.core.kv_tiers import TierOp
 from asyncpaged.core.request import Request, RequestStatus
 from asyncpaged.core.request import Sequence as Seq
-from asyncpaged.core.scheduler import Scheduler, SchedulerOutput, SchedulerStatistics
+from asyncpaged.core.scheduler import Scheduler, SchedulerOutput, SchedulerStatistics, SeqUpdate
 from asyncpaged.core.txn import PoolSnapshot, StepTxn, TxnResult
 from asyncpaged.errors import RequestFailedError
 from asyncpaged.messages import (
     AbortRequest,
     AddRequest,
+    CopyTierBlocks,
     ExecuteStep,
     SchedulerInbox,
     StepDone,
     SwapBlocks,
     SwapDone,
+    SwapSpaceInbox,
     UnpinPrefix,
 )
+from asyncpaged.model.prompt_logprobs import PromptLogprobRows
 from asyncpaged.model.runner import SampledToken, SequenceStep, StepPlan
 from asyncpaged.model.sampler import SamplingOptions, derive_generator_key
 from asyncpaged.outputs import Logprob
@@ -35,7 +41,7 @@ from asyncpaged.sampling_params import SamplingParams
 from asyncpaged.streams import RequestState
 from asyncpaged.structured_outputs import GrammarBackend
 
-log = structlog.get_logger("asyncpaged")
+log = get_logger(__name__)
 
 
 class SchedulerActor:
@@ -57,7 +63,7 @@ class SchedulerActor:
         txns: MemoryObjectSendStream[StepTxn],
         results: MemoryObjectReceiveStream[TxnResult],
         executor: MemoryObjectSendStream[ExecuteStep],
-        swaps: MemoryObjectSendStream[SwapBlocks],
+        swaps: MemoryObjectSendStream[SwapSpaceInbox],
         eos_token_ids: frozenset[int],
         tokenizer: Any = None,
         grammars: GrammarBackend | None = None,
@@ -81,8 +87,15 @@ class SchedulerActor:
         self.num_steps = 0
         self.step_time_s = 0.0
         self.compute_time_s = 0.0
+        self.num_jump_forward_tokens = 0  # tokens a grammar forced, appended without sampling
         # engine.pin_prefix waiters: pin id -> (event, what the pool pinned)
         self.pins: dict[int, tuple[anyio.Event, list[PinnedPrefix | None]]] = {}
+        # Requests submitted and not yet added here nor released by the intake (refused,
+        # aborted there): the engine counts them in (expect_request), so idle waits for them.
+        self.num_incoming = 0
+        # States of streams dropped unfinished (their finalizer, maybe on another thread, only
+        # appends here: deque.append is atomic); aborted at the top of the next loop.
+        self.dropped: deque[RequestState] = deque()
 
     # ---- queries ----------------------------------------------------------------------------
 
@@ -93,15 +106,29 @@ class SchedulerActor:
     def is_idle(self) -> bool:
         sched = self.scheduler
         return not (
-            self._in_flight or self._planning or self.pins or sched.has_unfinished
+            self.num_incoming or self._in_flight or self._planning or self.pins
+            or sched.has_unfinished
             or sched.has_swaps_in_flight or sched.has_pending_txn_work
         )  # fmt: skip
 
     async def wait_idle(self) -> None:
-        """Wait until no request, step, swap or pending free is left."""
+        """Wait until no request (in intake included), step, swap or pending free is left.
+        Any number of tasks may wait: a new event replaces only one that was already set, so
+        every waiter waits on the event the loop sets next."""
         while not self.is_idle:
-            self._idle = anyio.Event()
+            if self._idle.is_set():
+                self._idle = anyio.Event()
             await self._idle.wait()
+
+    def expect_request(self) -> None:
+        """The engine queued a request for the intake (counted until added or released)."""
+        self.num_incoming += 1
+
+    def intake_released(self) -> None:
+        """The intake refused or aborted a request: it will never be added here."""
+        self.num_incoming -= 1
+        if self.is_idle:
+            self._idle.set()
 
     # ---- the loop ---------------------------------------------------------------------------
 
@@ -109,6 +136,8 @@ class SchedulerActor:
         task_status.started()
         async with self._inbox, self._txns, self._results, self._executor, self._swaps:
             while True:
+                while self.dropped:
+                    self._abort_dropped(self.dropped.popleft())
                 while True:  # everything that has already arrived
                     try:
                         self._handle(self._inbox.receive_nowait())
@@ -135,6 +164,14 @@ class SchedulerActor:
             or any(r.status is RequestStatus.SWAPPED for r in sched.swapped)
         )
 
+    async def _copy_tiers(self, ops: tuple[TierOp, ...]) -> None:
+        """Run a transaction's KV-tier copies (swap-space actor's thread) and wait for them:
+        the step reads restored blocks and writes over offloaded ones. Cancelled midway (only
+        at shutdown), the copies still finish in their thread."""
+        done = anyio.Event()
+        self._swaps.send_nowait(CopyTierBlocks(ops=ops, done=done))
+        await done.wait()
+
     async def _step(self) -> bool:
         """Plan and start one step; False if it ran nothing (then wait for news)."""
         txn = self.scheduler.plan(self.snapshot)
@@ -143,6 +180,8 @@ class SchedulerActor:
         result = await self._results.receive()
         self._planning = False
         self.snapshot = result.snapshot
+        if result.tier_ops:
+            await self._copy_tiers(result.tier_ops)
         for pin_id, pinned in result.pinned:
             self._log.info("prefix_pinned", pin_id=pin_id, num_blocks=len(pinned.block_ids)
                            if pinned else 0)  # fmt: skip
@@ -158,6 +197,7 @@ class SchedulerActor:
             return bool(txn.frees or txn.complete_swaps)
         now = time.monotonic()
         steps = []
+        bitmasks = self._grammar_bitmasks(out)
         for s in out.seqs:
             state = self.states[s.request_id]
             if state.metrics.first_scheduled_time is None:
@@ -181,9 +221,10 @@ class SchedulerActor:
                 params = state.params
                 return _sampling_options(
                     params, seq.token_ids, seq.num_prompt_tokens, index, self._eos,
-                    self._bad_words_ids(params.bad_words), self._grammar_bitmask(state, index),
+                    self._bad_words_ids(params.bad_words), bitmasks.get((seq.seq_id, index)),
                 )  # fmt: skip
 
+            row_offset, targets = state.prompt_logprob_targets(s.start_pos, len(s.token_ids))
             steps.append(
                 SequenceStep(
                     seq_id=s.seq_id,
@@ -198,6 +239,9 @@ class SchedulerActor:
                     else (),
                     want_logprob=state.ranks_by_logprob,
                     min_rope_len=s.min_rope_len,
+                    prompt_targets=targets,
+                    prompt_row_offset=row_offset,
+                    num_prompt_logprobs=state.params.prompt_logprobs or 0,
                 )
             )
         self._in_flight = out
@@ -211,10 +255,13 @@ class SchedulerActor:
     def _handle(self, msg: SchedulerInbox) -> None:
         match msg:
             case AddRequest(request=request, state=state):
+                self.num_incoming -= 1
                 self.states[request.request_id] = state
                 self.scheduler.add_request(request)
                 self._log.debug("request_added", request_id=request.request_id)
-            case AbortRequest(request_id=rid):
+            case AbortRequest(request_id=rid, state=aborted):
+                if aborted is not None and self.states.get(rid) is not aborted:
+                    return  # still in intake (which drops it), or already finished
                 if self.scheduler.abort(rid) is not None:
                     self.states.pop(rid).abort()
                     self._log.info("request_aborted", request_id=rid)
@@ -226,6 +273,7 @@ class SchedulerActor:
                 self.num_steps += 1
                 self.step_time_s += duration
                 self.compute_time_s += result.compute_s
+                self._record_prompt_logprobs(out, result.prompt_logprobs)
                 self._finish_step(out, result.sampled)
             case SwapDone(swap_id=swap_id):
                 self.scheduler.complete_swap(swap_id)
@@ -233,6 +281,12 @@ class SchedulerActor:
                 self.scheduler.unpin(pool_pin_id)
                 self._log.info("prefix_unpinned", pool_pin_id=pool_pin_id)
                 handled.set()
+
+    def _abort_dropped(self, state: RequestState) -> None:
+        """A stream was dropped unfinished: abort its request if it is here (in intake, its
+        ``abort_requested`` flag is enough)."""
+        if self.states.get(state.request_id) is state:
+            self._handle(AbortRequest(request_id=state.request_id, state=state))
 
     def _finish_step(self, out: SchedulerOutput, sampled: Iterable[SampledToken]) -> None:
         sampled = list(sampled)
@@ -243,11 +297,14 @@ class SchedulerActor:
             tokens.setdefault(seq_id, []).append(t.token_id)
         top = {t.seq_id: t.top_logprobs for t in by_row.values() if t.sample_index == 0}
         updates = self.scheduler.update(out, tokens, top)
-        for upd in updates:
-            state = self.states[upd.request_id]
-            if not self._accept_grammar_tokens(state, upd.index, upd.new_token_ids):
-                self._log.warning("grammar_rejected_token", request_id=upd.request_id,
-                                  tokens=list(upd.new_token_ids))  # fmt: skip
+        for sampled_update in updates:
+            state = self.states[sampled_update.request_id]
+            if not self._accept_grammar_tokens(
+                state, sampled_update.index, sampled_update.new_token_ids
+            ):
+                self._log.warning("grammar_rejected_token", request_id=sampled_update.request_id,
+                                  tokens=list(sampled_update.new_token_ids))  # fmt: skip
+            upd = self._jump_forward(state, sampled_update)  # + the tokens the grammar forces
             token = by_row[upd.row]
             tokenizer = self._tokenizer if state.params.detokenize else None
             logprobs = (
@@ -271,6 +328,24 @@ class SchedulerActor:
             self._log_if_finished(rid, state)
         self.scheduler.finished_beams.clear()
 
+    def _record_prompt_logprobs(
+        self, out: SchedulerOutput, rows: tuple[PromptLogprobRows, ...]
+    ) -> None:
+        """The step's prompt logprobs, recorded before its tokens (the first output has them
+        all); a request whose prompt logprobs are complete reads the prefix cache again."""
+        if not rows:
+            return
+        owner = {s.seq_id: s.request_id for s in out.seqs}
+        for chunk in rows:
+            rid = owner[chunk.seq_id]
+            state = self.states.get(rid)
+            if state is None:
+                continue  # aborted or failed meanwhile
+            tokenizer = self._tokenizer if state.params.detokenize else None
+            request = self.scheduler.requests.get(rid)
+            if state.add_prompt_logprobs(chunk, tokenizer) and request is not None:
+                request.read_prefix_cache = True
+
     def _fail_requests_of(self, out: SchedulerOutput, failed: list[SampledToken]) -> None:
         """Rows whose logits processor raised: each such request fails alone (its waiter gets
         RequestFailedError, its blocks are freed by the next transaction)."""
@@ -287,17 +362,51 @@ class SchedulerActor:
             state.fail_alone(error)
             self._log.info("request_failed", request_id=rid, error=repr(token.error))
 
-    def _grammar_bitmask(self, state: RequestState, index: int) -> torch.Tensor | None:
-        """Structured outputs: the next-token bitmask of completion ``index``'s matcher (made
-        on its first step; it has accepted every token the completion generated)."""
-        if state.grammar is None:
-            return None
-        assert self._grammars is not None, "a compiled grammar without a grammar backend"
-        matcher = state.matchers.get(index)
-        if matcher is None:
-            matcher = state.matchers[index] = self._grammars.matcher(state.grammar)
-        bitmask: torch.Tensor = self._grammars.next_token_bitmask(matcher)
-        return bitmask
+    def _grammar_bitmasks(self, out: SchedulerOutput) -> dict[tuple[int, int], torch.Tensor]:
+        """Structured outputs: (seq id, completion index) -> the next-token bitmask of that
+        completion's matcher (made on its first step; it has accepted every token the
+        completion holds), for every sampling row of the step, filled in one buffer."""
+        keys: list[tuple[int, int]] = []
+        matchers: list[Any] = []
+        for s in out.seqs:
+            state = self.states[s.request_id]
+            if not s.samples or state.grammar is None:
+                continue
+            assert self._grammars is not None, "a compiled grammar without a grammar backend"
+            request = self.scheduler.requests[s.request_id]
+            seq = next(q for q in request.seqs if q.seq_id == s.seq_id)
+            for index in range(s.num_samples) if s.num_samples > 1 else (seq.index,):
+                matcher = state.matchers.get(index)
+                if matcher is None:
+                    matcher = state.matchers[index] = self._grammars.matcher(state.grammar)
+                keys.append((s.seq_id, index))
+                matchers.append(matcher)
+        if not matchers:
+            return {}
+        assert self._grammars is not None
+        rows = self._grammars.next_token_bitmasks(matchers)  # [R, W]
+        return dict(zip(keys, rows.unbind(0), strict=True))
+
+    def _jump_forward(self, state: RequestState, upd: SeqUpdate) -> SeqUpdate:
+        """Structured outputs' jump-forward: after a sampled token, append the tokens the
+        grammar forces next (``EngineConfig.structured_outputs_jump_forward``); the next step
+        computes them as a chunk. Not for requests that report logprobs (a forced token's
+        logprob is never computed) or rank by them (best_of)."""
+        grammars = self._grammars
+        matcher = state.matchers.get(upd.index)
+        if (
+            matcher is None or grammars is None or not grammars.jump_forward
+            or upd.finish_reason is not None or state.params.logprobs is not None
+            or state.ranks_by_logprob
+        ):  # fmt: skip
+            return upd
+        forced = grammars.jump_forward_tokens(matcher)
+        if not forced:
+            return upd
+        appended, reason, stop = self.scheduler.append_forced(upd.request_id, upd.seq_id, forced)
+        self.num_jump_forward_tokens += len(appended)
+        return dataclasses.replace(upd, new_token_ids=upd.new_token_ids + appended,
+                                   finish_reason=reason, stop_reason=stop)  # fmt: skip
 
     def _accept_grammar_tokens(
         self, state: RequestState, index: int, tokens: Sequence[int]

@@ -34,6 +34,7 @@ from asyncpaged.core.block_table import (
     SwapDirection,
     SwapPlan,
 )
+from asyncpaged.core.kv_tiers import TierIndex, TierOp
 from asyncpaged.core.physical_blocks import PhysicalBlocks
 from asyncpaged.core.prefix_hash import ROOT_HASH, BlockHash, hash_block
 from asyncpaged.errors import BlockPoolError
@@ -64,8 +65,11 @@ class BlockPool:
     * Only forks share a partial block, so every device table whose partial last block has
       another holder is in ``_forked`` (tables created by or forked from :meth:`fork`, dropped
       at :meth:`free`); :meth:`shared_tails` checks those alone.
+    * With ``tiers`` (core/kv_tiers.py), every cached block evicted from the device is handed to
+      the tier index before it is reused, and a block restored from a tier is a new device block
+      registered under its hash at once; the tier copies of a transaction run before its step.
     * Every operation is O(blocks touched), never O(pool size), except the test-only
-      :meth:`check_invariants` and :meth:`state`.
+      :meth:`check_invariants`, :meth:`state` and the shutdown-only :meth:`persist_tiers`.
     """
 
     def __init__(
@@ -75,7 +79,10 @@ class BlockPool:
         *,
         block_size: int = 16,
         enable_prefix_caching: bool = True,
+        tiers: TierIndex | None = None,
     ) -> None:
+        """``tiers``: the host and disk KV tiers below the prefix cache (core/kv_tiers.py):
+        evicted cached blocks are offloaded there, and allocations restore from there."""
         if num_device_blocks < 1 or num_host_blocks < 0 or block_size < 1:
             raise ValueError(
                 f"need num_device_blocks >= 1, num_host_blocks >= 0 and block_size >= 1, got "
@@ -93,6 +100,10 @@ class BlockPool:
         self.num_cow_copies = 0
         self.prefix_query_tokens = 0
         self.prefix_hit_tokens = 0
+        self.prefix_tier_hit_tokens = {"host": 0, "disk": 0}
+        self.tiers = tiers if enable_prefix_caching else None
+        if self.tiers is not None:
+            self.device.on_evict = self.tiers.offload
 
     # ---- queries (no side effects) --------------------------------------------------------
 
@@ -108,6 +119,10 @@ class BlockPool:
     def tables(self) -> Mapping[SeqId, BlockTable]:
         """A read-only view of every block table (do not mutate the tables)."""
         return MappingProxyType(self._tables)
+
+    def pins(self) -> Mapping[int, tuple[int, ...]]:
+        """A read-only view of the pinned prefixes: pin id -> its device blocks."""
+        return MappingProxyType(self._pins)
 
     def shared_tails(self) -> frozenset[SeqId]:
         """Device sequences whose partial last block is shared: their next append copies it."""
@@ -167,11 +182,14 @@ class BlockPool:
         *,
         max_new_tokens: int | None = None,
         extra_key: str | None = None,
+        read_cache: bool = True,
     ) -> int:
         """Allocatable device blocks that :meth:`allocate` with these arguments would consume."""
         _check_tokens(token_ids)
-        hit, _ = self._match_prefix(token_ids, extra_key)
-        num_tokens = self._num_tokens_after_allocate(token_ids, len(hit), max_new_tokens)
+        hit, hashes = self._match_prefix(token_ids, extra_key, None if read_cache else 0)
+        restored = self._match_tiers(token_ids, extra_key, hashes) if read_cache else []
+        num_hit = len(hit) + len(restored)
+        num_tokens = self._num_tokens_after_allocate(token_ids, num_hit, max_new_tokens)
         num_new_blocks = -(-num_tokens // self.block_size) - len(hit)
         return num_new_blocks + sum(1 for b in hit if self.device.ref_cnt[b] == 0)
 
@@ -217,20 +235,25 @@ class BlockPool:
         *,
         max_new_tokens: int | None = None,
         extra_key: str | None = None,
+        read_cache: bool = True,
     ) -> SeqAllocation | None:
         """Create the table of a new sequence whose prompt is ``token_ids``.
 
         Cached full blocks of the prompt (never its last token) are mapped in and their reference
         counts raised; then slots are reserved for the next uncached prompt tokens, at most
         ``max_new_tokens`` of them (a prefill chunk; None means the whole rest). Returns None, and
-        changes nothing, when the device pool is short.
+        changes nothing, when the device pool is short. ``read_cache=False`` maps no cached
+        block (every token is computed: prompt logprobs need them all); the sequence's full
+        blocks are still registered for others.
         """
         if seq_id in self._tables:
             raise BlockPoolError(f"sequence {seq_id!r} already exists.")
         _check_tokens(token_ids)
-        hit, hashes = self._match_prefix(token_ids, extra_key)
-        num_cached = len(hit) * self.block_size
-        num_tokens = self._num_tokens_after_allocate(token_ids, len(hit), max_new_tokens)
+        hit, hashes = self._match_prefix(token_ids, extra_key, None if read_cache else 0)
+        restored = self._match_tiers(token_ids, extra_key, hashes) if read_cache else []
+        num_hit = len(hit) + len(restored)
+        num_cached = num_hit * self.block_size
+        num_tokens = self._num_tokens_after_allocate(token_ids, num_hit, max_new_tokens)
         num_new_blocks = -(-num_tokens // self.block_size) - len(hit)
         need = num_new_blocks + sum(1 for b in hit if self.device.ref_cnt[b] == 0)
         if need > self.device.num_allocatable:
@@ -242,6 +265,8 @@ class BlockPool:
             self.device.incref(block)
         table = BlockTable(seq_id=seq_id, extra_key=extra_key, block_ids=hit)
         table.block_hashes = hashes
+        if restored:
+            self._restore(table, restored)
         table.num_tokens = num_cached
         slots = self._write(table, token_ids[num_cached:num_tokens])
         self._tables[seq_id] = table
@@ -418,6 +443,10 @@ class BlockPool:
             num_cow_copies=self.num_cow_copies,
             prefix_query_tokens=self.prefix_query_tokens,
             prefix_hit_tokens=self.prefix_hit_tokens,
+            prefix_host_hit_tokens=self.prefix_tier_hit_tokens["host"],
+            prefix_disk_hit_tokens=self.prefix_tier_hit_tokens["disk"],
+            num_tier_offloads=self.tiers.num_offloads if self.tiers else 0,
+            num_tier_spills=self.tiers.num_spills if self.tiers else 0,
         )
 
     def state(self) -> tuple[object, ...]:
@@ -428,15 +457,19 @@ class BlockPool:
             for sid, t in self._tables.items()
         )  # fmt: skip
         swaps = tuple((i, s.plan) for i, s in self._swaps.items())
-        counters = (self.num_cow_copies, self.prefix_query_tokens, self.prefix_hit_tokens)
+        counters = (self.num_cow_copies, self.prefix_query_tokens, self.prefix_hit_tokens,
+                    tuple(self.prefix_tier_hit_tokens.values()))  # fmt: skip
+        tiers = self.tiers.state() if self.tiers else ()
         return (self.device.state(), self.host.state(), tables, tuple(self._pins.items()),
-                swaps, counters)  # fmt: skip
+                swaps, counters, tiers)  # fmt: skip
 
     def check_invariants(self) -> None:
         """Assert every invariant of the class docstring (O(pool); for tests)."""
         from asyncpaged.core.pool_invariants import check_block_pool
 
         check_block_pool(self, self._tables, self._pins, [s.plan for s in self._swaps.values()])
+        if self.tiers is not None:
+            self.tiers.check_invariants()
         assert self.shared_tails() == frozenset(
             sid
             for sid, t in self._tables.items()
@@ -521,6 +554,65 @@ class BlockPool:
             blocks.append(block)
             hashes.append(parent)
         return blocks, hashes
+
+    def _match_tiers(
+        self, token_ids: Sequence[int], extra_key: str | None, device_hashes: list[BlockHash]
+    ) -> list[BlockHash]:
+        """Hashes of the full blocks after the device hits that a lower tier holds, up to the
+        first that none does (or that is on the device); never the prompt's last token."""
+        tiers = self.tiers
+        if tiers is None:
+            return []
+        bs = self.block_size
+        found: list[BlockHash] = []
+        parent = device_hashes[-1] if device_hashes else ROOT_HASH
+        for i in range(len(device_hashes), (len(token_ids) - 1) // bs):
+            parent = hash_block(parent, token_ids[i * bs : (i + 1) * bs], extra_key)
+            if self.device.lookup(parent) is not None or tiers.lookup(parent) is None:
+                break
+            found.append(parent)
+        return found
+
+    def _restore(self, table: BlockTable, hashes: list[BlockHash]) -> None:
+        """Give ``table`` a new, registered device block per tier hit and record each copy.
+        Taking a block may evict (offload) another: the entries being restored are protected
+        from the tiers' own evictions meanwhile."""
+        tiers, device, bs = self.tiers, self.device, self.block_size
+        assert tiers is not None
+        for block_hash in hashes:
+            tiers.protect(block_hash)
+        for block_hash in hashes:
+            block = device.take(after=table.block_ids[-1] if table.block_ids else None)
+            device.fill(block, bs)
+            registered = device.register(block, block_hash)
+            assert registered, "a restored block's hash is already on the device"
+            self.prefix_tier_hit_tokens[tiers.restore(block_hash, block)] += bs
+            table.block_ids.append(block)
+            table.block_hashes.append(block_hash)
+
+    def persist_tiers(self) -> tuple[TierOp, ...]:
+        """Copy every cached device block (least recently used first, pinned ones last) and
+        every host-tier entry down to the disk tier; the device cache is left as it is. For a
+        shutdown with nothing running: returns the ops to run."""
+        tiers = self.tiers
+        if tiers is None:
+            return ()
+        pinned = [b for blocks in self._pins.values() for b in blocks]
+        for block in (*self.device.evictable_blocks(), *dict.fromkeys(pinned)):
+            block_hash = self.device.hash_of(block)
+            assert block_hash is not None, f"cached block {block} has no hash"
+            tiers.offload(block, block_hash)
+        tiers.persist()
+        return tiers.drain_ops()
+
+    def begin_tier_txn(self, failed_spills: Iterable[BlockHash] = ()) -> None:
+        """Start a transaction for the tiers (see :meth:`TierIndex.begin`)."""
+        if self.tiers is not None:
+            self.tiers.begin(failed_spills)
+
+    def drain_tier_ops(self) -> tuple[TierOp, ...]:
+        """The tier copies decided since the last call, in order (run before the next step)."""
+        return self.tiers.drain_ops() if self.tiers is not None else ()
 
     def append_token(self, seq_id: SeqId, token: int) -> int | None:
         """The decode fast path of :meth:`append`: the slot of one token appended into the

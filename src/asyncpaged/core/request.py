@@ -58,7 +58,8 @@ class Sequence:
     Invariant: ``num_computed_tokens <= len(token_ids)``; the K/V of ``token_ids[:num_computed]``
     are in (or being written to) the sequence's blocks. A running sequence that finished its
     prompt has ``num_computed_tokens == len(token_ids) - 1``: its last, sampled token is the
-    input of its next decode step.
+    input of its next decode step; or less, after a grammar forced tokens (jump-forward,
+    ``Scheduler.append_forced``): the next step computes them all as a chunk.
     """
 
     seq_id: int
@@ -104,11 +105,23 @@ class Request:
     beam: BeamSearcher | None = None  # a beam-search request: its live sequences are the beams
     beam_top: dict[int, tuple[tuple[int, float], ...]] = field(default_factory=dict)
     long_rope: bool = False  # a longrope model's request past original_max_position_embeddings
+    # False while the request's prompt logprobs are not all computed: it maps no cached block
+    read_prefix_cache: bool = True
     swap_id: int | None = None
     num_swap_blocks: int = 0  # blocks of its last swap-out: what a swap-in takes back
     num_preemptions: int = 0
     num_cached_tokens: int = 0
     metadata: dict[str, object] = field(default_factory=dict)
+    # Scheduling policy (core/policy.py): the caller's priority (lower first), the effective
+    # priority the queues sort by (priority minus the aging credit), and the plans it waited
+    priority: int = 0
+    effective_priority: int = 0
+    num_wait_steps: int = 0
+
+    @property
+    def queue_key(self) -> tuple[int, int]:
+        """The order of every queue: effective priority, then arrival (all 0 under FCFS)."""
+        return (self.effective_priority, self.arrival)
 
     @property
     def cache_key(self) -> str | None:

@@ -1,4 +1,4 @@
-"""Iteration-level, first-come-first-served scheduling policy (pure Python, no pool inside).
+"""Iteration-level scheduling: FCFS or priorities (core/policy.py); pure Python, no pool.
 
 The scheduler owns the queues and request state; the allocator owns the block pool. One step::
 
@@ -35,6 +35,13 @@ from typing import Literal
 
 from asyncpaged.core.beam_search import Hypothesis
 from asyncpaged.core.block_table import SwapPlan
+from asyncpaged.core.policy import (
+    DEFAULT_AGING_STEPS,
+    QueuePolicy,
+    Room,
+    SchedulingPolicy,
+    choose_victims,
+)
 from asyncpaged.core.request import Request, RequestStatus, Sequence
 from asyncpaged.core.txn import (
     NUM_REPORTED_GROUPS,
@@ -61,6 +68,9 @@ class SchedulerConfig:
     # every token with the long factors, so one that grows past it is recomputed from scratch
     # (transformers' Phi-3 generate drops its cache then); None for every other model.
     rope_switch_len: int | None = None
+    # Queue order and victims (core/policy.py): "fcfs", or "priority" (lower first, with aging)
+    scheduling_policy: SchedulingPolicy = "fcfs"
+    priority_aging_steps: int = DEFAULT_AGING_STEPS
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -128,7 +138,7 @@ class _Plan:
 
 
 class Scheduler:
-    """FCFS iteration-level scheduling policy over request state.
+    """Iteration-level scheduling over request state, FCFS or by priority (``self.policy``).
 
     Invariants:
 
@@ -138,7 +148,9 @@ class Scheduler:
       transaction); the live sequences of a running request have device tables; those of a
       swapped request are on the host or in flight.
     * Preemption and swapping move whole requests (all live sequences together).
-    * No request is admitted while another is swapped or was preempted in the same step.
+    * No request is admitted in a step that preempted, nor (FCFS) while another is swapped or
+      (priority) while a swapped request ranked above it is not coming back.
+    * Queues are sorted by :attr:`Request.queue_key` (core/policy.py): arrival under FCFS.
     * Every mandatory operation of a planned transaction fits the snapshot it was planned on.
     """
 
@@ -165,6 +177,7 @@ class Scheduler:
         self._planned: list[tuple[Request, Sequence]] = []  # the last plan's appends
         self._watermark = math.ceil(config.watermark * config.num_device_blocks)
         self._min_rope_len = (config.rope_switch_len or 0) + 1
+        self.policy = QueuePolicy(config.scheduling_policy, config.priority_aging_steps)
         self.num_preemptions = self.num_swap_outs = self.num_swap_ins = 0
         self.num_recomputes = self.num_finished = self.num_aborted = 0
         self.num_rope_restarts = 0
@@ -178,6 +191,7 @@ class Scheduler:
         if switch is not None and len(request.seqs[0].token_ids) > switch:
             request.long_rope = True  # long from the first token, as a one-shot prefill
         self.requests[request.request_id] = request
+        self.policy.on_add(request)
         _insort(self.waiting, request)
 
     def abort(self, request_id: str) -> Request | None:
@@ -249,11 +263,18 @@ class Scheduler:
         shared = snap.shared_tails | {s for pair in forks for s in pair} | self._swapped_back
         self._swapped_back = set()
         swap_outs: list[tuple[int, ...]] = []
+        if self.policy.is_priority:
+            self._preempt_for_priority(plan, snap, frees, swap_outs)
         appends = self._plan_running(plan, shared, snap, frees, swap_outs)
-        swap_ins = [] if plan.preempted else self._plan_swap_ins(plan)
+        swap_ins: list[tuple[int, ...]] = []
         admissions: list[Admission] = []
-        if not plan.preempted and not self.swapped:
-            admissions = self._plan_admissions(plan)
+        if self.policy.is_priority:
+            if not plan.preempted:
+                swap_ins, admissions = self._plan_in_rank_order(plan)
+        else:
+            swap_ins = [] if plan.preempted else self._plan_swap_ins(plan)
+            if not plan.preempted and not self.swapped:
+                admissions = self._plan_admissions(plan)
         # The newest running groups; the allocator adds the groups it admits.
         newest = self.running[-NUM_REPORTED_GROUPS:]
         report = tuple(tuple(s.seq_id for s in r.live_seqs) for r in newest)
@@ -397,16 +418,75 @@ class Scheduler:
         _insort(self.waiting, request)
         self.num_recomputes += 1
 
-    def _plan_swap_ins(self, plan: _Plan) -> list[tuple[int, ...]]:
+    def _preempt_for_priority(
+        self,
+        plan: _Plan,
+        snap: PoolSnapshot,
+        frees: list[int],
+        swap_outs: list[tuple[int, ...]],
+    ) -> None:
+        """Priority policy: age the waiting and swapped requests, then preempt the running
+        groups the best waiting request outranks if it lacks seats or blocks (core/policy.py;
+        its blocks estimated without prefix-cache hits)."""
+        policy, cfg = self.policy, self.config
+        policy.age(self.waiting)
+        policy.age(self.swapped)
+        if not self.waiting or not self.running:
+            return
+        best = self.waiting[0]
+        if self.swapped and (
+            self.swapped[0].queue_key < best.queue_key
+            or any(r.status is RequestStatus.SWAPPING_OUT for r in self.swapped)
+        ):
+            return  # a better swapped request comes first; or blocks are still coming back
+        seqs = best.live_seqs
+        chunk = max(1, plan.budget_left // len(seqs))
+        bs = cfg.block_size
+        need = Room(
+            seats=len(seqs),
+            blocks=sum(-(-min(len(s.token_ids), chunk) // bs) for s in seqs) + self._watermark,
+        )
+        have = Room(
+            seats=cfg.max_num_seqs - sum(len(r.live_seqs) for r in self.running),
+            blocks=plan.free,
+        )
+        reports = {g.seq_ids: g.num_exclusive_blocks for g in snap.groups}
+
+        def gain(request: Request) -> Room:
+            group = tuple(s.seq_id for s in request.live_seqs)
+            return Room(seats=len(group), blocks=reports.get(group, 0))
+
+        for victim in choose_victims(policy, best, self.running, need, have, gain):
+            self._preempt(victim, plan, snap, frees, swap_outs)
+
+    def _plan_in_rank_order(self, plan: _Plan) -> tuple[list[tuple[int, ...]], list[Admission]]:
+        """Priority policy: swapped requests ranked above the best waiting one come back first;
+        the waiting ones are offered once every one of those is coming back."""
+        limit = self.waiting[0].queue_key if self.waiting else None
+        swap_ins = self._plan_swap_ins(plan, before=limit)
+        if limit is None or any(
+            r.status is not RequestStatus.SWAPPING_IN and r.queue_key < limit for r in self.swapped
+        ):
+            return swap_ins, []
+        return swap_ins, self._plan_admissions(plan)
+
+    def _plan_swap_ins(
+        self, plan: _Plan, before: tuple[int, int] | None = None
+    ) -> list[tuple[int, ...]]:
+        """Swapped requests back in, in queue order (those ranked before ``before``)."""
         groups: list[tuple[int, ...]] = []
         for request in self.swapped:
+            if before is not None and request.queue_key >= before:
+                break
             if request.status is not RequestStatus.SWAPPED:
                 continue
             assert request.swap_id is None
             need = request.num_swap_blocks
-            # Room for the group's next step too (a new or copied block per sequence), or it
-            # would preempt itself at once and swap out and in forever.
-            if need + len(request.live_seqs) + self._watermark > plan.free:
+            # Room for the group's next step too (a new or copied block per sequence, more for
+            # tokens a grammar forced), or it would preempt itself and swap out and in forever.
+            step = sum(max(1, self._blocks_to_append(s, s.num_uncomputed, False))
+                       for s in request.live_seqs)  # fmt: skip
+            if need + step + self._watermark > plan.free:
                 break  # first come, first served: no one overtakes
             plan.free -= need
             request.status = RequestStatus.SWAPPING_IN
@@ -423,7 +503,7 @@ class Scheduler:
             chunk = plan.budget_left // len(seqs)
             ops = tuple(
                 AllocateOp(seq_id=s.seq_id, token_ids=tuple(s.token_ids), max_new_tokens=chunk,
-                           extra_key=request.cache_key)
+                           extra_key=request.cache_key, read_cache=request.read_prefix_cache)
                 for s in seqs
             )  # fmt: skip
             admissions.append(Admission(request_id=request.request_id, ops=ops))
@@ -652,6 +732,30 @@ class Scheduler:
             children.append(child)
         return children
 
+    def append_forced(
+        self, request_id: str, seq_id: int, tokens: SeqOf[int]
+    ) -> tuple[tuple[int, ...], str | None, int | str | None]:
+        """Jump-forward (structured outputs): append tokens a grammar forces after the sampled
+        one, uncomputed; the next step computes them with it like a prefill chunk and samples
+        after the last. The stop rules apply token by token (they count toward max_tokens):
+        appending ends at the first token that finishes the sequence. Returns the tokens
+        appended and the sequence's finish and stop reasons."""
+        request = self.requests.get(request_id)
+        seq = None if request is None else next(s for s in request.seqs if s.seq_id == seq_id)
+        if request is None or seq is None or seq.is_finished:
+            return (), None, None
+        appended: list[int] = []
+        for token in tokens:
+            seq.token_ids.append(token)
+            appended.append(token)
+            if self._check_stop(request, seq, token):
+                self._release(seq)
+                if request.is_finished:
+                    self._finish(request)
+                    self.num_finished += 1
+                break
+        return tuple(appended), seq.finish_reason, seq.stop_reason
+
     def finish_seq(self, request_id: str, seq_id: int, reason: str, stop: int | str | None) -> None:
         """End a sequence from outside (a stop string matched in its text)."""
         request = self.requests.get(request_id)
@@ -744,4 +848,8 @@ def _chunks(request: Request, plan: _Plan) -> list[tuple[Sequence, int]] | None:
 
 
 def _insort(queue: list[Request], request: Request) -> None:
-    bisect.insort(queue, request, key=lambda r: r.arrival)
+    bisect.insort(queue, request, key=_queue_key)
+
+
+def _queue_key(request: Request) -> tuple[int, int]:
+    return request.queue_key

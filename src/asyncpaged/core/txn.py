@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 from asyncpaged.core.block_pool import BlockPool
 from asyncpaged.core.block_table import PinnedPrefix, PoolStatistics, SeqId, SwapPlan
+from asyncpaged.core.kv_tiers import TierOp
 
 NUM_REPORTED_GROUPS = 8
 """Newest running groups whose release counts each snapshot carries (preemption candidates)."""
@@ -32,6 +33,7 @@ class AllocateOp:
     token_ids: tuple[int, ...]
     max_new_tokens: int
     extra_key: str | None
+    read_cache: bool = True  # False: map no cached block (the request needs every position)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -110,6 +112,8 @@ class TxnResult:
     swap_ins: tuple[SwapPlan, ...]
     admitted: tuple[tuple[str, tuple[SlotGrant, ...]], ...]  # a prefix of the admissions
     pinned: tuple[tuple[int, PinnedPrefix | None], ...] = ()  # (pin id, what was pinned)
+    # KV-tier copies (core/kv_tiers.py), in order: the tier store runs them before the step
+    tier_ops: tuple[TierOp, ...] = ()
     snapshot: PoolSnapshot
 
 
@@ -118,6 +122,7 @@ class TxnResult:
 
 def apply_txn(pool: BlockPool, txn: StepTxn) -> TxnResult:
     """Apply one transaction to the pool (see the module docstring for order and guarantees)."""
+    pool.begin_tier_txn()
     for swap_id in txn.complete_swaps:
         pool.complete_swap(swap_id)
     for parent, child in txn.forks:
@@ -168,6 +173,7 @@ def apply_txn(pool: BlockPool, txn: StepTxn) -> TxnResult:
         swap_ins=tuple(swap_ins),
         admitted=tuple(admitted),
         pinned=tuple(pinned),
+        tier_ops=pool.drain_tier_ops(),
         snapshot=snapshot(pool, report),
     )
 
@@ -175,7 +181,7 @@ def apply_txn(pool: BlockPool, txn: StepTxn) -> TxnResult:
 def _admit(pool: BlockPool, admission: Admission, watermark: int) -> tuple[SlotGrant, ...] | None:
     need = sum(
         pool.num_blocks_to_allocate(op.token_ids, max_new_tokens=op.max_new_tokens,
-                                    extra_key=op.extra_key)
+                                    extra_key=op.extra_key, read_cache=op.read_cache)
         for op in admission.ops
     )  # fmt: skip
     if need + watermark > pool.num_free_device_blocks:
@@ -183,7 +189,11 @@ def _admit(pool: BlockPool, admission: Admission, watermark: int) -> tuple[SlotG
     grants = []
     for op in admission.ops:
         alloc = pool.allocate(
-            op.seq_id, op.token_ids, max_new_tokens=op.max_new_tokens, extra_key=op.extra_key
+            op.seq_id,
+            op.token_ids,
+            max_new_tokens=op.max_new_tokens,
+            extra_key=op.extra_key,
+            read_cache=op.read_cache,
         )
         assert alloc is not None, "capacity was checked"
         grants.append(_grant(pool, op.seq_id, alloc.num_cached_tokens, alloc.slot_mapping))

@@ -5,9 +5,11 @@ sequence's block table, and whether the sequence samples this step. Sequences ar
 into one flat batch with no padding; prefill, prefill chunks and decodes mix freely in one step.
 
 Order inside ``execute``: copy-on-write pairs, then the forward (which writes the new K/V into
-their slots), then logits only for the sampling rows (each sampling sequence's last new token),
-then the sampler. Swap copies are separate calls (``swap_out`` / ``swap_in``) so a swap worker can
-run them beside steps; the scheduler guarantees they never touch blocks of a scheduled sequence.
+their slots), then the full fp32 head over the prompt rows that want prompt logprobs, if any
+(``prompt_logprobs``), then logits only for the sampling rows (each sampling sequence's last new
+token), then the sampler. Swap copies are separate calls (``swap_out`` / ``swap_in``) so a swap
+worker can run them beside steps; the scheduler guarantees they never touch blocks of a scheduled
+sequence.
 
 Tensor parallel: a runner built with a ``TensorShard`` holds one rank's shard of the weights and
 a KV cache with that rank's share of the KV heads (the same block ids as every other rank). Rank 0
@@ -17,14 +19,15 @@ does everything but the LM head and sampling (``asyncpaged.distributed`` drives 
 
 from __future__ import annotations
 
+import importlib.util
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal, Protocol
 
-import structlog
 import torch
 
+from asyncpaged._log import get_logger
 from asyncpaged.errors import InvalidRequestError
 from asyncpaged.model.attention import AttentionBackend, AttentionMetadata, TorchAttentionBackend
 from asyncpaged.model.base import SINGLE_SHARD, CausalLM, TensorShard
@@ -33,6 +36,7 @@ from asyncpaged.model.lm_head import ScreenedLMHead
 from asyncpaged.model.lm_head_int8 import Int8ScreenedArgmax, int8_screen_supported
 from asyncpaged.model.loader import load_model
 from asyncpaged.model.packed_linear import pack_linears, pack_weight
+from asyncpaged.model.prompt_logprobs import PromptLogprobRows, compute_prompt_logprobs
 from asyncpaged.model.sampler import (
     SamplerOutput,
     SamplingOptions,
@@ -41,8 +45,9 @@ from asyncpaged.model.sampler import (
     sample_from_candidates,
     screened_top_k,
 )
+from asyncpaged.structured_outputs import grammar_mask_bias
 
-_log = structlog.get_logger(__name__)
+_log = get_logger(__name__)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -70,6 +75,11 @@ class SequenceStep:
     # ``fanout[i]``) instead of once with ``sampling``.
     fanout: tuple[SamplingOptions | None, ...] = ()
     min_rope_len: int = 0
+    # Prompt logprobs (``prompt_logprobs``): the prompt tokens that rows ``prompt_row_offset ..``
+    # of this step predict, and how many top tokens to return for each.
+    prompt_targets: tuple[int, ...] = ()
+    prompt_row_offset: int = 0
+    num_prompt_logprobs: int = 0
 
     @property
     def wants_logprob(self) -> bool:
@@ -109,6 +119,7 @@ class StepResult:
 
     sampled: tuple[SampledToken, ...]
     compute_s: float = 0.0
+    prompt_logprobs: tuple[PromptLogprobRows, ...] = ()  # for sequences with prompt_targets
 
 
 class StepRunner(Protocol):
@@ -124,6 +135,10 @@ class StepRunner(Protocol):
 
 
 AttentionChoice = Literal["auto", "torch", "triton", "cpu"]
+TRITON_HINT = (
+    "the Triton attention kernels need triton: pip install 'asyncpaged[cuda]' "
+    "(attention_backend='torch' runs without it)."
+)
 
 
 def select_attention_backend(device: str, choice: AttentionChoice) -> AttentionBackend:
@@ -133,6 +148,11 @@ def select_attention_backend(device: str, choice: AttentionChoice) -> AttentionB
     if choice == "torch" or (choice == "auto" and device_type not in ("cpu", "cuda")):
         return TorchAttentionBackend()
     if choice == "triton" or (choice == "auto" and device_type == "cuda"):
+        if importlib.util.find_spec("triton") is None:  # not installed: the `cuda` extra
+            if choice == "triton":
+                raise InvalidRequestError(TRITON_HINT)
+            _log.warning("triton_unavailable", hint=TRITON_HINT, fallback="torch")
+            return TorchAttentionBackend()
         from asyncpaged.kernels.backend import make_attention_backend
 
         triton_backend: AttentionBackend = make_attention_backend(device, "triton")
@@ -323,9 +343,15 @@ class ModelRunner:
         metadata, input_tensor, position_tensor = self._inputs(plan)
         began = time.perf_counter()
         hidden = self.model(input_tensor, position_tensor, metadata, self.kv_cache)  # [T, H]
+        prompt = (
+            compute_prompt_logprobs(self.model, hidden, plan.seqs, metadata.query_start_loc_host)
+            if any(s.prompt_targets for s in plan.seqs)
+            else ()
+        )
         sampling = [i for i, s in enumerate(plan.seqs) if s.do_sample]
         if not sampling:
-            return StepResult(sampled=(), compute_s=time.perf_counter() - began)
+            compute_s = time.perf_counter() - began
+            return StepResult(sampled=(), compute_s=compute_s, prompt_logprobs=prompt)
         draws = [
             (plan.seqs[i], k, opt)
             for i in sampling
@@ -343,11 +369,13 @@ class ModelRunner:
                 token_ids=greedy, logprobs=None, ranks=None, top_token_ids=None, top_logprobs=None
             )
             compute_s = time.perf_counter() - began
-            return StepResult(sampled=_sampled_tokens(draws, out), compute_s=compute_s)
+            sampled = _sampled_tokens(draws, out)
+            return StepResult(sampled=sampled, compute_s=compute_s, prompt_logprobs=prompt)
         screened = self._sample_screened(draws, hidden)
         if screened is not None:
             compute_s = time.perf_counter() - began
-            return StepResult(sampled=_sampled_tokens(draws, screened), compute_s=compute_s)
+            sampled = _sampled_tokens(draws, screened)
+            return StepResult(sampled=sampled, compute_s=compute_s, prompt_logprobs=prompt)
         logits = self.model.compute_logits(hidden)
         out = sample(
             logits,
@@ -356,18 +384,22 @@ class ModelRunner:
             generator=self.generator,
         )
         compute_s = time.perf_counter() - began
-        return StepResult(sampled=_sampled_tokens(draws, out), compute_s=compute_s)
+        sampled = _sampled_tokens(draws, out)
+        return StepResult(sampled=sampled, compute_s=compute_s, prompt_logprobs=prompt)
 
     def _screened_argmax(
         self, draws: list[tuple[SequenceStep, int, SamplingOptions | None]], hidden: torch.Tensor
     ) -> torch.Tensor | None:
         """The full head's greedy tokens through the int8 screen, else the bf16 one, when every
-        row is plain greedy; None: neither applies (or both gave up on NaN/inf hidden states)."""
+        row is plain greedy, a grammar's bitmask allowed (the screens then rank the allowed
+        tokens only); None: neither applies (or both gave up on NaN/inf hidden states)."""
         if self.screened_head is None or not all(_plain_greedy(s, o) for s, _, o in draws):
             return None
-        token_ids = self.int8_head.argmax(hidden) if self.int8_head is not None else None
+        bitmasks = [None if o is None else o.token_bitmask for _, _, o in draws]
+        bias = grammar_mask_bias(bitmasks, self.screened_head.vocab_size, hidden.device)
+        token_ids = self.int8_head.argmax(hidden, bias) if self.int8_head is not None else None
         if token_ids is None and self.bf16_screen:
-            token_ids = self.screened_head.argmax(hidden)
+            token_ids = self.screened_head.argmax(hidden, bias)
         return token_ids
 
     def _sample_screened(
@@ -393,14 +425,20 @@ class ModelRunner:
 
 
 def _plain_greedy(seq: SequenceStep, opt: SamplingOptions | None) -> bool:
-    """A row whose token is the plain argmax of its logits (no logprobs, masks or penalties)."""
+    """A row whose token is the plain argmax of its logits, or of its logits under a grammar's
+    bitmask (no logprobs, penalties, other masks or logit controls)."""
     if seq.want_logprob:
         return False
     return opt is None or (
         opt.is_greedy
         and not opt.has_penalties
         and not opt.min_tokens_mask_ids
-        and not opt.has_logit_controls
+        and not (
+            opt.logit_bias
+            or opt.allowed_token_ids is not None
+            or opt.banned_token_ids
+            or opt.logits_processors
+        )
         and opt.num_logprobs is None
     )
 

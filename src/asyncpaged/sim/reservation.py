@@ -84,9 +84,10 @@ class ReservingBlockPool(BlockPool):
         *,
         max_new_tokens: int | None = None,
         extra_key: str | None = None,
+        read_cache: bool = True,
     ) -> int:
         real = super().num_blocks_to_allocate(
-            token_ids, max_new_tokens=max_new_tokens, extra_key=extra_key
+            token_ids, max_new_tokens=max_new_tokens, extra_key=extra_key, read_cache=read_cache
         )
         if extra_key is None or extra_key in self._members:
             return real  # no reservation, or an op of a request already holding one
@@ -102,10 +103,15 @@ class ReservingBlockPool(BlockPool):
         *,
         max_new_tokens: int | None = None,
         extra_key: str | None = None,
+        read_cache: bool = True,
     ) -> SeqAllocation | None:
         before = self.num_free_device_blocks
         result = super().allocate(
-            seq_id, token_ids, max_new_tokens=max_new_tokens, extra_key=extra_key
+            seq_id,
+            token_ids,
+            max_new_tokens=max_new_tokens,
+            extra_key=extra_key,
+            read_cache=read_cache,
         )
         if result is None or extra_key is None:
             return result

@@ -44,12 +44,11 @@ import sys
 import tempfile
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-import structlog
-
+from asyncpaged._log import get_logger
 from asyncpaged.tools.bench_workload import Workload, make_workload
 from asyncpaged.tools.malloc_tuning import MALLOC_ENV
 
@@ -61,7 +60,7 @@ PAD_ID = 0
 CB_ATTENTION = "sdpa"
 WORKER_MODULE = "asyncpaged.tools.bench_engines"
 
-log = structlog.get_logger("asyncpaged")
+log = get_logger(__name__)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -77,6 +76,8 @@ class WorkerSpec:
     max_num_batched_tokens: int = 2048
     num_device_blocks: int | None = None  # asyncpaged; None: sized to the workload
     block_size: int = 16  # asyncpaged
+    # asyncpaged: EngineConfig fields to override (`--engine-option`), e.g. a CPU lever flipped
+    engine_options: dict[str, Any] = field(default_factory=dict)
     cb_page_size: int = 16
     cb_num_blocks: int | None = None  # None: sized to the workload (whole-model pages)
     cb_max_batch_tokens: int = 1024
@@ -130,6 +131,7 @@ async def _run_asyncpaged(spec: WorkerSpec, workload: Workload) -> dict[str, Any
         num_device_blocks=num_blocks,
         max_num_seqs=spec.max_num_seqs,
         max_num_batched_tokens=spec.max_num_batched_tokens,
+        **spec.engine_options,
     )
     tokens: list[list[int]] = [[] for _ in workload.prompts]
     start = time.perf_counter()
@@ -420,10 +422,9 @@ def _quiet_worker_logs() -> None:
 
     from transformers.utils import logging as hf_logging
 
-    structlog.configure(
-        wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING),
-        logger_factory=structlog.PrintLoggerFactory(sys.stderr),
-    )
+    from asyncpaged.tools import cli_log
+
+    cli_log.configure("warning")
     hf_logging.set_verbosity_error()  # type: ignore[no-untyped-call]
     hf_logging.disable_progress_bar()  # type: ignore[no-untyped-call]
     logging.getLogger("ContinuousBatchingLogger").addFilter(

@@ -296,6 +296,24 @@ def plot(summary: dict[str, Any], path: Path) -> None:
 # ---- the command --------------------------------------------------------------------------------
 
 
+def engine_option(text: str) -> tuple[str, Any]:
+    """``KEY=VALUE`` for an EngineConfig field; VALUE is JSON (``false``, ``3``, ``"torch"``) or
+    else a plain string."""
+    import dataclasses
+    import json
+
+    from asyncpaged.config import EngineConfig
+
+    key, sep, raw = text.partition("=")
+    if not sep or key not in {f.name for f in dataclasses.fields(EngineConfig)}:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected KEY=VALUE with an EngineConfig field")
+    try:
+        value: Any = json.loads(raw)
+    except ValueError:
+        value = raw
+    return key, value
+
+
 def run(args: argparse.Namespace) -> int:
     engines: list[str] = args.engines
     workload = make_workload(quick=args.quick, num_requests=args.num_requests)
@@ -310,6 +328,7 @@ def run(args: argparse.Namespace) -> int:
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         num_device_blocks=args.num_device_blocks,
+        engine_options=dict(args.engine_option),
         cb_page_size=args.cb_page_size,
         cb_num_blocks=args.cb_num_blocks,
         cb_max_batch_tokens=args.cb_max_batch_tokens,
@@ -383,6 +402,14 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--max-num-seqs", type=int, default=256, help="asyncpaged")
     p.add_argument("--max-num-batched-tokens", type=int, default=2048, help="asyncpaged")
     p.add_argument("--num-device-blocks", type=int, help="asyncpaged (default: the workload)")
+    p.add_argument(
+        "--engine-option",
+        type=engine_option,
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="asyncpaged: an EngineConfig field (repeatable), e.g. screened_lm_head=false",
+    )
     p.add_argument("--cb-page-size", type=int, default=16, help="hf-cb tokens per page")
     p.add_argument("--cb-num-blocks", type=int, help="hf-cb pages (default: the workload)")
     p.add_argument("--cb-max-batch-tokens", type=int, default=1024, help="hf-cb tokens per step")
