@@ -28,7 +28,8 @@ class Timings:
     """A fake timer: (candidate, baseline) seconds per probe; records what it was asked."""
 
     def __init__(self, **results: tuple[float, float]) -> None:
-        self.results = {"packed_linear": (1.0, 2.0), "bf16_head": (1.0, 3.0), **results}
+        self.results = {"packed_linear": (1.0, 2.0), "bf16_head": (1.0, 3.0),
+                        "int8_head": (1.0, 4.0), **results}  # fmt: skip
         self.calls: list[str] = []
 
     def __call__(self, probe: str, shapes: Mapping[str, int]) -> tuple[float, float]:
@@ -57,7 +58,7 @@ def _plan(
 def test_features_decide_what_timing_cannot() -> None:
     timer = Timings()
     assert _plan(ZEN4, timer) == dict.fromkeys(LEVERS, True)
-    assert sorted(timer.calls) == ["bf16_head", "packed_linear"]
+    assert sorted(timer.calls) == ["bf16_head", "int8_head", "packed_linear"]
     timer = Timings()
     avx2 = _plan(AVX2, timer)  # no bf16 dot products, no VNNI: neither screen, nothing timed
     assert avx2 == {"packed_linears": True, "screened_lm_head": False, "int8_lm_head": False,
@@ -75,6 +76,9 @@ def test_timings_decide_where_features_allow() -> None:
     slow_packing = Timings(packed_linear=(2.0, 1.5))
     assert _plan(ZEN4, slow_packing)["packed_linears"] is False
     assert _plan(ZEN4, Timings(), int8_exact=lambda: False)["int8_lm_head"] is False
+    slow_int8 = Timings(int8_head=(2.0, 2.1))  # a small head: the screen does not pay
+    assert _plan(ZEN4, slow_int8)["int8_lm_head"] is False
+    assert _plan(ZEN4, slow_int8)["screened_lm_head"] is True  # decided on its own timing
 
 
 def test_explicit_settings_win_and_time_nothing() -> None:
@@ -95,13 +99,13 @@ def test_timings_are_cached_per_cpu(tmp_path: Path) -> None:
     first = Timings()
     _plan(ZEN4, first, cache=cache)
     assert cache.is_file()
-    assert len(first.calls) == 2
+    assert len(first.calls) == 3
     again = Timings()
     _plan(ZEN4, again, cache=cache)
     assert again.calls == []  # a restart on the same CPU times nothing
     other = Timings()
     _plan(ICELAKE, other, cache=cache)
-    assert other.calls == ["packed_linear"]  # another CPU model: its own entries
+    assert other.calls == ["packed_linear", "int8_head"]  # another CPU: its own entries
     cache.write_text("not json")
     _plan(ZEN4, Timings(), cache=cache)  # a damaged cache is ignored and rewritten
 

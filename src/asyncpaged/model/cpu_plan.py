@@ -13,9 +13,11 @@ packed_linears      this torch has oneDNN's packed linear, and a timed GEMM at t
                     shape (64 rows) runs faster packed than through ``F.linear``
 screened_lm_head    the CPU has bf16 dot products (flags), and the screened greedy head, timed at
                     the model's LM-head shape, beats the fp32 head's argmax by
-                    ``BF16_MIN_SPEEDUP`` (this catches emulation, e.g. ``ONEDNN_MAX_CPU_ISA``)
-int8_lm_head        the CPU has VNNI (flags) and oneDNN's int8 sums check exact on it
-                    (``lm_head_int8.int8_screen_supported``)
+                    ``SCREEN_MIN_SPEEDUP`` (this catches emulation, e.g. ``ONEDNN_MAX_CPU_ISA``)
+int8_lm_head        the CPU has VNNI (flags), oneDNN's int8 sums check exact on it
+                    (``lm_head_int8.int8_screen_supported``), and the int8-screened greedy head,
+                    timed at the model's LM-head shape, beats the fp32 head's argmax by
+                    ``SCREEN_MIN_SPEEDUP`` (a small vocabulary or hidden size: it does not)
 fused_elementwise   the native kernel library builds here
 ==================  ==========================================================================
 
@@ -47,7 +49,10 @@ log = get_logger(__name__)
 
 LeverSetting = bool | Literal["auto"]
 LEVERS = ("packed_linears", "screened_lm_head", "int8_lm_head", "fused_elementwise")
-BF16_MIN_SPEEDUP = 1.1  # the screened argmax (rescore included) over the fp32 head's
+# A screened argmax (rescore included) must beat the fp32 head's by this much. The fp32 head it
+# is timed against is the one the engine would run instead: oneDNN's packed layout where this
+# torch has it (the runner packs the head when no bf16 screen runs), else F.linear.
+SCREEN_MIN_SPEEDUP = 1.1
 DECODE_ROWS = 64  # rows of the timed GEMMs: a decode step of a busy engine
 _BF16_FLAGS = frozenset({"avx512_bf16", "amx_bf16", "bf16"})  # x86; "bf16" on aarch64
 _VNNI_FLAGS = frozenset({"avx512_vnni", "avx_vnni", "amx_int8"})
@@ -146,7 +151,9 @@ def plan_cpu(
     choices = {
         "packed_linears": _packed(settings["packed_linears"], timings, shapes),
         "screened_lm_head": _bf16_screen(settings["screened_lm_head"], features, timings, shapes),
-        "int8_lm_head": _int8_screen(settings["int8_lm_head"], features, int8_exact),
+        "int8_lm_head": _int8_screen(
+            settings["int8_lm_head"], features, int8_exact, timings, shapes
+        ),
         "fused_elementwise": _fused(settings["fused_elementwise"], target),
     }
     timings.save()
@@ -190,13 +197,17 @@ def _bf16_screen(
                                   "oneDNN would emulate them")  # fmt: skip
     bf16, fp32 = timings.get("bf16_head", shapes)
     speedup = fp32 / max(bf16, 1e-9)
-    return LeverChoice(speedup >= BF16_MIN_SPEEDUP,
+    return LeverChoice(speedup >= SCREEN_MIN_SPEEDUP,
                        f"the screened head {speedup:.2f}x as fast as the fp32 head "
-                       f"(on from {BF16_MIN_SPEEDUP}x)")  # fmt: skip
+                       f"(on from {SCREEN_MIN_SPEEDUP}x)")  # fmt: skip
 
 
 def _int8_screen(
-    setting: LeverSetting, features: CpuFeatures, int8_exact: Callable[[], bool] | None
+    setting: LeverSetting,
+    features: CpuFeatures,
+    int8_exact: Callable[[], bool] | None,
+    timings: _CachedTimings,
+    shapes: dict[str, int],
 ) -> LeverChoice:
     forced = _forced(setting)
     if forced is not None:
@@ -209,7 +220,11 @@ def _int8_screen(
         int8_exact = int8_screen_supported
     if not int8_exact():
         return LeverChoice(False, "oneDNN's int8 GEMM failed its exactness check here")
-    return LeverChoice(True, "VNNI; oneDNN's int8 sums checked exact")
+    int8, fp32 = timings.get("int8_head", shapes)
+    speedup = fp32 / max(int8, 1e-9)
+    return LeverChoice(speedup >= SCREEN_MIN_SPEEDUP,
+                       f"VNNI, int8 sums checked exact; the int8-screened head {speedup:.2f}x "
+                       f"as fast as the fp32 head (on from {SCREEN_MIN_SPEEDUP}x)")  # fmt: skip
 
 
 def _fused(setting: LeverSetting, target: str | None) -> LeverChoice:
@@ -276,9 +291,10 @@ class _CachedTimings:
 
 def measure(probe: str, shapes: Mapping[str, int]) -> tuple[float, float]:
     """Best-of seconds of (candidate, baseline) for ``probe``: "packed_linear" (oneDNN packed vs
-    ``F.linear``, the MLP up projection) or "bf16_head" (the bf16-screened greedy head vs the
-    fp32 head's argmax). Timed on one thread: a lever's win is per core, and on a shared VM
-    a second thread's stalls would swamp it (docs/tuning.md, hygiene)."""
+    ``F.linear``, the MLP up projection), "bf16_head" or "int8_head" (the bf16- or int8-screened
+    greedy head vs the fp32 head's argmax, packed where this torch packs). Timed on one thread:
+    a lever's win is per core, and on a shared VM a second thread's stalls would swamp it
+    (docs/tuning.md, hygiene)."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -306,21 +322,34 @@ def _measure(probe: str, shapes: Mapping[str, int]) -> tuple[float, float]:
             def baseline() -> object:
                 return linear(plain, x)
 
-        elif probe == "bf16_head":
-            from asyncpaged.model.lm_head import ScreenedLMHead
-
+        elif probe in ("bf16_head", "int8_head"):
             weight = torch.randn(shapes["vocab"], hidden, generator=gen) * hidden**-0.5
-            head = ScreenedLMHead(weight)
-
-            def candidate() -> object:
-                return head.argmax(x)
-
-            def baseline() -> object:
-                return torch.argmax(torch.nn.functional.linear(x, weight), dim=-1)
-
+            candidate = _screened_argmax(probe, weight, x)
+            baseline = _fp32_argmax(weight, x)
         else:
             raise ValueError(f"unknown probe {probe!r}")
         return _best_of(candidate), _best_of(baseline)
+
+
+def _screened_argmax(probe: str, weight: torch.Tensor, x: torch.Tensor) -> Callable[[], object]:
+    from asyncpaged.model.lm_head import ScreenedLMHead
+    from asyncpaged.model.lm_head_int8 import Int8ScreenedArgmax
+
+    head = ScreenedLMHead(weight)
+    if probe == "bf16_head":
+        return lambda: head.argmax(x)
+
+    int8 = Int8ScreenedArgmax(weight, rescorer=head)
+    return lambda: int8.argmax(x)
+
+
+def _fp32_argmax(weight: torch.Tensor, x: torch.Tensor) -> Callable[[], object]:
+    from asyncpaged.model.packed_linear import pack_weight, packed_matmul
+
+    packed = pack_weight(weight, DECODE_ROWS)
+    if packed is None:
+        return lambda: torch.argmax(torch.nn.functional.linear(x, weight), dim=-1)
+    return lambda: torch.argmax(packed_matmul(x, packed), dim=-1)
 
 
 def _best_of(fn: Callable[[], object], budget_s: float = 0.05, min_runs: int = 3) -> float:
