@@ -2,7 +2,8 @@
 
 from asyncpaged.config import EngineConfig
 from asyncpaged.core import BlockPool
-from asyncpaged.engine import AsyncEngine, EngineStatistics
+from asyncpaged.engine import AsyncEngine
+from asyncpaged.engine_stats import EngineStatistics
 from asyncpaged.errors import (
     AsyncPagedError,
     BlockPoolError,

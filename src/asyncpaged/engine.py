@@ -9,11 +9,10 @@ import itertools
 import math
 import time
 import uuid
-import weakref
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from types import TracebackType
-from typing import Any, ParamSpec, TypeVar
+from typing import Any
 
 import anyio
 import torch
@@ -32,10 +31,10 @@ from asyncpaged.core.block_map import BlockMap, build_block_map
 from asyncpaged.core.block_pool import BlockPool
 from asyncpaged.core.block_table import PinnedPrefix
 from asyncpaged.core.policy import check_priority
-from asyncpaged.core.request import StopCriteria
 from asyncpaged.core.scheduler import Scheduler, SchedulerConfig
 from asyncpaged.core.txn import StepTxn, TxnResult
 from asyncpaged.distributed import TensorParallelRunner, check_tensor_parallel, worker_spec
+from asyncpaged.engine_stats import EngineStatistics, collect_statistics
 from asyncpaged.errors import EngineClosedError, EngineDeadError, InvalidRequestError
 from asyncpaged.inputs import (
     ChatMessage,
@@ -60,6 +59,7 @@ from asyncpaged.model.kv_tier_store import KVTierStore, build_kv_tiers
 from asyncpaged.model.loader import load_config, load_tokenizer, resolve_dtype, text_config
 from asyncpaged.model.runner import ModelRunner, StepRunner, select_attention_backend
 from asyncpaged.request_checks import (
+    RequestLimits,
     check_cache_salt,
     check_group_width,
     check_request_id,
@@ -73,22 +73,6 @@ from asyncpaged.structured_outputs import GrammarBackend
 from asyncpaged.structured_outputs import is_available as structured_outputs_available
 
 log = get_logger(__name__)
-P = ParamSpec("P")
-R = TypeVar("R")
-
-
-def _weakly(method: Callable[P, R]) -> Callable[P, R]:
-    """``method`` (bound to the engine) without a strong reference to the engine: the actors
-    the engine holds call back into it, and strong references there would make every closed
-    engine a reference cycle, freed (with its model and KV cache) only by a full collection."""
-    ref = weakref.WeakMethod(method)
-
-    def call(*args: P.args, **kwargs: P.kwargs) -> R:
-        bound = ref()
-        assert bound is not None, "the engine was freed while its actors ran"
-        return bound(*args, **kwargs)
-
-    return call
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -98,42 +82,6 @@ class PrefixHandle:
     pool_pin_id: int
     num_tokens: int  # tokens in its pinned full blocks
     num_blocks: int
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class EngineStatistics:
-    """A snapshot of the engine's counters (see docs/api.md for each field)."""
-
-    num_device_blocks: int
-    num_free_device_blocks: int
-    num_host_blocks: int
-    num_free_host_blocks: int
-    num_cached_device_blocks: int
-    num_shared_device_blocks: int
-    num_filled_device_slots: int
-    num_running: int
-    num_waiting: int
-    num_swapped: int
-    num_preemptions: int
-    num_swap_outs: int
-    num_swap_ins: int
-    num_recomputes: int
-    num_rope_restarts: int
-    num_cow_copies: int
-    prefix_cache_query_tokens: int
-    prefix_cache_hit_tokens: int
-    num_finished: int
-    num_aborted: int
-    num_steps: int
-    step_time_s: float
-    compute_time_s: float
-    num_jump_forward_tokens: int = 0  # structured outputs: tokens appended without sampling
-    # Prefix-cache hit tokens by tier (they sum to prefix_cache_hit_tokens) and KV-tier copies
-    prefix_cache_device_hit_tokens: int = 0
-    prefix_cache_host_hit_tokens: int = 0
-    prefix_cache_disk_hit_tokens: int = 0
-    num_kv_offloads: int = 0  # evicted device blocks copied to the host tier
-    num_kv_spills: int = 0  # host-tier blocks written to the disk tier
 
 
 class AsyncEngine:
@@ -267,6 +215,11 @@ class AsyncEngine:
             )
         )  # fmt: skip
         self._eos = self.generation_defaults.eos_token_ids
+        self._limits = RequestLimits(
+            vocab_size=self.vocab_size, max_model_len=self.max_model_len,
+            block_size=cfg.block_size, num_device_blocks=num_device,
+            max_logprobs=cfg.max_logprobs, eos_token_ids=self._eos,
+        )  # fmt: skip
         self.num_device_blocks, self.num_host_blocks = num_device, num_host
         tiers, self._tier_store = None, None
         if cfg.kv_offload_host_bytes and cfg.enable_prefix_caching:
@@ -353,7 +306,7 @@ class AsyncEngine:
             exec_send, swap_send, self._eos, self.tokenizer, grammars,
         )  # fmt: skip
         self._intake = IntakeActor(
-            self.tokenizer, _weakly(self._check_ids), _weakly(self._stop_criteria), intake_recv,
+            self.tokenizer, self._limits.check_ids, self._limits.stop_criteria, intake_recv,
             sched_send.clone(), self._seq_ids, grammars,
             on_released=self._scheduler.intake_released,
         )  # fmt: skip
@@ -683,8 +636,8 @@ class AsyncEngine:
                               self.config.max_num_batched_tokens)  # fmt: skip
         if rid in self._live and not self._live[rid].is_done:
             raise InvalidRequestError(f"request id {rid!r} is already in use.")
-        self._check_vocab(params)
-        self._check_logprobs(params)
+        self._limits.check_vocab(params)
+        self._limits.check_logprobs(params)
         if params.structured_outputs is not None and not structured_outputs_available():
             raise InvalidRequestError(STRUCTURED_EXTRA_HINT)
         if params.structured_outputs is not None and beam is not None:
@@ -696,7 +649,7 @@ class AsyncEngine:
             text, ids = prompt, None
         else:
             ids = truncate_prompt(tuple(prompt), params)
-            self._check_ids(ids, params)
+            self._limits.check_ids(ids, params)
             text = None
         state = RequestState(rid, text, params, time.monotonic(), beam=beam is not None)
         self._live[rid] = state
@@ -747,70 +700,6 @@ class AsyncEngine:
                 "`await AsyncEngine.start(...)`."
             )
 
-    def _check_logprobs(self, params: SamplingParams) -> None:
-        """``logprobs`` and ``prompt_logprobs`` at most ``EngineConfig.max_logprobs`` (vLLM's)."""
-        limit = self.config.max_logprobs
-        for name, num in (("sample", params.logprobs), ("prompt", params.prompt_logprobs)):
-            if num is not None and limit != -1 and num > limit:
-                raise InvalidRequestError(
-                    f"Requested {name} logprobs of {num}, which is greater than max allowed: "
-                    f"{limit}."
-                )
-
-    def _check_vocab(self, params: SamplingParams) -> None:
-        """Token ids of the logit controls and stop_token_ids (masked while ``min_tokens``
-        are generated) must be in the model's vocabulary."""
-        for name, ids in (("logit_bias", [t for t, _ in params.logit_bias]),
-                          ("allowed_token_ids", params.allowed_token_ids or ()),
-                          ("stop_token_ids", params.stop_token_ids)):  # fmt: skip
-            bad = [t for t in ids if t >= self.vocab_size]
-            if bad:
-                raise InvalidRequestError(
-                    f"{name} token ids must be in [0, {self.vocab_size}), got {bad[:5]}."
-                )
-
-    def _check_ids(self, ids: Sequence[int], params: SamplingParams) -> int:
-        """Validate prompt token ids; returns the request's max new tokens. The length is
-        checked before the ids are looked at (O(1) for a prompt far too long). Runs on the
-        loop for id prompts and in the intake's worker thread for tokenized ones."""
-        if not ids:
-            raise InvalidRequestError("prompt must not be empty.")
-        if len(ids) >= self.max_model_len:
-            raise InvalidRequestError(
-                f"prompt is {len(ids)} tokens; it must be shorter than max_model_len "
-                f"({self.max_model_len})."
-            )
-        bad = [t for t in ids if not isinstance(t, int) or not 0 <= t < self.vocab_size]
-        if bad:
-            raise InvalidRequestError(
-                f"token ids must be in [0, {self.vocab_size}), got {bad[:5]}."
-            )
-        max_tokens = params.max_tokens or self.max_model_len - len(ids)
-        if len(ids) + max_tokens > self.max_model_len:
-            raise InvalidRequestError(
-                f"prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) exceeds max_model_len "
-                f"({self.max_model_len})."
-            )
-        bs = self.config.block_size
-        # The prompt's full blocks are shared; each sequence owns the rest.
-        need = len(ids) // bs + params.num_sequences * (-(-(len(ids) % bs + max_tokens) // bs))
-        if need > self.num_device_blocks:
-            raise InvalidRequestError(
-                f"the request needs up to {need} KV blocks but the cache has "
-                f"{self.num_device_blocks}; lower max_tokens or raise the KV cache size."
-            )
-        return max_tokens
-
-    def _stop_criteria(self, params: SamplingParams, max_tokens: int) -> StopCriteria:
-        return StopCriteria(
-            max_tokens=max_tokens,
-            min_tokens=params.min_tokens,
-            eos_token_ids=self._eos,
-            ignore_eos=params.ignore_eos,
-            stop_token_ids=frozenset(params.stop_token_ids),
-            max_model_len=self.max_model_len,
-        )
-
     # ---- statistics ---------------------------------------------------------------------------
 
     def block_map(self) -> BlockMap:
@@ -821,38 +710,5 @@ class AsyncEngine:
         return build_block_map(self._allocator.pool, self._scheduler.scheduler.requests.values())
 
     def statistics(self) -> EngineStatistics:
-        pool = self._scheduler.snapshot.statistics
-        sched = self._scheduler.statistics()
-        return EngineStatistics(
-            num_device_blocks=pool.device.total,
-            num_free_device_blocks=pool.device.free + pool.device.cached,
-            num_host_blocks=pool.host.total,
-            num_free_host_blocks=pool.host.free,
-            num_cached_device_blocks=pool.device.cached,
-            num_shared_device_blocks=pool.num_shared_device_blocks,
-            num_filled_device_slots=pool.num_filled_device_slots,
-            num_running=sched.num_running,
-            num_waiting=sched.num_waiting,
-            num_swapped=sched.num_swapped,
-            num_preemptions=sched.num_preemptions,
-            num_swap_outs=sched.num_swap_outs,
-            num_swap_ins=sched.num_swap_ins,
-            num_recomputes=sched.num_recomputes,
-            num_rope_restarts=sched.num_rope_restarts,
-            num_cow_copies=pool.num_cow_copies,
-            prefix_cache_query_tokens=pool.prefix_query_tokens,
-            prefix_cache_hit_tokens=pool.prefix_hit_tokens,
-            num_finished=sched.num_finished,
-            num_aborted=sched.num_aborted + self._intake.num_aborted,
-            num_steps=self._scheduler.num_steps,
-            step_time_s=self._scheduler.step_time_s,
-            compute_time_s=self._scheduler.compute_time_s,
-            num_jump_forward_tokens=self._scheduler.num_jump_forward_tokens,
-            prefix_cache_device_hit_tokens=pool.prefix_hit_tokens
-            - pool.prefix_host_hit_tokens
-            - pool.prefix_disk_hit_tokens,
-            prefix_cache_host_hit_tokens=pool.prefix_host_hit_tokens,
-            prefix_cache_disk_hit_tokens=pool.prefix_disk_hit_tokens,
-            num_kv_offloads=pool.num_tier_offloads,
-            num_kv_spills=pool.num_tier_spills,
-        )
+        """The engine's counters as of the last step (docs/api.md, "Statistics")."""
+        return collect_statistics(self._scheduler, self._intake)

@@ -7,11 +7,16 @@ prompt's length in characters before it is encoded or tokenized (``max_prompt_ch
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
+from asyncpaged.core.request import StopCriteria
 from asyncpaged.errors import InvalidRequestError
+from asyncpaged.sampling_params import SamplingParams
 
 __all__ = [
+    "RequestLimits",
     "check_cache_salt",
     "check_group_width",
     "check_request_id",
@@ -92,4 +97,84 @@ def check_group_width(
             f"{what}={num_sequences} needs {num_sequences} sequences in one step, more than "
             f"this engine schedules (max_num_seqs={max_num_seqs}, "
             f"max_num_batched_tokens={max_num_batched_tokens})."
+        )
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RequestLimits:
+    """What the loaded model and the KV cache allow a request (set once the engine starts).
+
+    ``generate`` checks sampling parameters and prompts of ids with it; the intake actor checks
+    tokenized prompts with it in its worker thread (it holds no reference to the engine).
+    """
+
+    vocab_size: int
+    max_model_len: int
+    block_size: int
+    num_device_blocks: int
+    max_logprobs: int  # -1: no limit
+    eos_token_ids: frozenset[int]
+
+    def check_logprobs(self, params: SamplingParams) -> None:
+        """``logprobs`` and ``prompt_logprobs`` at most ``EngineConfig.max_logprobs`` (vLLM's)."""
+        limit = self.max_logprobs
+        for name, num in (("sample", params.logprobs), ("prompt", params.prompt_logprobs)):
+            if num is not None and limit != -1 and num > limit:
+                raise InvalidRequestError(
+                    f"Requested {name} logprobs of {num}, which is greater than max allowed: "
+                    f"{limit}."
+                )
+
+    def check_vocab(self, params: SamplingParams) -> None:
+        """Token ids of the logit controls and stop_token_ids (masked while ``min_tokens``
+        are generated) must be in the model's vocabulary."""
+        for name, ids in (("logit_bias", [t for t, _ in params.logit_bias]),
+                          ("allowed_token_ids", params.allowed_token_ids or ()),
+                          ("stop_token_ids", params.stop_token_ids)):  # fmt: skip
+            bad = [t for t in ids if t >= self.vocab_size]
+            if bad:
+                raise InvalidRequestError(
+                    f"{name} token ids must be in [0, {self.vocab_size}), got {bad[:5]}."
+                )
+
+    def check_ids(self, ids: Sequence[int], params: SamplingParams) -> int:
+        """Validate prompt token ids; returns the request's max new tokens. The length is
+        checked before the ids are looked at (O(1) for a prompt far too long). Runs on the
+        loop for id prompts and in the intake's worker thread for tokenized ones."""
+        if not ids:
+            raise InvalidRequestError("prompt must not be empty.")
+        if len(ids) >= self.max_model_len:
+            raise InvalidRequestError(
+                f"prompt is {len(ids)} tokens; it must be shorter than max_model_len "
+                f"({self.max_model_len})."
+            )
+        bad = [t for t in ids if not isinstance(t, int) or not 0 <= t < self.vocab_size]
+        if bad:
+            raise InvalidRequestError(
+                f"token ids must be in [0, {self.vocab_size}), got {bad[:5]}."
+            )
+        max_tokens = params.max_tokens or self.max_model_len - len(ids)
+        if len(ids) + max_tokens > self.max_model_len:
+            raise InvalidRequestError(
+                f"prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) exceeds max_model_len "
+                f"({self.max_model_len})."
+            )
+        bs = self.block_size
+        # The prompt's full blocks are shared; each sequence owns the rest.
+        need = len(ids) // bs + params.num_sequences * (-(-(len(ids) % bs + max_tokens) // bs))
+        if need > self.num_device_blocks:
+            raise InvalidRequestError(
+                f"the request needs up to {need} KV blocks but the cache has "
+                f"{self.num_device_blocks}; lower max_tokens or raise the KV cache size."
+            )
+        return max_tokens
+
+    def stop_criteria(self, params: SamplingParams, max_tokens: int) -> StopCriteria:
+        return StopCriteria(
+            max_tokens=max_tokens,
+            min_tokens=params.min_tokens,
+            eos_token_ids=self.eos_token_ids,
+            ignore_eos=params.ignore_eos,
+            stop_token_ids=frozenset(params.stop_token_ids),
+            max_model_len=self.max_model_len,
         )

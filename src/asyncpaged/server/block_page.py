@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from asyncpaged.core.block_map import BlockMap, BlockState, PoolBlockMap
-from asyncpaged.engine import EngineStatistics
+from asyncpaged.engine_stats import EngineStatistics
 
 __all__ = ["PAGE", "block_map_json"]
 

@@ -19,7 +19,8 @@ from typing import Any
 import anyio
 
 from asyncpaged.config import EngineConfig
-from asyncpaged.engine import AsyncEngine, EngineStatistics
+from asyncpaged.engine import AsyncEngine
+from asyncpaged.engine_stats import EngineStatistics
 from asyncpaged.sampling_params import RequestOutputKind, SamplingParams
 
 PROMPTS = (
