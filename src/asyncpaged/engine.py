@@ -23,7 +23,7 @@ from asyncpaged._gc import freeze_after_start, unfreeze_at_close
 from asyncpaged._log import get_logger
 from asyncpaged.actors.allocator import AllocatorActor
 from asyncpaged.actors.executor import ExecutorActor
-from asyncpaged.actors.intake import IntakeActor
+from asyncpaged.actors.intake import IntakeActor, thread_copy, tokenize
 from asyncpaged.actors.scheduler import SchedulerActor
 from asyncpaged.actors.swap_space import SwapSpaceActor
 from asyncpaged.config import EngineConfig, KVShape, num_blocks_for
@@ -204,6 +204,11 @@ class AsyncEngine:
     ) -> None:
         cfg = self.config
         self.tokenizer = await anyio.to_thread.run_sync(load_tokenizer, self.model_path)
+        # Fast tokenizers are not re-entrant: the loop thread detokenizes with ``tokenizer``,
+        # the intake's worker thread encodes (prompts, chat, pinned prefixes) with its own copy.
+        self._intake_tokenizer = await anyio.to_thread.run_sync(
+            thread_copy, self.tokenizer, self.model_path
+        )
         self.max_prompt_chars = await anyio.to_thread.run_sync(
             max_prompt_chars, self.tokenizer, self.max_model_len
         )  # a longer text prompt cannot fit: refused by its length at generate
@@ -306,7 +311,7 @@ class AsyncEngine:
             exec_send, swap_send, self._eos, self.tokenizer, grammars,
         )  # fmt: skip
         self._intake = IntakeActor(
-            self.tokenizer, self._limits.check_ids, self._limits.stop_criteria, intake_recv,
+            self._intake_tokenizer, self._limits.check_ids, self._limits.stop_criteria, intake_recv,
             sched_send.clone(), self._seq_ids, grammars,
             on_released=self._scheduler.intake_released,
         )  # fmt: skip
@@ -478,7 +483,9 @@ class AsyncEngine:
             raise InvalidRequestError("pin_prefix needs enable_prefix_caching=True.")
         if isinstance(prefix, str):
             text = prefix
-            ids: list[int] = await anyio.to_thread.run_sync(lambda: self.tokenizer.encode(text))
+            ids = await anyio.to_thread.run_sync(
+                lambda: tokenize(self._intake_tokenizer, text), limiter=self._intake.limiter
+            )
         else:
             ids = list(prefix)
         if len(ids) < self.config.block_size:

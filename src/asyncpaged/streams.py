@@ -8,6 +8,7 @@ everything new since its last look (DELTA, so a slow reader gets merged deltas),
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Callable, Generator
 from dataclasses import dataclass, field
@@ -28,6 +29,47 @@ from asyncpaged.sampling_params import RequestOutputKind, SamplingParams
 
 if TYPE_CHECKING:
     from asyncpaged.model.prompt_logprobs import PromptLogprobRows
+
+
+class _Wakeup:
+    """Wakes the one reader of a request: ``wait`` returns at the first ``set`` after it began
+    (the reader re-checks its state around it, so a ``set`` with no reader waiting is moot).
+
+    On asyncio the reader awaits a bare future, the cheapest wake-up the loop has (a state is
+    woken once per step); on any other loop an ``anyio.Event``. Writer and reader share one
+    event loop."""
+
+    __slots__ = ("_event", "_future", "_loop")
+
+    def __init__(self) -> None:
+        self._future: asyncio.Future[None] | None = None
+        self._event: anyio.Event | None = None
+        self._loop: asyncio.AbstractEventLoop | bool | None = None  # False: not asyncio
+
+    def set(self) -> None:
+        future, event = self._future, self._event
+        if future is not None:
+            self._future = None
+            if not future.done():
+                future.set_result(None)
+        if event is not None:
+            self._event = None
+            event.set()
+
+    async def wait(self) -> None:
+        loop = self._loop
+        if loop is None:
+            try:
+                loop = self._loop = asyncio.get_running_loop()
+            except RuntimeError:  # trio, or another loop anyio runs on
+                loop = self._loop = False
+        if loop:
+            assert isinstance(loop, asyncio.AbstractEventLoop)
+            future = self._future = loop.create_future()
+            await future
+        else:
+            event = self._event = anyio.Event()
+            await event.wait()
 
 
 @dataclass(slots=True, eq=False)
@@ -71,6 +113,16 @@ class RequestState:
                 c.logprobs = []
             if params.logprobs is not None or self.ranks_by_logprob:
                 c.cumulative_logprob = 0.0
+        # Plain greedy, one completion, nothing asked beyond tokens and text: each step's
+        # sampling options are None (the runner's fast path) unless a grammar is set.
+        self.plain = (
+            params.is_greedy and params.num_sequences == 1 and not beam
+            and params.logprobs is None and params.prompt_logprobs is None
+            and params.min_tokens == 0 and params.presence_penalty == 0.0
+            and params.frequency_penalty == 0.0 and params.repetition_penalty == 1.0
+            and not params.logit_bias and params.allowed_token_ids is None
+            and not params.bad_words and not params.logits_processors
+        )  # fmt: skip
         self.metrics = RequestMetrics(arrival_time=arrival_time)
         self.num_cached_tokens = 0
         # prompt_logprobs: [None, position 1, ...], filled in position order by the steps
@@ -85,9 +137,10 @@ class RequestState:
         # Set by the engine's abort (and a dropped stream) wherever the request is: the intake
         # then finishes it with "abort" instead of handing it to the scheduler.
         self.abort_requested = False
-        self._event = anyio.Event()
+        self._event = _Wakeup()
         # The reader waits for the end only: new tokens alone do not wake it.
         self._reader_wants_end = False
+        self._held = False  # recorded outputs hidden from the reader until release()
 
     def start(self, prompt_token_ids: list[int], tokenizer: Any) -> None:
         """The request reached the scheduler: set up detokenizing (no tokenizer: ids only)."""
@@ -111,7 +164,12 @@ class RequestState:
 
     @property
     def finished(self) -> bool:
-        return self.error is None and all(c.finish_reason is not None for c in self.completions)
+        if self.error is not None:
+            return False
+        completions = self.completions
+        if len(completions) == 1:
+            return completions[0].finish_reason is not None
+        return all(c.finish_reason is not None for c in completions)
 
     def add_tokens(
         self,
@@ -154,6 +212,16 @@ class RequestState:
         if finish_reason is not None or not self._reader_wants_end:
             self._event.set()
         return matched
+
+    def hold(self) -> None:
+        """Hide what is recorded next from the reader until :meth:`release` (the scheduler
+        actor records a step's text early for stop strings, and shows it once the blocks of
+        what finished are free)."""
+        self._held = True
+
+    def release(self) -> None:
+        self._held = False
+        self._event.set()
 
     def prompt_logprob_targets(self, start: int, num_new: int) -> tuple[int, tuple[int, ...]]:
         """(row offset, prompt tokens they predict) for a step computing positions ``start ..
@@ -251,7 +319,11 @@ class RequestState:
     def _has_news(self, kind: RequestOutputKind) -> bool:
         if self.ranks_by_logprob or self.beam:
             kind = RequestOutputKind.FINAL_ONLY
-        if self.error is not None or self.rejection is not None or self.finished:
+        if self.error is not None or self.rejection is not None:
+            return True
+        if self._held:
+            return False
+        if self.finished:
             return True
         if kind is RequestOutputKind.FINAL_ONLY:
             return False
@@ -263,7 +335,6 @@ class RequestState:
             kind is RequestOutputKind.FINAL_ONLY or self.ranks_by_logprob or self.beam
         )
         while not self._has_news(kind):
-            self._event = anyio.Event()
             await self._event.wait()
         if self.rejection is not None:
             raise self.rejection
@@ -298,7 +369,7 @@ class RequestState:
         return RequestOutput(
             request_id=self.request_id,
             prompt=self.prompt,
-            prompt_token_ids=list(self.prompt_token_ids),
+            prompt_token_ids=self.prompt_token_ids,  # one list for every output, as vLLM
             outputs=outputs,
             finished=self.finished,
             metrics=self.metrics,

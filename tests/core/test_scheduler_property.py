@@ -260,7 +260,7 @@ def test_scheduler_outputs_equal_running_each_request_alone(data: st.DataObject)
         saw_preemption |= bool(out.preempted)
         sampled, tops = world.execute(out, every)
         for upd in sched.update(out, sampled, tops):
-            outputs[(upd.request_id, upd.index)].extend(upd.new_token_ids)
+            outputs[(upd.request_id, upd.completion)].extend(upd.new_token_ids)
         for rid, hypotheses in sched.finished_beams:
             got_beams[rid] = hypotheses
         sched.finished_beams.clear()

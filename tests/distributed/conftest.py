@@ -56,6 +56,8 @@ class EngineRun:
     num_kv_heads: list[int]  # per rank
     worker_exitcodes: list[int | None]  # after the engine's exit
     worker_pids: list[int]
+    # (free, total) device blocks the moment the last request returned (before wait_idle)
+    blocks_at_return: tuple[int, int] = (0, 0)
 
 
 async def _generate_all(
@@ -94,6 +96,7 @@ def run_engine(
             step_runner.execute = spy  # type: ignore[method-assign]
             with anyio.fail_after(120):
                 outputs = await _generate_all(engine, prompts, params)
+                at_return = engine.statistics()
                 await engine.wait_idle()
             assert_no_leaks(engine)
             stats = engine.statistics()
@@ -115,6 +118,7 @@ def run_engine(
             num_kv_heads=heads,
             worker_exitcodes=[p.exitcode for p in workers],
             worker_pids=[p.pid for p in workers if p.pid is not None],
+            blocks_at_return=(at_return.num_free_device_blocks, at_return.num_device_blocks),
         )
 
     return anyio.run(main)

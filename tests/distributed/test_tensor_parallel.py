@@ -67,6 +67,15 @@ def test_tp2_tokens_equal_transformers(
         assert out.outputs[0].token_ids == want, (name, out.prompt_token_ids)
 
 
+def test_blocks_are_free_when_the_last_request_returns(
+    runs: tuple[str, EngineRun, EngineRun],
+) -> None:
+    _, tp1, tp2 = runs
+    for run in (tp1, tp2):
+        free, total = run.blocks_at_return
+        assert free == total == NUM_DEVICE_BLOCKS, run.blocks_at_return
+
+
 def test_per_rank_kv_memory_is_half(runs: tuple[str, EngineRun, EngineRun]) -> None:
     _, tp1, tp2 = runs
     (kv_bytes,) = tp1.kv_cache_bytes  # the same number of blocks on every engine and rank

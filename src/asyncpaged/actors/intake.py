@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import itertools
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -17,6 +18,7 @@ from asyncpaged.core.request import Sequence as Seq
 from asyncpaged.errors import InvalidRequestError
 from asyncpaged.inputs import truncate_prompt
 from asyncpaged.messages import AddRequest, ChatPrompt, SchedulerInbox, SubmitRequest
+from asyncpaged.model.loader import load_tokenizer
 from asyncpaged.structured_outputs import GrammarBackend
 
 log = get_logger(__name__)
@@ -57,7 +59,8 @@ class IntakeActor:
         self._inbox = inbox
         self._outbox = outbox
         self._on_released = on_released
-        self._limiter = anyio.CapacityLimiter(1)
+        # The one worker thread its tokenizer runs in (the engine's pin_prefix shares it).
+        self.limiter = anyio.CapacityLimiter(1)
         self._arrivals = itertools.count()
         self._seq_ids = seq_ids
         self._log = log.bind(actor="intake")
@@ -88,7 +91,7 @@ class IntakeActor:
         """Render, tokenize and validate (worker thread), compile the grammar, hand it on."""
         try:
             ids, max_tokens = await anyio.to_thread.run_sync(
-                lambda: self._prepare(msg), limiter=self._limiter
+                lambda: self._prepare(msg), limiter=self.limiter
             )
             await self._compile_grammar(msg)
         except InvalidRequestError as exc:
@@ -175,7 +178,16 @@ class IntakeActor:
             except Exception as exc:  # the grammar backend's own errors, per constraint
                 raise InvalidRequestError(f"the constraint failed to compile: {exc!r}") from exc
 
-        msg.state.grammar = await anyio.to_thread.run_sync(compile_, limiter=self._limiter)
+        msg.state.grammar = await anyio.to_thread.run_sync(compile_, limiter=self.limiter)
+
+
+def thread_copy(tokenizer: Any, model_path: Any) -> Any:
+    """A copy of ``tokenizer`` for another thread (a deep copy; reloaded from ``model_path``
+    if it cannot be copied)."""
+    try:
+        return copy.deepcopy(tokenizer)
+    except Exception:  # any tokenizer class: reload it instead
+        return load_tokenizer(model_path)
 
 
 def tokenize(tokenizer: Any, text: str) -> list[int]:

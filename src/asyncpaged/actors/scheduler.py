@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from collections import deque
 from collections.abc import Iterable, Sequence
@@ -14,6 +13,7 @@ from anyio.abc import TaskStatus
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from asyncpaged._log import get_logger
+from asyncpaged.core.beam_search import Hypothesis
 from asyncpaged.core.block_table import PinnedPrefix
 from asyncpaged.core.kv_tiers import TierOp
 from asyncpaged.core.request import Request, RequestStatus
@@ -96,6 +96,11 @@ class SchedulerActor:
         # States of streams dropped unfinished (their finalizer, maybe on another thread, only
         # appends here: deque.append is atomic); aborted at the top of the next loop.
         self.dropped: deque[RequestState] = deque()
+        # A step's outputs recorded after the next step is sent (_deliver): (state, update,
+        # token) to record, held states to release, finished beam searches.
+        self._to_record: list[tuple[RequestState, SeqUpdate, SampledToken]] = []
+        self._to_release: list[RequestState] = []
+        self._beams_done: list[tuple[str, list[Hypothesis]]] = []
 
     # ---- queries ----------------------------------------------------------------------------
 
@@ -107,6 +112,7 @@ class SchedulerActor:
         sched = self.scheduler
         return not (
             self.num_incoming or self._in_flight or self._planning or self.pins
+            or self._to_record or self._to_release or self._beams_done
             or sched.has_unfinished
             or sched.has_swaps_in_flight or sched.has_pending_txn_work
         )  # fmt: skip
@@ -144,16 +150,19 @@ class SchedulerActor:
                     except anyio.WouldBlock:
                         break
                     except anyio.EndOfStream:
+                        self._deliver()
                         return
                 stepped = False
                 if self._in_flight is None and self._has_work():
                     stepped = await self._step()
+                self._deliver()  # the last step's outputs, while the next one runs
                 if self.is_idle:
                     self._idle.set()
                 if not stepped:
                     try:
                         self._handle(await self._inbox.receive())
                     except anyio.EndOfStream:
+                        self._deliver()
                         return
 
     def _has_work(self) -> bool:
@@ -204,6 +213,11 @@ class SchedulerActor:
                 state.metrics.first_scheduled_time = now
             request = self.scheduler.requests[s.request_id]
             state.num_cached_tokens = request.num_cached_tokens
+            if state.plain and state.grammar is None and s.num_samples == 1:
+                steps.append(SequenceStep(s.seq_id, s.token_ids, s.start_pos, s.slot_mapping,
+                                          s.block_table, s.samples,
+                                          min_rope_len=s.min_rope_len))  # fmt: skip
+                continue
             seq = (
                 request.seqs[0]
                 if len(request.seqs) == 1
@@ -289,6 +303,13 @@ class SchedulerActor:
             self._handle(AbortRequest(request_id=state.request_id, state=state))
 
     def _finish_step(self, out: SchedulerOutput, sampled: Iterable[SampledToken]) -> None:
+        """A step's results, the part the next plan depends on: the scheduler's appends and
+        stop rules, failed rows, grammar matchers and jump-forward, and the text of requests
+        with stop strings (a stop string ends its sequence before the next plan, so no step
+        computes past it). Everything else is recorded into the requests' states by
+        :meth:`_deliver`, after the next step is sent, while its forward runs; a request
+        detokenized here is held until then, so no reader sees a finish before its blocks are
+        freed by the next transaction."""
         sampled = list(sampled)
         self._fail_requests_of(out, [t for t in sampled if t.error is not None])
         by_row = {(t.seq_id, t.sample_index): t for t in sampled}
@@ -297,28 +318,33 @@ class SchedulerActor:
             tokens.setdefault(seq_id, []).append(t.token_id)
         top = {t.seq_id: t.top_logprobs for t in by_row.values() if t.sample_index == 0}
         updates = self.scheduler.update(out, tokens, top)
-        for sampled_update in updates:
-            state = self.states[sampled_update.request_id]
-            if not self._accept_grammar_tokens(
-                state, sampled_update.index, sampled_update.new_token_ids
-            ):
-                self._log.warning("grammar_rejected_token", request_id=sampled_update.request_id,
-                                  tokens=list(sampled_update.new_token_ids))  # fmt: skip
-            upd = self._jump_forward(state, sampled_update)  # + the tokens the grammar forces
-            token = by_row[upd.row]
-            tokenizer = self._tokenizer if state.params.detokenize else None
-            logprobs = (
-                _logprobs(token, state.params.logprobs, tokenizer)
-                if token.logprob is not None
-                else None
-            )
-            matched = state.add_tokens(
-                upd.index, upd.new_token_ids, upd.finish_reason, upd.stop_reason, logprobs
-            )
-            if matched is not None:
-                self.scheduler.finish_seq(upd.request_id, upd.seq_id, "stop", matched)
-            self._log_if_finished(upd.request_id, state)
-        for rid, hypotheses in self.scheduler.finished_beams:
+        for update in updates:
+            state = self.states[update.request_id]
+            upd = update
+            if state.matchers:
+                if not self._accept_grammar_tokens(state, upd.completion, upd.new_token_ids):
+                    self._log.warning("grammar_rejected_token", request_id=upd.request_id,
+                                      tokens=list(upd.new_token_ids))  # fmt: skip
+                upd = self._jump_forward(state, upd)  # + the tokens the grammar forces
+            if state.params.stop:
+                state.hold()
+                self._record(state, upd, by_row[upd.row])
+                self._to_release.append(state)
+            else:
+                self._to_record.append((state, upd, by_row[upd.row]))
+        self._beams_done.extend(self.scheduler.finished_beams)
+        self.scheduler.finished_beams.clear()
+
+    def _deliver(self) -> None:
+        """Record the last step's outputs (detokenize, logprobs) and wake their readers."""
+        to_record, self._to_record = self._to_record, []
+        for state, upd, token in to_record:
+            self._record(state, upd, token)
+        to_release, self._to_release = self._to_release, []
+        for state in to_release:
+            state.release()
+        beams, self._beams_done = self._beams_done, []
+        for rid, hypotheses in beams:
             state = self.states[rid]
             eos = self._eos
             state.finish_beams(
@@ -326,7 +352,24 @@ class SchedulerActor:
                 self._tokenizer,
             )
             self._log_if_finished(rid, state)
-        self.scheduler.finished_beams.clear()
+
+    def _record(self, state: RequestState, upd: SeqUpdate, token: SampledToken) -> None:
+        """One completion's new tokens into its state; a stop string found in their text ends
+        the sequence in the scheduler."""
+        if state.completions[upd.completion].finish_reason is not None:
+            return  # aborted since its tokens were sampled
+        params = state.params
+        logprobs = None
+        if token.logprob is not None:
+            logprobs = _logprobs(token, params.logprobs, self._tokenizer if params.detokenize
+                                 else None)  # fmt: skip
+        matched = state.add_tokens(
+            upd.completion, upd.new_token_ids, upd.finish_reason, upd.stop_reason, logprobs
+        )
+        if matched is not None:
+            self.scheduler.finish_seq(upd.request_id, upd.seq_id, "stop", matched)
+        if upd.finish_reason is not None or matched is not None:
+            self._log_if_finished(upd.request_id, state)
 
     def _record_prompt_logprobs(
         self, out: SchedulerOutput, rows: tuple[PromptLogprobRows, ...]
@@ -393,7 +436,7 @@ class SchedulerActor:
         computes them as a chunk. Not for requests that report logprobs (a forced token's
         logprob is never computed) or rank by them (best_of)."""
         grammars = self._grammars
-        matcher = state.matchers.get(upd.index)
+        matcher = state.matchers.get(upd.completion)
         if (
             matcher is None or grammars is None or not grammars.jump_forward
             or upd.finish_reason is not None or state.params.logprobs is not None
@@ -405,7 +448,7 @@ class SchedulerActor:
             return upd
         appended, reason, stop = self.scheduler.append_forced(upd.request_id, upd.seq_id, forced)
         self.num_jump_forward_tokens += len(appended)
-        return dataclasses.replace(upd, new_token_ids=upd.new_token_ids + appended,
+        return upd._replace(new_token_ids=upd.new_token_ids + appended,
                                    finish_reason=reason, stop_reason=stop)  # fmt: skip
 
     def _accept_grammar_tokens(

@@ -31,7 +31,7 @@ from collections.abc import Callable, Mapping
 from collections.abc import Sequence as SeqOf
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, NamedTuple
 
 from asyncpaged.core.beam_search import Hypothesis
 from asyncpaged.core.block_table import SwapPlan
@@ -73,8 +73,7 @@ class SchedulerConfig:
     priority_aging_steps: int = DEFAULT_AGING_STEPS
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
-class ScheduledSeq:
+class ScheduledSeq(NamedTuple):
     """One sequence's part of a step: K/V of ``token_ids`` (positions from ``start_pos``) go to
     ``slot_mapping``; if ``samples``, the logits of the last of them are sampled."""
 
@@ -100,11 +99,10 @@ class SchedulerOutput:
     num_batched_tokens: int
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
-class SeqUpdate:
+class SeqUpdate(NamedTuple):
     request_id: str
     seq_id: int
-    index: int
+    completion: int  # the completion's index in its request
     row: tuple[int, int]  # (seq id, sample index) of the draw that produced the token
     new_token_ids: tuple[int, ...]
     finish_reason: str | None
@@ -635,7 +633,7 @@ class Scheduler:
                     SeqUpdate(
                         request_id=request.request_id,
                         seq_id=seq.seq_id,
-                        index=seq.index,
+                        completion=seq.index,
                         row=(seq.seq_id, 0),
                         new_token_ids=(token,),
                         finish_reason=seq.finish_reason,
@@ -658,7 +656,7 @@ class Scheduler:
                     SeqUpdate(
                         request_id=request.request_id,
                         seq_id=s.seq_id,
-                        index=s.index,
+                        completion=s.index,
                         row=(seq.seq_id, i),
                         new_token_ids=(token,),
                         finish_reason=s.finish_reason,

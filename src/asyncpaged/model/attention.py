@@ -21,6 +21,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -49,36 +50,37 @@ class AttentionMetadata:
     def build(
         cls,
         *,
-        query_lens: Sequence[int],
-        context_lens: Sequence[int],
+        query_lens: Sequence[int] | np.ndarray,
+        context_lens: Sequence[int] | np.ndarray,
         block_tables: Sequence[Sequence[int]],
-        slot_mapping: Sequence[int],
+        slot_mapping: Sequence[int] | np.ndarray,
         device: torch.device,
         block_size: int = 16,
-        rope_lens: Sequence[int] | None = None,
+        rope_lens: Sequence[int] | np.ndarray | None = None,
     ) -> AttentionMetadata:
-        starts = [0]
-        for n in query_lens:
-            starts.append(starts[-1] + n)
-        width = max((len(t) for t in block_tables), default=0) or 1
-        padded = [list(t) + [0] * (width - len(t)) for t in block_tables]
-        lens = torch.tensor(list(context_lens), dtype=torch.int64)
-        slots = torch.tensor(list(slot_mapping), dtype=torch.int64, device=device)
+        qlens = np.asarray(query_lens, dtype=np.int64)
+        ctx = np.asarray(context_lens, dtype=np.int64)
+        starts = np.zeros(len(qlens) + 1, dtype=np.int64)
+        np.cumsum(qlens, out=starts[1:])
+        width = max(map(len, block_tables), default=0) or 1
+        tables = np.zeros((len(block_tables), width), dtype=np.int64)
+        for i, table in enumerate(block_tables):
+            tables[i, : len(table)] = table
+        slots = torch.from_numpy(np.asarray(slot_mapping, dtype=np.int64)).to(device)
+        rope = ctx if rope_lens is None else np.asarray(rope_lens, dtype=np.int64)
+        decodes = qlens == 1
         return cls(
-            query_start_loc=torch.tensor(starts, dtype=torch.int64, device=device),
-            context_lens=lens.to(device),
-            block_tables=torch.tensor(padded, dtype=torch.int64, device=device).view(-1, width),
+            query_start_loc=torch.from_numpy(starts).to(device),
+            context_lens=torch.from_numpy(ctx).to(device),
+            block_tables=torch.from_numpy(tables).to(device),
             slot_mapping=slots,
             slot_targets=SlotTargets.of(slots, block_size),
             block_size=block_size,
-            token_rope_lens=torch.repeat_interleave(
-                lens if rope_lens is None else torch.tensor(list(rope_lens), dtype=torch.int64),
-                torch.tensor(list(query_lens), dtype=torch.int64),
-            ).to(device),
-            query_start_loc_host=tuple(starts),
-            context_lens_host=tuple(context_lens),
-            decode_indices=tuple(i for i, n in enumerate(query_lens) if n == 1),
-            prefill_indices=tuple(i for i, n in enumerate(query_lens) if n > 1),
+            token_rope_lens=torch.from_numpy(np.repeat(rope, qlens)).to(device),
+            query_start_loc_host=tuple(starts.tolist()),
+            context_lens_host=tuple(ctx.tolist()),
+            decode_indices=tuple(np.flatnonzero(decodes).tolist()),
+            prefill_indices=tuple(np.flatnonzero(~decodes & (qlens > 1)).tolist()),
         )
 
 

@@ -182,25 +182,32 @@ def swap_blocks(
     dst: PagedKVCache,
     pairs: Sequence[tuple[int, int]],
     stream: torch.cuda.Stream | None = None,
+    after: torch.cuda.Event | None = None,
 ) -> None:
     """Copy block ``s`` of ``src`` onto block ``d`` of ``dst`` for each (s, d), in every layer.
 
     Returns when the copy has landed. With a CUDA ``stream`` (a swap between a CUDA cache and a
     pinned host cache) the transfer runs on that side stream, non-blocking, so the forward on the
-    default stream goes on meanwhile; the blocks it moves belong to no scheduled sequence, and
-    the step that last wrote them has finished (the runner synchronizes at each step's end).
+    default stream goes on meanwhile; the blocks it moves belong to no scheduled sequence. The
+    step that last wrote them has returned to the host but may still run on the device (a step
+    that samples nothing never synchronizes): the side stream first waits for ``after``, the
+    event the runner records at the end of each step's work.
     """
     _check_compatible(src, dst)
     if not pairs:
         return
-    src_idx, dst_idx = _pair_indices(pairs, src.key.device)
-    dst_idx = dst_idx.to(dst.key.device)
     if stream is None:
+        src_idx, dst_idx = _pair_indices(pairs, src.key.device)
+        dst_idx = dst_idx.to(dst.key.device)
         dst.key[:, dst_idx] = src.key[:, src_idx].to(dst.key.device)
         dst.value[:, dst_idx] = src.value[:, src_idx].to(dst.value.device)
         return
     landed: list[tuple[torch.Tensor, torch.Tensor]] = []
     with torch.cuda.stream(stream):
+        if after is not None:
+            stream.wait_event(after)
+        src_idx, dst_idx = _pair_indices(pairs, src.key.device)  # on the side stream
+        dst_idx = dst_idx.to(dst.key.device)
         for s_t, d_t in ((src.key, dst.key), (src.value, dst.value)):
             block = s_t[:, src_idx]  # gathered on the source's device
             if d_t.is_cuda:
@@ -217,9 +224,10 @@ def swap_out(
     host_cache: PagedKVCache,
     pairs: Sequence[tuple[int, int]],
     stream: torch.cuda.Stream | None = None,
+    after: torch.cuda.Event | None = None,
 ) -> None:
     """Copy (device block, host block) pairs from the device cache to the host cache."""
-    swap_blocks(device_cache, host_cache, pairs, stream)
+    swap_blocks(device_cache, host_cache, pairs, stream, after)
 
 
 def swap_in(
@@ -227,6 +235,7 @@ def swap_in(
     host_cache: PagedKVCache,
     pairs: Sequence[tuple[int, int]],
     stream: torch.cuda.Stream | None = None,
+    after: torch.cuda.Event | None = None,
 ) -> None:
     """Copy (host block, device block) pairs from the host cache back to the device cache."""
-    swap_blocks(host_cache, device_cache, pairs, stream)
+    swap_blocks(host_cache, device_cache, pairs, stream, after)

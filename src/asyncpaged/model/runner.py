@@ -22,9 +22,11 @@ from __future__ import annotations
 import importlib.util
 import time
 from dataclasses import dataclass
+from itertools import chain
 from pathlib import Path
-from typing import Literal, Protocol
+from typing import Literal, NamedTuple, Protocol
 
+import numpy as np
 import torch
 
 from asyncpaged._log import get_logger
@@ -50,9 +52,8 @@ from asyncpaged.structured_outputs import grammar_mask_bias
 _log = get_logger(__name__)
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
-class SequenceStep:
-    """One sequence's share of a step.
+class SequenceStep(NamedTuple):
+    """One sequence's share of a step (a named tuple: one per sequence per step).
 
     ``token_ids`` sit at positions ``num_computed_tokens ..``; after the step the cache holds
     ``num_computed_tokens + len(token_ids)`` tokens, which ``block_table`` must cover. ``do_sample``
@@ -96,9 +97,10 @@ class StepPlan:
     copy_pairs: tuple[tuple[int, int], ...] = ()
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
-class SampledToken:
-    """A sampled token; logprobs are the log-softmax of the raw float32 logits (vLLM v1)."""
+class SampledToken(NamedTuple):
+    """A sampled token; logprobs are the log-softmax of the raw float32 logits (vLLM v1). A
+    named tuple: a step makes one per sampling row, and a tuple is the cheapest immutable
+    record to build."""
 
     seq_id: int
     token_id: int
@@ -276,54 +278,77 @@ class ModelRunner:
         self._swap_stream = (
             torch.cuda.Stream(self.device) if on_cuda else None  # type: ignore[no-untyped-call]
         )
+        self._step_end: torch.cuda.Event | None = None  # see _record_step_end
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
 
     def swap_out(self, pairs: tuple[tuple[int, int], ...]) -> None:
-        """Copy (device block, host block) pairs to the host cache."""
-        swap_out(self.kv_cache, self.host_kv_cache, pairs, self._swap_stream)
+        """Copy (device block, host block) pairs to the host cache (on CUDA, after the device
+        has finished the last step that returned)."""
+        swap_out(self.kv_cache, self.host_kv_cache, pairs, self._swap_stream, self._step_end)
 
     def swap_in(self, pairs: tuple[tuple[int, int], ...]) -> None:
         """Copy (host block, device block) pairs back to the device cache."""
-        swap_in(self.kv_cache, self.host_kv_cache, pairs, self._swap_stream)
+        swap_in(self.kv_cache, self.host_kv_cache, pairs, self._swap_stream, self._step_end)
 
-    def _check(self, seq: SequenceStep) -> None:
+    def _record_step_end(self) -> None:
+        """CUDA: mark the end of a step's device work; swaps issued after the step returned
+        wait for it (the step may still run on the device)."""
+        if self._swap_stream is not None:
+            event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+            event.record(torch.cuda.current_stream(self.device))
+            self._step_end = event
+
+    def _inputs(self, plan: StepPlan) -> tuple[AttentionMetadata, torch.Tensor, torch.Tensor]:
+        """The step's attention metadata, token ids [T] and positions [T]."""
+        seqs = plan.seqs
+        n = len(seqs)
+        qlens = np.fromiter(map(len, (s.token_ids for s in seqs)), np.int64, n)
+        starts = np.fromiter((s.num_computed_tokens for s in seqs), np.int64, n)
+        num_slots = np.fromiter(map(len, (s.slot_mapping for s in seqs)), np.int64, n)
+        num_blocks = np.fromiter(map(len, (s.block_table for s in seqs)), np.int64, n)
+        context = starts + qlens
+        bad = (qlens <= 0) | (num_slots != qlens) | (num_blocks * self.block_size < context)
+        if bad.any():
+            self._refuse(seqs[int(np.flatnonzero(bad)[0])])
+        if int(qlens.max()) == 1:  # all decodes: one token each
+            ids = np.fromiter((s.token_ids[0] for s in seqs), np.int64, n)
+            slots = np.fromiter((s.slot_mapping[0] for s in seqs), np.int64, n)
+            positions = starts
+        else:
+            ids = np.fromiter(chain.from_iterable(s.token_ids for s in seqs), np.int64)
+            slots = np.fromiter(chain.from_iterable(s.slot_mapping for s in seqs), np.int64)
+            # position of row j of sequence i: starts[i] + j
+            offsets = np.arange(int(qlens.sum()), dtype=np.int64) - np.repeat(
+                np.cumsum(qlens) - qlens, qlens
+            )
+            positions = np.repeat(starts, qlens) + offsets
+        rope_lens = None  # the context lengths themselves
+        if any(s.min_rope_len for s in seqs):
+            rope_lens = np.maximum(context, [s.min_rope_len for s in seqs])
+        metadata = AttentionMetadata.build(
+            query_lens=qlens,
+            context_lens=context,
+            block_tables=[s.block_table for s in seqs],
+            slot_mapping=slots,
+            device=self.device,
+            block_size=self.block_size,
+            rope_lens=rope_lens,
+        )
+        input_tensor = torch.from_numpy(ids).to(self.device)
+        position_tensor = torch.from_numpy(positions).to(self.device)
+        return metadata, input_tensor, position_tensor
+
+    def _refuse(self, seq: SequenceStep) -> None:
+        """A malformed sequence step (a scheduler bug): fail loudly, naming what is wrong."""
         num_new = len(seq.token_ids)
         assert num_new > 0, f"sequence {seq.seq_id} has no new tokens"
         assert len(seq.slot_mapping) == num_new, (
             f"sequence {seq.seq_id}: {len(seq.slot_mapping)} slots for {num_new} tokens"
         )
         context = seq.num_computed_tokens + num_new
-        assert len(seq.block_table) * self.block_size >= context, (
+        raise AssertionError(
             f"sequence {seq.seq_id}: {len(seq.block_table)} blocks cannot hold {context} tokens"
         )
-
-    def _inputs(self, plan: StepPlan) -> tuple[AttentionMetadata, torch.Tensor, torch.Tensor]:
-        """The step's attention metadata, token ids [T] and positions [T]."""
-        input_ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        for seq in plan.seqs:
-            self._check(seq)
-            input_ids.extend(seq.token_ids)
-            start = seq.num_computed_tokens
-            positions.extend(range(start, start + len(seq.token_ids)))
-            slots.extend(seq.slot_mapping)
-        metadata = AttentionMetadata.build(
-            query_lens=[len(s.token_ids) for s in plan.seqs],
-            context_lens=[s.num_computed_tokens + len(s.token_ids) for s in plan.seqs],
-            block_tables=[s.block_table for s in plan.seqs],
-            slot_mapping=slots,
-            device=self.device,
-            block_size=self.block_size,
-            rope_lens=[
-                max(s.num_computed_tokens + len(s.token_ids), s.min_rope_len) for s in plan.seqs
-            ]
-            if any(s.min_rope_len for s in plan.seqs)
-            else None,  # the context lengths themselves
-        )
-        input_tensor = torch.tensor(input_ids, dtype=torch.int64, device=self.device)
-        position_tensor = torch.tensor(positions, dtype=torch.int64, device=self.device)
-        return metadata, input_tensor, position_tensor
 
     @torch.inference_mode()
     def execute_forward(self, plan: StepPlan) -> None:
@@ -333,10 +358,17 @@ class ModelRunner:
         if plan.seqs:
             metadata, input_tensor, position_tensor = self._inputs(plan)
             self.model(input_tensor, position_tensor, metadata, self.kv_cache)
+        self._record_step_end()
 
-    @torch.inference_mode()
     def execute(self, plan: StepPlan) -> StepResult:
         """Run one step: copy-on-write, forward over the flat batch, sampling."""
+        try:
+            return self._execute(plan)
+        finally:
+            self._record_step_end()
+
+    @torch.inference_mode()
+    def _execute(self, plan: StepPlan) -> StepResult:
         self.model.attn_backend.copy_blocks(self.kv_cache, plan.copy_pairs)
         if not plan.seqs:
             return StepResult(sampled=())
@@ -348,21 +380,21 @@ class ModelRunner:
             if any(s.prompt_targets for s in plan.seqs)
             else ()
         )
-        sampling = [i for i, s in enumerate(plan.seqs) if s.do_sample]
+        seqs = plan.seqs
+        sampling = [i for i, s in enumerate(seqs) if s.do_sample]
         if not sampling:
             compute_s = time.perf_counter() - began
             return StepResult(sampled=(), compute_s=compute_s, prompt_logprobs=prompt)
         draws = [
-            (plan.seqs[i], k, opt)
+            (seqs[i], k, opt)
             for i in sampling
-            for k, opt in enumerate(plan.seqs[i].fanout or (plan.seqs[i].sampling,))
+            for k, opt in enumerate(seqs[i].fanout or (seqs[i].sampling,))
         ]
-        rows = [
-            metadata.query_start_loc_host[i + 1] - 1
-            for i in sampling
-            for _ in range(len(plan.seqs[i].fanout) or 1)
-        ]
-        hidden = hidden[torch.tensor(rows, device=self.device)]
+        # Unless every sequence is a decode (one row each) sampled once: its last row per draw.
+        if not len(draws) == len(sampling) == len(seqs) == hidden.shape[0]:
+            ends = metadata.query_start_loc_host
+            rows = [ends[i + 1] - 1 for i in sampling for _ in range(len(seqs[i].fanout) or 1)]
+            hidden = hidden[torch.tensor(rows, device=self.device)]
         greedy = self._screened_argmax(draws, hidden)
         if greedy is not None:
             out = SamplerOutput(
@@ -447,6 +479,11 @@ def _sampled_tokens(
     draws: list[tuple[SequenceStep, int, SamplingOptions | None]], out: SamplerOutput
 ) -> tuple[SampledToken, ...]:
     token_ids = out.token_ids.tolist()
+    if out.logprobs is None and out.top_token_ids is None and not out.errors:
+        return tuple(
+            SampledToken(seq.seq_id, token, None, None, (), index)
+            for (seq, index, _), token in zip(draws, token_ids, strict=True)
+        )
     logprobs = out.logprobs.tolist() if out.logprobs is not None else None
     ranks = out.ranks.tolist() if out.ranks is not None else None
     top_ids = out.top_token_ids.tolist() if out.top_token_ids is not None else None
