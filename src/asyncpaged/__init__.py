@@ -17,6 +17,7 @@ from asyncpaged.inputs import PromptType, TextPrompt, TokensPrompt
 from asyncpaged.llm import LLM
 from asyncpaged.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from asyncpaged.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
+from asyncpaged.spec_decode import SpeculativeConfig
 from asyncpaged.streams import RequestStream
 from asyncpaged.structured_outputs import StructuredOutputsParams
 
@@ -43,6 +44,7 @@ __all__ = [
     "RequestOutputKind",
     "RequestStream",
     "SamplingParams",
+    "SpeculativeConfig",
     "StructuredOutputsParams",
     "TextPrompt",
     "TokensPrompt",

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from asyncpaged.errors import InvalidRequestError
+from asyncpaged.spec_decode.config import SpeculativeConfig
 
 DEFAULT_KV_CACHE_BYTES = 256 * 2**20
 DEFAULT_SWAP_SPACE_BYTES = 64 * 2**20
@@ -34,6 +35,9 @@ class EngineConfig:
     spawned worker processes, or the ranks of a ``torchrun`` launch. Every rank holds the same
     blocks with its share of the KV heads, so ``kv_cache_bytes`` and ``swap_space_bytes`` are
     budgets *per rank* (as in vLLM): the same budget holds N times the blocks.
+
+    ``speculative_config`` turns on speculative decoding (``SpeculativeConfig``: n-gram prompt
+    lookup or a draft model proposes, the target verifies; the output distribution is unchanged).
     """
 
     model: str  # a checkpoint directory or a hub id ("org/name") in the Hugging Face cache
@@ -83,6 +87,7 @@ class EngineConfig:
     kv_offload_host_bytes: int = 0
     kv_offload_dir: str | None = None
     kv_offload_disk_bytes: int = 0
+    speculative_config: SpeculativeConfig | None = None  # None: no speculative decoding
 
     def __post_init__(self) -> None:
         checks = [

@@ -327,8 +327,12 @@ class RequestState:
             return True
         if kind is RequestOutputKind.FINAL_ONLY:
             return False
+        completions = self.completions
+        if len(completions) == 1:
+            c = completions[0]
+            return c.read_tokens < len(c.token_ids) or c.read_text < len(c.text)
         return any(c.read_tokens < len(c.token_ids) or c.read_text < len(c.text)
-                   for c in self.completions)  # fmt: skip
+                   for c in completions)  # fmt: skip
 
     async def wait(self, kind: RequestOutputKind) -> None:
         self._reader_wants_end = (

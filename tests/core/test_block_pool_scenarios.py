@@ -330,3 +330,118 @@ def test_blocks_freed_by_a_swap_exclude_blocks_shared_outside_the_group() -> Non
     pool.complete_swap(plan.swap_id)
     with pytest.raises(BlockPoolError, match="no swap in flight"):
         pool.num_blocks_freed_by_swap(plan.swap_id)
+
+
+# ---- speculative slots and truncate --------------------------------------------------------
+
+
+def test_truncate_drops_rejected_blocks_and_caches_only_verified_ones() -> None:
+    pool = make_pool()
+    prompt = toks(100, 6)
+    pool.allocate("a", prompt)  # blocks 0 (full, cached), 1 (2 of 4)
+    # the last sampled token 7 and four proposals 20..23: positions 6..10
+    r = pool.append("a", [7, 20, 21, 22, 23], num_speculative_tokens=4)
+    assert r is not None
+    assert (r.slot_mapping, pool.block_ids("a")) == ((6, 7, 8, 9, 10), (0, 1, 2))
+    assert pool.has_speculative_tokens("a")
+    assert pool.device.hash_of(1) is None  # full, but holds proposal 20: not cached yet
+    assert pool.lookup_prefix([*prompt, 7, 20, 99]).num_tokens == 4
+    # one proposal accepted: keep 8 tokens; block 2 held only proposals
+    assert pool.truncate("a", 8) == (2,)
+    assert not pool.has_speculative_tokens("a")
+    assert (pool.block_ids("a"), pool.num_tokens("a")) == ((0, 1), 8)
+    assert pool.device.free_blocks()[0] == 2  # released, first in line again
+    assert pool.lookup_prefix([*prompt, 7, 20, 99]).block_ids == (0, 1)  # verified: cached now
+    r = pool.append("a", [5])
+    assert r is not None
+    assert (r.slot_mapping, pool.block_ids("a")) == ((8,), (0, 1, 2))
+    pool.check_invariants()
+
+
+def test_a_rejected_token_never_enters_the_prefix_cache() -> None:
+    pool = make_pool()
+    prompt = toks(100, 6)
+    pool.allocate("a", prompt)
+    pool.append("a", [7, 20, 21], num_speculative_tokens=2)  # block 1 fills with 20; 21 in 2
+    assert pool.truncate("a", 7) == (2,)  # 20 and 21 rejected
+    assert pool.block_ids("a") == (0, 1)
+    assert pool.device.num_filled[1] == 3  # the rejected slot is forgotten
+    assert pool.lookup_prefix([*prompt, 7, 20, 99]).num_tokens == 4
+    r = pool.append("a", [8])  # the target's own token overwrites slot 7 in place
+    assert r is not None
+    assert (r.slot_mapping, r.copy_on_write) == ((7,), ())
+    assert pool.lookup_prefix([*prompt, 7, 20, 99]).num_tokens == 4
+    assert pool.lookup_prefix([*prompt, 7, 8, 99]).block_ids == (0, 1)
+    pool.check_invariants()
+
+
+def test_truncate_into_a_block_a_fork_shares_copies_on_the_next_append() -> None:
+    pool = make_pool()
+    pool.allocate("a", toks(100, 7))  # blocks 0, 1 (3 of 4)
+    pool.fork("a", "b")
+    assert pool.truncate("b", 5) == ()  # block 1 is a's too: nothing released, nothing changed
+    assert pool.device.ref_cnt[:2] == [2, 2]
+    assert pool.device.num_filled[1] == 3  # a's slots stay counted
+    assert pool.shared_tails() == {"a", "b"}
+    r = pool.append("b", [9])
+    assert r is not None
+    assert r.copy_on_write == ((1, 2),)
+    assert (r.slot_mapping, pool.block_ids("b")) == ((2 * BS + 1,), (0, 2))
+    assert pool.device.num_filled[2] == 2  # b's one kept slot of the copy, then the new one
+    r = pool.append("a", [8])  # a alone holds block 1 now
+    assert r is not None
+    assert (r.slot_mapping, r.copy_on_write) == ((1 * BS + 3,), ())
+    pool.check_invariants()
+
+
+def test_truncate_to_the_whole_length_verifies_every_proposal() -> None:
+    pool = make_pool()
+    pool.allocate("a", toks(100, 3))
+    pool.append("a", [7, 20, 21, 22, 23, 24], num_speculative_tokens=5)  # 9 tokens: 0, 1, 2
+    assert pool.device.hash_of(0) is not None  # 100 101 102 7: verified, cached at once
+    assert pool.device.hash_of(1) is None  # 20 21 22 23: proposals
+    assert pool.truncate("a", 9) == ()
+    assert pool.device.hash_of(1) is not None
+    assert pool.lookup_prefix([*toks(100, 3), 7, 20, 21, 22, 23, 24]).block_ids == (0, 1)
+    pool.check_invariants()
+
+
+def test_an_unverified_sequence_cannot_grow_fork_or_swap_out() -> None:
+    pool = make_pool()
+    pool.allocate("a", toks(100, 5))
+    pool.append("a", [7, 20], num_speculative_tokens=1)
+    before = pool.state()
+    assert pool.append_token("a", 8) is None
+    with pytest.raises(BlockPoolError, match="not yet verified"):
+        pool.append("a", [8])
+    with pytest.raises(BlockPoolError, match="not yet verified"):
+        pool.fork("a", "b")
+    with pytest.raises(BlockPoolError, match="not yet verified"):
+        pool.swap_out(["a"])
+    with pytest.raises(BlockPoolError, match="keep at least 1"):
+        pool.truncate("a", 8)
+    with pytest.raises(BlockPoolError, match="num_speculative_tokens"):
+        pool.append("a", [8], num_speculative_tokens=2)
+    assert pool.state() == before
+    pool.free("a")
+    assert not pool.has_seq("a")
+    pool.check_invariants()
+
+
+def test_truncate_needs_the_tokens_of_its_new_last_block() -> None:
+    pool = make_pool()
+    pool.allocate("a", toks(100, 10))  # blocks 0, 1 full and cached; block 2 holds 2
+    before = pool.state()
+    with pytest.raises(BlockPoolError, match="no longer known"):
+        pool.truncate("a", 6)  # into cached block 1: its tokens are only a hash now
+    assert pool.state() == before
+    assert pool.truncate("a", 9) == ()  # inside the partial last block
+    assert pool.truncate("a", 4) == (1, 2)  # to a block boundary (released tail first)
+    assert pool.device.evictable_blocks() == [1]  # verified and full: stays cached
+    assert pool.device.free_blocks()[0] == 2
+    pool.check_invariants()
+    off = make_pool(caching=False)
+    off.allocate("a", toks(100, 10))
+    assert off.truncate("a", 6) == (2,)  # without a cache every length is fine
+    assert off.device.num_filled[1] == 2
+    off.check_invariants()

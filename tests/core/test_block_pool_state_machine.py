@@ -7,6 +7,11 @@ executor may copy). After every rule, reading each settled sequence through its 
 give back exactly its tokens. That one check catches wrong slots, a missed or misdirected
 copy-on-write, a prefix hit on the wrong content, a swap mapping error, and an in-flight or shared
 block handed out and overwritten.
+
+Speculative decoding: an append may mark its last tokens speculative, and ``truncate`` keeps a
+prefix of them (or drops further back). The model records which slot contents were ever verified
+(written normally, or speculative and kept by a truncation); every slot of every block in the
+prefix cache must hold verified content, so a rejected token never enters the cache.
 """
 
 from __future__ import annotations
@@ -52,6 +57,7 @@ class ModelSeq:
     tokens: list[int]
     extra_key: str | None
     location: Location = Location.DEVICE
+    spec_start: int | None = None  # first unverified position (an open speculative tail)
 
 
 class BlockPoolMachine(RuleBasedStateMachine):
@@ -63,6 +69,7 @@ class BlockPoolMachine(RuleBasedStateMachine):
         self.pins: dict[int, tuple[int, ...]] = {}
         self.swaps: dict[int, SwapPlan] = {}
         self.ids = itertools.count()
+        self.verified: set[Slot] = set()  # slot contents some sequence wrote and kept
         self.seen: set[str] = set()
         self.num_steps = 0
 
@@ -112,7 +119,9 @@ class BlockPoolMachine(RuleBasedStateMachine):
         for i, slot in enumerate(slots):
             pos = first_pos + i
             row = self.kv.setdefault(("device", slot // BS), [None] * BS)
-            row[slot % BS] = (seq.extra_key, tuple(seq.tokens[: pos + 1]))
+            row[slot % BS] = content = (seq.extra_key, tuple(seq.tokens[: pos + 1]))
+            if seq.spec_start is None or pos < seq.spec_start:
+                self.verified.add(content)
 
     def expect_unchanged_on_none(self, before: object, result: object) -> None:
         if result is None:
@@ -164,13 +173,22 @@ class BlockPoolMachine(RuleBasedStateMachine):
         seq = self.model[sid]
         table = self.pool.block_ids(sid)
         n = len(seq.tokens)
+        num_spec = data.draw(st.sampled_from([0, 0, len(tokens) - 1, len(tokens)]), label="spec")
+        if seq.spec_start is not None:  # an open speculative tail: truncate first
+            before = self.pool.state()
+            assert self.pool.append_token(sid, tokens[0]) is None
+            with pytest.raises(BlockPoolError, match="not yet verified"):
+                self.pool.append(sid, tokens, num_speculative_tokens=num_spec)
+            assert self.pool.state() == before
+            self.note("append refused before truncate")
+            return
         held = self.holders("device")
         cow = n % BS != 0 and held[table[-1]] > 1
         need = -(-(n + len(tokens)) // BS) - len(table) + cow
         available = self.available("device")
         before = self.pool.state()
         result: AppendResult | None = None
-        if len(tokens) == 1 and data.draw(st.booleans(), label="decode fast path"):
+        if len(tokens) == 1 and not num_spec and data.draw(st.booleans(), label="fast path"):
             # append_token takes exactly the in-place case: room in an exclusive last block
             slot = self.pool.append_token(sid, tokens[0])
             assert (slot is not None) == (n % BS != 0 and not cow)
@@ -180,7 +198,7 @@ class BlockPoolMachine(RuleBasedStateMachine):
                 self.note("append_token")
                 result = AppendResult(slot_mapping=(slot,), copy_on_write=())
         if result is None:
-            result = self.pool.append(sid, tokens)
+            result = self.pool.append(sid, tokens, num_speculative_tokens=num_spec)
             self.expect_unchanged_on_none(before, result)
         assert (result is None) == (need > available)
         if result is None:
@@ -200,7 +218,55 @@ class BlockPoolMachine(RuleBasedStateMachine):
             assert new_table[: len(table)] == table
         assert not set(new_table[len(table) :]) & set(held), "took a held block"
         seq.tokens.extend(tokens)
+        if num_spec:
+            seq.spec_start = len(seq.tokens) - num_spec
+            self.note("speculative append")
         self.write(seq, n, result.slot_mapping)
+
+    @precondition(lambda self: self.has(Location.DEVICE))
+    @rule(data=st.data())
+    def truncate(self, data: st.DataObject) -> None:
+        """Roll back rejected proposals (or any tail whose last block's tokens are known)."""
+        sid = self.live(data, Location.DEVICE)
+        seq = self.model[sid]
+        n_old = len(seq.tokens)
+        if seq.spec_start is not None:
+            known_start = seq.spec_start - seq.spec_start % BS
+        else:
+            known_start = n_old - n_old % BS
+        # mostly a verification (keep a prefix of the proposals), sometimes any recent length
+        verifying = seq.spec_start is not None and data.draw(st.booleans(), label="verify")
+        lo = max(1, seq.spec_start if verifying else n_old - 2 * BS)
+        n = data.draw(st.integers(lo, n_old), label="num_tokens")
+        known = not self.pool.enable_prefix_caching or n % BS == 0 or n - n % BS >= known_start
+        before = self.pool.state()
+        if not known:
+            with pytest.raises(BlockPoolError, match="no longer known"):
+                self.pool.truncate(sid, n)
+            assert self.pool.state() == before
+            self.note("truncate refused")
+            return
+        table = self.pool.block_ids(sid)
+        held = self.holders("device")
+        free_before = self.pool.num_free_device_blocks
+        dropped = self.pool.truncate(sid, n)
+        keep = -(-n // BS)
+        assert dropped == table[keep:]
+        assert self.pool.block_ids(sid) == table[:keep], "truncate moved a kept block"
+        assert self.pool.num_tokens(sid) == n
+        released = sum(1 for b in dropped if held[b] == 1)
+        assert self.pool.num_free_device_blocks == free_before + released
+        assert not self.pool.has_speculative_tokens(sid)
+        if seq.spec_start is not None:
+            self.note("speculative tail verified")
+            for pos in range(seq.spec_start, n):
+                self.verified.add((seq.extra_key, tuple(seq.tokens[: pos + 1])))
+            if n < n_old:
+                self.note("proposals rejected")
+        if n % BS and held[table[keep - 1]] > 1:
+            self.note("truncated into a shared block")
+        seq.spec_start = None
+        del seq.tokens[n:]
 
     @precondition(lambda self: self.has())
     @rule(data=st.data())
@@ -208,7 +274,7 @@ class BlockPoolMachine(RuleBasedStateMachine):
         parent = self.live(data)
         child = next(self.ids)
         seq = self.model[parent]
-        if seq.location is not Location.DEVICE:
+        if seq.location is not Location.DEVICE or seq.spec_start is not None:
             before = self.pool.state()
             with pytest.raises(BlockPoolError):
                 self.pool.fork(parent, child)
@@ -226,6 +292,8 @@ class BlockPoolMachine(RuleBasedStateMachine):
         """A beam step: the parent forks into ``width`` candidates and is dropped or kept."""
         parent = self.live(data, Location.DEVICE)
         seq = self.model[parent]
+        if seq.spec_start is not None:
+            return  # forks of an unverified tail are refused (the fork rule checks that)
         free_before = self.pool.num_free_device_blocks
         for _ in range(width):
             child = next(self.ids)
@@ -287,6 +355,13 @@ class BlockPoolMachine(RuleBasedStateMachine):
             st.lists(st.sampled_from(candidates), min_size=1, max_size=4, unique=True)
         )
         src_pool, dst_pool = ("device", "host") if out else ("host", "device")
+        if out and any(self.model[sid].spec_start is not None for sid in group):
+            before = self.pool.state()
+            with pytest.raises(BlockPoolError, match="not yet verified"):
+                self.pool.swap_out(group)
+            assert self.pool.state() == before
+            self.note("swap out refused before truncate")
+            return
         tables = {sid: self.pool.block_ids(sid) for sid in group}
         distinct = list(dict.fromkeys(b for sid in group for b in tables[sid]))
         dst_held = self.holders(dst_pool)
@@ -358,6 +433,18 @@ class BlockPoolMachine(RuleBasedStateMachine):
             self.pool.complete_swap(10**9)
         with pytest.raises(BlockPoolError, match="no pinned prefix"):
             self.pool.unpin_prefix(10**9)
+        with pytest.raises(BlockPoolError, match="unknown sequence"):
+            self.pool.truncate(10**9, 1)
+        if self.model[sid].location is Location.DEVICE:
+            with pytest.raises(BlockPoolError, match="keep at least 1"):
+                self.pool.truncate(sid, 0)
+            with pytest.raises(BlockPoolError, match="keep at least 1"):
+                self.pool.truncate(sid, len(self.model[sid].tokens) + 1)
+            with pytest.raises(BlockPoolError, match="num_speculative_tokens"):
+                self.pool.append(sid, tokens, num_speculative_tokens=len(tokens) + 1)
+        else:
+            with pytest.raises(BlockPoolError, match="not on device"):
+                self.pool.truncate(sid, 1)
         assert self.pool.state() == before
         self.note("bad calls")
 
@@ -380,6 +467,26 @@ class BlockPoolMachine(RuleBasedStateMachine):
                      for s, d in p.block_mapping}  # fmt: skip
         assert stats.device.in_flight == len(in_flight)
         assert stats.num_filled_device_slots <= stats.num_held_device_blocks * BS
+        # a block's written slots cover every holder's tokens in it (a truncation into a block
+        # a fork shares leaves the fork's slots counted)
+        for sid, seq in self.model.items():
+            phys = self.pool.host if seq.location.on_host else self.pool.device
+            for i, b in enumerate(self.pool.block_ids(sid)):
+                assert phys.num_filled[b] >= min(BS, len(seq.tokens) - i * BS), (
+                    f"block {b} counts fewer slots than seq {sid} holds"
+                )
+
+    @invariant()
+    def cache_holds_only_verified_tokens(self) -> None:
+        if not hasattr(self, "pool"):
+            return
+        device = self.pool.device
+        for block in range(device.num_blocks):
+            if device.hash_of(block) is not None:
+                row = self.kv[("device", block)]
+                assert all(slot in self.verified for slot in row), (
+                    f"block {block} is in the prefix cache with unverified (rejected) tokens"
+                )
 
     @invariant()
     def contents(self) -> None:

@@ -46,6 +46,18 @@ class _Swap:
     tables: tuple[BlockTable, ...]
 
 
+@dataclass(frozen=True, slots=True)
+class _SpeculativeTail:
+    """A sequence's unverified tokens: positions ``start ..`` its end. ``known_tokens`` are
+    the tokens from ``known_start`` (the first block holding a speculative token) to the end,
+    kept so that :meth:`BlockPool.truncate` can rebuild a partial last block's tokens (only with
+    prefix caching; empty otherwise)."""
+
+    start: int
+    known_start: int
+    known_tokens: tuple[int, ...]
+
+
 class BlockPool:
     """Device and host block pools with per-sequence block tables.
 
@@ -63,8 +75,15 @@ class BlockPool:
     * Only full device blocks are registered in the prefix cache, under the chained hash of their
       tokens and extra key; the last token of a prompt is never served from the cache.
     * Only forks share a partial block, so every device table whose partial last block has
-      another holder is in ``_forked`` (tables created by or forked from :meth:`fork`, dropped
-      at :meth:`free`); :meth:`shared_tails` checks those alone.
+      another holder is in ``_forked`` (tables created by or forked from :meth:`fork`, or
+      truncated into a shared block; dropped at :meth:`free`); :meth:`shared_tails` checks
+      those alone.
+    * Speculative slots (``append(..., num_speculative_tokens=k)``): a block holding a token
+      not yet verified is never registered in the prefix cache. :meth:`truncate` drops the
+      rejected tail (a block left empty is released; a block left partial keeps its other
+      holders' slots, and a shared one is copied on the next append) and registers the full
+      blocks the kept tokens complete, so a rejected token never enters the prefix cache.
+      Until then the sequence can neither grow, fork nor swap out.
     * With ``tiers`` (core/kv_tiers.py), every cached block evicted from the device is handed to
       the tier index before it is reused, and a block restored from a tier is a new device block
       registered under its hash at once; the tier copies of a transaction run before its step.
@@ -96,6 +115,7 @@ class BlockPool:
         self._pins: dict[int, tuple[int, ...]] = {}
         self._swaps: dict[int, _Swap] = {}
         self._forked: set[SeqId] = set()
+        self._speculative: dict[SeqId, _SpeculativeTail] = {}
         self._ids = itertools.count()
         self.num_cow_copies = 0
         self.prefix_query_tokens = 0
@@ -274,32 +294,50 @@ class BlockPool:
             block_ids=tuple(table.block_ids), num_cached_tokens=num_cached, slot_mapping=slots
         )
 
-    def append(self, seq_id: SeqId, token_ids: Sequence[int]) -> AppendResult | None:
+    def append(
+        self, seq_id: SeqId, token_ids: Sequence[int], *, num_speculative_tokens: int = 0
+    ) -> AppendResult | None:
         """Reserve slots for ``token_ids`` at the end of a device-resident sequence.
 
         A shared partial last block is copied first (copy-on-write): the result names the
         ``(src, dst)`` pair the executor must copy before writing. Returns None, and changes
         nothing, when the device pool is short.
+
+        The last ``num_speculative_tokens`` tokens are proposals to verify: no block holding one
+        is registered in the prefix cache, and the sequence must be :meth:`truncate`-d (to the
+        tokens it keeps) before it grows, forks or swaps out again.
         """
         table = self._device_table(seq_id, "append to")
         _check_tokens(token_ids)
+        if not 0 <= num_speculative_tokens <= len(token_ids):
+            raise BlockPoolError(
+                f"num_speculative_tokens must be in [0, {len(token_ids)}], got "
+                f"{num_speculative_tokens}."
+            )
+        self._check_verified(seq_id, "append to")
         if self._blocks_to_append(table, len(token_ids)) > self.device.num_allocatable:
             return None
         cow: tuple[tuple[int, int], ...] = ()
         if table.num_tokens % self.block_size and self.device.ref_cnt[table.block_ids[-1]] > 1:
             src = table.block_ids[-1]
             dst = self.device.take(after=table.block_ids[-2] if len(table.block_ids) > 1 else None)
-            self.device.fill(dst, self.device.num_filled[src])
+            # this table's slots only: after a truncation the source may hold more (a sibling's)
+            self.device.fill(dst, table.num_tokens % self.block_size)
             self.device.release((src,))
             table.block_ids[-1] = dst
             self.num_cow_copies += 1
             cow = ((src, dst),)
-        slots = self._write(table, token_ids)
+        if num_speculative_tokens:
+            self._speculative[seq_id] = self._speculative_tail(
+                table, token_ids, num_speculative_tokens
+            )
+        slots = self._write(table, token_ids, len(token_ids) - num_speculative_tokens)
         return AppendResult(slot_mapping=slots, copy_on_write=cow)
 
     def fork(self, parent_id: SeqId, child_id: SeqId) -> None:
         """Give ``child_id`` the parent's table, sharing every block (never allocates)."""
         parent = self._device_table(parent_id, "fork")
+        self._check_verified(parent_id, "fork")
         if child_id in self._tables:
             raise BlockPoolError(f"cannot fork into {child_id!r}: that sequence already exists.")
         for block in parent.block_ids:
@@ -315,7 +353,53 @@ class BlockPool:
         table = self._table(seq_id)
         del self._tables[seq_id]
         self._forked.discard(seq_id)
+        self._speculative.pop(seq_id, None)
         self._pool_of(table).release(table.block_ids)
+
+    def truncate(self, seq_id: SeqId, num_tokens: int) -> tuple[int, ...]:
+        """Drop a device sequence's tokens after the first ``num_tokens`` (rejected proposals);
+        returns the blocks it no longer holds, in table order (released tail first: a cached one
+        stays in the prefix cache, an uncached one is free again unless another table holds it).
+
+        Ends the speculative tail of :meth:`append`: the kept tokens are verified, and the full
+        blocks they complete are registered in the prefix cache now (call this once the step
+        that wrote those slots is done). ``num_tokens`` equal to the length keeps everything.
+        The kept part of a block shared with a fork is not touched: this sequence's next append
+        copies it first. With prefix caching the pool must still know the tokens of the new
+        last block: ``num_tokens`` is a multiple of the block size, or lies in the last block
+        or in the blocks of the speculative tail; otherwise :class:`BlockPoolError`. Never
+        allocates.
+        """
+        table = self._device_table(seq_id, "truncate")
+        bs = self.block_size
+        if not 1 <= num_tokens <= table.num_tokens:
+            raise BlockPoolError(
+                f"cannot truncate sequence {seq_id!r} to {num_tokens} tokens: it has "
+                f"{table.num_tokens} (keep at least 1)."
+            )
+        tail = self._speculative.get(seq_id)
+        partial = self._kept_partial_tokens(table, tail, num_tokens)
+        self._speculative.pop(seq_id, None)
+        keep = -(-num_tokens // bs)
+        dropped = tuple(table.block_ids[keep:])
+        del table.block_ids[keep:]
+        self.device.release(dropped)
+        if num_tokens % bs:
+            self._truncate_last_block(table, num_tokens)
+        table.num_tokens = num_tokens
+        if self.enable_prefix_caching:
+            del table.block_hashes[num_tokens // bs :]
+            table.partial_token_ids = partial
+            if tail is not None:  # the kept proposals are verified: cache their full blocks
+                for i in range(tail.start // bs, num_tokens // bs):
+                    if self.device.hash_of(table.block_ids[i]) is None:
+                        self.device.register(table.block_ids[i], table.block_hashes[i])
+        return dropped
+
+    def has_speculative_tokens(self, seq_id: SeqId) -> bool:
+        """Whether the sequence holds proposals not yet verified (see :meth:`truncate`)."""
+        self._table(seq_id)
+        return seq_id in self._speculative
 
     # ---- swap -----------------------------------------------------------------------------
 
@@ -461,7 +545,7 @@ class BlockPool:
                     tuple(self.prefix_tier_hit_tokens.values()))  # fmt: skip
         tiers = self.tiers.state() if self.tiers else ()
         return (self.device.state(), self.host.state(), tables, tuple(self._pins.items()),
-                swaps, counters, tiers)  # fmt: skip
+                swaps, counters, tiers, tuple(self._speculative.items()))  # fmt: skip
 
     def check_invariants(self) -> None:
         """Assert every invariant of the class docstring (O(pool); for tests)."""
@@ -477,6 +561,21 @@ class BlockPool:
             and t.num_tokens % self.block_size
             and self.device.ref_cnt[t.block_ids[-1]] > 1
         ), "a shared partial last block outside the forked tables"
+        bs = self.block_size
+        for sid, tail in self._speculative.items():
+            table = self._tables[sid]
+            assert table.location is Location.DEVICE, f"{sid!r}: speculative tail off device"
+            assert tail.start <= table.num_tokens, f"{sid!r}: speculative tail past the end"
+            for i in range(tail.start // bs, table.num_tokens // bs):
+                assert self.device.hash_of(table.block_ids[i]) is None, (
+                    f"{sid!r}: a block holding speculative tokens is in the prefix cache"
+                )
+            if self.enable_prefix_caching:
+                assert len(tail.known_tokens) == table.num_tokens - tail.known_start
+                assert tail.known_start <= tail.start
+                num_partial = table.num_tokens % bs
+                if num_partial:
+                    assert list(tail.known_tokens[-num_partial:]) == table.partial_token_ids
 
     # ---- internals ------------------------------------------------------------------------
 
@@ -512,7 +611,66 @@ class BlockPool:
                     f"cannot swap {direction.value} sequence {table.seq_id!r}: it is "
                     f"{table.location.value}, not {want.value}."
                 )
+            self._check_verified(table.seq_id, "swap out")
         return tables
+
+    def _check_verified(self, seq_id: SeqId, action: str) -> None:
+        if seq_id in self._speculative:
+            raise BlockPoolError(
+                f"cannot {action} sequence {seq_id!r}: it holds speculative tokens not yet "
+                "verified (truncate it first)."
+            )
+
+    def _speculative_tail(
+        self, table: BlockTable, token_ids: Sequence[int], num_speculative: int
+    ) -> _SpeculativeTail:
+        """The record of an append's speculative tokens, taken before its slots are written."""
+        start = table.num_tokens + len(token_ids) - num_speculative
+        if not self.enable_prefix_caching:
+            return _SpeculativeTail(start=start, known_start=start, known_tokens=())
+        known_start = start - start % self.block_size
+        partial_start = table.num_tokens - len(table.partial_token_ids)
+        known = (*table.partial_token_ids, *token_ids)[known_start - partial_start :]
+        return _SpeculativeTail(start=start, known_start=known_start, known_tokens=known)
+
+    def _kept_partial_tokens(
+        self, table: BlockTable, tail: _SpeculativeTail | None, num_tokens: int
+    ) -> list[int]:
+        """The tokens of the last block after truncating to ``num_tokens`` (prefix caching);
+        raises unless the pool knows them."""
+        num_partial = num_tokens % self.block_size
+        if not self.enable_prefix_caching or not num_partial:
+            return []
+        if tail is not None:
+            known_start, known = tail.known_start, tail.known_tokens
+        else:
+            known = tuple(table.partial_token_ids)
+            known_start = table.num_tokens - len(known)
+        block_start = num_tokens - num_partial
+        if block_start < known_start:
+            raise BlockPoolError(
+                f"cannot truncate sequence {table.seq_id!r} to {num_tokens} tokens: the tokens "
+                f"of that block are no longer known (truncate within its last block, its "
+                f"speculative tail, or to a multiple of {self.block_size})."
+            )
+        return list(known[block_start - known_start : num_tokens - known_start])
+
+    def _truncate_last_block(self, table: BlockTable, num_tokens: int) -> None:
+        """The last block after truncating into it: an exclusive one forgets the dropped slots;
+        a shared one keeps them for its other holders and is copied on this table's next append
+        (it was never registered: :meth:`_kept_partial_tokens` only admits blocks that are
+        partial or hold speculative tokens)."""
+        block = table.block_ids[-1]
+        assert self.device.hash_of(block) is None, f"truncated into cached block {block}"
+        if self.device.ref_cnt[block] > 1:
+            self._forked.add(table.seq_id)
+            return
+        self._set_filled(block, num_tokens % self.block_size)
+
+    def _set_filled(self, block: int, num_slots: int) -> None:
+        """Make an exclusively held block's written-slot count ``num_slots``: the slots past it
+        are dead (truncated away, or a sibling's that freed the block since)."""
+        self.device.fill(block, num_slots - self.device.num_filled[block])
 
     def _num_tokens_after_allocate(
         self, token_ids: Sequence[int], num_hit_blocks: int, max_new_tokens: int | None
@@ -619,7 +777,7 @@ class BlockPool:
         sequence's exclusive partial last block (no allocation, no copy). None, with nothing
         changed, when that does not apply (use :meth:`append`)."""
         table = self._tables.get(seq_id)
-        if table is None or table.location is not Location.DEVICE:
+        if table is None or table.location is not Location.DEVICE or seq_id in self._speculative:
             return None
         bs, device = self.block_size, self.device
         offset = table.num_tokens % bs
@@ -628,6 +786,8 @@ class BlockPool:
         block = table.block_ids[-1]
         if device.ref_cnt[block] != 1:
             return None
+        if device.num_filled[block] != offset:  # dead slots past a truncation
+            self._set_filled(block, offset)
         device.fill(block, 1)
         table.num_tokens += 1
         if self.enable_prefix_caching:
@@ -640,12 +800,17 @@ class BlockPool:
                 device.register(block, block_hash)
         return block * bs + offset
 
-    def _write(self, table: BlockTable, token_ids: Sequence[int]) -> tuple[int, ...]:
+    def _write(
+        self, table: BlockTable, token_ids: Sequence[int], num_verified: int | None = None
+    ) -> tuple[int, ...]:
         """Reserve slots for ``token_ids`` at the end of ``table`` (capacity already checked).
 
         A block that fills up is hashed and registered in the prefix cache at once: the step that
         writes its last token writes the K/V of every token before any attention reads the cache.
+        Tokens from ``num_verified`` on are speculative: a block holding one is hashed into the
+        table but not registered (:meth:`truncate` registers it once verified).
         """
+        cache_end = table.num_tokens + (len(token_ids) if num_verified is None else num_verified)
         bs = self.block_size
         device = self.device
         slots: list[int] = []
@@ -656,6 +821,8 @@ class BlockPool:
                 prev = table.block_ids[-1] if table.block_ids else None
                 table.block_ids.append(device.take(after=prev))
             block = table.block_ids[-1]
+            if device.num_filled[block] != offset:  # dead slots past a truncation
+                self._set_filled(block, offset)
             n = min(bs - offset, end - pos)
             slots.extend(range(block * bs + offset, block * bs + offset + n))
             device.fill(block, n)
@@ -666,7 +833,8 @@ class BlockPool:
                     block_hash = hash_block(parent, table.partial_token_ids, table.extra_key)
                     table.block_hashes.append(block_hash)
                     table.partial_token_ids.clear()
-                    device.register(block, block_hash)
+                    if pos + n <= cache_end:
+                        device.register(block, block_hash)
             pos += n
             i += n
         table.num_tokens = end

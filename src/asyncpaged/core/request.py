@@ -117,6 +117,8 @@ class Request:
     priority: int = 0
     effective_priority: int = 0
     num_wait_steps: int = 0
+    # Speculative decoding: proposals per decode step (0: none; set by the intake)
+    num_speculative_tokens: int = 0
 
     @property
     def queue_key(self) -> tuple[int, int]:

@@ -52,6 +52,7 @@ from asyncpaged.core.txn import (
     StepTxn,
     TxnResult,
 )
+from asyncpaged.spec_decode.stats import SpeculativeStats
 
 PreemptionMode = Literal["recompute", "swap"]
 
@@ -86,6 +87,9 @@ class ScheduledSeq(NamedTuple):
     samples: bool
     num_samples: int = 1  # > 1: the prompt's end of a parallel-sampling request (fan-out)
     min_rope_len: int = 0  # the RoPE scaling sees at least this length (longrope's long regime)
+    # Speculative decoding: the last ``num_draft`` of ``token_ids`` are proposals; the logits of
+    # the last ``num_draft + 1`` tokens verify them (the step returns 1 to num_draft + 1 tokens)
+    num_draft: int = 0
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -153,10 +157,20 @@ class Scheduler:
     """
 
     def __init__(
-        self, config: SchedulerConfig, new_seq_id: Callable[[], int] | None = None
+        self,
+        config: SchedulerConfig,
+        new_seq_id: Callable[[], int] | None = None,
+        propose: Callable[[list[int], int], SeqOf[int]] | None = None,
     ) -> None:
+        """``propose(token_ids, k)``: speculative decoding's proposer (at most ``k`` tokens to
+        follow ``token_ids``), asked for each decode of a request with
+        ``num_speculative_tokens``."""
         self.config = config
         self._new_seq_id = new_seq_id or itertools.count(1 << 40).__next__
+        self._propose = propose
+        self.spec_stats = SpeculativeStats()
+        # (seq id, tokens kept) of verified sequences: their rejected slots roll back next txn
+        self._pending_truncates: list[tuple[int, int]] = []
         self.finished_beams: list[tuple[str, list[Hypothesis]]] = []  # drained by the caller
         self.requests: dict[str, Request] = {}
         self.waiting: list[Request] = []
@@ -172,7 +186,8 @@ class Scheduler:
         self._pending_unpins: list[int] = []  # seqs back on device since the last snapshot
         self._step_ids = itertools.count()
         self._preempted: tuple[str, ...] = ()
-        self._planned: list[tuple[Request, Sequence]] = []  # the last plan's appends
+        # the last plan's appends: (request, sequence, proposals appended after its tokens)
+        self._planned: list[tuple[Request, Sequence, int]] = []
         self._watermark = math.ceil(config.watermark * config.num_device_blocks)
         self._min_rope_len = (config.rope_switch_len or 0) + 1
         self.policy = QueuePolicy(config.scheduling_policy, config.priority_aging_steps)
@@ -233,7 +248,7 @@ class Scheduler:
         """Frees or swap confirmations wait for the next transaction."""
         return bool(
             self._pending_frees or self._pending_completes or self._pending_forks
-            or self._pending_pins or self._pending_unpins
+            or self._pending_pins or self._pending_unpins or self._pending_truncates
         )  # fmt: skip
 
     def unpin(self, pool_pin_id: int) -> None:
@@ -277,6 +292,11 @@ class Scheduler:
         newest = self.running[-NUM_REPORTED_GROUPS:]
         report = tuple(tuple(s.seq_id for s in r.live_seqs) for r in newest)
         self._preempted = tuple(plan.preempted)
+        truncates, self._pending_truncates = self._pending_truncates, []
+        if truncates and frees:  # a sequence freed now (finished, recomputed) keeps nothing
+            gone = set(frees)
+            truncates = [t for t in truncates if t[0] not in gone]
+        num_draft = tuple(n for _, _, n in self._planned)
         return StepTxn(
             complete_swaps=tuple(completes),
             forks=tuple(forks),
@@ -286,6 +306,8 @@ class Scheduler:
             swap_outs=tuple(swap_outs),
             append_seq_ids=tuple(seq_id for seq_id, _ in appends),
             append_token_ids=tuple(tokens for _, tokens in appends),
+            append_num_draft=num_draft if any(num_draft) else (),
+            truncates=tuple(truncates),
             swap_ins=tuple(swap_ins),
             admissions=tuple(admissions),
             watermark_blocks=self._watermark if self.running else 0,
@@ -318,6 +340,9 @@ class Scheduler:
                     i += 1
                     continue
                 chunks = [(seq, n)]
+                drafts = self._drafts(request, chunks, plan.budget_left)
+                if drafts:
+                    n += len(drafts[seq.seq_id])
                 need = -(-(have + n) // bs) - -(-have // bs) + (seq.seq_id in shared)
             else:
                 some = _chunks(request, plan)
@@ -327,7 +352,11 @@ class Scheduler:
                 if not chunks:
                     i += 1  # beams that reported wait for their siblings: nothing to compute
                     continue
-                need = sum(self._blocks_to_append(s, n, s.seq_id in shared) for s, n in chunks)
+                drafts = self._drafts(request, chunks, plan.budget_left)
+                need = sum(
+                    self._blocks_to_append(s, n + len(drafts.get(s.seq_id, ())), s.seq_id in shared)
+                    for s, n in chunks
+                )
             if self._outgrows_short_rope(request, chunks):
                 self._restart_long_rope(request, frees)
                 continue  # the next request moved into index i
@@ -341,13 +370,41 @@ class Scheduler:
             plan.free -= need
             for seq, n in chunks:
                 start = seq.num_computed_tokens
-                tokens = tuple(seq.token_ids[start : start + n])
+                draft = drafts.get(seq.seq_id, ()) if drafts else ()
+                tokens = (*seq.token_ids[start : start + n], *draft)
                 appends.append((seq.seq_id, tokens))
-                planned.append((request, seq))
-                plan.budget_left -= n
+                planned.append((request, seq, len(draft)))
+                plan.budget_left -= len(tokens)
                 plan.seats_left -= 1
             i += 1
         return appends
+
+    def _drafts(
+        self, request: Request, chunks: list[tuple[Sequence, int]], budget: int
+    ) -> dict[int, tuple[int, ...]]:
+        """Speculative decoding: proposals for the decodes among ``chunks`` (sequences whose
+        one new token is their last), within the token budget and never past ``max_tokens``
+        or ``max_model_len`` (a step emits at most its proposals + 1 tokens)."""
+        k = request.num_speculative_tokens
+        if not k or self._propose is None:
+            return {}
+        budget -= sum(n for _, n in chunks)
+        stop = request.stop
+        drafts: dict[int, tuple[int, ...]] = {}
+        for seq, n in chunks:
+            if n != 1 or seq.num_uncomputed != 1 or budget <= 0:
+                continue
+            room = stop.max_tokens - seq.num_generated - 1
+            if stop.max_model_len is not None:
+                room = min(room, stop.max_model_len - len(seq.token_ids) - 1)
+            limit = min(k, budget, room)
+            if limit <= 0:
+                continue
+            draft = tuple(self._propose(seq.token_ids, limit))[:limit]
+            if draft:
+                drafts[seq.seq_id] = draft
+                budget -= len(draft)
+        return drafts
 
     def _outgrows_short_rope(self, request: Request, chunks: list[tuple[Sequence, int]]) -> bool:
         switch = self.config.rope_switch_len
@@ -521,9 +578,9 @@ class Scheduler:
             self._planned, txn.append_token_ids, result.append_slots, result.append_tables,
             strict=True,
         )  # fmt: skip
-        for (request, seq), tokens, slots, table in appended:
+        for (request, seq, num_draft), tokens, slots, table in appended:
             num_tokens += self._schedule(
-                seqs, request, seq, seq.num_computed_tokens, tokens, slots, table
+                seqs, request, seq, seq.num_computed_tokens, tokens, slots, table, num_draft
             )
         for plan in result.swap_outs:
             request = self._swap_owner(plan)
@@ -567,9 +624,11 @@ class Scheduler:
         tokens: tuple[int, ...],
         slots: tuple[int, ...],
         table: tuple[int, ...],
+        num_draft: int = 0,
     ) -> int:
         n = len(slots)
-        seq.num_computed_tokens = start + n
+        # Proposals are computed but not yet the sequence's: update() counts the kept ones.
+        seq.num_computed_tokens = start + n - num_draft
         seq.has_blocks = True
         samples = seq.num_computed_tokens == len(seq.token_ids)
         fan_out = samples and len(request.seqs) == 1 and seq.num_generated == 0
@@ -584,6 +643,7 @@ class Scheduler:
                 samples=samples,
                 num_samples=request.num_samples if fan_out else 1,
                 min_rope_len=self._min_rope_len if request.long_rope else 0,
+                num_draft=num_draft,
             )
         )
         return n
@@ -625,6 +685,12 @@ class Scheduler:
                     beams.append(request)
                 continue
             tokens = sampled[seq.seq_id]
+            if scheduled.num_draft:
+                updates.append(self._verified(request, seq, scheduled.num_draft, tokens))
+                if seq.finish_reason is not None and request.is_finished:
+                    self._finish(request)
+                    self.num_finished += 1
+                continue
             if scheduled.num_samples == 1 and len(request.seqs) == 1:  # the common case, inline
                 token = tokens[0]
                 seq.token_ids.append(token)
@@ -671,6 +737,36 @@ class Scheduler:
         for request in beams:
             self._beam_step(request)
         return updates
+
+    def _verified(
+        self, request: Request, seq: Sequence, num_draft: int, tokens: SeqOf[int]
+    ) -> SeqUpdate:
+        """A speculative step's result: the accepted proposals then the target's token
+        (``tokens``, 1 to ``num_draft + 1`` of them), appended one by one under the stop
+        rules. The kept proposals' K/V stay (they become computed tokens); the rejected slots
+        roll back in the next transaction, and a sequence that finished is freed instead."""
+        accepted = len(tokens) - 1
+        assert 0 <= accepted <= num_draft, f"{len(tokens)} tokens for {num_draft} proposals"
+        self.spec_stats.observe((num_draft,), (accepted,))
+        appended: list[int] = []
+        for token in tokens:
+            seq.token_ids.append(token)
+            appended.append(token)
+            if self._check_stop(request, seq, token):
+                self._release(seq)
+                break
+        else:
+            seq.num_computed_tokens += accepted
+            self._pending_truncates.append((seq.seq_id, seq.num_computed_tokens))
+        return SeqUpdate(
+            request_id=request.request_id,
+            seq_id=seq.seq_id,
+            completion=seq.index,
+            row=(seq.seq_id, 0),
+            new_token_ids=tuple(appended),
+            finish_reason=seq.finish_reason,
+            stop_reason=seq.stop_reason,
+        )
 
     def _beam_step(self, request: Request) -> None:
         """All beams reported: advance the search, fork, drop, or finish the request."""

@@ -3,8 +3,8 @@
 The scheduler owns the queues and decides; the allocator owns the :class:`BlockPool` and applies
 one :class:`StepTxn` per step atomically, in this order::
 
-    complete_swaps -> forks -> pins -> unpins -> frees -> swap_outs -> appends -> swap_ins
-    -> admissions
+    complete_swaps -> forks -> pins -> unpins -> frees -> truncates -> swap_outs -> appends
+    -> swap_ins -> admissions
 
 Everything up to ``swap_ins`` is *mandatory*: the scheduler planned it against the exact
 :class:`PoolSnapshot` the allocator returned after the previous transaction, and nothing else
@@ -63,6 +63,12 @@ class StepTxn:
     # objects: a step appends to every running sequence): its id and the tokens it appends.
     append_seq_ids: tuple[int, ...] = ()
     append_token_ids: tuple[tuple[int, ...], ...] = ()
+    # Per append entry (empty: none anywhere): how many of its last tokens are proposals to
+    # verify (speculative decoding; ``BlockPool.append(num_speculative_tokens=...)``).
+    append_num_draft: tuple[int, ...] = ()
+    # (seq id, tokens kept) after a verification: the rejected proposals' slots roll back
+    # (``BlockPool.truncate``), after the frees and before the swap-outs and appends.
+    truncates: tuple[tuple[int, int], ...] = ()
     swap_ins: tuple[tuple[int, ...], ...] = ()
     admissions: tuple[Admission, ...] = ()
     watermark_blocks: int = 0
@@ -135,6 +141,8 @@ def apply_txn(pool: BlockPool, txn: StepTxn) -> TxnResult:
         pool.unpin_prefix(pool_pin_id)
     for seq_id in txn.frees:
         pool.free(seq_id)
+    for seq_id, num_tokens in txn.truncates:
+        pool.truncate(seq_id, num_tokens)
     swap_outs = []
     for group in txn.swap_outs:
         plan = pool.swap_out(group)
@@ -142,12 +150,14 @@ def apply_txn(pool: BlockPool, txn: StepTxn) -> TxnResult:
         swap_outs.append(plan)
     append_slots: list[tuple[int, ...]] = []
     cow: list[tuple[int, int]] = []
-    for seq_id, token_ids in zip(txn.append_seq_ids, txn.append_token_ids, strict=True):
+    drafts = txn.append_num_draft or (0,) * len(txn.append_seq_ids)
+    appends = zip(txn.append_seq_ids, txn.append_token_ids, drafts, strict=True)
+    for seq_id, token_ids, num_draft in appends:
         slot = pool.append_token(seq_id, token_ids[0]) if len(token_ids) == 1 else None
         if slot is not None:
             append_slots.append((slot,))
         else:
-            result = pool.append(seq_id, token_ids)
+            result = pool.append(seq_id, token_ids, num_speculative_tokens=num_draft)
             assert result is not None, f"planned append to {seq_id} does not fit"
             cow.extend(result.copy_on_write)
             append_slots.append(result.slot_mapping)

@@ -140,6 +140,13 @@ def derive_generator_key(seed: int, seq_index: int, num_generated_tokens: int) -
     return key >> 1
 
 
+def salt_generator_key(generator_key: int, salt: int) -> int:
+    """A 63-bit generator seed derived from ``generator_key`` for another use of the same draw
+    position (for example speculative decoding's acceptance test), independent of the stream
+    ``generator_key`` itself seeds."""
+    return _splitmix64((generator_key ^ _splitmix64(salt & _MASK64)) & _MASK64) >> 1
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class SamplerOutput:
     """Chosen tokens and, when asked, raw logprobs (``log_softmax`` of the unprocessed logits)."""
@@ -321,12 +328,37 @@ def _sample_random(
     logits: torch.Tensor, opts: Sequence[SamplingOptions], generator: torch.Generator | None
 ) -> torch.Tensor:
     """Rows that sample (temperature >= eps): logits [R, V] -> [R] int64 token ids."""
-    device, vocab_size = logits.device, logits.shape[1]
     probs = _random_probs(logits, opts)  # [R, V]
+    return exponential_race(probs, opts, generator)
+
+
+def exponential_race(
+    probs: torch.Tensor, opts: Sequence[SamplingOptions], generator: torch.Generator | None
+) -> torch.Tensor:
+    """One token per row of ``probs`` [R, V] (rows sum to 1), drawn as ``sample`` draws the
+    random rows of these options: seeded rows read their ``generator_key``'s stream, the others
+    ``generator``'s. Speculative decoding uses it to draw exactly the token ``sample`` would."""
     # Exponential race: argmax(p / q) with q ~ Exp(1) picks token v with probability p[v].
-    q = _exponential_draws(opts, vocab_size, device, generator)
+    q = _exponential_draws(opts, probs.shape[1], probs.device, generator)
     q.clamp_min_(torch.finfo(torch.float32).tiny)  # never divide by zero
     return torch.argmax(probs / q, dim=-1)
+
+
+def process_logits(
+    logits: torch.Tensor,
+    opts: Sequence[SamplingOptions | None],
+    errors: dict[int, BaseException] | None = None,
+) -> torch.Tensor:
+    """``sample``'s first stage, for every row: logit controls, min-tokens mask, penalties
+    (``logits`` [N, V] is not edited; what a row's logits processor raised goes to ``errors``).
+    Greedy rows pick the argmax of the result; random rows go on to :func:`random_probs`."""
+    return _process(logits, opts, errors)
+
+
+def random_probs(logits: torch.Tensor, opts: Sequence[SamplingOptions]) -> torch.Tensor:
+    """``sample``'s second stage for random rows: processed logits [R, V] -> the probabilities
+    it draws from (temperature, min-p, top-k, top-p, softmax), computed by the same operations."""
+    return _random_probs(logits, opts)
 
 
 def _random_probs(logits: torch.Tensor, opts: Sequence[SamplingOptions]) -> torch.Tensor:
