@@ -67,6 +67,7 @@ from asyncpaged.request_checks import (
     max_prompt_chars,
 )
 from asyncpaged.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
+from asyncpaged.spec_decode import NgramProposer
 from asyncpaged.streams import RequestState, RequestStream
 from asyncpaged.structured_outputs import EXTRA_HINT as STRUCTURED_EXTRA_HINT
 from asyncpaged.structured_outputs import GrammarBackend
@@ -251,6 +252,7 @@ class AsyncEngine:
                 priority_aging_steps=cfg.priority_aging_steps,
             ),
             new_seq_id=self._seq_ids.__next__,
+            propose=self._proposer(),
         )
         self._build_actors(pool, scheduler, step_runner)
         spawn_detached(self._own)
@@ -285,7 +287,19 @@ class AsyncEngine:
             self._owner_ready.set()
             self._owner_done.set()
 
+    def _proposer(self) -> Callable[[list[int], int], Sequence[int]] | None:
+        """Speculative decoding's proposer for the scheduler (None: no speculation)."""
+        spec = self.config.speculative_config
+        if spec is None:
+            return None
+        if spec.method != "ngram":
+            raise InvalidRequestError(
+                f"speculative method {spec.method!r} is not supported yet; use 'ngram'."
+            )
+        return NgramProposer(spec, max_model_len=self.max_model_len).propose
+
     def _build_actors(self, pool: BlockPool, scheduler: Scheduler, runner: StepRunner) -> None:
+        spec = self.config.speculative_config
         sched_send, sched_recv = anyio.create_memory_object_stream[SchedulerInbox](math.inf)
         txn_send, txn_recv = anyio.create_memory_object_stream[StepTxn](1)
         res_send, res_recv = anyio.create_memory_object_stream[TxnResult](1)
@@ -314,6 +328,7 @@ class AsyncEngine:
             self._intake_tokenizer, self._limits.check_ids, self._limits.stop_criteria, intake_recv,
             sched_send.clone(), self._seq_ids, grammars,
             on_released=self._scheduler.intake_released,
+            num_speculative_tokens=spec.num_speculative_tokens if spec else 0,
         )  # fmt: skip
         self._control = sched_send  # aborts
         self._submit = intake_send

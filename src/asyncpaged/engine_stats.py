@@ -50,12 +50,20 @@ class EngineStatistics:
     prefix_cache_disk_hit_tokens: int = 0
     num_kv_offloads: int = 0  # evicted device blocks copied to the host tier
     num_kv_spills: int = 0  # host-tier blocks written to the disk tier
+    # Speculative decoding (vLLM's names): verification rounds with proposals, tokens proposed
+    # and accepted, and per position j the share of rounds proposing > j tokens whose first
+    # j + 1 were all accepted
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    spec_acceptance_by_position: tuple[float, ...] = ()
 
 
 def collect_statistics(actor: SchedulerActor, intake: IntakeActor) -> EngineStatistics:
     """The counters as of the scheduler actor's last step (its pool snapshot)."""
     pool = actor.snapshot.statistics
     sched = actor.statistics()
+    spec = actor.scheduler.spec_stats
     return EngineStatistics(
         num_device_blocks=pool.device.total,
         num_free_device_blocks=pool.device.free + pool.device.cached,
@@ -88,4 +96,8 @@ def collect_statistics(actor: SchedulerActor, intake: IntakeActor) -> EngineStat
         prefix_cache_disk_hit_tokens=pool.prefix_disk_hit_tokens,
         num_kv_offloads=pool.num_tier_offloads,
         num_kv_spills=pool.num_tier_spills,
+        num_drafts=spec.num_drafts,
+        num_draft_tokens=spec.num_draft_tokens,
+        num_accepted_tokens=spec.num_accepted_tokens,
+        spec_acceptance_by_position=spec.acceptance_rate_by_position,
     )

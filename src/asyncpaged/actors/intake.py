@@ -51,8 +51,10 @@ class IntakeActor:
         seq_ids: Iterator[int],
         grammars: GrammarBackend | None = None,
         on_released: Callable[[], None] | None = None,
+        num_speculative_tokens: int = 0,
     ) -> None:
         self.tokenizer = tokenizer
+        self._num_speculative = num_speculative_tokens
         self._grammars = grammars
         self._validate_ids = validate_ids
         self._stop_criteria = stop_criteria
@@ -159,6 +161,8 @@ class IntakeActor:
                 ignore_eos=msg.beam.ignore_eos,
             )
             request.beam.start(request.seqs[0].seq_id)
+        elif self._num_speculative and speculates(msg.params):
+            request.num_speculative_tokens = self._num_speculative
         return request
 
     async def _compile_grammar(self, msg: SubmitRequest) -> None:
@@ -179,6 +183,17 @@ class IntakeActor:
                 raise InvalidRequestError(f"the constraint failed to compile: {exc!r}") from exc
 
         msg.state.grammar = await anyio.to_thread.run_sync(compile_, limiter=self.limiter)
+
+
+def speculates(params: Any) -> bool:
+    """Whether speculative decoding serves a request: not with a grammar (its bitmask would be
+    needed per proposal), logprobs, or best_of ranking by them (their rows are the plain
+    path's); beam search never speculates."""
+    return (
+        params.structured_outputs is None
+        and params.logprobs is None
+        and params.num_sequences == params.n
+    )
 
 
 def thread_copy(tokenizer: Any, model_path: Any) -> Any:

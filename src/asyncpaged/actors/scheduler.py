@@ -215,8 +215,8 @@ class SchedulerActor:
             state.num_cached_tokens = request.num_cached_tokens
             if state.plain and state.grammar is None and s.num_samples == 1:
                 steps.append(SequenceStep(s.seq_id, s.token_ids, s.start_pos, s.slot_mapping,
-                                          s.block_table, s.samples,
-                                          min_rope_len=s.min_rope_len))  # fmt: skip
+                                          s.block_table, s.samples, min_rope_len=s.min_rope_len,
+                                          num_draft=s.num_draft))  # fmt: skip
                 continue
             seq = (
                 request.seqs[0]
@@ -239,6 +239,11 @@ class SchedulerActor:
                 )  # fmt: skip
 
             row_offset, targets = state.prompt_logprob_targets(s.start_pos, len(s.token_ids))
+            verify_options = (
+                self._verify_options(state, seq, s.token_ids[len(s.token_ids) - s.num_draft :])
+                if s.num_draft
+                else ()
+            )
             steps.append(
                 SequenceStep(
                     seq_id=s.seq_id,
@@ -256,6 +261,8 @@ class SchedulerActor:
                     prompt_targets=targets,
                     prompt_row_offset=row_offset,
                     num_prompt_logprobs=state.params.prompt_logprobs or 0,
+                    num_draft=s.num_draft,
+                    verify_options=verify_options,
                 )
             )
         self._in_flight = out
@@ -263,6 +270,23 @@ class SchedulerActor:
             ExecuteStep(output=out, plan=StepPlan(seqs=tuple(steps), copy_pairs=out.copy_on_write))
         )
         return True
+
+    def _verify_options(
+        self, state: RequestState, seq: Seq, draft: tuple[int, ...]
+    ) -> tuple[SamplingOptions | None, ...]:
+        """The sampling options of a speculative sequence's verification rows: row ``j`` as
+        a plain step would build them after the first ``j`` proposals (penalty history,
+        min-tokens mask, bad words, the seed's stream position); () when all are plain."""
+        params = state.params
+        bad_words = self._bad_words_ids(params.bad_words)
+        context = list(seq.token_ids)
+        options = []
+        for j in range(len(draft) + 1):
+            options.append(_sampling_options(params, context, seq.num_prompt_tokens, seq.index,
+                                             self._eos, bad_words))  # fmt: skip
+            if j < len(draft):
+                context.append(draft[j])
+        return () if all(o is None for o in options) else tuple(options)
 
     # ---- messages ---------------------------------------------------------------------------
 
@@ -315,7 +339,10 @@ class SchedulerActor:
         by_row = {(t.seq_id, t.sample_index): t for t in sampled}
         tokens: dict[int, list[int]] = {}
         for (seq_id, _), t in sorted(by_row.items()):
-            tokens.setdefault(seq_id, []).append(t.token_id)
+            if t.accepted:  # speculative: the kept proposals, then the target's token
+                tokens[seq_id] = [*t.accepted, t.token_id]
+            else:
+                tokens.setdefault(seq_id, []).append(t.token_id)
         top = {t.seq_id: t.top_logprobs for t in by_row.values() if t.sample_index == 0}
         updates = self.scheduler.update(out, tokens, top)
         for update in updates:

@@ -42,11 +42,13 @@ from asyncpaged.model.prompt_logprobs import PromptLogprobRows, compute_prompt_l
 from asyncpaged.model.sampler import (
     SamplerOutput,
     SamplingOptions,
+    greedy,
     is_screenable,
     sample,
     sample_from_candidates,
     screened_top_k,
 )
+from asyncpaged.spec_decode.rejection import verify
 from asyncpaged.structured_outputs import grammar_mask_bias
 
 _log = get_logger(__name__)
@@ -81,6 +83,11 @@ class SequenceStep(NamedTuple):
     prompt_targets: tuple[int, ...] = ()
     prompt_row_offset: int = 0
     num_prompt_logprobs: int = 0
+    # Speculative decoding: the last ``num_draft`` tokens are proposals; the logits of the last
+    # ``num_draft + 1`` rows verify them, row ``j`` with ``verify_options[j]`` (empty: plain
+    # greedy), and the row's result holds the accepted proposals and the target's next token.
+    num_draft: int = 0
+    verify_options: tuple[SamplingOptions | None, ...] = ()
 
     @property
     def wants_logprob(self) -> bool:
@@ -109,6 +116,7 @@ class SampledToken(NamedTuple):
     top_logprobs: tuple[tuple[int, float], ...] = ()  # (token id, logprob), best first
     sample_index: int = 0  # which entry of the step's ``fanout`` drew it
     error: BaseException | None = None  # the row's logits processor raised: the request fails
+    accepted: tuple[int, ...] = ()  # speculative decoding: the proposals kept before token_id
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -382,9 +390,13 @@ class ModelRunner:
         )
         seqs = plan.seqs
         sampling = [i for i, s in enumerate(seqs) if s.do_sample]
+        verified: tuple[SampledToken, ...] = ()
+        if any(s.num_draft for s in seqs):
+            sampling = [i for i in sampling if not seqs[i].num_draft]
+            verified = self._verify(plan, hidden, metadata.query_start_loc_host)
         if not sampling:
             compute_s = time.perf_counter() - began
-            return StepResult(sampled=(), compute_s=compute_s, prompt_logprobs=prompt)
+            return StepResult(sampled=verified, compute_s=compute_s, prompt_logprobs=prompt)
         draws = [
             (seqs[i], k, opt)
             for i in sampling
@@ -401,12 +413,12 @@ class ModelRunner:
                 token_ids=greedy, logprobs=None, ranks=None, top_token_ids=None, top_logprobs=None
             )
             compute_s = time.perf_counter() - began
-            sampled = _sampled_tokens(draws, out)
+            sampled = _sampled_tokens(draws, out) + verified
             return StepResult(sampled=sampled, compute_s=compute_s, prompt_logprobs=prompt)
         screened = self._sample_screened(draws, hidden)
         if screened is not None:
             compute_s = time.perf_counter() - began
-            sampled = _sampled_tokens(draws, screened)
+            sampled = _sampled_tokens(draws, screened) + verified
             return StepResult(sampled=sampled, compute_s=compute_s, prompt_logprobs=prompt)
         logits = self.model.compute_logits(hidden)
         out = sample(
@@ -416,8 +428,33 @@ class ModelRunner:
             generator=self.generator,
         )
         compute_s = time.perf_counter() - began
-        sampled = _sampled_tokens(draws, out)
+        sampled = _sampled_tokens(draws, out) + verified
         return StepResult(sampled=sampled, compute_s=compute_s, prompt_logprobs=prompt)
+
+    def _verify(
+        self, plan: StepPlan, hidden: torch.Tensor, ends: tuple[int, ...]
+    ) -> tuple[SampledToken, ...]:
+        """Speculative decoding: score each sequence's proposals (its last ``num_draft + 1``
+        rows) and keep what ``spec_decode.rejection.verify`` accepts. Plain greedy sequences
+        take the target's argmax per row (through a screen where one applies)."""
+        spec = [(i, s) for i, s in enumerate(plan.seqs) if s.num_draft]
+        rows = [r for i, s in spec for r in range(ends[i + 1] - 1 - s.num_draft, ends[i + 1])]
+        states = hidden[torch.tensor(rows, device=self.device)]
+        drafts = [s.token_ids[-s.num_draft :] for _, s in spec]
+        if all(not s.verify_options for _, s in spec):
+            plain: list[tuple[SequenceStep, int, SamplingOptions | None]] = [
+                (s, 0, None) for _, s in spec for _ in range(s.num_draft + 1)
+            ]
+            argmax = self._screened_argmax(plain, states)
+            if argmax is None:
+                argmax = greedy(self.model.compute_logits(states))
+            return _greedy_verdicts(spec, drafts, argmax.tolist())
+        options = [o for _, s in spec for o in s.verify_options or (None,) * (s.num_draft + 1)]
+        out = verify(self.model.compute_logits(states), drafts, options, generator=self.generator)
+        return tuple(
+            SampledToken(s.seq_id, tokens[-1], None, None, (), 0, out.errors.get(k), tokens[:-1])
+            for k, ((_, s), tokens) in enumerate(zip(spec, out.token_ids, strict=True))
+        )
 
     def _screened_argmax(
         self, draws: list[tuple[SequenceStep, int, SamplingOptions | None]], hidden: torch.Tensor
@@ -454,6 +491,23 @@ class ModelRunner:
         if candidates is None:  # NaN/inf hidden states
             return None
         return sample_from_candidates(candidates, opts, generator=self.generator)
+
+
+def _greedy_verdicts(
+    spec: list[tuple[int, SequenceStep]], drafts: list[tuple[int, ...]], argmax: list[int]
+) -> tuple[SampledToken, ...]:
+    """Greedy verification: a sequence keeps its proposals while each equals the target's
+    argmax before it, then takes the argmax at the first mismatch (or after the last)."""
+    out = []
+    row = 0
+    for (_, seq), draft in zip(spec, drafts, strict=True):
+        best = argmax[row : row + len(draft) + 1]
+        kept = 0
+        while kept < len(draft) and draft[kept] == best[kept]:
+            kept += 1
+        out.append(SampledToken(seq.seq_id, best[kept], None, None, (), 0, None, draft[:kept]))
+        row += len(draft) + 1
+    return tuple(out)
 
 
 def _plain_greedy(seq: SequenceStep, opt: SamplingOptions | None) -> bool:

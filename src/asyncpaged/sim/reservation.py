@@ -127,9 +127,11 @@ class ReservingBlockPool(BlockPool):
         self._add_held(extra_key, before - self.num_free_device_blocks)
         return result
 
-    def append(self, seq_id: SeqId, token_ids: Sequence[int]) -> AppendResult | None:
+    def append(
+        self, seq_id: SeqId, token_ids: Sequence[int], *, num_speculative_tokens: int = 0
+    ) -> AppendResult | None:
         before = self.num_free_device_blocks
-        result = super().append(seq_id, token_ids)
+        result = super().append(seq_id, token_ids, num_speculative_tokens=num_speculative_tokens)
         key = self._group.get(seq_id)
         if result is not None and key is not None:
             self._add_held(key, before - self.num_free_device_blocks)
