@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -69,6 +70,18 @@ def test_errors_reach_the_caller_and_the_llm_goes_on(llm: LLM) -> None:
     assert llm.engine.statistics().num_running == 0
 
 
+def _threads_settle(before: set[threading.Thread], timeout: float = 5.0) -> bool:
+    """No thread beyond ``before`` within ``timeout``: the LLM's loop thread is joined by
+    close(), and anyio's worker threads of that loop, told to stop when it ends, exit soon
+    after (not joined by anyio)."""
+    deadline = time.monotonic() + timeout
+    while not set(threading.enumerate()) <= before:
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
+
+
 def test_close_stops_the_thread_and_refuses_later_calls() -> None:
     config = EngineConfig(model=str(default_model.path()), num_device_blocks=16)
     before = set(threading.enumerate())
@@ -76,7 +89,7 @@ def test_close_stops_the_thread_and_refuses_later_calls() -> None:
     assert llm.engine.config.max_num_seqs == 4
     llm.close()
     llm.close()  # again: nothing
-    assert set(threading.enumerate()) <= before
+    assert _threads_settle(before)
     with pytest.raises(EngineClosedError):
         llm.generate("x", GREEDY)
 
@@ -85,4 +98,4 @@ def test_a_failed_start_raises_and_leaves_no_thread(tmp_path: Path) -> None:
     before = set(threading.enumerate())
     with pytest.raises(Exception, match="no-such-checkpoint"):
         LLM(tmp_path / "no-such-checkpoint")
-    assert set(threading.enumerate()) <= before
+    assert _threads_settle(before)

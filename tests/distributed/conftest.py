@@ -58,6 +58,7 @@ class EngineRun:
     worker_pids: list[int]
     # (free, total) device blocks the moment the last request returned (before wait_idle)
     blocks_at_return: tuple[int, int] = (0, 0)
+    num_draft_tokens: int = 0  # speculative decoding's proposals
 
 
 async def _generate_all(
@@ -119,6 +120,7 @@ def run_engine(
             worker_exitcodes=[p.exitcode for p in workers],
             worker_pids=[p.pid for p in workers if p.pid is not None],
             blocks_at_return=(at_return.num_free_device_blocks, at_return.num_device_blocks),
+            num_draft_tokens=stats.num_draft_tokens,
         )
 
     return anyio.run(main)

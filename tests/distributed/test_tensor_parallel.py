@@ -14,7 +14,7 @@ from pathlib import Path
 import anyio
 import pytest
 
-from asyncpaged import AsyncEngine, EngineConfig
+from asyncpaged import AsyncEngine, EngineConfig, SpeculativeConfig
 from asyncpaged.model.errors import UnsupportedModelError
 from tests.distributed.conftest import EngineRun, host_bytes, make_prompts, run_engine
 from tests.model.reference import HFReference
@@ -118,3 +118,19 @@ def test_moe_expert_width_is_checked_before_any_process_starts() -> None:
     with pytest.raises(UnsupportedModelError, match=r"moe_intermediate_size \(30\)"):
         check_tensor_parallel(config, 4)
     check_tensor_parallel(config, 2)
+
+
+def test_tp2_speculative_decoding_is_exact(
+    tiny_checkpoint: Callable[[str], Path], hf_reference: Callable[[str], HFReference]
+) -> None:
+    """Prompt lookup under TP=2: rank 0 verifies, the other rank runs the same k + 1 rows."""
+    path, ref = tiny_checkpoint("llama-gqa"), hf_reference("llama-gqa")
+    spans = [tuple(range(40 + 7 * i, 46 + 7 * i)) for i in range(4)]
+    prompts = [span * 4 for span in spans]  # repeated spans: the n-gram lookup proposes
+    spec = SpeculativeConfig(method="ngram", num_speculative_tokens=3, prompt_lookup_min=1,
+                             prompt_lookup_max=3)  # fmt: skip
+    run = run_engine(path, prompts, MAX_TOKENS, tensor_parallel_size=2, speculative_config=spec)
+    for prompt, out in zip(prompts, run.outputs, strict=True):
+        assert out.outputs[0].token_ids == ref.generate(prompt, MAX_TOKENS)[0], prompt
+    assert run.blocks_at_return[0] == run.blocks_at_return[1]
+    assert run.num_draft_tokens > 0

@@ -1,4 +1,5 @@
-"""``asyncpaged bench MODE``: throughput, latency, memory, multiturn, structured, overhead, soak.
+"""``asyncpaged bench MODE``: throughput, latency, memory, multiturn, structured, overhead, soak,
+speculative.
 
 Each mode is its own module (``bench_throughput``, ``bench_latency``, ``bench_memory``) with an
 ``add_parser`` and a ``run``; the reference workload they share is in ``bench_workload``.
@@ -16,6 +17,7 @@ def add_parser(sub: Any) -> None:
         bench_multiturn,
         bench_overhead,
         bench_soak,
+        bench_speculative,
         bench_structured,
         bench_throughput,
     )
@@ -29,3 +31,4 @@ def add_parser(sub: Any) -> None:
     bench_structured.add_parser(modes)
     bench_soak.add_parser(modes)
     bench_overhead.add_parser(modes)
+    bench_speculative.add_parser(modes)
