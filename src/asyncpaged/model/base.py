@@ -18,7 +18,8 @@ from torch import nn
 from asyncpaged.model.attention import AttentionBackend, AttentionMetadata, TorchAttentionBackend
 from asyncpaged.model.errors import UnsupportedModelError
 from asyncpaged.model.kv_cache import PagedKVCache
-from asyncpaged.model.packed_linear import linear, packed_matmul
+from asyncpaged.model.packed_linear import linear, packed_matmul, runs_on_onednn
+from asyncpaged.model.row_buckets import bucketed
 
 __all__ = [
     "SINGLE_SHARD",
@@ -230,12 +231,18 @@ class CausalLM(nn.Module, metaclass=ABCMeta):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, H] (rows that sample) -> float32 logits [N, V], softcapped when
-        ``final_logit_softcap`` is set."""
+        ``final_logit_softcap`` is set. oneDNN GEMMs run with the rows bucketed
+        (``row_buckets``): one kept primitive per bucket, not per row count."""
         packed = self.packed_lm_head
         if packed is not None and hidden.dtype == torch.float32 and hidden.device.type == "cpu":
-            logits = packed_matmul(hidden, packed)  # [N, V]
+            logits = packed_matmul(hidden, packed)  # [N, V], bucketed
         else:
-            logits = torch.nn.functional.linear(hidden, self.lm_head_weight()).float()  # [N, V]
+            weight = self.lm_head_weight()
+            if runs_on_onednn(hidden):
+                logits = bucketed(lambda rows: torch.nn.functional.linear(rows, weight), hidden)
+            else:
+                logits = torch.nn.functional.linear(hidden, weight)  # [N, V]
+            logits = logits.float()
         cap = self.final_logit_softcap
         if cap is not None:
             logits = torch.tanh(logits / cap) * cap

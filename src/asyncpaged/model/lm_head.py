@@ -44,7 +44,8 @@ from dataclasses import dataclass
 
 import torch
 
-from asyncpaged.model.packed_linear import packing_supported
+from asyncpaged.model.packed_linear import packing_supported, runs_on_onednn
+from asyncpaged.model.row_buckets import bucketed
 
 SCREEN_CHUNK = 64  # scores are scanned as chunk maxima first: nonzero() over [N, V] is slow
 BF16_UNIT_ROUNDOFF = 2.0**-8
@@ -234,12 +235,22 @@ class ScreenedLMHead:
         return scores, error + _ABSOLUTE_SLACK
 
     def _screen_logits(self, hidden_bf16: torch.Tensor) -> torch.Tensor:
-        if self._packed_bf16 is not None:
-            out: torch.Tensor = torch.ops.mkldnn._linear_pointwise(
-                hidden_bf16, self._packed_bf16, None, "none", [], ""
-            )
-            return out
-        return torch.nn.functional.linear(hidden_bf16, self.weight_bf16)
+        """bf16 [N, H] -> bf16 [N, V], rows bucketed (``row_buckets``: oneDNN keeps one
+        primitive per shape); a row's scores do not depend on the other rows."""
+        packed = self._packed_bf16
+        if packed is not None:
+
+            def gemm(rows: torch.Tensor) -> torch.Tensor:
+                out: torch.Tensor = torch.ops.mkldnn._linear_pointwise(
+                    rows, packed, None, "none", [], ""
+                )
+                return out
+
+            return bucketed(gemm, hidden_bf16)
+        weight = self.weight_bf16
+        if runs_on_onednn(hidden_bf16):
+            return bucketed(lambda rows: torch.nn.functional.linear(rows, weight), hidden_bf16)
+        return torch.nn.functional.linear(hidden_bf16, weight)
 
 
 def mask_scores(scores: torch.Tensor, mask_bias: torch.Tensor | None) -> torch.Tensor:

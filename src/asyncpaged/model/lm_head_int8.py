@@ -59,6 +59,7 @@ from asyncpaged.model.lm_head import (
     allows_some,
     mask_scores,
 )
+from asyncpaged.model.row_buckets import bucketed
 
 _log = get_logger(__name__)
 
@@ -244,11 +245,8 @@ class Int8ScreenedArgmax:
         if float(torch.maximum(screen_bound, rescore_bound).max()) >= FLOAT32_SAFE:
             return None  # an fp32 logit or a screening logit could overflow
         activations = levels.add_(ZERO_POINT).to(torch.uint8)  # [N, H]
-        try:
-            scores: torch.Tensor = torch.ops.onednn.qlinear_pointwise(
-                activations, 1.0, ZERO_POINT, self.packed_weight, self.weight_scales,
-                self._zero_points, None, 1.0, 0, torch.float32, "none", [], "",
-            )  # fmt: skip
+        try:  # rows bucketed (row_buckets: one kept oneDNN primitive per shape)
+            scores = bucketed(self._gemm, activations)  # [N, V]
         except RuntimeError as exc:
             _log.warning("int8_lm_head_failed", error=str(exc))
             return None
@@ -260,6 +258,15 @@ class Int8ScreenedArgmax:
             row_scale=row_scale,
             is_zero=is_zero,
         )
+
+    def _gemm(self, activations: torch.Tensor) -> torch.Tensor:
+        """u8 activations [R, H] (zero point 128, scale 1) -> float32 scores [R, V]; a row's
+        scores depend on that row only (exact int32 sums, then per-token scales)."""
+        scores: torch.Tensor = torch.ops.onednn.qlinear_pointwise(
+            activations, 1.0, ZERO_POINT, self.packed_weight, self.weight_scales,
+            self._zero_points, None, 1.0, 0, torch.float32, "none", [], "",
+        )  # fmt: skip
+        return scores
 
 
 def _quantize_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

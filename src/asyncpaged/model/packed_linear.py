@@ -8,6 +8,11 @@ plain one (``layer.weight`` becomes an empty placeholder), so weights are not he
 
 The result is fp32 math with a different summation order than ``F.linear``, which is how any two
 GEMM shapes already differ; greedy output stays equal to transformers (tests check both ways).
+
+Every oneDNN GEMM here runs with its rows padded to a bucket (``row_buckets``): oneDNN keeps one
+primitive per distinct shape, and the step's token count changes every step. ``F.linear`` in
+float32 runs through MKL, which keeps nothing per shape; in bf16/fp16 on CPU it runs through
+oneDNN and is bucketed too.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ import torch
 from torch import nn
 
 from asyncpaged._log import get_logger
+from asyncpaged.model.row_buckets import bucketed
 
 _log = get_logger(__name__)
 
@@ -74,9 +80,13 @@ def pack_weight(weight: torch.Tensor, batch_hint: int) -> torch.Tensor | None:
 
 
 def packed_matmul(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
-    """x [..., in] @ the packed weight's transpose -> [..., out] (no bias)."""
-    out: torch.Tensor = torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
-    return out
+    """x [..., in] @ the packed weight's transpose -> [..., out] (no bias), rows bucketed."""
+
+    def gemm(rows: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = torch.ops.mkldnn._linear_pointwise(rows, packed, None, "none", [], "")
+        return out
+
+    return bucketed(gemm, x)
 
 
 def _shared_weight_ids(model: nn.Module) -> set[int]:
@@ -88,11 +98,25 @@ def _shared_weight_ids(model: nn.Module) -> set[int]:
 
 
 def linear(layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    """``layer(x)`` for x [..., in] -> [..., out], through the packed weight when there is one."""
+    """``layer(x)`` for x [..., in] -> [..., out], through the packed weight when there is one
+    (rows bucketed: ``row_buckets``)."""
     packed = layer.__dict__.get(PACKED_ATTR)
+    bias = layer.bias
     if packed is not None:
-        out: torch.Tensor = torch.ops.mkldnn._linear_pointwise(
-            x, packed, layer.bias, "none", [], ""
-        )
-        return out
-    return torch.nn.functional.linear(x, layer.weight, layer.bias)
+
+        def packed_gemm(rows: torch.Tensor) -> torch.Tensor:
+            out: torch.Tensor = torch.ops.mkldnn._linear_pointwise(
+                rows, packed, bias, "none", [], ""
+            )
+            return out
+
+        return bucketed(packed_gemm, x)
+    if runs_on_onednn(x):
+        return bucketed(lambda rows: torch.nn.functional.linear(rows, layer.weight, bias), x)
+    return torch.nn.functional.linear(x, layer.weight, bias)
+
+
+def runs_on_onednn(x: torch.Tensor) -> bool:
+    """Whether ``F.linear`` on ``x`` runs through oneDNN (one primitive per shape, kept): a
+    reduced-precision CPU tensor. float32 CPU GEMMs run through MKL."""
+    return x.device.type == "cpu" and x.dtype in (torch.bfloat16, torch.float16)

@@ -1,0 +1,132 @@
+"""Bucketed GEMM rows: a bounded set of oneDNN shapes, the same bits as unpadded GEMMs."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from asyncpaged.model import lm_head_int8, row_buckets
+from asyncpaged.model.lm_head import ScreenedLMHead
+from asyncpaged.model.lm_head_int8 import Int8ScreenedArgmax, int8_screen_supported
+from asyncpaged.model.packed_linear import (
+    PACKED_ATTR,
+    linear,
+    pack_linears,
+    pack_weight,
+    packed_matmul,
+    packing_supported,
+)
+from asyncpaged.model.row_buckets import bucket_rows, bucketed
+from asyncpaged.model.row_buckets import row_buckets as buckets_up_to
+
+needs_packing = pytest.mark.skipif(not packing_supported(), reason="no oneDNN linear ops")
+ROW_COUNTS = (1, 2, 3, 5, 9, 15, 16, 17, 31, 33, 100, 255, 257, 300, 1023, 1025, 1500)
+
+
+def test_bucket_rows() -> None:
+    assert [bucket_rows(n) for n in (0, 1, 5, 31, 32, 33, 34, 35, 64, 65, 100)] == [
+        0, 1, 5, 31, 32, 34, 34, 36, 64, 68, 100,
+    ]  # fmt: skip
+    assert [bucket_rows(n) for n in (129, 257, 1025, 2047, 2048, 2049)] == [136, 272, 1088, 2048,
+                                                                            2048, 2176]  # fmt: skip
+    for n in range(1, 5000):
+        b = bucket_rows(n)
+        assert n <= b < n * (1 + 2.0**-row_buckets.MANTISSA_BITS) and bucket_rows(b) == b
+    assert len(buckets_up_to(2048)) == 128
+    assert len(buckets_up_to(256)) == 80
+
+
+@pytest.mark.parametrize("lead", [(), (3,), (2, 5)])
+def test_bucketed_shapes_and_values(lead: tuple[int, ...]) -> None:
+    seen: list[int] = []
+    weight = torch.randn(7, 4)
+
+    def gemm(rows: torch.Tensor) -> torch.Tensor:
+        seen.append(rows.shape[0])
+        return rows @ weight.T
+
+    x = torch.randn(*lead, 4)
+    out = bucketed(gemm, x)
+    assert out.shape == (*lead, 7)
+    torch.testing.assert_close(out, x @ weight.T, rtol=0, atol=0)
+    assert seen == [bucket_rows(max(1, x.numel() // 4))]
+
+
+def _spy_rows(monkeypatch: pytest.MonkeyPatch, namespace: Any, name: str) -> list[int]:
+    """Record the row count of every call of ``namespace.name`` (a torch op)."""
+    rows: list[int] = []
+    op = getattr(namespace, name)
+
+    def spy(x: torch.Tensor, *args: Any) -> Any:
+        rows.append(int(x.shape[0]))
+        return op(x, *args)
+
+    monkeypatch.setattr(namespace, name, spy)
+    return rows
+
+
+@needs_packing
+def test_packed_linear_bucketed_is_bit_identical(monkeypatch: pytest.MonkeyPatch) -> None:
+    gen = torch.Generator().manual_seed(0)
+    layers = [torch.nn.Linear(96, 160), torch.nn.Linear(160, 96, bias=False)]
+    model = torch.nn.Sequential(*layers)
+    reference = [m.weight.detach().clone() for m in layers]
+    biases = [None if m.bias is None else m.bias.detach().clone() for m in layers]
+    assert pack_linears(model, batch_hint=64) == 2
+    raw = [torch.ops.mkldnn._reorder_linear_weight(w, 64) for w in reference]
+    unpadded = torch.ops.mkldnn._linear_pointwise
+    rows = _spy_rows(monkeypatch, torch.ops.mkldnn, "_linear_pointwise")
+    head = pack_weight(torch.randn(300, 96, generator=gen), 64)
+    assert head is not None
+    for n in ROW_COUNTS:
+        x = torch.randn(n, 96, generator=gen)
+        for layer, packed, bias in zip(layers, raw, biases, strict=True):
+            assert PACKED_ATTR in layer.__dict__
+            got = linear(layer, x)
+            want = unpadded(x, packed, bias, "none", [], "")
+            assert torch.equal(got, want), (n, layer)
+            x = got
+        logits = packed_matmul(x, head)
+        assert torch.equal(logits, unpadded(x, head, None, "none", [], ""))
+    assert len(rows) == 3 * len(ROW_COUNTS)
+    assert set(rows) <= set(buckets_up_to(max(ROW_COUNTS)))
+
+
+@needs_packing
+def test_screened_heads_bucketed(monkeypatch: pytest.MonkeyPatch) -> None:
+    gen = torch.Generator().manual_seed(1)
+    weight = torch.randn(500, 64, generator=gen)
+    head = ScreenedLMHead(weight)
+    int8 = Int8ScreenedArgmax(weight, rescorer=head) if int8_screen_supported() else None
+    bf16_rows = _spy_rows(monkeypatch, torch.ops.mkldnn, "_linear_pointwise")
+    int8_rows: list[int] = []
+    if int8 is not None:
+        gemm = int8._gemm
+
+        def spy(activations: torch.Tensor) -> torch.Tensor:
+            int8_rows.append(activations.shape[0])
+            out: torch.Tensor = gemm(activations)
+            return out
+
+        monkeypatch.setattr(int8, "_gemm", spy)
+    for n in (1, 3, 7, 17, 40, 100, 257):
+        hidden = torch.randn(n, 64, generator=gen)
+        want = torch.argmax(hidden @ weight.T, dim=-1)
+        assert torch.equal(head.argmax(hidden), want)
+        scores = head._screen_logits(hidden.bfloat16())
+        assert scores.shape == (n, 500)
+        if int8 is not None:
+            got = int8.argmax(hidden)
+            assert got is not None and torch.equal(got, want)
+            # padding changes nothing in the screen's scores (exact int32 sums)
+            screen = int8._screen(hidden)
+            assert screen is not None
+            quantized = (hidden.double() * screen.row_scale[:, None]).round().clamp(-127, 127)
+            unpadded = gemm((quantized + lm_head_int8.ZERO_POINT).to(torch.uint8))
+            assert torch.equal(screen.scores, unpadded)
+    allowed = set(buckets_up_to(257))
+    assert set(bf16_rows) <= allowed
+    assert set(int8_rows) <= allowed
+    assert row_buckets.bucket_rows(257) in bf16_rows
