@@ -138,6 +138,8 @@ class IncrementalDetokenizer:
                 params.spaces_between_special_tokens
             )
         self._backend = _plain_fast_backend(tokenizer, self._decode_kwargs)
+        # decode([id]) memo, shared by every sequence of this tokenizer and skip flag
+        self._single = _single_token_texts(tokenizer, params.skip_special_tokens)
         context, prefix_text = self._choose_context(prompt_token_ids)
         self._ids: list[int] = context
         self._prefix_offset = 0
@@ -240,6 +242,14 @@ class IncrementalDetokenizer:
         return 0 <= token_id < self._vocab_size
 
     def _decode(self, ids: list[int]) -> str:
+        if len(ids) == 1:  # the common window: one token (a pure function of it, memoized)
+            text = self._single.get(ids[0])
+            if text is None:
+                text = self._single[ids[0]] = self._decode_uncached(ids)
+            return text
+        return self._decode_uncached(ids)
+
+    def _decode_uncached(self, ids: list[int]) -> str:
         if not ids:
             return ""
         if self._backend is not None:  # the same call transformers would make, without its wrapper
@@ -299,6 +309,20 @@ class IncrementalDetokenizer:
         delta = self._text[self._num_released : limit]
         self._num_released = limit
         return delta
+
+
+_SINGLE_TOKEN_TEXTS: dict[tuple[int, bool], tuple[Any, dict[int, str]]] = {}
+
+
+def _single_token_texts(tokenizer: Any, skip_special_tokens: bool) -> dict[int, str]:
+    """The memo of one-token decodes for a tokenizer (held with it, so its id stays its own)."""
+    key = (id(tokenizer), skip_special_tokens)
+    entry = _SINGLE_TOKEN_TEXTS.get(key)
+    if entry is None or entry[0] is not tokenizer:
+        if len(_SINGLE_TOKEN_TEXTS) >= 64:  # tokenizers come and go in tests: stay bounded
+            _SINGLE_TOKEN_TEXTS.clear()
+        entry = _SINGLE_TOKEN_TEXTS[key] = (tokenizer, {})
+    return entry[1]
 
 
 def _plain_fast_backend(tokenizer: Any, decode_kwargs: dict[str, bool]) -> Any:
