@@ -250,6 +250,9 @@ class AsyncEngine:
                 rope_switch_len=self.runner.model.rope_switch_len,
                 scheduling_policy=cfg.scheduling_policy,
                 priority_aging_steps=cfg.priority_aging_steps,
+                spec_disable_by_batch_size=cfg.speculative_config.disable_by_batch_size
+                if cfg.speculative_config
+                else None,
             ),
             new_seq_id=self._seq_ids.__next__,
             propose=self._proposer(),

@@ -70,6 +70,10 @@ class Sequence:
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     stop_reason: int | str | None = None
     has_blocks: bool = False  # the pool holds a table for it (or will, until a pending free)
+    # Speculative decoding's back-off: decode steps to skip proposing, and the last back-off
+    # (doubled after each round that kept no proposal, up to 16; reset by one that kept one)
+    spec_skip: int = 0
+    spec_backoff: int = 0
 
     @property
     def num_generated(self) -> int:

@@ -72,6 +72,10 @@ class SchedulerConfig:
     # Queue order and victims (core/policy.py): "fcfs", or "priority" (lower first, with aging)
     scheduling_policy: SchedulingPolicy = "fcfs"
     priority_aging_steps: int = DEFAULT_AGING_STEPS
+    # Speculative decoding proposes nothing while more sequences than this run (vLLM's
+    # ``disable_by_batch_size``: at large batches the verification rows cost more than they
+    # save); None: at any batch size.
+    spec_disable_by_batch_size: int | None = None
 
 
 class ScheduledSeq(NamedTuple):
@@ -388,11 +392,17 @@ class Scheduler:
         k = request.num_speculative_tokens
         if not k or self._propose is None:
             return {}
+        limit_batch = self.config.spec_disable_by_batch_size
+        if limit_batch is not None and len(self.running) > limit_batch:
+            return {}
         budget -= sum(n for _, n in chunks)
         stop = request.stop
         drafts: dict[int, tuple[int, ...]] = {}
         for seq, n in chunks:
             if n != 1 or seq.num_uncomputed != 1 or budget <= 0:
+                continue
+            if seq.spec_skip:  # backing off after rounds that kept nothing
+                seq.spec_skip -= 1
                 continue
             room = stop.max_tokens - seq.num_generated - 1
             if stop.max_model_len is not None:
@@ -748,6 +758,11 @@ class Scheduler:
         accepted = len(tokens) - 1
         assert 0 <= accepted <= num_draft, f"{len(tokens)} tokens for {num_draft} proposals"
         self.spec_stats.observe((num_draft,), (accepted,))
+        if accepted:
+            seq.spec_backoff = 0
+        else:  # each wasted round doubles the pause before the next proposal (at most 16)
+            seq.spec_backoff = min(16, 2 * seq.spec_backoff or 1)
+            seq.spec_skip = seq.spec_backoff
         appended: list[int] = []
         for token in tokens:
             seq.token_ids.append(token)

@@ -38,6 +38,8 @@ class SpeculativeConfig:
     prompt_lookup_min: int | None = None
     prompt_lookup_max: int | None = None
     model: str | None = None  # draft checkpoint directory or hub id ("draft_model" only)
+    # No proposals while more sequences than this run (vLLM's field; None: never disabled)
+    disable_by_batch_size: int | None = None
 
     def __post_init__(self) -> None:
         if self.method not in ("ngram", "draft_model"):
@@ -47,6 +49,11 @@ class SpeculativeConfig:
         k = self.num_speculative_tokens
         if not (isinstance(k, int) and not isinstance(k, bool) and k >= 1):
             raise InvalidRequestError(f"num_speculative_tokens must be at least 1, got {k!r}.")
+        limit = self.disable_by_batch_size
+        if limit is not None and not (
+            isinstance(limit, int) and not isinstance(limit, bool) and limit >= 1
+        ):
+            raise InvalidRequestError(f"disable_by_batch_size must be at least 1, got {limit!r}.")
         if self.method == "draft_model":
             self._check_draft_model()
         else:
