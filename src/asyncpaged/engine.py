@@ -53,6 +53,7 @@ from asyncpaged.messages import (
     UnpinPrefix,
 )
 from asyncpaged.model.cpu_plan import LEVERS, CpuPlan, plan_cpu
+from asyncpaged.model.draft import DraftModel, DraftProposals
 from asyncpaged.model.generation_config import GenerationDefaults, load_generation_defaults
 from asyncpaged.model.hub import resolve_model_path
 from asyncpaged.model.kv_tier_store import KVTierStore, build_kv_tiers
@@ -67,13 +68,31 @@ from asyncpaged.request_checks import (
     max_prompt_chars,
 )
 from asyncpaged.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
-from asyncpaged.spec_decode import NgramProposer
+from asyncpaged.spec_decode import NgramProposer, SpeculativeConfig
 from asyncpaged.streams import RequestState, RequestStream
 from asyncpaged.structured_outputs import EXTRA_HINT as STRUCTURED_EXTRA_HINT
 from asyncpaged.structured_outputs import GrammarBackend
 from asyncpaged.structured_outputs import is_available as structured_outputs_available
 
 log = get_logger(__name__)
+
+
+def check_draft_model(cfg: EngineConfig) -> None:
+    """Refuse what the draft-model method does not support yet: tensor parallelism (the
+    draft would need a shard per rank) and the KV tiers (they do not carry the draft's
+    cache)."""
+    spec = cfg.speculative_config
+    if spec is None or spec.method != "draft_model":
+        return
+    if cfg.tensor_parallel_size > 1:
+        raise InvalidRequestError(
+            "speculative method 'draft_model' needs tensor_parallel_size=1 (not supported with "
+            "tensor parallelism yet); use 'ngram'."
+        )
+    if cfg.kv_offload_host_bytes:
+        raise InvalidRequestError(
+            "speculative method 'draft_model' does not support the KV tiers (kv_offload_*) yet."
+        )
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -105,6 +124,7 @@ class AsyncEngine:
         self._ids = itertools.count()
         self._tp: TensorParallelRunner | None = None  # tensor_parallel_size > 1
         self._tier_store: KVTierStore | None = None  # kv_offload_host_bytes > 0
+        self._draft_proposals: DraftProposals | None = None  # speculative method "draft_model"
         self._dead_event = anyio.Event()  # set with _dead
         self._started = False  # start() was called: an engine starts once
         self._gc_frozen = False  # EngineConfig.gc_freeze: froze at start, unfreezes at close
@@ -142,6 +162,7 @@ class AsyncEngine:
         hf_config = text_config(hf_config)  # a multimodal checkpoint: its language model
         kv_dtype = dtype if cfg.kv_cache_dtype == "auto" else getattr(torch, cfg.kv_cache_dtype)
         tp_size = cfg.tensor_parallel_size
+        check_draft_model(cfg)
         if tp_size > 1:
             check_tensor_parallel(hf_config, tp_size)  # before any process starts
         shape = KVShape.from_hf_config(hf_config, kv_dtype.itemsize, tp_size)  # one rank's share
@@ -173,6 +194,11 @@ class AsyncEngine:
                                     fused_elementwise=levers["fused_elementwise"])
             )  # fmt: skip
             step_runner = self.runner  # TP=1: the executor drives the runner itself
+            speculative = cfg.speculative_config
+            if speculative is not None and speculative.method == "draft_model":
+                await anyio.to_thread.run_sync(
+                    self._attach_draft, speculative, dtype, kv_dtype, num_device, num_host, levers
+                )
         try:
             await self._start(hf_config, num_device, num_host, step_runner)
         except BaseException:
@@ -290,16 +316,44 @@ class AsyncEngine:
             self._owner_ready.set()
             self._owner_done.set()
 
-    def _proposer(self) -> Callable[[list[int], int], Sequence[int]] | None:
-        """Speculative decoding's proposer for the scheduler (None: no speculation)."""
+    def _attach_draft(
+        self,
+        spec: SpeculativeConfig,
+        dtype: torch.dtype,
+        kv_dtype: torch.dtype,
+        num_device: int,
+        num_host: int,
+        levers: dict[str, bool],
+    ) -> None:
+        """Load the draft model (its own KV cache over the target's block ids) onto the
+        runner (worker thread)."""
+        cfg = self.config
+        assert spec.model is not None
+        path = resolve_model_path(spec.model, None)
+        draft = DraftModel(
+            path, dtype=dtype, device=self.runner.device, num_blocks=num_device,
+            block_size=cfg.block_size, num_host_blocks=num_host, max_num_seqs=cfg.max_num_seqs,
+            num_speculative_tokens=spec.num_speculative_tokens, kv_cache_dtype=kv_dtype,
+            attn_backend=select_attention_backend(cfg.device, cfg.attention_backend),
+            packed_linears=levers["packed_linears"],
+            fused_elementwise=levers["fused_elementwise"], seed=cfg.seed,
+        )  # fmt: skip
+        self.runner.attach_draft(draft, self.max_model_len)
+        log.info("draft_model_loaded", model=spec.model, num_layers=draft.model.num_layers,
+                 num_scratch_blocks=draft.num_scratch_blocks)  # fmt: skip
+
+    def _proposer(self) -> Callable[[int, list[int], int], Sequence[int]] | None:
+        """Speculative decoding's proposer for the scheduler (None: no speculation): prompt
+        lookup, or the draft model's proposals of the last step (``DraftProposals``, filled
+        by the scheduler actor from each step's result)."""
         spec = self.config.speculative_config
         if spec is None:
             return None
-        if spec.method != "ngram":
-            raise InvalidRequestError(
-                f"speculative method {spec.method!r} is not supported yet; use 'ngram'."
-            )
-        return NgramProposer(spec, max_model_len=self.max_model_len).propose
+        if spec.method == "draft_model":
+            self._draft_proposals = DraftProposals()
+            return self._draft_proposals.propose
+        ngram = NgramProposer(spec, max_model_len=self.max_model_len)
+        return lambda seq_id, token_ids, k: ngram.propose(token_ids, k)
 
     def _build_actors(self, pool: BlockPool, scheduler: Scheduler, runner: StepRunner) -> None:
         spec = self.config.speculative_config
@@ -326,6 +380,7 @@ class AsyncEngine:
         self._scheduler = SchedulerActor(
             scheduler, self._allocator.snapshot(), sched_recv, txn_send, res_recv,
             exec_send, swap_send, self._eos, self.tokenizer, grammars,
+            draft_proposals=self._draft_proposals,
         )  # fmt: skip
         self._intake = IntakeActor(
             self._intake_tokenizer, self._limits.check_ids, self._limits.stop_criteria, intake_recv,

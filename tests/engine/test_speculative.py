@@ -42,7 +42,7 @@ class Oracle:
         self._rng = random.Random(seed)
         self.num_calls = 0
 
-    def __call__(self, token_ids: list[int], k: int) -> Sequence[int]:
+    def __call__(self, seq_id: int, token_ids: list[int], k: int) -> Sequence[int]:
         self.num_calls += 1
         for prompt, outputs in self._known.items():
             if tuple(token_ids[: len(prompt)]) != prompt:

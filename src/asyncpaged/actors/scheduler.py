@@ -18,7 +18,13 @@ from asyncpaged.core.block_table import PinnedPrefix
 from asyncpaged.core.kv_tiers import TierOp
 from asyncpaged.core.request import Request, RequestStatus
 from asyncpaged.core.request import Sequence as Seq
-from asyncpaged.core.scheduler import Scheduler, SchedulerOutput, SchedulerStatistics, SeqUpdate
+from asyncpaged.core.scheduler import (
+    ScheduledSeq,
+    Scheduler,
+    SchedulerOutput,
+    SchedulerStatistics,
+    SeqUpdate,
+)
 from asyncpaged.core.txn import PoolSnapshot, StepTxn, TxnResult
 from asyncpaged.errors import RequestFailedError
 from asyncpaged.messages import (
@@ -33,6 +39,7 @@ from asyncpaged.messages import (
     SwapSpaceInbox,
     UnpinPrefix,
 )
+from asyncpaged.model.draft import DraftProposals
 from asyncpaged.model.prompt_logprobs import PromptLogprobRows
 from asyncpaged.model.runner import SampledToken, SequenceStep, StepPlan
 from asyncpaged.model.sampler import SamplingOptions, derive_generator_key
@@ -67,8 +74,13 @@ class SchedulerActor:
         eos_token_ids: frozenset[int],
         tokenizer: Any = None,
         grammars: GrammarBackend | None = None,
+        *,
+        draft_proposals: DraftProposals | None = None,
     ) -> None:
+        """``draft_proposals``: the draft model's proposals (speculative method
+        "draft_model"), refilled from every step's result for the core's proposer."""
         self.scheduler = scheduler
+        self._draft_proposals = draft_proposals
         self._tokenizer = tokenizer
         self._grammars = grammars
         self._bad_words: dict[tuple[str, ...], tuple[tuple[int, ...], ...]] = {}
@@ -213,16 +225,13 @@ class SchedulerActor:
                 state.metrics.first_scheduled_time = now
             request = self.scheduler.requests[s.request_id]
             state.num_cached_tokens = request.num_cached_tokens
+            draft_k = self._draft_k(request, s) if request.num_speculative_tokens else 0
             if state.plain and state.grammar is None and s.num_samples == 1:
                 steps.append(SequenceStep(s.seq_id, s.token_ids, s.start_pos, s.slot_mapping,
                                           s.block_table, s.samples, min_rope_len=s.min_rope_len,
-                                          num_draft=s.num_draft))  # fmt: skip
+                                          num_draft=s.num_draft, draft_k=draft_k))  # fmt: skip
                 continue
-            seq = (
-                request.seqs[0]
-                if len(request.seqs) == 1
-                else next(q for q in request.seqs if q.seq_id == s.seq_id)
-            )
+            seq = _seq_of(request, s.seq_id)
 
             def options(
                 index: int,
@@ -263,6 +272,7 @@ class SchedulerActor:
                     num_prompt_logprobs=state.params.prompt_logprobs or 0,
                     num_draft=s.num_draft,
                     verify_options=verify_options,
+                    draft_k=draft_k,
                 )
             )
         self._in_flight = out
@@ -270,6 +280,24 @@ class SchedulerActor:
             ExecuteStep(output=out, plan=StepPlan(seqs=tuple(steps), copy_pairs=out.copy_on_write))
         )
         return True
+
+    def _draft_k(self, request: Request, s: ScheduledSeq) -> int:
+        """Draft-model proposals wanted after this step's token: the request's
+        ``num_speculative_tokens``, fewer near ``max_tokens`` or ``max_model_len`` (the next
+        step plans at most that many, see the core's ``_drafts``)."""
+        if self._draft_proposals is None or not s.samples or s.num_samples != 1:
+            return 0
+        seq = _seq_of(request, s.seq_id)
+        # No draft decodes for a next step that will not propose: a sequence backing off (a
+        # skipped step leaves its back-off as it is) or a batch over the speculation limit.
+        limit = self.scheduler.config.spec_disable_by_batch_size
+        if seq.spec_skip or (limit is not None and len(self.scheduler.running) > limit):
+            return 0
+        stop = request.stop
+        room = stop.max_tokens - seq.num_generated - 2
+        if stop.max_model_len is not None:
+            room = min(room, stop.max_model_len - len(seq.token_ids) - 2)
+        return max(0, min(request.num_speculative_tokens, room))
 
     def _verify_options(
         self, state: RequestState, seq: Seq, draft: tuple[int, ...]
@@ -345,6 +373,8 @@ class SchedulerActor:
                 tokens.setdefault(seq_id, []).append(t.token_id)
         top = {t.seq_id: t.top_logprobs for t in by_row.values() if t.sample_index == 0}
         updates = self.scheduler.update(out, tokens, top)
+        if self._draft_proposals is not None:
+            self._draft_proposals.record(out.seqs, sampled)
         for update in updates:
             state = self.states[update.request_id]
             upd = update
@@ -508,6 +538,12 @@ class SchedulerActor:
                 finish_reasons=[c.finish_reason for c in state.completions],
                 num_tokens=sum(len(c.token_ids) for c in state.completions),
             )
+
+
+def _seq_of(request: Request, seq_id: int) -> Seq:
+    if len(request.seqs) == 1:
+        return request.seqs[0]
+    return next(q for q in request.seqs if q.seq_id == seq_id)
 
 
 def _sampling_options(

@@ -164,11 +164,11 @@ class Scheduler:
         self,
         config: SchedulerConfig,
         new_seq_id: Callable[[], int] | None = None,
-        propose: Callable[[list[int], int], SeqOf[int]] | None = None,
+        propose: Callable[[int, list[int], int], SeqOf[int]] | None = None,
     ) -> None:
-        """``propose(token_ids, k)``: speculative decoding's proposer (at most ``k`` tokens to
-        follow ``token_ids``), asked for each decode of a request with
-        ``num_speculative_tokens``."""
+        """``propose(seq_id, token_ids, k)``: speculative decoding's proposer (at most ``k``
+        tokens to follow sequence ``seq_id``'s ``token_ids``), asked for each decode of a
+        request with ``num_speculative_tokens``."""
         self.config = config
         self._new_seq_id = new_seq_id or itertools.count(1 << 40).__next__
         self._propose = propose
@@ -410,7 +410,7 @@ class Scheduler:
             limit = min(k, budget, room)
             if limit <= 0:
                 continue
-            draft = tuple(self._propose(seq.token_ids, limit))[:limit]
+            draft = tuple(self._propose(seq.seq_id, seq.token_ids, limit))[:limit]
             if draft:
                 drafts[seq.seq_id] = draft
                 budget -= len(draft)

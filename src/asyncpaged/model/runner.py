@@ -24,7 +24,7 @@ import time
 from dataclasses import dataclass
 from itertools import chain
 from pathlib import Path
-from typing import Literal, NamedTuple, Protocol
+from typing import TYPE_CHECKING, Literal, NamedTuple, Protocol
 
 import numpy as np
 import torch
@@ -50,6 +50,9 @@ from asyncpaged.model.sampler import (
 )
 from asyncpaged.spec_decode.rejection import verify
 from asyncpaged.structured_outputs import grammar_mask_bias
+
+if TYPE_CHECKING:
+    from asyncpaged.model.draft import DraftModel
 
 _log = get_logger(__name__)
 
@@ -88,6 +91,9 @@ class SequenceStep(NamedTuple):
     # greedy), and the row's result holds the accepted proposals and the target's next token.
     num_draft: int = 0
     verify_options: tuple[SamplingOptions | None, ...] = ()
+    # Draft-model speculation: proposals wanted for this sequence's next step (the runner's
+    # draft proposes them after the token this step emits; ``SampledToken.proposals``).
+    draft_k: int = 0
 
     @property
     def wants_logprob(self) -> bool:
@@ -117,6 +123,7 @@ class SampledToken(NamedTuple):
     sample_index: int = 0  # which entry of the step's ``fanout`` drew it
     error: BaseException | None = None  # the row's logits processor raised: the request fails
     accepted: tuple[int, ...] = ()  # speculative decoding: the proposals kept before token_id
+    proposals: tuple[int, ...] = ()  # the draft model's proposals to follow token_id
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -288,15 +295,27 @@ class ModelRunner:
         )
         self._step_end: torch.cuda.Event | None = None  # see _record_step_end
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
+        # Draft-model speculation (``attach_draft``): its cache mirrors this one's block ids.
+        self.draft: DraftModel | None = None
+
+    def attach_draft(self, draft: DraftModel, max_model_len: int | None = None) -> None:
+        """Speculate with ``draft``: it runs every step's batch and proposes (``draft.py``)."""
+        vocab_size = int(self.model.lm_head_weight().shape[0])
+        draft.check_target(vocab_size, self.kv_cache.num_blocks, self.block_size, max_model_len)
+        self.draft = draft
 
     def swap_out(self, pairs: tuple[tuple[int, int], ...]) -> None:
         """Copy (device block, host block) pairs to the host cache (on CUDA, after the device
-        has finished the last step that returned)."""
+        has finished the last step that returned); the draft's blocks too."""
         swap_out(self.kv_cache, self.host_kv_cache, pairs, self._swap_stream, self._step_end)
+        if self.draft is not None:
+            self.draft.swap_out(pairs, self._swap_stream, self._step_end)
 
     def swap_in(self, pairs: tuple[tuple[int, int], ...]) -> None:
-        """Copy (host block, device block) pairs back to the device cache."""
+        """Copy (host block, device block) pairs back to the device cache (and the draft's)."""
         swap_in(self.kv_cache, self.host_kv_cache, pairs, self._swap_stream, self._step_end)
+        if self.draft is not None:
+            self.draft.swap_in(pairs, self._swap_stream, self._step_end)
 
     def _record_step_end(self) -> None:
         """CUDA: mark the end of a step's device work; swaps issued after the step returned
@@ -378,9 +397,23 @@ class ModelRunner:
     @torch.inference_mode()
     def _execute(self, plan: StepPlan) -> StepResult:
         self.model.attn_backend.copy_blocks(self.kv_cache, plan.copy_pairs)
+        draft = self.draft
+        if draft is not None:
+            draft.copy_blocks(plan.copy_pairs)
         if not plan.seqs:
             return StepResult(sampled=())
-        metadata, input_tensor, position_tensor = self._inputs(plan)
+        inputs = self._inputs(plan)
+        result = self._target_step(plan, *inputs)
+        return result if draft is None else draft.step(plan, inputs, result)
+
+    def _target_step(
+        self,
+        plan: StepPlan,
+        metadata: AttentionMetadata,
+        input_tensor: torch.Tensor,
+        position_tensor: torch.Tensor,
+    ) -> StepResult:
+        """The target's forward, prompt logprobs, verification and sampling."""
         began = time.perf_counter()
         hidden = self.model(input_tensor, position_tensor, metadata, self.kv_cache)  # [T, H]
         prompt = (
@@ -450,7 +483,9 @@ class ModelRunner:
                 argmax = greedy(self.model.compute_logits(states))
             return _greedy_verdicts(spec, drafts, argmax.tolist())
         options = [o for _, s in spec for o in s.verify_options or (None,) * (s.num_draft + 1)]
-        out = verify(self.model.compute_logits(states), drafts, options, generator=self.generator)
+        draft_probs = None if self.draft is None else self.draft.draft_probs([s for _, s in spec])
+        out = verify(self.model.compute_logits(states), drafts, options,
+                     draft_probs=draft_probs, generator=self.generator)  # fmt: skip
         return tuple(
             SampledToken(s.seq_id, tokens[-1], None, None, (), 0, out.errors.get(k), tokens[:-1])
             for k, ((_, s), tokens) in enumerate(zip(spec, out.token_ids, strict=True))

@@ -116,8 +116,10 @@ def run(args: argparse.Namespace) -> int:
             runs[mode].append(anyio.run(_run, args, mode, prompts))
     keys = [f"batch_{b}" for b in [*args.batches, args.throughput_batch]]
     base = runs[args.modes[0]]
-    print(f"CPU flags: {_cpu_flags()}; {args.threads} torch thread(s); {len(prompts)} prompts, "
-          f"{args.max_tokens} tokens, k={args.k}; medians of {args.repeats} interleaved runs")  # fmt: skip
+    print(
+        f"CPU flags: {_cpu_flags()}; {args.threads} torch thread(s); {len(prompts)} prompts, "
+        f"{args.max_tokens} tokens, k={args.k}; medians of {args.repeats} interleaved runs"
+    )
     summary: dict[str, Any] = {}
     for mode, rs in runs.items():
         row: dict[str, Any] = {}
