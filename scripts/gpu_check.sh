@@ -54,11 +54,12 @@ fi
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv 2>&1 | tee -a "$RESULTS/summary.txt" || true
 
 status=0
-log "1+2. kernel tests natively + end-to-end vs transformers"
+log "1+2. kernel tests natively + end-to-end vs transformers, swap ordering on a side stream"
 export ASYNCPAGED_KERNELS_NATIVE=1
 unset TRITON_INTERPRET
 # -W default: a deprecation warning of another torch / transformers version is shown, not fatal.
-if timeout 240 "$PY" -m pytest tests/kernels -q -p no:cacheprovider --timeout 200 -W default \
+if timeout 240 "$PY" -m pytest tests/kernels tests/model/test_swap_ordering_cuda.py -q \
+    -p no:cacheprovider --timeout 200 -W default \
     --ignore=tests/kernels/test_packaging.py --ignore=tests/kernels/test_cpu_attention.py \
     --ignore=tests/kernels/test_cpu_fused.py \
     --junitxml="$RESULTS/kernel_tests.xml" 2>&1 | tee "$RESULTS/kernel_tests.log"; then
