@@ -45,6 +45,9 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--log-level", default="warning", choices=cli_log.LEVELS,
                         help="engine events shown on stderr (default: warning)")  # fmt: skip
     parser.add_argument("--debug", action="store_true", help="show the traceback of an error")
+    parser.add_argument("--system-malloc", action="store_true",
+                        help="keep glibc's malloc settings (no tools/malloc_tuning.py), as a "
+                             "host that embeds the engine has them")  # fmt: skip
     sub = parser.add_subparsers(dest="command", required=True)
     for tool in (demo, chat, bench, waste_report, pool_bench, sharing_report, simulate):
         tool.add_parser(sub)
@@ -61,7 +64,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     from asyncpaged.tools.malloc_tuning import tune_this_process
 
     cli_log.configure(args.log_level)
-    tune_this_process()  # an application's choice: keeps freed activations for reuse
+    if not args.system_malloc:
+        tune_this_process()  # an application's choice: keeps freed activations for reuse
     try:
         result: int = args.func(args)
     except KeyboardInterrupt:

@@ -75,3 +75,18 @@ def test_the_kernel_build_prints_a_progress_line(
     assert len(lines) == 2
     assert cpu_build.build(source, "baseline", tmp_path / "cache") is not None  # cached
     assert capsys.readouterr().err == ""
+
+
+def test_system_malloc_leaves_glibc_alone(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from asyncpaged.tools import malloc_tuning
+
+    calls: list[bool] = []
+    monkeypatch.setattr(malloc_tuning, "tune_this_process", lambda: calls.append(True) or True)
+    missing = str(tmp_path / "no-such-checkpoint")
+    assert main(["--system-malloc", "generate", "--model", missing, "Hi"]) == 2
+    assert calls == []
+    assert main(["generate", "--model", missing, "Hi"]) == 2
+    assert calls == [True]
+    capsys.readouterr()
