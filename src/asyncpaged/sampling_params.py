@@ -522,6 +522,19 @@ class SamplingParams:
         return self.temperature < _SAMPLING_EPS
 
     @property
+    def is_plain_greedy(self) -> bool:
+        """The argmax of the raw logits at every step, nothing else asked per token: greedy,
+        no penalties, no min_tokens, no logit controls (bias, allowed ids, bad words,
+        processors), no logprobs. Such a row's sampling options are None (the fast path)."""
+        return (
+            self.is_greedy and self.logprobs is None and self.min_tokens == 0
+            and self.presence_penalty == 0.0 and self.frequency_penalty == 0.0
+            and self.repetition_penalty == 1.0 and not self.logit_bias
+            and self.allowed_token_ids is None and not self.bad_words
+            and not self.logits_processors
+        )  # fmt: skip
+
+    @property
     def sampling_type(self) -> SamplingType:
         """GREEDY, RANDOM_SEED (a seed was given) or RANDOM, as in vLLM."""
         if self.is_greedy:

@@ -116,12 +116,8 @@ class RequestState:
         # Plain greedy, one completion, nothing asked beyond tokens and text: each step's
         # sampling options are None (the runner's fast path) unless a grammar is set.
         self.plain = (
-            params.is_greedy and params.num_sequences == 1 and not beam
-            and params.logprobs is None and params.prompt_logprobs is None
-            and params.min_tokens == 0 and params.presence_penalty == 0.0
-            and params.frequency_penalty == 0.0 and params.repetition_penalty == 1.0
-            and not params.logit_bias and params.allowed_token_ids is None
-            and not params.bad_words and not params.logits_processors
+            params.is_plain_greedy and params.num_sequences == 1 and not beam
+            and params.prompt_logprobs is None
         )  # fmt: skip
         self.metrics = RequestMetrics(arrival_time=arrival_time)
         self.num_cached_tokens = 0

@@ -556,6 +556,8 @@ def _sampling_options(
     token_bitmask: torch.Tensor | None = None,
 ) -> SamplingOptions | None:
     """The executor's per-row sampling options; None for plain greedy (the fast path)."""
+    if token_bitmask is None and params.is_plain_greedy:
+        return None
     num_generated = len(token_ids) - num_prompt
     # The output is sliced only for bad words: a per-step copy of every history otherwise.
     banned = banned_next_tokens(bad_words_ids, token_ids[num_prompt:]) if bad_words_ids else ()

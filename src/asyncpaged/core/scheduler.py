@@ -344,7 +344,11 @@ class Scheduler:
                     i += 1
                     continue
                 chunks = [(seq, n)]
-                drafts = self._drafts(request, chunks, plan.budget_left)
+                drafts = (
+                    self._drafts(request, chunks, plan.budget_left)
+                    if request.num_speculative_tokens
+                    else {}
+                )
                 if drafts:
                     n += len(drafts[seq.seq_id])
                 need = -(-(have + n) // bs) - -(-have // bs) + (seq.seq_id in shared)
