@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import random
+import tracemalloc
 from pathlib import Path
 
 from asyncpaged.tools import bench_soak
-from asyncpaged.tools.bench_soak import percentile
+from asyncpaged.tools.bench_soak import Durations, percentile
 
 
 def _parse(argv: list[str]) -> argparse.Namespace:
@@ -20,6 +22,35 @@ def test_percentile() -> None:
     assert percentile([], 0.99) == 0.0
     assert percentile([3.0, 1.0, 2.0], 0.5) == 2.0
     assert percentile(list(map(float, range(101))), 0.99) == 99.0
+
+
+def test_durations_percentiles_within_a_percent() -> None:
+    rng = random.Random(0)
+    values = [rng.lognormvariate(-7, 1.5) for _ in range(20000)] + [0.0, 3e-7, 250.0]
+    durations = Durations()
+    for v in values:
+        durations.record(v)
+    assert durations.count == sum(durations.counts) == len(values)
+    assert durations.max_s == max(values)
+    for q in (0.0, 0.1, 0.5, 0.9, 0.99, 0.999, 1.0):
+        exact = percentile(values, q)
+        got = durations.percentile(q)
+        assert exact <= got <= max(exact * 1.0101, Durations.MIN_S), (q, exact, got)
+    assert Durations().percentile(0.5) == 0.0
+
+
+def test_durations_record_allocates_nothing_that_stays() -> None:
+    durations = Durations()
+    durations.record(1e-3)
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        for i in range(50000):
+            durations.record(1e-4 * (1 + i % 977))
+        after = tracemalloc.get_traced_memory()[0]
+    finally:
+        tracemalloc.stop()
+    assert after - before < 4096  # a list of the samples would hold ~1.6 MB
 
 
 def test_soak_short_run(tmp_path: Path) -> None:
