@@ -16,6 +16,7 @@ prefix cache must hold verified content, so a rejected token never enters the ca
 
 from __future__ import annotations
 
+import copy
 import itertools
 from dataclasses import dataclass
 
@@ -400,6 +401,39 @@ class BlockPoolMachine(RuleBasedStateMachine):
         for sid in plan.seq_ids:
             if sid in self.model:
                 self.model[sid].location = Location.HOST if out else Location.DEVICE
+
+    @precondition(lambda self: self.has(Location.DEVICE))
+    @rule(data=st.data())
+    def group_append_need(self, data: st.DataObject) -> None:
+        """``num_blocks_to_append_all`` is what running those appends in order consumes
+        (siblings sharing a partial tail: only the last writes in place), on a copy."""
+        verified = sorted(s for s, m in self.model.items()
+                          if m.location is Location.DEVICE and m.spec_start is None)  # fmt: skip
+        if not verified:
+            return
+        sids = data.draw(st.lists(st.sampled_from(verified), min_size=1, max_size=3, unique=True))
+        counts = [data.draw(st.integers(1, 3 * BS), label="tokens") for _ in sids]
+        need = self.pool.num_blocks_to_append_all(list(zip(sids, counts, strict=True)))
+        trial = copy.deepcopy(self.pool)
+        free = trial.num_free_device_blocks
+        if need > free:
+            return
+        for sid, n in zip(sids, counts, strict=True):
+            assert trial.append(sid, [1] * n) is not None
+        assert free - trial.num_free_device_blocks == need
+        self.note("group append need")
+
+    @precondition(lambda self: self.swaps)
+    @rule()
+    def blocks_coming(self) -> None:
+        """``num_blocks_coming`` is what completing every swap-out frees, on a copy."""
+        trial = copy.deepcopy(self.pool)
+        free = trial.num_free_device_blocks
+        for swap_id, plan in self.swaps.items():
+            if plan.direction is SwapDirection.OUT:
+                trial.complete_swap(swap_id)
+        assert trial.num_free_device_blocks - free == self.pool.num_blocks_coming
+        self.note("blocks coming")
 
     @rule(num_blocks=st.none() | st.integers(0, 4))
     def evict(self, num_blocks: int | None) -> None:

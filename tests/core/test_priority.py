@@ -24,10 +24,10 @@ from asyncpaged.core.kv_tiers import (
     TierIndex,
     TierOp,
 )
-from asyncpaged.core.policy import QueuePolicy, Room, check_priority, choose_victims
+from asyncpaged.core.policy import QueuePolicy, check_priority, num_outranked
 from asyncpaged.core.request import Request, Sequence, StopCriteria
 from asyncpaged.core.scheduler import Scheduler, SchedulerConfig
-from asyncpaged.core.txn import apply_txn, snapshot
+from asyncpaged.core.txn import Claim, StepTxn, apply_txn, snapshot
 from asyncpaged.errors import InvalidRequestError
 from tests.core.test_scheduler_property import BASE, BS, EOS, FakeWorld, reference_output
 
@@ -192,7 +192,7 @@ def test_without_aging_credit_a_stream_would_starve_it() -> None:
     assert "low" not in d.finished
 
 
-def test_choose_victims_is_all_or_nothing() -> None:
+def test_num_outranked_counts_from_the_end() -> None:
     policy = QueuePolicy("priority")
 
     def req(rid: str, priority: int) -> Request:
@@ -202,17 +202,40 @@ def test_choose_victims_is_all_or_nothing() -> None:
         return r
 
     running = [req("a", 0), req("b", 3), req("c", 5)]
-    cand = req("w", 1)
-    gain = lambda r: Room(seats=1, blocks=2)  # noqa: E731
-    # Needs 3 blocks: c and b (outranked) free 4.
-    got = choose_victims(policy, cand, running, Room(seats=1, blocks=3), Room(seats=1, blocks=0),
-                         gain)  # fmt: skip
-    assert [r.request_id for r in got] == ["c", "b"]
-    # Needs 5: only a could add more, and w does not outrank a: nothing is preempted.
-    assert choose_victims(policy, cand, running, Room(seats=1, blocks=5), Room(seats=1, blocks=0),
-                          gain) == []  # fmt: skip
-    assert choose_victims(policy, cand, running, Room(seats=1, blocks=1), Room(seats=1, blocks=1),
-                          gain) == []  # fmt: skip
+    assert num_outranked(policy, req("w", 1), running) == 2  # c and b, not a
+    assert num_outranked(policy, req("w", 5), running) == 0  # ties do not preempt
+    assert num_outranked(QueuePolicy("fcfs"), req("w", 0), running) == 0
+
+
+def test_claim_takes_the_fewest_victims_or_none() -> None:
+    """The allocator's side of a claim: victims from the front of ``victims`` until the
+    released blocks (counted once when victims share them) and seats cover it; all or none."""
+
+    def pool_with_shared_prefix() -> BlockPool:
+        pool = BlockPool(8, 0, block_size=BS)
+        prefix = list(range(BS))
+        for seq_id in (0, 1, 2):  # one shared full block, one block of its own each
+            assert pool.allocate(seq_id, [*prefix, 100 + seq_id]) is not None
+        return pool
+
+    victims = ((2,), (1,), (0,))
+    cases = [  # (claim, victims preempted)
+        (Claim(num_victims=2, seats=1, blocks=4 + 1), 1),
+        # The shared block is released only when its last holder goes: 2 victims free 2, not 3.
+        (Claim(num_victims=2, seats=0, blocks=4 + 2), 2),
+        (Claim(num_victims=2, seats=0, blocks=4 + 3), 0),  # all outranked ones cannot: none
+        (Claim(num_victims=3, seats=0, blocks=4 + 4), 3),  # with the third, the shared one too
+        (Claim(num_victims=3, seats=3, blocks=0), 3),
+        (Claim(num_victims=2, seats=3, blocks=0), 0),
+    ]  # fmt: skip
+    for claim, expected in cases:
+        pool = pool_with_shared_prefix()
+        assert pool.num_free_device_blocks == 4
+        txn = StepTxn(victims=victims, claim=claim, append_group_sizes=())
+        result = apply_txn(pool, txn)
+        assert result.preempted == (False,) * expected, claim
+        assert pool.num_free_device_blocks == 4 + [0, 1, 2, 4][expected], claim
+        pool.check_invariants()
 
 
 @pytest.mark.parametrize("bad", [True, 1.0, "1", None])

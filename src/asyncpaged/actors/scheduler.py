@@ -214,8 +214,8 @@ class SchedulerActor:
             self._swaps.send_nowait(SwapBlocks(plan=plan))
         for rid in out.preempted:
             self._log.info("request_preempted", request_id=rid)
-        if not out.seqs:
-            return bool(txn.frees or txn.complete_swaps)
+        if not out.seqs:  # it changed something the next plan may use, or nothing
+            return bool(txn.frees or txn.complete_swaps or out.preempted)
         now = time.monotonic()
         steps = []
         bitmasks = self._grammar_bitmasks(out)

@@ -230,6 +230,35 @@ class BlockPool:
         table = self._device_table(seq_id, "append to")
         return self._blocks_to_append(table, num_tokens)
 
+    def num_blocks_to_append_all(self, appends: Sequence[tuple[SeqId, int]]) -> int:
+        """Device blocks that these appends (sequence, number of tokens), run in order, take:
+        exact for siblings sharing a partial last block (the last of its holders to append
+        writes in place, the others copy it)."""
+        bs, ref_cnt = self.block_size, self.device.ref_cnt
+        copied: dict[int, int] = {}  # shared tail block -> holders that copied it away so far
+        need = 0
+        for seq_id, num_tokens in appends:
+            table = self._device_table(seq_id, "append to")
+            need += -(-(table.num_tokens + num_tokens) // bs) - len(table.block_ids)
+            if table.num_tokens % bs:
+                tail = table.block_ids[-1]
+                if ref_cnt[tail] - copied.get(tail, 0) > 1:
+                    need += 1
+                    copied[tail] = copied.get(tail, 0) + 1
+        return need
+
+    @property
+    def num_blocks_coming(self) -> int:
+        """Device blocks that the swap-outs in flight release when their copies complete."""
+        device = self.device
+        blocks = {  # a block two swap-outs copy (shared by their groups) is counted once
+            b
+            for swap in self._swaps.values()
+            if swap.plan.direction is SwapDirection.OUT
+            for b, _ in swap.plan.block_mapping
+        }
+        return sum(1 for b in blocks if device.ref_cnt[b] == device.in_flight[b])
+
     def can_append(self, seq_id: SeqId, num_tokens: int = 1) -> bool:
         return self.num_blocks_to_append(seq_id, num_tokens) <= self.device.num_allocatable
 

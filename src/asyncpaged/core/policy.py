@@ -13,15 +13,16 @@ convention: lower values first, FCFS among equals):
   earned).
 * **Preemption for a waiting request.** When the best waiting request cannot be admitted for
   lack of sequence seats (``max_num_seqs``) or device blocks, the lowest-ranked running groups
-  that it strictly outranks are preempted, whole (swap or recompute, as configured), but only if
-  preempting them makes room; otherwise none are (:func:`choose_victims`).
+  that it strictly outranks are preempted, whole (swap or recompute, as configured), the fewest
+  that make room, but only if preempting them makes room; otherwise none are. The scheduler
+  counts the outranked groups (:func:`num_outranked`) and the allocator, which knows exactly
+  what preempting them frees, picks (``core/txn.py``'s claim).
 * **Swapped requests come back in rank order** with the waiting ones: a waiting request is
   offered for admission once every swapped request ranked above it is coming back.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
 from collections.abc import Sequence as SeqOf
 from dataclasses import dataclass
 from typing import Literal
@@ -86,38 +87,15 @@ class QueuePolicy:
         return self.is_priority and a.effective_priority < b.effective_priority
 
 
-def choose_victims(
-    policy: QueuePolicy,
-    candidate: Request,
-    running: SeqOf[Request],
-    need: Room,
-    have: Room,
-    gain: Callable[[Request], Room],
-) -> list[Request]:
-    """The running groups to preempt so that ``candidate`` fits, lowest-ranked first.
-
-    ``running`` is in queue order (victims come from its end); ``gain(r)`` is what preempting
-    ``r`` frees. Returns ``[]`` when ``candidate`` already fits, or when preempting every group
-    it outranks would not make room (preempting some would only waste their work).
-    """
-    seats, blocks = have.seats, have.blocks
-    if seats >= need.seats and blocks >= need.blocks:
-        return []
-    victims: list[Request] = []
-    for victim in _from_the_end(running):
+def num_outranked(policy: QueuePolicy, candidate: Request, running: SeqOf[Request]) -> int:
+    """How many running groups, from the end of ``running`` (queue order: the victims' end),
+    ``candidate`` strictly outranks: the ones a claim may preempt."""
+    n = 0
+    for victim in reversed(running):
         if not policy.outranks(candidate, victim):
             break
-        victims.append(victim)
-        freed = gain(victim)
-        seats += freed.seats
-        blocks += freed.blocks
-        if seats >= need.seats and blocks >= need.blocks:
-            return victims
-    return []
-
-
-def _from_the_end(running: SeqOf[Request]) -> Iterable[Request]:
-    return reversed(running)
+        n += 1
+    return n
 
 
 def _queue_key(request: Request) -> tuple[int, int]:
@@ -143,5 +121,5 @@ __all__ = [
     "Room",
     "SchedulingPolicy",
     "check_priority",
-    "choose_victims",
+    "num_outranked",
 ]

@@ -13,13 +13,16 @@ The plan, in order:
 1. running requests, oldest first: a decode token per sequence, or the next prefill chunk. A
    request whose blocks do not fit preempts the newest running request (all its sequences: by
    swap to the host pool, or by recompute) until it fits, or waits a step when blocks being
-   swapped out will free enough;
-2. if nothing was preempted: swapped requests come back in, oldest first;
-3. if nothing is preempted or swapped: waiting requests are offered for admission, oldest first,
-   within the token and sequence budgets (chunked prefill); the allocator admits a prefix of them.
+   swapped out will free enough. How far that goes only the pool knows exactly, so when the
+   plan's needs exceed the snapshot's free blocks the transaction carries the running groups
+   as victims and the allocator preempts (core/txn.py); :meth:`Scheduler.apply` settles them;
+2. if the needs fit: swapped requests come back in, oldest first;
+3. if the needs fit and nothing is swapped: waiting requests are offered for admission, oldest
+   first, within the token and sequence budgets (chunked prefill); the allocator admits a prefix
+   of them.
 
-Finished, aborted and recompute-preempted sequences are freed, and completed swaps confirmed, in
-the next transaction.
+Finished and aborted sequences are freed, and completed swaps confirmed, in the next
+transaction.
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ import math
 from collections.abc import Callable, Mapping
 from collections.abc import Sequence as SeqOf
 from collections.abc import Set as AbstractSet
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Literal, NamedTuple
 
 from asyncpaged.core.beam_search import Hypothesis
@@ -40,13 +43,13 @@ from asyncpaged.core.policy import (
     QueuePolicy,
     Room,
     SchedulingPolicy,
-    choose_victims,
+    num_outranked,
 )
 from asyncpaged.core.request import Request, RequestStatus, Sequence
 from asyncpaged.core.txn import (
-    NUM_REPORTED_GROUPS,
     Admission,
     AllocateOp,
+    Claim,
     PinOp,
     PoolSnapshot,
     StepTxn,
@@ -137,10 +140,9 @@ class _Plan:
 
     budget_left: int
     seats_left: int
-    free: int  # device blocks free for mandatory operations
-    host_free: int
-    coming: int = 0  # device blocks that swap-outs started now free when done
-    preempted: list[str] = field(default_factory=list)
+    free: int  # device blocks free for mandatory operations (negative: under pressure)
+    short: bool = False  # some request's blocks do not fit: the allocator preempts
+    claim: Claim | None = None  # priority policy: a waiting request claims running groups' room
 
 
 class Scheduler:
@@ -156,6 +158,8 @@ class Scheduler:
     * Preemption and swapping move whole requests (all live sequences together).
     * No request is admitted in a step that preempted, nor (FCFS) while another is swapped or
       (priority) while a swapped request ranked above it is not coming back.
+    * Victims are always the newest (lowest-ranked) running requests; between :meth:`plan` and
+      :meth:`apply` they stay in ``running``, and ``apply`` moves those the allocator took.
     * Queues are sorted by :attr:`Request.queue_key` (core/policy.py): arrival under FCFS.
     * Every mandatory operation of a planned transaction fits the snapshot it was planned on.
     """
@@ -189,9 +193,9 @@ class Scheduler:
         self._pending_pins: list[PinOp] = []
         self._pending_unpins: list[int] = []  # seqs back on device since the last snapshot
         self._step_ids = itertools.count()
-        self._preempted: tuple[str, ...] = ()
         # the last plan's appends: (request, sequence, proposals appended after its tokens)
         self._planned: list[tuple[Request, Sequence, int]] = []
+        self._victims: list[Request] = []  # the last plan's victims, newest first
         self._watermark = math.ceil(config.watermark * config.num_device_blocks)
         self._min_rope_len = (config.rope_switch_len or 0) + 1
         self.policy = QueuePolicy(config.scheduling_policy, config.priority_aging_steps)
@@ -268,7 +272,6 @@ class Scheduler:
             budget_left=cfg.max_num_batched_tokens,
             seats_left=cfg.max_num_seqs,
             free=snap.num_free_device_blocks,
-            host_free=snap.num_free_host_blocks,
         )
         frees, self._pending_frees = self._pending_frees, []
         completes, self._pending_completes = self._pending_completes, []
@@ -279,25 +282,24 @@ class Scheduler:
         # snapshot: count their partial last blocks as shared (a copy-on-write may be due).
         shared = snap.shared_tails | {s for pair in forks for s in pair} | self._swapped_back
         self._swapped_back = set()
-        swap_outs: list[tuple[int, ...]] = []
         if self.policy.is_priority:
-            self._preempt_for_priority(plan, snap, frees, swap_outs)
-        appends = self._plan_running(plan, shared, snap, frees, swap_outs)
+            self._claim_for_priority(plan)
+        appends, sizes = self._plan_running(plan, shared, frees)
         swap_ins: list[tuple[int, ...]] = []
         admissions: list[Admission] = []
-        if self.policy.is_priority:
-            if not plan.preempted:
-                swap_ins, admissions = self._plan_in_rank_order(plan)
+        pressure = plan.short or plan.claim is not None
+        if pressure:
+            self._victims = self.running[::-1]
         else:
-            swap_ins = [] if plan.preempted else self._plan_swap_ins(plan)
-            if not plan.preempted and not self.swapped:
-                admissions = self._plan_admissions(plan)
-        # The newest running groups; the allocator adds the groups it admits.
-        newest = self.running[-NUM_REPORTED_GROUPS:]
-        report = tuple(tuple(s.seq_id for s in r.live_seqs) for r in newest)
-        self._preempted = tuple(plan.preempted)
+            self._victims = []
+            if self.policy.is_priority:
+                swap_ins, admissions = self._plan_in_rank_order(plan)
+            else:
+                swap_ins = self._plan_swap_ins(plan)
+                if not self.swapped:
+                    admissions = self._plan_admissions(plan)
         truncates, self._pending_truncates = self._pending_truncates, []
-        if truncates and frees:  # a sequence freed now (finished, recomputed) keeps nothing
+        if truncates and frees:  # a sequence freed now (finished, restarted) keeps nothing
             gone = set(frees)
             truncates = [t for t in truncates if t[0] not in gone]
         num_draft = tuple(n for _, _, n in self._planned)
@@ -307,7 +309,6 @@ class Scheduler:
             pins=tuple(pins),
             unpins=tuple(unpins),
             frees=tuple(frees),
-            swap_outs=tuple(swap_outs),
             append_seq_ids=tuple(seq_id for seq_id, _ in appends),
             append_token_ids=tuple(tokens for _, tokens in appends),
             append_num_draft=num_draft if any(num_draft) else (),
@@ -315,19 +316,22 @@ class Scheduler:
             swap_ins=tuple(swap_ins),
             admissions=tuple(admissions),
             watermark_blocks=self._watermark if self.running else 0,
-            report_groups=report,
+            victims=tuple(tuple(s.seq_id for s in r.live_seqs) for r in self._victims),
+            append_group_sizes=tuple(sizes) if pressure else (),
+            swap_victims=cfg.preemption_mode == "swap",
+            claim=plan.claim,
         )
 
     def _plan_running(
-        self,
-        plan: _Plan,
-        shared: AbstractSet[int | str],
-        snap: PoolSnapshot,
-        frees: list[int],
-        swap_outs: list[tuple[int, ...]],
-    ) -> list[tuple[int, tuple[int, ...]]]:
+        self, plan: _Plan, shared: AbstractSet[int | str], frees: list[int]
+    ) -> tuple[list[tuple[int, tuple[int, ...]]], list[int]]:
+        """The running requests' appends in queue order, within the budgets: (seq id, tokens)
+        per sequence, and the number of them per request. Where the blocks run short
+        (``plan.short``) the allocator preempts; the needs here are upper bounds (a tail
+        counted as shared may not be)."""
         bs = self.config.block_size
         appends: list[tuple[int, tuple[int, ...]]] = []  # (seq id, tokens)
+        sizes: list[int] = []
         planned = self._planned = []
         running = self.running
         i = 0
@@ -368,14 +372,10 @@ class Scheduler:
             if self._outgrows_short_rope(request, chunks):
                 self._restart_long_rope(request, frees)
                 continue  # the next request moved into index i
-            while need > plan.free and need > plan.free + plan.coming:
-                victim = running[-1]
-                self._preempt(victim, plan, snap, frees, swap_outs)
-                if victim is request:
-                    break
-            if request.status is not RequestStatus.RUNNING or need > plan.free:
-                break  # it preempted itself, or it waits for swap-outs (so do newer ones)
+            if need > plan.free:
+                plan.short = True
             plan.free -= need
+            sizes.append(len(chunks))
             for seq, n in chunks:
                 start = seq.num_computed_tokens
                 draft = drafts.get(seq.seq_id, ()) if drafts else ()
@@ -385,7 +385,7 @@ class Scheduler:
                 plan.budget_left -= len(tokens)
                 plan.seats_left -= 1
             i += 1
-        return appends
+        return appends, sizes
 
     def _drafts(
         self, request: Request, chunks: list[tuple[Sequence, int]], budget: int
@@ -447,56 +447,29 @@ class Scheduler:
         have = seq.num_computed_tokens
         return -(-(have + n) // bs) - -(-have // bs) + (1 if shared_tail else 0)
 
-    def _preempt(
-        self,
-        request: Request,
-        plan: _Plan,
-        snap: PoolSnapshot,
-        frees: list[int],
-        swap_outs: list[tuple[int, ...]],
-    ) -> None:
+    def _settle_preemption(self, request: Request, swapped: bool) -> None:
+        """The allocator preempted ``request`` (all its sequences): swapped out, or freed to be
+        recomputed."""
         self.running.remove(request)
         request.num_preemptions += 1
         self.num_preemptions += 1
-        plan.preempted.append(request.request_id)
-        group = tuple(s.seq_id for s in request.live_seqs)
-        # Without a report (an old request, or one that came back since the snapshot) assume
-        # it frees nothing and bound its distinct blocks by its tables' lengths.
-        report = next((g for g in snap.groups if g.seq_ids == group), None)
-        exclusive = report.num_exclusive_blocks if report else 0
-        bs = self.config.block_size
-        distinct = (
-            report.num_distinct_blocks
-            if report
-            else sum(-(-s.num_computed_tokens // bs) for s in request.live_seqs)
-        )
-        if self.config.preemption_mode == "swap" and distinct <= plan.host_free:
-            plan.host_free -= distinct
-            plan.coming += exclusive
-            swap_outs.append(group)
+        if swapped:
             request.status = RequestStatus.SWAPPING_OUT
             _insort(self.swapped, request)
             self.num_swap_outs += 1
             return
-        frees.extend(group)  # recompute (also when the host pool is full)
-        plan.free += exclusive
-        for seq in request.live_seqs:
+        for seq in request.live_seqs:  # the allocator freed them
             seq.num_computed_tokens = 0
             seq.has_blocks = False
         request.status = RequestStatus.WAITING
         _insort(self.waiting, request)
         self.num_recomputes += 1
 
-    def _preempt_for_priority(
-        self,
-        plan: _Plan,
-        snap: PoolSnapshot,
-        frees: list[int],
-        swap_outs: list[tuple[int, ...]],
-    ) -> None:
-        """Priority policy: age the waiting and swapped requests, then preempt the running
-        groups the best waiting request outranks if it lacks seats or blocks (core/policy.py;
-        its blocks estimated without prefix-cache hits)."""
+    def _claim_for_priority(self, plan: _Plan) -> None:
+        """Priority policy: age the waiting and swapped requests; if the best waiting request
+        lacks seats or blocks (estimated without prefix-cache hits), claim the room of the
+        running groups it outranks (``plan.claim``: the allocator preempts the fewest of them
+        that make room, exactly, or none; core/policy.py's rule)."""
         policy, cfg = self.policy, self.config
         policy.age(self.waiting)
         policy.age(self.swapped)
@@ -515,26 +488,24 @@ class Scheduler:
             seats=len(seqs),
             blocks=sum(-(-min(len(s.token_ids), chunk) // bs) for s in seqs) + self._watermark,
         )
-        have = Room(
-            seats=cfg.max_num_seqs - sum(len(r.live_seqs) for r in self.running),
-            blocks=plan.free,
-        )
-        reports = {g.seq_ids: g.num_exclusive_blocks for g in snap.groups}
-
-        def gain(request: Request) -> Room:
-            group = tuple(s.seq_id for s in request.live_seqs)
-            return Room(seats=len(group), blocks=reports.get(group, 0))
-
-        for victim in choose_victims(policy, best, self.running, need, have, gain):
-            self._preempt(victim, plan, snap, frees, swap_outs)
+        seats = cfg.max_num_seqs - sum(len(r.live_seqs) for r in self.running)
+        if seats >= need.seats and plan.free >= need.blocks:
+            return
+        outranked = num_outranked(policy, best, self.running)
+        if outranked:
+            plan.claim = Claim(num_victims=outranked, seats=need.seats - seats, blocks=need.blocks)
 
     def _plan_in_rank_order(self, plan: _Plan) -> tuple[list[tuple[int, ...]], list[Admission]]:
         """Priority policy: swapped requests ranked above the best waiting one come back first;
         the waiting ones are offered once every one of those is coming back."""
         limit = self.waiting[0].queue_key if self.waiting else None
         swap_ins = self._plan_swap_ins(plan, before=limit)
+        coming = {s for group in swap_ins for s in group}
         if limit is None or any(
-            r.status is not RequestStatus.SWAPPING_IN and r.queue_key < limit for r in self.swapped
+            r.status is not RequestStatus.SWAPPING_IN
+            and r.live_seqs[0].seq_id not in coming
+            and r.queue_key < limit
+            for r in self.swapped
         ):
             return swap_ins, []
         return swap_ins, self._plan_admissions(plan)
@@ -558,9 +529,7 @@ class Scheduler:
             if need + step + self._watermark > plan.free:
                 break  # first come, first served: no one overtakes
             plan.free -= need
-            request.status = RequestStatus.SWAPPING_IN
             groups.append(tuple(s.seq_id for s in request.live_seqs))
-            self.num_swap_ins += 1
         return groups
 
     def _plan_admissions(self, plan: _Plan) -> list[Admission]:
@@ -587,15 +556,19 @@ class Scheduler:
         """Settle admissions and swaps and build the step the executor runs."""
         seqs: list[ScheduledSeq] = []
         num_tokens = 0
-        # The allocator grants every planned append, in plan order.
+        # The allocator grants a prefix of the planned appends (all of them without pressure).
+        num_appended = len(result.append_slots)
         appended = zip(
-            self._planned, txn.append_token_ids, result.append_slots, result.append_tables,
-            strict=True,
+            self._planned[:num_appended], txn.append_token_ids, result.append_slots,
+            result.append_tables, strict=False,
         )  # fmt: skip
         for (request, seq, num_draft), tokens, slots, table in appended:
             num_tokens += self._schedule(
                 seqs, request, seq, seq.num_computed_tokens, tokens, slots, table, num_draft
             )
+        preempted = self._victims[: len(result.preempted)]
+        for request, swapped in zip(preempted, result.preempted, strict=True):
+            self._settle_preemption(request, swapped)
         for plan in result.swap_outs:
             request = self._swap_owner(plan)
             request.swap_id = plan.swap_id
@@ -603,6 +576,9 @@ class Scheduler:
             request.num_swap_blocks = len(plan.block_mapping)
         for plan in result.swap_ins:
             request = self._swap_owner(plan)
+            assert request.status is RequestStatus.SWAPPED
+            request.status = RequestStatus.SWAPPING_IN
+            self.num_swap_ins += 1
             request.swap_id = plan.swap_id
             self._swaps[plan.swap_id] = request
         for request_id, grants in result.admitted:
@@ -625,7 +601,7 @@ class Scheduler:
             copy_on_write=result.copy_on_write,
             swap_outs=result.swap_outs,
             swap_ins=result.swap_ins,
-            preempted=self._preempted,
+            preempted=tuple(r.request_id for r in preempted),
             num_batched_tokens=num_tokens,
         )
 
