@@ -47,10 +47,12 @@ from asyncpaged.messages import (
     AbortRequest,
     ChatPrompt,
     ExecuteStep,
+    ForgetPin,
     SchedulerInbox,
     SubmitRequest,
     SwapSpaceInbox,
     UnpinPrefix,
+    WatchPin,
 )
 from asyncpaged.model.cpu_plan import LEVERS, CpuPlan, plan_cpu
 from asyncpaged.model.draft import DraftModel, DraftProposals
@@ -415,9 +417,7 @@ class AsyncEngine:
             self._dead = exc
             self._dead_event.set()
             log.error("engine_failed", error=repr(exc))
-        for state in self._live.values():
-            state.fail(self._dead)
-        for state in self._scheduler.states.values():
+        for state in self._live.values():  # every request not yet done
             state.fail(self._dead)
 
     async def _close_tensor_parallel(self, *, graceful: bool) -> None:
@@ -460,9 +460,7 @@ class AsyncEngine:
         self._closed = True
         try:
             if self._dead is None:
-                for rid in list(self._scheduler.states):
-                    self._abort_nowait(rid)
-                for state in list(self._live.values()):  # still in intake, too
+                for state in list(self._live.values()):  # wherever it is, intake included
                     self._abort_state(state)
                 with anyio.fail_after(60):
                     await self._wait_or_dead(self._scheduler.wait_idle)
@@ -549,8 +547,8 @@ class AsyncEngine:
         """Compute ``prefix`` once and pin its full blocks in the prefix cache until
         :meth:`unpin_prefix`: requests that start with it (and have the same ``cache_salt``) map
         those blocks instead of computing them. Raises :class:`InvalidRequestError` for a prefix
-        shorter than one block. If cancelled midway, the prefix may still be computed (and is
-        then only cached, not pinned)."""
+        shorter than one block. If cancelled midway (or failing), nothing stays pinned: the
+        prefix may still be computed, and is then only cached."""
         self._check_alive()
         if not self.config.enable_prefix_caching:
             raise InvalidRequestError("pin_prefix needs enable_prefix_caching=True.")
@@ -566,24 +564,41 @@ class AsyncEngine:
                 f"a pinned prefix needs at least one full block of {self.config.block_size} "
                 f"tokens, got {len(ids)}."
             )
+        self._check_alive()  # the tokenizing above may have outlived the engine
         pin_id = next(self._ids)
         event: anyio.Event = anyio.Event()
         slot: list[PinnedPrefix | None] = []
-        self._scheduler.pins[pin_id] = (event, slot)
+        self._control.send_nowait(WatchPin(pin_id=pin_id, event=event, slot=slot))
+        returned = False
         try:
             params = SamplingParams(temperature=0.0, max_tokens=1)
             stream = self._submit_request(ids, params, f"pin-{pin_id}", cache_salt, pin_id)
             await stream
             await self._wait_or_dead(event.wait)  # set by the pin's transaction
             self._check_alive()
+            returned = True
         finally:
-            if not slot:
-                self._scheduler.pins.pop(pin_id, None)
+            if not returned:  # refused, failed or cancelled: nobody will hold the handle
+                self._release_pin(pin_id, slot)
         pinned = slot[0]
         if pinned is None:  # evicted before it could be pinned: only under extreme pressure
             raise InvalidRequestError("the prefix was evicted before it could be pinned; retry.")
         return PrefixHandle(pool_pin_id=pinned.pin_id, num_tokens=pinned.num_tokens,
                             num_blocks=len(pinned.block_ids))  # fmt: skip
+
+    def _release_pin(self, pin_id: int, slot: list[PinnedPrefix | None]) -> None:
+        """A ``pin_prefix`` call that will not return its handle: unpin what its transaction
+        pinned, or tell the scheduler to unpin it when that transaction comes."""
+        pinned = slot[0] if slot else None
+        msg: UnpinPrefix | ForgetPin
+        if pinned is not None:
+            msg = UnpinPrefix(pool_pin_id=pinned.pin_id, handled=anyio.Event())
+        elif not slot:
+            msg = ForgetPin(pin_id=pin_id)
+        else:
+            return  # the transaction came and pinned nothing
+        with contextlib.suppress(anyio.ClosedResourceError, anyio.BrokenResourceError):
+            self._control.send_nowait(msg)
 
     async def unpin_prefix(self, handle: PrefixHandle) -> None:
         """Let a pinned prefix's blocks be evicted again (they stay cached until they are).

@@ -15,7 +15,7 @@ from typing import Any
 
 import anyio
 
-from asyncpaged.core.block_table import SwapPlan
+from asyncpaged.core.block_table import PinnedPrefix, SwapPlan
 from asyncpaged.core.kv_tiers import TierOp
 from asyncpaged.core.request import Request
 from asyncpaged.core.scheduler import SchedulerOutput
@@ -66,6 +66,25 @@ class AbortRequest:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class WatchPin:
+    """``engine.pin_prefix`` waits for pin ``pin_id``: the scheduler appends what its
+    transaction pinned to ``slot`` and sets ``event`` (a reply channel, sent before the pin's
+    request, so it is registered first)."""
+
+    pin_id: int
+    event: anyio.Event
+    slot: list[PinnedPrefix | None]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ForgetPin:
+    """The ``pin_prefix`` call of ``pin_id`` ended without its pin (refused, failed,
+    cancelled); a pin its transaction still makes is released at once."""
+
+    pin_id: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class UnpinPrefix:
     pool_pin_id: int
     handled: anyio.Event  # set once the scheduler holds the unpin (then idle waits for it)
@@ -103,5 +122,7 @@ class SwapDone:
     swap_id: int
 
 
-SchedulerInbox = AddRequest | AbortRequest | StepDone | SwapDone | UnpinPrefix
+SchedulerInbox = (
+    AddRequest | AbortRequest | StepDone | SwapDone | WatchPin | ForgetPin | UnpinPrefix
+)
 SwapSpaceInbox = SwapBlocks | CopyTierBlocks

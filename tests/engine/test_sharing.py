@@ -184,3 +184,40 @@ async def test_pin_prefix_fails_instead_of_hanging_when_the_engine_dies_before_t
             with pytest.raises(EngineDeadError) as dead:
                 await engine.pin_prefix(list(range(20, 68)))
             assert "injected pin failure" in repr(dead.value.__cause__)
+
+
+@pytest.mark.parametrize("when", ["computing", "after_the_request", "refused"])
+async def test_a_pin_prefix_that_does_not_return_leaves_nothing_pinned(
+    when: str, tiny_checkpoint: Callable[[str], Path], hf_reference: Callable[[str], HFReference]
+) -> None:
+    """Cancelled while its prefix computes, cancelled once its request is done (its pin's
+    transaction may or may not have run), or refused (an id outside the vocabulary): the
+    engine serves on and, once idle, holds no pinned block (a late pin once crashed the
+    scheduler; a pin made for a cancelled caller was never released)."""
+    path, ref = tiny_checkpoint(MODEL), hf_reference(MODEL)
+    prefix = list(range(20, 68))
+    greedy = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    async with running_engine(path, num_device_blocks=16) as engine:
+        wait = engine._wait_or_dead
+        scope = anyio.CancelScope()
+
+        async def cancel_then_wait(fn: Any) -> Any:
+            scope.cancel()
+            return await wait(fn)
+
+        if when == "after_the_request":
+            engine._wait_or_dead = cancel_then_wait  # type: ignore[method-assign]
+        elif when == "computing":
+            scope.deadline = anyio.current_time() + 0.002
+        with scope:
+            if when == "refused":
+                with pytest.raises(InvalidRequestError, match="token ids must be in"):
+                    await engine.pin_prefix([*prefix[:-1], 10**6])
+            else:
+                await engine.pin_prefix(prefix)
+        assert scope.cancelled_caught == (when != "refused")
+        engine._wait_or_dead = wait  # type: ignore[method-assign]
+        out = await engine.generate([*prefix, 5], greedy)
+        assert out.outputs[0].token_ids == ref.generate((*prefix, 5), 4)[0]
+        await engine.wait_idle()
+        assert_no_leaks(engine)  # a leftover pin holds its blocks: neither free nor cached

@@ -32,12 +32,14 @@ from asyncpaged.messages import (
     AddRequest,
     CopyTierBlocks,
     ExecuteStep,
+    ForgetPin,
     SchedulerInbox,
     StepDone,
     SwapBlocks,
     SwapDone,
     SwapSpaceInbox,
     UnpinPrefix,
+    WatchPin,
 )
 from asyncpaged.model.draft import DraftProposals
 from asyncpaged.model.prompt_logprobs import PromptLogprobRows
@@ -100,8 +102,8 @@ class SchedulerActor:
         self.step_time_s = 0.0
         self.compute_time_s = 0.0
         self.num_jump_forward_tokens = 0  # tokens a grammar forced, appended without sampling
-        # engine.pin_prefix waiters: pin id -> (event, what the pool pinned)
-        self.pins: dict[int, tuple[anyio.Event, list[PinnedPrefix | None]]] = {}
+        # engine.pin_prefix waiters (WatchPin): pin id -> (event, what the pool pinned)
+        self._pins: dict[int, tuple[anyio.Event, list[PinnedPrefix | None]]] = {}
         # Requests submitted and not yet added here nor released by the intake (refused,
         # aborted there): the engine counts them in (expect_request), so idle waits for them.
         self.num_incoming = 0
@@ -123,7 +125,7 @@ class SchedulerActor:
     def is_idle(self) -> bool:
         sched = self.scheduler
         return not (
-            self.num_incoming or self._in_flight or self._planning or self.pins
+            self.num_incoming or self._in_flight or self._planning or self._pins
             or self._to_record or self._to_release or self._beams_done
             or sched.has_unfinished
             or sched.has_swaps_in_flight or sched.has_pending_txn_work
@@ -206,7 +208,12 @@ class SchedulerActor:
         for pin_id, pinned in result.pinned:
             self._log.info("prefix_pinned", pin_id=pin_id, num_blocks=len(pinned.block_ids)
                            if pinned else 0)  # fmt: skip
-            event, slot = self.pins.pop(pin_id)
+            waiter = self._pins.pop(pin_id, None)
+            if waiter is None:  # its pin_prefix call ended (ForgetPin): nobody holds the pin
+                if pinned is not None:
+                    self.scheduler.unpin(pinned.pin_id)
+                continue
+            event, slot = waiter
             slot.append(pinned)
             event.set()
         out = self.scheduler.apply(txn, result)
@@ -343,6 +350,10 @@ class SchedulerActor:
                 self._finish_step(out, result.sampled)
             case SwapDone(swap_id=swap_id):
                 self.scheduler.complete_swap(swap_id)
+            case WatchPin(pin_id=pin_id, event=event, slot=slot):
+                self._pins[pin_id] = (event, slot)
+            case ForgetPin(pin_id=pin_id):
+                self._pins.pop(pin_id, None)
             case UnpinPrefix(pool_pin_id=pool_pin_id, handled=handled):
                 self.scheduler.unpin(pool_pin_id)
                 self._log.info("prefix_unpinned", pool_pin_id=pool_pin_id)
