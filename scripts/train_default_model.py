@@ -16,6 +16,14 @@ Usage::
 
     python scripts/train_default_model.py --steps 1600 --threads 2 \
         --out src/asyncpaged/default_model/checkpoint
+
+Options that change the recipe (all off by default; with them off the run is the one above):
+``--init DIR`` continues from a checkpoint (its config and its tokenizer, which is reused, not
+retrained); ``--copy-frac F`` builds that fraction of each batch as *copy windows*:
+``<s> passage \n\n passage[q:] \n\n passage ...`` cut to the window, where the passage is a
+random span of the stream and ``q`` is 0 or a random offset, so the model learns to continue a
+span it has already seen in its context (induction heads, what prompt-lookup speculation
+needs); ``--eval-every N`` prints a copy metric and held-out docs loss every N steps.
 """
 
 from __future__ import annotations
@@ -129,6 +137,74 @@ def encode_stream(tokenizer: PreTrainedTokenizerFast, corpus: list[str]) -> torc
     return torch.tensor(ids, dtype=torch.long)
 
 
+def separator_ids(tokenizer: PreTrainedTokenizerFast) -> list[int]:
+    """The ids "\\n\\n" gets between two words (how a blank line inside a prompt is encoded)."""
+    ids: list[int] = tokenizer.encode("a\n\na", add_special_tokens=False)
+    a = tokenizer.encode("a", add_special_tokens=False)
+    assert ids[: len(a)] == a, ids
+    assert ids[-len(a) :] == a, ids
+    return ids[len(a) : -len(a)]
+
+
+def copy_window(
+    data: torch.Tensor,
+    window: int,
+    sep: list[int],
+    bos: int,
+    gen: torch.Generator,
+    random_tokens: bool = False,
+) -> torch.Tensor:
+    """``<s> passage sep passage[q:] sep passage ...`` cut to ``window`` tokens; the passage is
+    a span of the stream, or uniformly random non-special tokens with ``random_tokens`` (which
+    no memorised text predicts, so only copying from the context lowers their loss)."""
+    longest = max(9, (2 * window) // 3)
+    length = int(torch.randint(8, longest, (1,), generator=gen))
+    if random_tokens:
+        high = int(data.max()) + 1
+        passage = torch.randint(len(SPECIAL_TOKENS), high, (length,), generator=gen).tolist()
+    else:
+        start = int(torch.randint(0, data.numel() - length, (1,), generator=gen))
+        passage = data[start : start + length].tolist()
+    skip = 0
+    if bool(torch.rand((), generator=gen) < 0.5):
+        skip = int(torch.randint(0, length // 2 + 1, (1,), generator=gen))
+    ids = [bos, *passage]
+    while len(ids) < window:
+        ids += sep + passage[skip:]
+        skip = 0
+    return torch.tensor(ids[:window], dtype=torch.long)
+
+
+def copy_eval(
+    model: LlamaForCausalLM, tokenizer: PreTrainedTokenizerFast, texts: list[str], span: int = 200
+) -> tuple[float, float]:
+    """(copy accuracy, docs loss) on held-out texts. Copy accuracy: teacher-forced greedy
+    accuracy on the second occurrence of the text's first ``span`` tokens in
+    ``<s> text[:span] sep text[:span]`` (its first 4 tokens excluded); docs loss: mean token
+    loss on ``<s> text`` (first 512 tokens), as tests/test_default_model.py measures it."""
+    sep = separator_ids(tokenizer)
+    bos = tokenizer.bos_token_id
+    was_training = model.training
+    model.train(False)
+    hits = total = 0
+    losses = []
+    with torch.no_grad():
+        for text in texts:
+            ids = tokenizer.encode(text, add_special_tokens=False)
+            doc = torch.tensor([[bos, *ids][:512]])
+            losses.append(float(model(input_ids=doc, labels=doc).loss))
+            passage = ids[:span]
+            seq = [bos, *passage, *sep, *passage]
+            logits = model(input_ids=torch.tensor([seq])).logits[0]
+            first = 1 + len(passage) + len(sep) + 4  # first scored target position
+            pred = logits[first - 1 : len(seq) - 1].argmax(-1)
+            target = torch.tensor(seq[first:])
+            hits += int((pred == target).sum())
+            total += target.numel()
+    model.train(was_training)
+    return hits / max(1, total), sum(losses) / len(losses)
+
+
 def lr_at(step: int, steps: int, peak: float, warmup: int) -> float:
     if step < warmup:
         return peak * (step + 1) / warmup
@@ -153,6 +229,27 @@ def main() -> None:
     parser.add_argument("--kv-heads", type=int, default=2)
     parser.add_argument("--intermediate", type=int, default=512)
     parser.add_argument("--log-every", type=int, default=50)
+    parser.add_argument(
+        "--init",
+        type=pathlib.Path,
+        default=None,
+        help="continue from this checkpoint (reuses its config and tokenizer)",
+    )
+    parser.add_argument(
+        "--copy-frac", type=float, default=0.0, help="fraction of each batch built as copy windows"
+    )
+    parser.add_argument(
+        "--copy-random",
+        type=float,
+        default=0.0,
+        help="fraction of the copy windows whose passage is random tokens",
+    )
+    parser.add_argument(
+        "--eval-every",
+        type=int,
+        default=0,
+        help="print copy accuracy and held-out docs loss every N steps",
+    )
     args = parser.parse_args()
 
     start = time.perf_counter()
@@ -162,7 +259,10 @@ def main() -> None:
     torch.set_flush_denormal(True)  # denormals slow CPU matmuls badly
 
     corpus = build_corpus()
-    tokenizer = train_tokenizer(corpus, args.vocab)
+    if args.init is not None:
+        tokenizer = PreTrainedTokenizerFast.from_pretrained(args.init)
+    else:
+        tokenizer = train_tokenizer(corpus, args.vocab)
     data = encode_stream(tokenizer, corpus)
     chars = sum(len(d) for d in corpus)
     print(
@@ -185,7 +285,10 @@ def main() -> None:
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
     )
-    model = LlamaForCausalLM(config)
+    if args.init is not None:
+        model = LlamaForCausalLM.from_pretrained(args.init, dtype=torch.float32)
+    else:
+        model = LlamaForCausalLM(config)
     model.train()
     n_params = sum(p.numel() for p in model.parameters())
     print(f"model: {n_params} parameters", flush=True)
@@ -201,12 +304,32 @@ def main() -> None:
     window = args.seq_len + 1
     offsets = torch.arange(window)
     running = 0.0
+    n_copy = round(args.batch * args.copy_frac)
+    n_random = round(n_copy * args.copy_random)
+    sep = separator_ids(tokenizer) if n_copy else []
+    from pydoc_data.topics import topics
+
+    held_out = [topics[k].strip() for k in HELD_OUT_TOPICS]
+
+    def evaluate(label: str) -> None:
+        acc, docs_loss = copy_eval(model, tokenizer, held_out)
+        print(
+            f"eval {label}: copy accuracy {acc:.3f} held-out docs loss {docs_loss:.4f}", flush=True
+        )
+
+    if args.eval_every:
+        evaluate("step 0")
     train_start = time.perf_counter()
     for step in range(args.steps):
         for group in optimizer.param_groups:
             group["lr"] = lr_at(step, args.steps, args.lr, args.warmup)
-        starts = torch.randint(0, data.numel() - window, (args.batch,), generator=gen)
+        starts = torch.randint(0, data.numel() - window, (args.batch - n_copy,), generator=gen)
         batch = data[starts[:, None] + offsets[None, :]]
+        if n_copy:
+            bos = tokenizer.bos_token_id
+            copies = [copy_window(data, window, sep, bos, gen, random_tokens=i < n_random)
+                      for i in range(n_copy)]  # fmt: skip
+            batch = torch.cat([batch, torch.stack(copies)])
         loss = model(input_ids=batch, labels=batch).loss
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
@@ -222,6 +345,8 @@ def main() -> None:
                 flush=True,
             )
             running = 0.0
+        if args.eval_every and ((step + 1) % args.eval_every == 0 or step + 1 == args.steps):
+            evaluate(f"step {step + 1}")
 
     model.eval()
     args.out.mkdir(parents=True, exist_ok=True)
@@ -236,6 +361,8 @@ def main() -> None:
     tok_config_path = args.out / "tokenizer_config.json"
     tok_config = json.loads(tok_config_path.read_text())
     tok_config["tokenizer_class"] = "PreTrainedTokenizerFast"
+    for key in ("is_local", "local_files_only"):  # added by from_pretrained (--init)
+        tok_config.pop(key, None)
     tok_config_path.write_text(json.dumps(tok_config, indent=2, sort_keys=True) + "\n")
     total = sum(f.stat().st_size for f in args.out.iterdir() if f.is_file())
     print(f"saved to {args.out}: {total} bytes", flush=True)
