@@ -418,8 +418,9 @@ class BlockPoolMachine(RuleBasedStateMachine):
         free = trial.num_free_device_blocks
         if need > free:
             return
-        for sid, n in zip(sids, counts, strict=True):
-            assert trial.append(sid, [1] * n) is not None
+        for sid, n in zip(sids, counts, strict=True):  # the class's own method: a subclass
+            # machine may wrap the instance's (tests/core/test_kv_tiers.py replays tier ops)
+            assert BlockPool.append(trial, sid, [1] * n) is not None
         assert free - trial.num_free_device_blocks == need
         self.note("group append need")
 
@@ -431,7 +432,7 @@ class BlockPoolMachine(RuleBasedStateMachine):
         free = trial.num_free_device_blocks
         for swap_id, plan in self.swaps.items():
             if plan.direction is SwapDirection.OUT:
-                trial.complete_swap(swap_id)
+                BlockPool.complete_swap(trial, swap_id)
         assert trial.num_free_device_blocks - free == self.pool.num_blocks_coming
         self.note("blocks coming")
 
