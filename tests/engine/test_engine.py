@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import random
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -39,12 +39,17 @@ def make_prompts(n: int, seed: int, max_len: int = 40) -> list[tuple[int, ...]]:
     return [tuple(rng.randrange(4, 320) for _ in range(length)) for length in lengths]
 
 
-async def generate_all(engine: Any, prompts: list[tuple[int, ...]], params: SamplingParams
-                       ) -> list[RequestOutput]:  # fmt: skip
+async def generate_all(
+    engine: Any,
+    prompts: Sequence[tuple[int, ...]],
+    params: SamplingParams | Callable[[int], SamplingParams],
+) -> list[RequestOutput]:
+    """Every prompt at once, each its own task; ``params``, or ``params(i)`` for prompt i."""
     results: list[RequestOutput | None] = [None] * len(prompts)
 
     async def one(i: int) -> None:
-        results[i] = await engine.generate(list(prompts[i]), params)
+        p = params if isinstance(params, SamplingParams) else params(i)
+        results[i] = await engine.generate(list(prompts[i]), p)
 
     async with anyio.create_task_group() as tg:
         for i in range(len(prompts)):

@@ -19,9 +19,9 @@ from typing import Any
 import anyio
 import pytest
 
-from asyncpaged import AsyncEngine, RequestOutput, SamplingParams, SpeculativeConfig
+from asyncpaged import AsyncEngine, SamplingParams, SpeculativeConfig
 from tests.engine.conftest import running_engine
-from tests.engine.test_engine import make_prompts
+from tests.engine.test_engine import generate_all, make_prompts
 from tests.model.reference import HFReference
 
 pytestmark = pytest.mark.anyio
@@ -58,20 +58,6 @@ class Oracle:
         return []
 
 
-async def _generate_all(
-    engine: AsyncEngine, prompts: Sequence[tuple[int, ...]], params: Callable[[int], SamplingParams]
-) -> list[RequestOutput]:
-    results: list[RequestOutput | None] = [None] * len(prompts)
-
-    async def one(i: int) -> None:
-        results[i] = await engine.generate(list(prompts[i]), params(i))
-
-    async with anyio.create_task_group() as tg:
-        for i in range(len(prompts)):
-            tg.start_soon(one, i)
-    return [r for r in results if r is not None]
-
-
 def _with_oracle(monkeypatch: pytest.MonkeyPatch, oracle: Oracle | None) -> None:
     if oracle is not None:
         monkeypatch.setattr(AsyncEngine, "_proposer", lambda self: oracle)
@@ -95,7 +81,7 @@ async def test_greedy_speculation_matches_transformers_under_memory_pressure(
     with anyio.fail_after(180):
         async with running_engine(path, num_device_blocks=12, preemption_mode=mode,
                                   speculative_config=NGRAM) as engine:  # fmt: skip
-            outs = await _generate_all(engine, prompts, lambda i: greedy)
+            outs = await generate_all(engine, prompts, greedy)
             stats = engine.statistics()
     for prompt, out in zip(prompts, outs, strict=True):
         assert out.outputs[0].token_ids == expected[prompt][0], prompt
@@ -119,7 +105,7 @@ async def test_prompt_lookup_is_exact_and_proposes(
     greedy = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     with anyio.fail_after(120):
         async with running_engine(path, speculative_config=NGRAM) as engine:
-            outs = await _generate_all(engine, prompts, lambda i: greedy)
+            outs = await generate_all(engine, prompts, greedy)
             stats = engine.statistics()
     for prompt, out in zip(prompts, outs, strict=True):
         assert out.outputs[0].token_ids == ref.generate(prompt, 24)[0], prompt
@@ -153,16 +139,16 @@ async def test_seeded_sampling_is_token_identical_with_and_without_speculation(
               "enable_prefix_caching": prefix_caching}  # fmt: skip
     with anyio.fail_after(180):
         async with running_engine(path, **common) as engine:
-            plain = await _generate_all(engine, prompts, _sampled)
+            plain = await generate_all(engine, prompts, _sampled)
         known = {
             p: [list(c.token_ids) for c in o.outputs] for p, o in zip(prompts, plain, strict=True)
         }
         oracle = Oracle(known, seed=2)
         _with_oracle(monkeypatch, oracle)
         async with running_engine(path, speculative_config=NGRAM, **common) as engine:
-            spec = await _generate_all(engine, prompts, _sampled)
+            spec = await generate_all(engine, prompts, _sampled)
             if prefix_caching:  # again, now over blocks registered after verification
-                again = await _generate_all(engine, prompts, _sampled)
+                again = await generate_all(engine, prompts, _sampled)
             stats = engine.statistics()
     for i, (a, b) in enumerate(zip(plain, spec, strict=True)):
         assert [c.token_ids for c in a.outputs] == [c.token_ids for c in b.outputs], i
@@ -186,7 +172,7 @@ async def test_stop_strings_and_aborts_under_speculation(
     greedy = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     with anyio.fail_after(180):
         async with running_engine(path) as engine:
-            plain = await _generate_all(engine, prompts, lambda i: greedy)
+            plain = await generate_all(engine, prompts, greedy)
         texts = [o.outputs[0].text for o in plain]
         stops = [t[len(t) // 2 : len(t) // 2 + 2] for t in texts]
 
@@ -195,12 +181,12 @@ async def test_stop_strings_and_aborts_under_speculation(
                                   stop=[stops[i]] if stops[i].strip() else None)  # fmt: skip
 
         async with running_engine(path) as engine:
-            expected = await _generate_all(engine, prompts, with_stop)
+            expected = await generate_all(engine, prompts, with_stop)
         known = {p: [list(o.outputs[0].token_ids)] for p, o in zip(prompts, plain, strict=True)}
         _with_oracle(monkeypatch, Oracle(known, seed=3))
         async with running_engine(path, num_device_blocks=10,
                                   speculative_config=NGRAM) as engine:  # fmt: skip
-            got = await _generate_all(engine, prompts, with_stop)
+            got = await generate_all(engine, prompts, with_stop)
             async with anyio.create_task_group() as tg:  # cancelled after a few steps
                 for i in range(len(prompts)):
                     tg.start_soon(_cancel_soon, engine, prompts[i], greedy)

@@ -22,8 +22,8 @@ from asyncpaged import AsyncEngine, EngineConfig, RequestOutput, SamplingParams,
 from asyncpaged.errors import InvalidRequestError
 from asyncpaged.testing.tiny_models import build_tiny_model, build_tokenizer
 from tests.engine.conftest import running_engine
-from tests.engine.test_engine import make_prompts
-from tests.engine.test_speculative import _generate_all, _sampled
+from tests.engine.test_engine import generate_all, make_prompts
+from tests.engine.test_speculative import _sampled
 from tests.model.reference import HFReference
 
 pytestmark = pytest.mark.anyio
@@ -78,7 +78,7 @@ async def test_target_as_its_own_draft_accepts_every_proposal(
     with anyio.fail_after(240):
         async with running_engine(path, num_device_blocks=12, preemption_mode=mode,
                                   speculative_config=_spec(path)) as engine:  # fmt: skip
-            outs = await _generate_all(engine, prompts, lambda i: GREEDY)
+            outs = await generate_all(engine, prompts, GREEDY)
             stats = engine.statistics()
     for prompt, out in zip(prompts, outs, strict=True):
         assert out.outputs[0].token_ids == ref.generate(prompt, 20)[0], prompt
@@ -102,7 +102,7 @@ async def test_perturbed_draft_is_exact_and_rejects_some(
     with anyio.fail_after(240):
         async with running_engine(path, num_device_blocks=12, preemption_mode=mode,
                                   speculative_config=spec) as engine:  # fmt: skip
-            outs = await _generate_all(engine, prompts, lambda i: GREEDY)
+            outs = await generate_all(engine, prompts, GREEDY)
             stats = engine.statistics()
     for prompt, out in zip(prompts, outs, strict=True):
         assert out.outputs[0].token_ids == ref.generate(prompt, 20)[0], prompt
@@ -122,7 +122,7 @@ async def test_draft_of_another_family_is_exact(
         async with running_engine(path, block_size=4, num_device_blocks=48,
                                   speculative_config=_spec(tiny_checkpoint("gpt2"), k=6)
                                   ) as engine:  # fmt: skip
-            outs = await _generate_all(engine, prompts, lambda i: GREEDY)
+            outs = await generate_all(engine, prompts, GREEDY)
             stats = engine.statistics()
     for prompt, out in zip(prompts, outs, strict=True):
         assert out.outputs[0].token_ids == ref.generate(prompt, 20)[0], prompt
@@ -141,8 +141,8 @@ async def test_parallel_sampling_and_prefix_cache_with_self_draft(
     with anyio.fail_after(240):
         async with running_engine(path, enable_prefix_caching=True,
                                   speculative_config=_spec(path)) as engine:  # fmt: skip
-            first = await _generate_all(engine, prompts, lambda i: params)
-            again = await _generate_all(engine, prompts, lambda i: params)
+            first = await generate_all(engine, prompts, params)
+            again = await generate_all(engine, prompts, params)
             stats = engine.statistics()
     for prompt, a, b in zip(prompts, first, again, strict=True):
         expected = ref.generate(prompt, 16)[0]
@@ -165,7 +165,7 @@ async def test_sampled_proposals_are_verified_against_their_draft_distribution(
               for i in range(len(prompts))]  # fmt: skip
     with anyio.fail_after(240):
         async with running_engine(path, speculative_config=_spec(path)) as engine:
-            outs = await _generate_all(engine, prompts, lambda i: params[i])
+            outs = await generate_all(engine, prompts, lambda i: params[i])
             stats = engine.statistics()
     assert all(len(o.outputs[0].token_ids) == 24 for o in outs)
     assert stats.num_draft_tokens > 50, stats
@@ -205,7 +205,7 @@ async def test_seeded_sampling_is_reproducible_and_follows_stop_rules(
             assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens, stats
         async with running_engine(path, num_device_blocks=16, preemption_mode="swap",
                                   speculative_config=spec) as engine:  # fmt: skip
-            concurrent = await _generate_all(engine, prompts, _sampled)
+            concurrent = await generate_all(engine, prompts, _sampled)
     (eos_id,) = eos
     for i, (a, b, c) in enumerate(zip(*runs, concurrent, strict=True)):
         assert [o.token_ids for o in a.outputs] == [o.token_ids for o in b.outputs], i
