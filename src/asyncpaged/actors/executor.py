@@ -1,4 +1,4 @@
-"""The executor actor: runs each step's forward in a worker thread."""
+"""The executor actor: runs each step's forward on its own thread."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import anyio
 from anyio.abc import TaskStatus
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
+from asyncpaged.actors.worker_thread import WorkerThread
 from asyncpaged.messages import ExecuteStep, SchedulerInbox, StepDone
 from asyncpaged.model.runner import StepRunner
 
@@ -15,9 +16,10 @@ from asyncpaged.model.runner import StepRunner
 class ExecutorActor:
     """Owns the model and the device KV cache; one step at a time.
 
-    The forward runs in a worker thread (capacity-1 limiter) so the event loop stays free. A
-    cancelled engine waits for the running forward to end rather than abandoning the thread,
-    which would keep writing the KV cache. ``runner`` is the ``ModelRunner`` itself, or under
+    The forward runs on the actor's own long-lived thread (:class:`WorkerThread`) so the event
+    loop stays free and the activations stay in one allocator arena. A cancelled engine waits
+    for the running forward to end rather than abandoning the thread, which would keep writing
+    the KV cache. ``runner`` is the ``ModelRunner`` itself, or under
     tensor parallelism the rank-0 runner that also broadcasts each step to the other ranks.
     """
 
@@ -30,17 +32,21 @@ class ExecutorActor:
         self.runner = runner
         self._inbox = inbox
         self._events = events
-        self._limiter = anyio.CapacityLimiter(1)
+        self._thread = WorkerThread("asyncpaged-executor")
 
     async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
         task_status.started()
-        async with self._inbox, self._events:
-            async for msg in self._inbox:
-                start = time.perf_counter()
-                result = await anyio.to_thread.run_sync(
-                    self.runner.execute, msg.plan, limiter=self._limiter, abandon_on_cancel=False
-                )
-                duration = time.perf_counter() - start
-                await self._events.send(
-                    StepDone(step_id=msg.output.step_id, result=result, duration_s=duration)
-                )
+        try:
+            async with self._inbox, self._events:
+                async for msg in self._inbox:
+                    await self._step(msg)
+        finally:
+            self._thread.close()
+
+    async def _step(self, msg: ExecuteStep) -> None:
+        start = time.perf_counter()
+        result = await self._thread.run(self.runner.execute, msg.plan)
+        duration = time.perf_counter() - start
+        await self._events.send(
+            StepDone(step_id=msg.output.step_id, result=result, duration_s=duration)
+        )

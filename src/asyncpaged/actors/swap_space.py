@@ -8,6 +8,7 @@ import anyio
 from anyio.abc import TaskStatus
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
+from asyncpaged.actors.worker_thread import WorkerThread
 from asyncpaged.core.block_table import SwapDirection
 from asyncpaged.messages import CopyTierBlocks, SchedulerInbox, SwapBlocks, SwapDone, SwapSpaceInbox
 from asyncpaged.model.kv_tier_store import KVTierStore
@@ -15,7 +16,7 @@ from asyncpaged.model.runner import StepRunner
 
 
 class SwapSpaceActor:
-    """Owns the host KV tensors; runs each swap's copies in its own worker thread.
+    """Owns the host KV tensors; runs each swap's copies on its own thread (:class:`WorkerThread`).
 
     The copies touch only blocks the pool holds in flight for the swap, which no step reads or
     writes, so they run concurrently with the executor's forward. Under tensor parallelism the
@@ -38,30 +39,28 @@ class SwapSpaceActor:
         self.tier_store = tier_store
         self._inbox = inbox
         self._events = events
-        self._limiter = anyio.CapacityLimiter(1)
+        self._thread = WorkerThread("asyncpaged-swap")
 
     async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
         task_status.started()
-        async with self._inbox, self._events:
-            async for msg in self._inbox:
-                match msg:
-                    case SwapBlocks(plan=plan):
-                        copy = (
-                            self.runner.swap_out
-                            if plan.direction is SwapDirection.OUT
-                            else self.runner.swap_in
-                        )
-                        await anyio.to_thread.run_sync(
-                            copy, plan.block_mapping, limiter=self._limiter,
-                            abandon_on_cancel=False,
-                        )  # fmt: skip
-                        await self._events.send(SwapDone(swap_id=plan.swap_id))
-                    case CopyTierBlocks(ops=ops, done=done):
-                        store = self.tier_store
-                        assert store is not None, "KV-tier copies without a tier store"
-                        await anyio.to_thread.run_sync(
-                            store.run, ops, limiter=self._limiter, abandon_on_cancel=False
-                        )
-                        done.set()
-                    case _:
-                        assert_never(msg)
+        try:
+            async with self._inbox, self._events:
+                async for msg in self._inbox:
+                    match msg:
+                        case SwapBlocks(plan=plan):
+                            copy = (
+                                self.runner.swap_out
+                                if plan.direction is SwapDirection.OUT
+                                else self.runner.swap_in
+                            )
+                            await self._thread.run(copy, plan.block_mapping)
+                            await self._events.send(SwapDone(swap_id=plan.swap_id))
+                        case CopyTierBlocks(ops=ops, done=done):
+                            store = self.tier_store
+                            assert store is not None, "KV-tier copies without a tier store"
+                            await self._thread.run(store.run, ops)
+                            done.set()
+                        case _:
+                            assert_never(msg)
+        finally:
+            self._thread.close()

@@ -1,0 +1,94 @@
+"""The actors' own threads (``actors/worker_thread.py``): one thread, in order, results and
+errors delivered, a cancelled caller waits for its call, closed threads end."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import anyio
+import pytest
+
+from asyncpaged.actors.worker_thread import WorkerThread
+
+pytestmark = pytest.mark.anyio
+
+
+@pytest.fixture(params=["asyncio", "trio"])
+def anyio_backend(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
+
+
+async def test_calls_run_in_order_on_one_thread_that_is_not_the_loop() -> None:
+    worker = WorkerThread("test-worker")
+    seen: list[tuple[int, int]] = []
+
+    def call(i: int) -> int:
+        seen.append((i, threading.get_ident()))
+        return i * i
+
+    results = []
+    for i in range(20):
+        results.append(await worker.run(call, i))
+    worker.close()
+    assert results == [i * i for i in range(20)]
+    assert [i for i, _ in seen] == list(range(20))
+    threads = {ident for _, ident in seen}
+    assert len(threads) == 1 and threading.get_ident() not in threads
+
+
+async def test_concurrent_callers_are_served_one_at_a_time() -> None:
+    worker = WorkerThread("test-worker")
+    running = 0
+    most = 0
+
+    def call() -> None:
+        nonlocal running, most
+        running += 1
+        most = max(most, running)
+        time.sleep(0.01)
+        running -= 1
+
+    async with anyio.create_task_group() as tg:
+        for _ in range(6):
+            tg.start_soon(worker.run, call)
+    worker.close()
+    assert most == 1
+
+
+async def test_an_exception_reaches_the_caller_and_the_thread_serves_on() -> None:
+    worker = WorkerThread("test-worker")
+
+    def boom() -> None:
+        raise ValueError("bad step")
+
+    with pytest.raises(ValueError, match="bad step"):
+        await worker.run(boom)
+    assert await worker.run(lambda: 7) == 7
+    worker.close()
+
+
+async def test_a_cancelled_caller_waits_for_its_call_to_end() -> None:
+    worker = WorkerThread("test-worker")
+    finished = threading.Event()
+
+    def slow() -> None:
+        time.sleep(0.2)
+        finished.set()
+
+    with anyio.move_on_after(0.02) as scope:
+        await worker.run(slow)
+        await anyio.sleep(1)  # the cancellation lands here, after the call returned
+    assert scope.cancelled_caught
+    assert finished.is_set()
+    worker.close()
+
+
+async def test_close_ends_the_thread() -> None:
+    worker = WorkerThread("test-worker-close")
+    await worker.run(lambda: None)
+    worker.close()
+    deadline = time.monotonic() + 5
+    while any(t.name == "test-worker-close" for t in threading.enumerate()):
+        assert time.monotonic() < deadline, "the worker thread did not end"
+        await anyio.sleep(0.01)
