@@ -554,9 +554,7 @@ class AsyncEngine:
             raise InvalidRequestError("pin_prefix needs enable_prefix_caching=True.")
         if isinstance(prefix, str):
             text = prefix
-            ids = await anyio.to_thread.run_sync(
-                lambda: tokenize(self._intake_tokenizer, text), limiter=self._intake.limiter
-            )
+            ids = await self._intake.thread.run(tokenize, self._intake_tokenizer, text)
         else:
             ids = list(prefix)
         if len(ids) < self.config.block_size:

@@ -1,5 +1,6 @@
 """The actors' own threads (``actors/worker_thread.py``): one thread, in order, results and
-errors delivered, a cancelled caller waits for its call, closed threads end."""
+errors delivered, a cancelled caller waits for a started call and withdraws a queued one,
+closed threads end."""
 
 from __future__ import annotations
 
@@ -84,6 +85,27 @@ async def test_a_cancelled_caller_waits_for_its_call_to_end() -> None:
     worker.close()
 
 
+async def test_a_caller_cancelled_while_queued_withdraws_its_call() -> None:
+    worker = WorkerThread("test-worker")
+    release = threading.Event()
+    ran: list[str] = []
+
+    def blocker() -> None:
+        release.wait(5)
+        ran.append("blocker")
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(worker.run, blocker)
+        await anyio.sleep(0.05)  # the blocker is running
+        with anyio.move_on_after(0.05) as scope:
+            await worker.run(ran.append, "queued")
+        assert scope.cancelled_caught  # returned while the blocker still runs
+        release.set()
+    assert await worker.run(lambda: 3) == 3  # the thread served on, past the withdrawn call
+    worker.close()
+    assert ran == ["blocker"]
+
+
 async def test_close_ends_the_thread() -> None:
     worker = WorkerThread("test-worker-close")
     await worker.run(lambda: None)
@@ -92,3 +114,11 @@ async def test_close_ends_the_thread() -> None:
     while any(t.name == "test-worker-close" for t in threading.enumerate()):
         assert time.monotonic() < deadline, "the worker thread did not end"
         await anyio.sleep(0.01)
+
+
+async def test_a_closed_worker_takes_no_call() -> None:
+    worker = WorkerThread("test-worker")
+    await worker.run(lambda: None)
+    worker.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        await worker.run(lambda: None)

@@ -12,6 +12,7 @@ from anyio.abc import TaskStatus
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from asyncpaged._log import get_logger
+from asyncpaged.actors.worker_thread import WorkerThread
 from asyncpaged.core.beam_search import BeamSearcher
 from asyncpaged.core.request import Request, StopCriteria
 from asyncpaged.core.request import Sequence as Seq
@@ -61,8 +62,8 @@ class IntakeActor:
         self._inbox = inbox
         self._outbox = outbox
         self._on_released = on_released
-        # The one worker thread its tokenizer runs in (the engine's pin_prefix shares it).
-        self.limiter = anyio.CapacityLimiter(1)
+        # The one thread its tokenizer runs on (the engine's pin_prefix shares it).
+        self.thread = WorkerThread("asyncpaged-intake")
         self._arrivals = itertools.count()
         self._seq_ids = seq_ids
         self._log = log.bind(actor="intake")
@@ -71,13 +72,16 @@ class IntakeActor:
 
     async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
         task_status.started()
-        async with self._inbox, self._outbox, anyio.create_task_group() as tg:
-            async for msg in self._inbox:
-                self.num_pending += 1
-                if msg.prompt_token_ids is not None and msg.params.structured_outputs is None:
-                    self._admit_ids(msg)
-                else:
-                    tg.start_soon(self._admit, msg)
+        try:
+            async with self._inbox, self._outbox, anyio.create_task_group() as tg:
+                async for msg in self._inbox:
+                    self.num_pending += 1
+                    if msg.prompt_token_ids is not None and msg.params.structured_outputs is None:
+                        self._admit_ids(msg)
+                    else:
+                        tg.start_soon(self._admit, msg)
+        finally:
+            self.thread.close()
 
     def _admit_ids(self, msg: SubmitRequest) -> None:
         assert msg.prompt_token_ids is not None
@@ -92,9 +96,7 @@ class IntakeActor:
     async def _admit(self, msg: SubmitRequest) -> None:
         """Render, tokenize and validate (worker thread), compile the grammar, hand it on."""
         try:
-            ids, max_tokens = await anyio.to_thread.run_sync(
-                lambda: self._prepare(msg), limiter=self.limiter
-            )
+            ids, max_tokens = await self.thread.run(self._prepare, msg)
             await self._compile_grammar(msg)
         except InvalidRequestError as exc:
             self._release(msg, exc)
@@ -182,7 +184,7 @@ class IntakeActor:
             except Exception as exc:  # the grammar backend's own errors, per constraint
                 raise InvalidRequestError(f"the constraint failed to compile: {exc!r}") from exc
 
-        msg.state.grammar = await anyio.to_thread.run_sync(compile_, limiter=self.limiter)
+        msg.state.grammar = await self.thread.run(compile_)
 
 
 def speculates(params: Any) -> bool:

@@ -30,47 +30,43 @@ _Job = Callable[[], None]
 class WorkerThread:
     """Runs blocking calls in order on one thread, each awaited by the caller's task.
 
-    Invariants: at most one call runs at a time, in submission order; a caller's cancellation
-    never abandons a running call (the call may be writing memory a later step reads), it is
-    delivered once the call returns, like ``anyio.to_thread.run_sync(abandon_on_cancel=False)``;
-    the thread exists from the first call until :meth:`close`, and is a daemon so a host that
-    never closes the engine can still exit.
+    Invariants: at most one call runs at a time, in submission order; a caller cancelled while
+    its call waits in the queue takes it out (it never runs); a call that has started is never
+    abandoned (it may be writing memory a later step reads), the caller's cancellation is
+    delivered once it returns. These are ``anyio.to_thread.run_sync``'s semantics with a
+    capacity-1 limiter and ``abandon_on_cancel=False``. The thread exists from the first call
+    until :meth:`close` (no call is taken after it), and is a daemon so a host that never
+    closes the engine can still exit.
     """
 
     def __init__(self, name: str) -> None:
         self.name = name
         self._jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
+        self._closed = False
 
     async def run(self, fn: Callable[..., Any], *args: Any) -> Any:
         """``fn(*args)`` on the thread; its result, or its exception raised here."""
+        if self._closed:
+            raise RuntimeError(f"{self.name}: the worker thread is closed")
         if self._thread is None:
             self._thread = threading.Thread(target=self._serve, name=self.name, daemon=True)
             self._thread.start()
-        token = anyio.lowlevel.current_token()
-        done = anyio.Event()
-        outcome: list[tuple[bool, Any]] = []
-
-        def job() -> None:
-            try:
-                outcome.append((True, fn(*args)))
-            except BaseException as exc:  # delivered to the caller, which decides
-                outcome.append((False, exc))
-            try:
-                anyio.from_thread.run_sync(done.set, token=token)
-            except RuntimeError:  # the event loop is gone: nobody is waiting any more
-                _log.debug("worker_thread_orphaned", thread=self.name)
-
-        self._jobs.put(job)
-        with anyio.CancelScope(shield=True):
-            await done.wait()
-        ok, value = outcome[0]
-        if not ok:
-            raise value
-        return value
+        call = _Call(fn, args, anyio.lowlevel.current_token())
+        self._jobs.put(call.run)
+        try:
+            await call.done.wait()
+        except anyio.get_cancelled_exc_class():
+            if call.withdraw():
+                raise
+            with anyio.CancelScope(shield=True):
+                await call.done.wait()
+            raise
+        return call.outcome()
 
     def close(self) -> None:
         """Let the thread end after the calls already submitted (it is idle once they ran)."""
+        self._closed = True
         if self._thread is not None:
             self._jobs.put(None)
             self._thread = None
@@ -78,3 +74,44 @@ class WorkerThread:
     def _serve(self) -> None:
         while (job := self._jobs.get()) is not None:
             job()
+
+
+class _Call:
+    """One submitted call: queued, then withdrawn (never runs) or started (runs to its end)."""
+
+    def __init__(
+        self, fn: Callable[..., Any], args: tuple[Any, ...], token: anyio.lowlevel.EventLoopToken
+    ) -> None:
+        self._fn, self._args, self._token = fn, args, token
+        self._lock = threading.Lock()
+        self._state = "queued"  # -> "withdrawn" (by the caller) or "started" (by the thread)
+        self.done = anyio.Event()
+        self._ok = False
+        self._value: Any = None
+
+    def withdraw(self) -> bool:
+        """Take the call back if it has not started; False once it has (it will finish)."""
+        with self._lock:
+            if self._state == "queued":
+                self._state = "withdrawn"
+                return True
+            return False
+
+    def outcome(self) -> Any:
+        if not self._ok:
+            raise self._value
+        return self._value
+
+    def run(self) -> None:
+        with self._lock:
+            if self._state == "withdrawn":
+                return
+            self._state = "started"
+        try:
+            self._value, self._ok = self._fn(*self._args), True
+        except BaseException as exc:  # delivered to the caller, which decides
+            self._value = exc
+        try:
+            anyio.from_thread.run_sync(self.done.set, token=self._token)
+        except RuntimeError:  # the event loop is gone: nobody is waiting any more
+            _log.debug("worker_thread_orphaned")
