@@ -23,126 +23,56 @@ The plan, in order:
 
 Finished and aborted sequences are freed, and completed swaps confirmed, in the next
 transaction.
+
+This module owns the :class:`Scheduler` (the queues, request state, the transaction's pending
+work, and settling the allocator's result into a :class:`SchedulerOutput`). Its parts:
+core/scheduler_types.py (config and output values), core/scheduler_plan.py (what the running,
+swapped and waiting requests do in a step), core/scheduler_preempt.py (priority claims,
+settling preemptions) and core/scheduler_update.py (appending sampled tokens, stop rules,
+speculative verification, fan-out, beam steps).
 """
 
 from __future__ import annotations
 
-import bisect
 import itertools
 import math
 from collections.abc import Callable, Mapping
 from collections.abc import Sequence as SeqOf
-from collections.abc import Set as AbstractSet
-from dataclasses import dataclass
-from typing import Literal, NamedTuple
 
 from asyncpaged.core.beam_search import Hypothesis
 from asyncpaged.core.block_table import SwapPlan
-from asyncpaged.core.policy import (
-    DEFAULT_AGING_STEPS,
-    QueuePolicy,
-    Room,
-    SchedulingPolicy,
-    num_outranked,
-)
+from asyncpaged.core.policy import QueuePolicy
 from asyncpaged.core.request import Request, RequestStatus, Sequence
-from asyncpaged.core.txn import (
-    Admission,
-    AllocateOp,
-    Claim,
-    PinOp,
-    PoolSnapshot,
-    StepTxn,
-    TxnResult,
+from asyncpaged.core.scheduler_plan import (
+    plan_admissions,
+    plan_in_rank_order,
+    plan_running,
+    plan_swap_ins,
 )
+from asyncpaged.core.scheduler_preempt import claim_for_priority, settle_preemption
+from asyncpaged.core.scheduler_types import (
+    PlanBudget,
+    PreemptionMode,
+    ScheduledSeq,
+    SchedulerConfig,
+    SchedulerOutput,
+    SchedulerStatistics,
+    SeqUpdate,
+    insort,
+)
+from asyncpaged.core.scheduler_update import append_forced, update_step
+from asyncpaged.core.txn import Admission, PinOp, PoolSnapshot, StepTxn, TxnResult
 from asyncpaged.spec_decode.stats import SpeculativeStats
 
-PreemptionMode = Literal["recompute", "swap"]
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class SchedulerConfig:
-    block_size: int = 16
-    num_device_blocks: int = 1024
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 2048
-    preemption_mode: PreemptionMode = "recompute"
-    watermark: float = 0.01  # share of device blocks kept free when admitting or swapping in
-    # A longrope model's original_max_position_embeddings: a request longer than this rotates
-    # every token with the long factors, so one that grows past it is recomputed from scratch
-    # (transformers' Phi-3 generate drops its cache then); None for every other model.
-    rope_switch_len: int | None = None
-    # Queue order and victims (core/policy.py): "fcfs", or "priority" (lower first, with aging)
-    scheduling_policy: SchedulingPolicy = "fcfs"
-    priority_aging_steps: int = DEFAULT_AGING_STEPS
-    # Speculative decoding proposes nothing while more sequences than this run (vLLM's
-    # ``disable_by_batch_size``: at large batches the verification rows cost more than they
-    # save); None: at any batch size.
-    spec_disable_by_batch_size: int | None = None
-
-
-class ScheduledSeq(NamedTuple):
-    """One sequence's part of a step: K/V of ``token_ids`` (positions from ``start_pos``) go to
-    ``slot_mapping``; if ``samples``, the logits of the last of them are sampled."""
-
-    request_id: str
-    seq_id: int
-    token_ids: tuple[int, ...]
-    start_pos: int
-    slot_mapping: tuple[int, ...]
-    block_table: tuple[int, ...]
-    samples: bool
-    num_samples: int = 1  # > 1: the prompt's end of a parallel-sampling request (fan-out)
-    min_rope_len: int = 0  # the RoPE scaling sees at least this length (longrope's long regime)
-    # Speculative decoding: the last ``num_draft`` of ``token_ids`` are proposals; the logits of
-    # the last ``num_draft + 1`` tokens verify them (the step returns 1 to num_draft + 1 tokens)
-    num_draft: int = 0
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class SchedulerOutput:
-    step_id: int
-    seqs: tuple[ScheduledSeq, ...]
-    copy_on_write: tuple[tuple[int, int], ...]  # run before the forward, all layers
-    swap_outs: tuple[SwapPlan, ...]
-    swap_ins: tuple[SwapPlan, ...]
-    preempted: tuple[str, ...]
-    num_batched_tokens: int
-
-
-class SeqUpdate(NamedTuple):
-    request_id: str
-    seq_id: int
-    completion: int  # the completion's index in its request
-    row: tuple[int, int]  # (seq id, sample index) of the draw that produced the token
-    new_token_ids: tuple[int, ...]
-    finish_reason: str | None
-    stop_reason: int | str | None
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class SchedulerStatistics:
-    num_running: int
-    num_waiting: int
-    num_swapped: int
-    num_preemptions: int
-    num_swap_outs: int
-    num_swap_ins: int
-    num_recomputes: int
-    num_rope_restarts: int
-    num_finished: int
-    num_aborted: int
-
-
-@dataclass(slots=True)
-class _Plan:
-    """A step being planned: budgets and the decisions made so far."""
-
-    budget_left: int
-    seats_left: int
-    free: int  # device blocks free for mandatory operations (negative: under pressure)
-    short: bool = False  # some request's blocks do not fit: the allocator preempts
-    claim: Claim | None = None  # priority policy: a waiting request claims running groups' room
+__all__ = [
+    "PreemptionMode",
+    "ScheduledSeq",
+    "Scheduler",
+    "SchedulerConfig",
+    "SchedulerOutput",
+    "SchedulerStatistics",
+    "SeqUpdate",
+]
 
 
 class Scheduler:
@@ -185,7 +115,6 @@ class Scheduler:
         self.running: list[Request] = []
         self.swapped: list[Request] = []
         self._swaps: dict[int, Request | None] = {}  # swap id -> request (None: aborted)
-        self._swap_blocks: dict[int, int] = {}  # swap id -> blocks it maps
         self._pending_frees: list[int] = []
         self._pending_completes: list[int] = []
         self._pending_forks: list[tuple[int, int]] = []
@@ -213,7 +142,7 @@ class Scheduler:
             request.long_rope = True  # long from the first token, as a one-shot prefill
         self.requests[request.request_id] = request
         self.policy.on_add(request)
-        _insort(self.waiting, request)
+        insort(self.waiting, request)
 
     def abort(self, request_id: str) -> Request | None:
         """Finish a request with reason "abort" wherever it is; its blocks are freed by the next
@@ -240,7 +169,7 @@ class Scheduler:
             assert request.status is RequestStatus.SWAPPING_IN
             self.swapped.remove(request)
             request.status = RequestStatus.RUNNING
-            _insort(self.running, request)
+            insort(self.running, request)
             self._swapped_back.update(s.seq_id for s in request.live_seqs)
 
     @property
@@ -268,7 +197,7 @@ class Scheduler:
     def plan(self, snap: PoolSnapshot) -> StepTxn:
         """Decide the next step against the allocator's snapshot."""
         cfg = self.config
-        plan = _Plan(
+        plan = PlanBudget(
             budget_left=cfg.max_num_batched_tokens,
             seats_left=cfg.max_num_seqs,
             free=snap.num_free_device_blocks,
@@ -283,21 +212,10 @@ class Scheduler:
         shared = snap.shared_tails | {s for pair in forks for s in pair} | self._swapped_back
         self._swapped_back = set()
         if self.policy.is_priority:
-            self._claim_for_priority(plan)
-        appends, sizes = self._plan_running(plan, shared, frees)
-        swap_ins: list[tuple[int, ...]] = []
-        admissions: list[Admission] = []
+            claim_for_priority(self, plan)
+        appends, sizes = plan_running(self, plan, shared, frees)
         pressure = plan.short or plan.claim is not None
-        if pressure:
-            self._victims = self.running[::-1]
-        else:
-            self._victims = []
-            if self.policy.is_priority:
-                swap_ins, admissions = self._plan_in_rank_order(plan)
-            else:
-                swap_ins = self._plan_swap_ins(plan)
-                if not self.swapped:
-                    admissions = self._plan_admissions(plan)
+        swap_ins, admissions = self._plan_queues(plan, pressure)
         truncates, self._pending_truncates = self._pending_truncates, []
         if truncates and frees:  # a sequence freed now (finished, restarted) keeps nothing
             gone = set(frees)
@@ -322,233 +240,24 @@ class Scheduler:
             claim=plan.claim,
         )
 
-    def _plan_running(
-        self, plan: _Plan, shared: AbstractSet[int | str], frees: list[int]
-    ) -> tuple[list[tuple[int, tuple[int, ...]]], list[int]]:
-        """The running requests' appends in queue order, within the budgets: (seq id, tokens)
-        per sequence, and the number of them per request. Where the blocks run short
-        (``plan.short``) the allocator preempts; the needs here are upper bounds (a tail
-        counted as shared may not be)."""
-        bs = self.config.block_size
-        appends: list[tuple[int, tuple[int, ...]]] = []  # (seq id, tokens)
-        sizes: list[int] = []
-        planned = self._planned = []
-        running = self.running
-        i = 0
-        while i < len(running):
-            request = running[i]
-            seqs = request.seqs
-            if len(seqs) == 1 and seqs[0].finish_reason is None:  # the common case, inline
-                if plan.seats_left < 1 or plan.budget_left < 1:
-                    break  # token or sequence budget spent
-                seq = seqs[0]
-                have = seq.num_computed_tokens
-                n = min(len(seq.token_ids) - have, plan.budget_left)
-                if not n:
-                    i += 1
-                    continue
-                chunks = [(seq, n)]
-                drafts = (
-                    self._drafts(request, chunks, plan.budget_left)
-                    if request.num_speculative_tokens
-                    else {}
-                )
-                if drafts:
-                    n += len(drafts[seq.seq_id])
-                need = -(-(have + n) // bs) - -(-have // bs) + (seq.seq_id in shared)
-            else:
-                some = _chunks(request, plan)
-                if some is None:
-                    break  # token or sequence budget spent
-                chunks = some
-                if not chunks:
-                    i += 1  # beams that reported wait for their siblings: nothing to compute
-                    continue
-                drafts = self._drafts(request, chunks, plan.budget_left)
-                need = sum(
-                    self._blocks_to_append(s, n + len(drafts.get(s.seq_id, ())), s.seq_id in shared)
-                    for s, n in chunks
-                )
-            if self._outgrows_short_rope(request, chunks):
-                self._restart_long_rope(request, frees)
-                continue  # the next request moved into index i
-            if need > plan.free:
-                plan.short = True
-            plan.free -= need
-            sizes.append(len(chunks))
-            for seq, n in chunks:
-                start = seq.num_computed_tokens
-                draft = drafts.get(seq.seq_id, ()) if drafts else ()
-                tokens = (*seq.token_ids[start : start + n], *draft)
-                appends.append((seq.seq_id, tokens))
-                planned.append((request, seq, len(draft)))
-                plan.budget_left -= len(tokens)
-                plan.seats_left -= 1
-            i += 1
-        return appends, sizes
-
-    def _drafts(
-        self, request: Request, chunks: list[tuple[Sequence, int]], budget: int
-    ) -> dict[int, tuple[int, ...]]:
-        """Speculative decoding: proposals for the decodes among ``chunks`` (sequences whose
-        one new token is their last), within the token budget and never past ``max_tokens``
-        or ``max_model_len`` (a step emits at most its proposals + 1 tokens)."""
-        k = request.num_speculative_tokens
-        if not k or self._propose is None:
-            return {}
-        limit_batch = self.config.spec_disable_by_batch_size
-        if limit_batch is not None and len(self.running) > limit_batch:
-            return {}
-        budget -= sum(n for _, n in chunks)
-        stop = request.stop
-        drafts: dict[int, tuple[int, ...]] = {}
-        for seq, n in chunks:
-            if n != 1 or seq.num_uncomputed != 1 or budget <= 0:
-                continue
-            if seq.spec_skip:  # backing off after rounds that kept nothing
-                seq.spec_skip -= 1
-                continue
-            room = stop.max_tokens - seq.num_generated - 1
-            if stop.max_model_len is not None:
-                room = min(room, stop.max_model_len - len(seq.token_ids) - 1)
-            limit = min(k, budget, room)
-            if limit <= 0:
-                continue
-            draft = tuple(self._propose(seq.seq_id, seq.token_ids, limit))[:limit]
-            if draft:
-                drafts[seq.seq_id] = draft
-                budget -= len(draft)
-        return drafts
-
-    def _outgrows_short_rope(self, request: Request, chunks: list[tuple[Sequence, int]]) -> bool:
-        switch = self.config.rope_switch_len
-        return (
-            switch is not None
-            and not request.long_rope
-            and any(s.num_computed_tokens + n > switch for s, n in chunks)
-        )
-
-    def _restart_long_rope(self, request: Request, frees: list[int]) -> None:
-        """Recompute a request from its first token in the long RoPE regime: its cached K/V
-        were rotated with the short factors. Frees land before admissions in the transaction,
-        so it may be admitted again in this very step (under its long-regime cache key)."""
-        self.running.remove(request)
-        request.long_rope = True
-        frees.extend(s.seq_id for s in request.live_seqs)
-        for seq in request.live_seqs:
-            seq.num_computed_tokens = 0
-            seq.has_blocks = False
-        request.status = RequestStatus.WAITING
-        _insort(self.waiting, request)
-        self.num_rope_restarts += 1
-
-    def _blocks_to_append(self, seq: Sequence, n: int, shared_tail: bool) -> int:
-        bs = self.config.block_size
-        have = seq.num_computed_tokens
-        return -(-(have + n) // bs) - -(-have // bs) + (1 if shared_tail else 0)
-
-    def _settle_preemption(self, request: Request, swapped: bool) -> None:
-        """The allocator preempted ``request`` (all its sequences): swapped out, or freed to be
-        recomputed."""
-        self.running.remove(request)
-        request.num_preemptions += 1
-        self.num_preemptions += 1
-        if swapped:
-            request.status = RequestStatus.SWAPPING_OUT
-            _insort(self.swapped, request)
-            self.num_swap_outs += 1
-            return
-        for seq in request.live_seqs:  # the allocator freed them
-            seq.num_computed_tokens = 0
-            seq.has_blocks = False
-        request.status = RequestStatus.WAITING
-        _insort(self.waiting, request)
-        self.num_recomputes += 1
-
-    def _claim_for_priority(self, plan: _Plan) -> None:
-        """Priority policy: age the waiting and swapped requests; if the best waiting request
-        lacks seats or blocks (estimated without prefix-cache hits), claim the room of the
-        running groups it outranks (``plan.claim``: the allocator preempts the fewest of them
-        that make room, exactly, or none; core/policy.py's rule)."""
-        policy, cfg = self.policy, self.config
-        policy.age(self.waiting)
-        policy.age(self.swapped)
-        if not self.waiting or not self.running:
-            return
-        best = self.waiting[0]
-        if self.swapped and (
-            self.swapped[0].queue_key < best.queue_key
-            or any(r.status is RequestStatus.SWAPPING_OUT for r in self.swapped)
-        ):
-            return  # a better swapped request comes first; or blocks are still coming back
-        seqs = best.live_seqs
-        chunk = max(1, plan.budget_left // len(seqs))
-        bs = cfg.block_size
-        need = Room(
-            seats=len(seqs),
-            blocks=sum(-(-min(len(s.token_ids), chunk) // bs) for s in seqs) + self._watermark,
-        )
-        seats = cfg.max_num_seqs - sum(len(r.live_seqs) for r in self.running)
-        if seats >= need.seats and plan.free >= need.blocks:
-            return
-        outranked = num_outranked(policy, best, self.running)
-        if outranked:
-            plan.claim = Claim(num_victims=outranked, seats=need.seats - seats, blocks=need.blocks)
-
-    def _plan_in_rank_order(self, plan: _Plan) -> tuple[list[tuple[int, ...]], list[Admission]]:
-        """Priority policy: swapped requests ranked above the best waiting one come back first;
-        the waiting ones are offered once every one of those is coming back."""
-        limit = self.waiting[0].queue_key if self.waiting else None
-        swap_ins = self._plan_swap_ins(plan, before=limit)
-        coming = {s for group in swap_ins for s in group}
-        if limit is None or any(
-            r.status is not RequestStatus.SWAPPING_IN
-            and r.live_seqs[0].seq_id not in coming
-            and r.queue_key < limit
-            for r in self.swapped
-        ):
-            return swap_ins, []
-        return swap_ins, self._plan_admissions(plan)
-
-    def _plan_swap_ins(
-        self, plan: _Plan, before: tuple[int, int] | None = None
-    ) -> list[tuple[int, ...]]:
-        """Swapped requests back in, in queue order (those ranked before ``before``)."""
-        groups: list[tuple[int, ...]] = []
-        for request in self.swapped:
-            if before is not None and request.queue_key >= before:
-                break
-            if request.status is not RequestStatus.SWAPPED:
-                continue
-            assert request.swap_id is None
-            need = request.num_swap_blocks
-            # Room for the group's next step too (a new or copied block per sequence, more for
-            # tokens a grammar forced), or it would preempt itself and swap out and in forever.
-            step = sum(max(1, self._blocks_to_append(s, s.num_uncomputed, False))
-                       for s in request.live_seqs)  # fmt: skip
-            if need + step + self._watermark > plan.free:
-                break  # first come, first served: no one overtakes
-            plan.free -= need
-            groups.append(tuple(s.seq_id for s in request.live_seqs))
-        return groups
-
-    def _plan_admissions(self, plan: _Plan) -> list[Admission]:
+    def _plan_queues(
+        self, plan: PlanBudget, pressure: bool
+    ) -> tuple[list[tuple[int, ...]], list[Admission]]:
+        """Under pressure the running groups are the victims and nothing comes in; else the
+        swap-ins and admissions, in queue (FCFS) or rank (priority) order."""
+        swap_ins: list[tuple[int, ...]] = []
         admissions: list[Admission] = []
-        for request in self.waiting:
-            seqs = request.live_seqs
-            if plan.seats_left < len(seqs) or plan.budget_left < len(seqs):
-                break
-            chunk = plan.budget_left // len(seqs)
-            ops = tuple(
-                AllocateOp(seq_id=s.seq_id, token_ids=tuple(s.token_ids), max_new_tokens=chunk,
-                           extra_key=request.cache_key, read_cache=request.read_prefix_cache)
-                for s in seqs
-            )  # fmt: skip
-            admissions.append(Admission(request_id=request.request_id, ops=ops))
-            # Budget as if nothing were cached; the allocator's grants tell the real count.
-            plan.budget_left -= sum(min(chunk, len(s.token_ids)) for s in seqs)
-            plan.seats_left -= len(seqs)
-        return admissions
+        if pressure:
+            self._victims = self.running[::-1]
+        else:
+            self._victims = []
+            if self.policy.is_priority:
+                swap_ins, admissions = plan_in_rank_order(self, plan)
+            else:
+                swap_ins = plan_swap_ins(self, plan)
+                if not self.swapped:
+                    admissions = plan_admissions(self.waiting, plan)
+        return swap_ins, admissions
 
     # ---- applying the allocator's result --------------------------------------------------
 
@@ -568,24 +277,13 @@ class Scheduler:
             )
         preempted = self._victims[: len(result.preempted)]
         for request, swapped in zip(preempted, result.preempted, strict=True):
-            self._settle_preemption(request, swapped)
-        for plan in result.swap_outs:
-            request = self._swap_owner(plan)
-            request.swap_id = plan.swap_id
-            self._swaps[plan.swap_id] = request
-            request.num_swap_blocks = len(plan.block_mapping)
-        for plan in result.swap_ins:
-            request = self._swap_owner(plan)
-            assert request.status is RequestStatus.SWAPPED
-            request.status = RequestStatus.SWAPPING_IN
-            self.num_swap_ins += 1
-            request.swap_id = plan.swap_id
-            self._swaps[plan.swap_id] = request
+            settle_preemption(self, request, swapped)
+        self._settle_swaps(result)
         for request_id, grants in result.admitted:
             request = self.requests[request_id]
             self.waiting.remove(request)
             request.status = RequestStatus.RUNNING
-            _insort(self.running, request)
+            insort(self.running, request)
             by_id = {s.seq_id: s for s in request.live_seqs}
             for grant in grants:
                 seq = by_id[grant.seq_id]
@@ -604,6 +302,21 @@ class Scheduler:
             preempted=tuple(r.request_id for r in preempted),
             num_batched_tokens=num_tokens,
         )
+
+    def _settle_swaps(self, result: TxnResult) -> None:
+        """Record the swaps the allocator started: out (blocks mapped) and in."""
+        for plan in result.swap_outs:
+            request = self._swap_owner(plan)
+            request.swap_id = plan.swap_id
+            self._swaps[plan.swap_id] = request
+            request.num_swap_blocks = len(plan.block_mapping)
+        for plan in result.swap_ins:
+            request = self._swap_owner(plan)
+            assert request.status is RequestStatus.SWAPPED
+            request.status = RequestStatus.SWAPPING_IN
+            self.num_swap_ins += 1
+            request.swap_id = plan.swap_id
+            self._swaps[plan.swap_id] = request
 
     def _schedule(
         self,
@@ -657,169 +370,7 @@ class Scheduler:
         For beam-search requests ``top[seq_id]`` (each beam's best tokens and logprobs) drives
         the beam step instead, once every beam of the request has reported.
         """
-        updates: list[SeqUpdate] = []
-        beams: list[Request] = []
-        for scheduled in output.seqs:
-            request = self.requests.get(scheduled.request_id)
-            if request is None or not scheduled.samples:
-                continue  # aborted meanwhile, or a prefill chunk short of the prompt's end
-            seq = request.seqs[0]
-            if seq.seq_id != scheduled.seq_id:
-                seq = next(s for s in request.seqs if s.seq_id == scheduled.seq_id)
-            if seq.is_finished:
-                continue
-            if request.beam is not None:
-                assert top is not None, "beam search needs the top logprobs"
-                request.beam_top[seq.seq_id] = top[seq.seq_id]
-                if len(request.beam_top) == len(request.live_seqs):
-                    beams.append(request)
-                continue
-            tokens = sampled[seq.seq_id]
-            if scheduled.num_draft:
-                updates.append(self._verified(request, seq, scheduled.num_draft, tokens))
-                if seq.finish_reason is not None and request.is_finished:
-                    self._finish(request)
-                    self.num_finished += 1
-                continue
-            if scheduled.num_samples == 1 and len(request.seqs) == 1:  # the common case, inline
-                token = tokens[0]
-                seq.token_ids.append(token)
-                finished = self._check_stop(request, seq, token)
-                updates.append(
-                    SeqUpdate(
-                        request_id=request.request_id,
-                        seq_id=seq.seq_id,
-                        completion=seq.index,
-                        row=(seq.seq_id, 0),
-                        new_token_ids=(token,),
-                        finish_reason=seq.finish_reason,
-                        stop_reason=seq.stop_reason,
-                    )
-                )
-                if finished:
-                    self._release(seq)
-                    self._finish(request)
-                    self.num_finished += 1
-                continue
-            family = [seq]
-            if scheduled.num_samples > 1:
-                family.extend(self._fan_out(request, seq, tokens[1:]))
-            for i, (s, token) in enumerate(zip(family, tokens, strict=False)):
-                if s is seq:
-                    s.token_ids.append(token)
-                finished = self._check_stop(request, s, token)
-                updates.append(
-                    SeqUpdate(
-                        request_id=request.request_id,
-                        seq_id=s.seq_id,
-                        completion=s.index,
-                        row=(seq.seq_id, i),
-                        new_token_ids=(token,),
-                        finish_reason=s.finish_reason,
-                        stop_reason=s.stop_reason,
-                    )
-                )
-                if finished:
-                    self._release(s)
-            if seq.finish_reason is not None if len(request.seqs) == 1 else request.is_finished:
-                self._finish(request)
-                self.num_finished += 1
-        for request in beams:
-            self._beam_step(request)
-        return updates
-
-    def _verified(
-        self, request: Request, seq: Sequence, num_draft: int, tokens: SeqOf[int]
-    ) -> SeqUpdate:
-        """A speculative step's result: the accepted proposals then the target's token
-        (``tokens``, 1 to ``num_draft + 1`` of them), appended one by one under the stop
-        rules. The kept proposals' K/V stay (they become computed tokens); the rejected slots
-        roll back in the next transaction, and a sequence that finished is freed instead."""
-        accepted = len(tokens) - 1
-        assert 0 <= accepted <= num_draft, f"{len(tokens)} tokens for {num_draft} proposals"
-        self.spec_stats.observe((num_draft,), (accepted,))
-        if accepted:
-            seq.spec_backoff = 0
-        else:  # each wasted round doubles the pause before the next proposal (at most 16)
-            seq.spec_backoff = min(16, 2 * seq.spec_backoff or 1)
-            seq.spec_skip = seq.spec_backoff
-        appended: list[int] = []
-        for token in tokens:
-            seq.token_ids.append(token)
-            appended.append(token)
-            if self._check_stop(request, seq, token):
-                self._release(seq)
-                break
-        else:
-            seq.num_computed_tokens += accepted
-            self._pending_truncates.append((seq.seq_id, seq.num_computed_tokens))
-        return SeqUpdate(
-            request_id=request.request_id,
-            seq_id=seq.seq_id,
-            completion=seq.index,
-            row=(seq.seq_id, 0),
-            new_token_ids=tuple(appended),
-            finish_reason=seq.finish_reason,
-            stop_reason=seq.stop_reason,
-        )
-
-    def _beam_step(self, request: Request) -> None:
-        """All beams reported: advance the search, fork, drop, or finish the request."""
-        assert request.beam is not None
-        choices = request.beam.step(request.beam_top)
-        request.beam_top.clear()
-        live = {s.seq_id: s for s in request.live_seqs}
-        bases = {sid: list(s.token_ids) for sid, s in live.items()}
-        kept: list[Sequence] = []
-        for index, choice in enumerate(choices):
-            parent = live[choice.parent]
-            if all(s is not parent for s in kept):
-                parent.token_ids.append(choice.token)
-                parent.index = index
-                kept.append(parent)
-                continue
-            child = Sequence(
-                seq_id=self._new_seq_id(),
-                index=index,
-                token_ids=[*bases[parent.seq_id], choice.token],
-                num_prompt_tokens=parent.num_prompt_tokens,
-                num_computed_tokens=parent.num_computed_tokens,
-                has_blocks=True,
-            )
-            self._pending_forks.append((parent.seq_id, child.seq_id))
-            kept.append(child)
-        for seq in live.values():
-            if all(s is not seq for s in kept):
-                seq.finish_reason = "stop"  # pruned beam
-                self._release(seq)
-        request.seqs = kept or list(live.values())
-        if not request.beam.done:
-            request.beam.assign([s.seq_id for s in kept])
-        else:
-            for seq in request.live_seqs:
-                seq.finish_reason = "stop"
-                self._release(seq)
-            self.finished_beams.append((request.request_id, list(request.beam.finished)))
-            self._finish(request)
-            self.num_finished += 1
-
-    def _fan_out(self, request: Request, seq: Sequence, tokens: SeqOf[int]) -> list[Sequence]:
-        """Create sequences 1.. of a parallel-sampling request from its first sequence."""
-        prompt = seq.token_ids[: seq.num_prompt_tokens]
-        children = []
-        for index, (child_id, token) in enumerate(zip(request.fork_ids, tokens, strict=True), 1):
-            child = Sequence(
-                seq_id=child_id,
-                index=index,
-                token_ids=[*prompt, token],
-                num_prompt_tokens=seq.num_prompt_tokens,
-                num_computed_tokens=seq.num_computed_tokens,
-                has_blocks=True,
-            )
-            request.seqs.append(child)
-            self._pending_forks.append((seq.seq_id, child_id))
-            children.append(child)
-        return children
+        return update_step(self, output, sampled, top)
 
     def append_forced(
         self, request_id: str, seq_id: int, tokens: SeqOf[int]
@@ -829,21 +380,7 @@ class Scheduler:
         after the last. The stop rules apply token by token (they count toward max_tokens):
         appending ends at the first token that finishes the sequence. Returns the tokens
         appended and the sequence's finish and stop reasons."""
-        request = self.requests.get(request_id)
-        seq = None if request is None else next(s for s in request.seqs if s.seq_id == seq_id)
-        if request is None or seq is None or seq.is_finished:
-            return (), None, None
-        appended: list[int] = []
-        for token in tokens:
-            seq.token_ids.append(token)
-            appended.append(token)
-            if self._check_stop(request, seq, token):
-                self._release(seq)
-                if request.is_finished:
-                    self._finish(request)
-                    self.num_finished += 1
-                break
-        return tuple(appended), seq.finish_reason, seq.stop_reason
+        return append_forced(self, request_id, seq_id, tokens)
 
     def finish_seq(self, request_id: str, seq_id: int, reason: str, stop: int | str | None) -> None:
         """End a sequence from outside (a stop string matched in its text)."""
@@ -858,23 +395,6 @@ class Scheduler:
         if request.is_finished:
             self._finish(request)
             self.num_finished += 1
-
-    def _check_stop(self, request: Request, seq: Sequence, token: int) -> bool:
-        """Set the sequence's finish reason if ``token`` ends it; True if it did."""
-        stop = request.stop
-        num_tokens = len(seq.token_ids)
-        num_generated = num_tokens - seq.num_prompt_tokens
-        if num_generated >= stop.min_tokens:
-            if token in stop.eos_token_ids and not stop.ignore_eos:
-                seq.finish_reason = "stop"
-            elif token in stop.stop_token_ids:
-                seq.finish_reason, seq.stop_reason = "stop", token
-        if seq.finish_reason is None and (
-            num_generated >= stop.max_tokens
-            or (stop.max_model_len is not None and num_tokens >= stop.max_model_len)
-        ):
-            seq.finish_reason = "length"
-        return seq.finish_reason is not None
 
     def _release(self, seq: Sequence) -> None:
         if seq.has_blocks:
@@ -916,29 +436,3 @@ class Scheduler:
             num_finished=self.num_finished,
             num_aborted=self.num_aborted,
         )
-
-
-def _chunks(request: Request, plan: _Plan) -> list[tuple[Sequence, int]] | None:
-    """(sequence, tokens to compute) for a running request, or None if over budget; empty when
-    none of its sequences has anything to compute this step."""
-    if len(request.seqs) == 1:  # the common case, without the list building below
-        seq = request.seqs[0]
-        if seq.finish_reason is None:
-            if plan.seats_left < 1 or plan.budget_left < 1:
-                return None
-            todo = len(seq.token_ids) - seq.num_computed_tokens
-            return [(seq, min(todo, plan.budget_left))] if todo else []
-    seqs = request.live_seqs
-    if plan.seats_left < len(seqs) or plan.budget_left < len(seqs):
-        return None
-    share = plan.budget_left // len(seqs)
-    # A beam that reported waits (nothing to compute) until its siblings have too.
-    return [(s, min(s.num_uncomputed, share)) for s in seqs if s.num_uncomputed]
-
-
-def _insort(queue: list[Request], request: Request) -> None:
-    bisect.insort(queue, request, key=_queue_key)
-
-
-def _queue_key(request: Request) -> tuple[int, int]:
-    return request.queue_key

@@ -1,0 +1,243 @@
+"""Step planning from the queues: what the running requests append this step (prefill chunks,
+decode tokens, speculative proposals), which swapped requests come back in, and which waiting
+requests are offered for admission, all within the token, sequence and block budgets of a
+:class:`PlanBudget`. Also the long-RoPE restart, which sends a running request back to waiting.
+
+These are the :class:`~asyncpaged.core.scheduler.Scheduler`'s planning steps; each takes the
+scheduler whose queues it reads (and, where said, changes)."""
+
+from __future__ import annotations
+
+from collections.abc import Set as AbstractSet
+from typing import TYPE_CHECKING
+
+from asyncpaged.core.request import Request, RequestStatus, Sequence
+from asyncpaged.core.scheduler_types import PlanBudget, SchedulerConfig, insort
+from asyncpaged.core.txn import Admission, AllocateOp
+
+if TYPE_CHECKING:
+    from asyncpaged.core.scheduler import Scheduler
+
+Chunks = list[tuple[Sequence, int]]  # (sequence, tokens to compute)
+Drafts = dict[int, tuple[int, ...]]  # seq id -> speculative proposals
+
+
+def plan_running(
+    sched: Scheduler, plan: PlanBudget, shared: AbstractSet[int | str], frees: list[int]
+) -> tuple[list[tuple[int, tuple[int, ...]]], list[int]]:
+    """The running requests' appends in queue order, within the budgets: (seq id, tokens)
+    per sequence, and the number of them per request. Where the blocks run short
+    (``plan.short``) the allocator preempts; the needs here are upper bounds (a tail
+    counted as shared may not be). Records the appends in ``sched._planned``."""
+    appends: list[tuple[int, tuple[int, ...]]] = []  # (seq id, tokens)
+    sizes: list[int] = []
+    planned = sched._planned = []
+    running = sched.running
+    i = 0
+    while i < len(running):
+        request = running[i]
+        step = _step_of(sched, request, plan, shared)
+        if step is None:
+            break  # token or sequence budget spent
+        chunks, drafts, need = step
+        if not chunks:
+            i += 1  # nothing to compute (beams that reported wait for their siblings)
+            continue
+        if _outgrows_short_rope(sched.config, request, chunks):
+            restart_long_rope(sched, request, frees)
+            continue  # the next request moved into index i
+        if need > plan.free:
+            plan.short = True
+        plan.free -= need
+        sizes.append(len(chunks))
+        for seq, n in chunks:
+            start = seq.num_computed_tokens
+            draft = drafts.get(seq.seq_id, ()) if drafts else ()
+            tokens = (*seq.token_ids[start : start + n], *draft)
+            appends.append((seq.seq_id, tokens))
+            planned.append((request, seq, len(draft)))
+            plan.budget_left -= len(tokens)
+            plan.seats_left -= 1
+        i += 1
+    return appends, sizes
+
+
+def _step_of(
+    sched: Scheduler, request: Request, plan: PlanBudget, shared: AbstractSet[int | str]
+) -> tuple[Chunks, Drafts, int] | None:
+    """A running request's chunks, proposals and block need this step; None if the budgets
+    are spent, no chunks if it has nothing to compute."""
+    seqs = request.seqs
+    if len(seqs) == 1 and seqs[0].finish_reason is None:  # the common case, inline
+        if plan.seats_left < 1 or plan.budget_left < 1:
+            return None
+        seq = seqs[0]
+        have = seq.num_computed_tokens
+        n = min(len(seq.token_ids) - have, plan.budget_left)
+        if not n:
+            return [], {}, 0
+        chunks = [(seq, n)]
+        drafts = (
+            plan_drafts(sched, request, chunks, plan.budget_left)
+            if request.num_speculative_tokens
+            else {}
+        )
+        if drafts:
+            n += len(drafts[seq.seq_id])
+        bs = sched.config.block_size
+        return chunks, drafts, -(-(have + n) // bs) - -(-have // bs) + (seq.seq_id in shared)
+    some = chunks_of(request, plan)
+    if some is None:
+        return None
+    if not some:
+        return [], {}, 0
+    drafts = plan_drafts(sched, request, some, plan.budget_left)
+    bs = sched.config.block_size
+    need = sum(
+        blocks_to_append(s, n + len(drafts.get(s.seq_id, ())), s.seq_id in shared, bs)
+        for s, n in some
+    )
+    return some, drafts, need
+
+
+def plan_drafts(sched: Scheduler, request: Request, chunks: Chunks, budget: int) -> Drafts:
+    """Speculative decoding: proposals for the decodes among ``chunks`` (sequences whose
+    one new token is their last), within the token budget and never past ``max_tokens``
+    or ``max_model_len`` (a step emits at most its proposals + 1 tokens)."""
+    k = request.num_speculative_tokens
+    propose = sched._propose
+    if not k or propose is None:
+        return {}
+    limit_batch = sched.config.spec_disable_by_batch_size
+    if limit_batch is not None and len(sched.running) > limit_batch:
+        return {}
+    budget -= sum(n for _, n in chunks)
+    stop = request.stop
+    drafts: Drafts = {}
+    for seq, n in chunks:
+        if n != 1 or seq.num_uncomputed != 1 or budget <= 0:
+            continue
+        if seq.spec_skip:  # backing off after rounds that kept nothing
+            seq.spec_skip -= 1
+            continue
+        room = stop.max_tokens - seq.num_generated - 1
+        if stop.max_model_len is not None:
+            room = min(room, stop.max_model_len - len(seq.token_ids) - 1)
+        limit = min(k, budget, room)
+        if limit <= 0:
+            continue
+        draft = tuple(propose(seq.seq_id, seq.token_ids, limit))[:limit]
+        if draft:
+            drafts[seq.seq_id] = draft
+            budget -= len(draft)
+    return drafts
+
+
+def chunks_of(request: Request, plan: PlanBudget) -> Chunks | None:
+    """(sequence, tokens to compute) for a running request, or None if over budget; empty when
+    none of its sequences has anything to compute this step."""
+    if len(request.seqs) == 1:  # the common case, without the list building below
+        seq = request.seqs[0]
+        if seq.finish_reason is None:
+            if plan.seats_left < 1 or plan.budget_left < 1:
+                return None
+            todo = len(seq.token_ids) - seq.num_computed_tokens
+            return [(seq, min(todo, plan.budget_left))] if todo else []
+    seqs = request.live_seqs
+    if plan.seats_left < len(seqs) or plan.budget_left < len(seqs):
+        return None
+    share = plan.budget_left // len(seqs)
+    # A beam that reported waits (nothing to compute) until its siblings have too.
+    return [(s, min(s.num_uncomputed, share)) for s in seqs if s.num_uncomputed]
+
+
+def blocks_to_append(seq: Sequence, n: int, shared_tail: bool, block_size: int) -> int:
+    """New device blocks ``seq`` needs for ``n`` more tokens (one more for a shared tail)."""
+    have = seq.num_computed_tokens
+    return -(-(have + n) // block_size) - -(-have // block_size) + (1 if shared_tail else 0)
+
+
+def _outgrows_short_rope(config: SchedulerConfig, request: Request, chunks: Chunks) -> bool:
+    switch = config.rope_switch_len
+    return (
+        switch is not None
+        and not request.long_rope
+        and any(s.num_computed_tokens + n > switch for s, n in chunks)
+    )
+
+
+def restart_long_rope(sched: Scheduler, request: Request, frees: list[int]) -> None:
+    """Recompute a request from its first token in the long RoPE regime: its cached K/V
+    were rotated with the short factors. Frees land before admissions in the transaction,
+    so it may be admitted again in this very step (under its long-regime cache key)."""
+    sched.running.remove(request)
+    request.long_rope = True
+    frees.extend(s.seq_id for s in request.live_seqs)
+    for seq in request.live_seqs:
+        seq.num_computed_tokens = 0
+        seq.has_blocks = False
+    request.status = RequestStatus.WAITING
+    insort(sched.waiting, request)
+    sched.num_rope_restarts += 1
+
+
+def plan_in_rank_order(
+    sched: Scheduler, plan: PlanBudget
+) -> tuple[list[tuple[int, ...]], list[Admission]]:
+    """Priority policy: swapped requests ranked above the best waiting one come back first;
+    the waiting ones are offered once every one of those is coming back."""
+    limit = sched.waiting[0].queue_key if sched.waiting else None
+    swap_ins = plan_swap_ins(sched, plan, before=limit)
+    coming = {s for group in swap_ins for s in group}
+    if limit is None or any(
+        r.status is not RequestStatus.SWAPPING_IN
+        and r.live_seqs[0].seq_id not in coming
+        and r.queue_key < limit
+        for r in sched.swapped
+    ):
+        return swap_ins, []
+    return swap_ins, plan_admissions(sched.waiting, plan)
+
+
+def plan_swap_ins(
+    sched: Scheduler, plan: PlanBudget, before: tuple[int, int] | None = None
+) -> list[tuple[int, ...]]:
+    """Swapped requests back in, in queue order (those ranked before ``before``)."""
+    bs = sched.config.block_size
+    groups: list[tuple[int, ...]] = []
+    for request in sched.swapped:
+        if before is not None and request.queue_key >= before:
+            break
+        if request.status is not RequestStatus.SWAPPED:
+            continue
+        assert request.swap_id is None
+        need = request.num_swap_blocks
+        # Room for the group's next step too (a new or copied block per sequence, more for
+        # tokens a grammar forced), or it would preempt itself and swap out and in forever.
+        step = sum(max(1, blocks_to_append(s, s.num_uncomputed, False, bs))
+                   for s in request.live_seqs)  # fmt: skip
+        if need + step + sched._watermark > plan.free:
+            break  # first come, first served: no one overtakes
+        plan.free -= need
+        groups.append(tuple(s.seq_id for s in request.live_seqs))
+    return groups
+
+
+def plan_admissions(waiting: list[Request], plan: PlanBudget) -> list[Admission]:
+    """Waiting requests offered for admission, in queue order, within the budgets."""
+    admissions: list[Admission] = []
+    for request in waiting:
+        seqs = request.live_seqs
+        if plan.seats_left < len(seqs) or plan.budget_left < len(seqs):
+            break
+        chunk = plan.budget_left // len(seqs)
+        ops = tuple(
+            AllocateOp(seq_id=s.seq_id, token_ids=tuple(s.token_ids), max_new_tokens=chunk,
+                       extra_key=request.cache_key, read_cache=request.read_prefix_cache)
+            for s in seqs
+        )  # fmt: skip
+        admissions.append(Admission(request_id=request.request_id, ops=ops))
+        # Budget as if nothing were cached; the allocator's grants tell the real count.
+        plan.budget_left -= sum(min(chunk, len(s.token_ids)) for s in seqs)
+        plan.seats_left -= len(seqs)
+    return admissions

@@ -1,0 +1,111 @@
+"""The scheduler's configuration and the values it hands out: a step's plan for the executor
+(:class:`SchedulerOutput`), per-sequence results (:class:`SeqUpdate`), statistics, and the
+budgets of a step being planned (:class:`PlanBudget`). Also the one queue helper every part of the
+scheduler shares (:func:`insort`: queues stay sorted by :attr:`Request.queue_key`)."""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass
+from typing import Literal, NamedTuple
+
+from asyncpaged.core.block_table import SwapPlan
+from asyncpaged.core.policy import DEFAULT_AGING_STEPS, SchedulingPolicy
+from asyncpaged.core.request import Request
+from asyncpaged.core.txn import Claim
+
+PreemptionMode = Literal["recompute", "swap"]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SchedulerConfig:
+    block_size: int = 16
+    num_device_blocks: int = 1024
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    preemption_mode: PreemptionMode = "recompute"
+    watermark: float = 0.01  # share of device blocks kept free when admitting or swapping in
+    # A longrope model's original_max_position_embeddings: a request longer than this rotates
+    # every token with the long factors, so one that grows past it is recomputed from scratch
+    # (transformers' Phi-3 generate drops its cache then); None for every other model.
+    rope_switch_len: int | None = None
+    # Queue order and victims (core/policy.py): "fcfs", or "priority" (lower first, with aging)
+    scheduling_policy: SchedulingPolicy = "fcfs"
+    priority_aging_steps: int = DEFAULT_AGING_STEPS
+    # Speculative decoding proposes nothing while more sequences than this run (vLLM's
+    # ``disable_by_batch_size``: at large batches the verification rows cost more than they
+    # save); None: at any batch size.
+    spec_disable_by_batch_size: int | None = None
+
+
+class ScheduledSeq(NamedTuple):
+    """One sequence's part of a step: K/V of ``token_ids`` (positions from ``start_pos``) go to
+    ``slot_mapping``; if ``samples``, the logits of the last of them are sampled."""
+
+    request_id: str
+    seq_id: int
+    token_ids: tuple[int, ...]
+    start_pos: int
+    slot_mapping: tuple[int, ...]
+    block_table: tuple[int, ...]
+    samples: bool
+    num_samples: int = 1  # > 1: the prompt's end of a parallel-sampling request (fan-out)
+    min_rope_len: int = 0  # the RoPE scaling sees at least this length (longrope's long regime)
+    # Speculative decoding: the last ``num_draft`` of ``token_ids`` are proposals; the logits of
+    # the last ``num_draft + 1`` tokens verify them (the step returns 1 to num_draft + 1 tokens)
+    num_draft: int = 0
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SchedulerOutput:
+    step_id: int
+    seqs: tuple[ScheduledSeq, ...]
+    copy_on_write: tuple[tuple[int, int], ...]  # run before the forward, all layers
+    swap_outs: tuple[SwapPlan, ...]
+    swap_ins: tuple[SwapPlan, ...]
+    preempted: tuple[str, ...]
+    num_batched_tokens: int
+
+
+class SeqUpdate(NamedTuple):
+    request_id: str
+    seq_id: int
+    completion: int  # the completion's index in its request
+    row: tuple[int, int]  # (seq id, sample index) of the draw that produced the token
+    new_token_ids: tuple[int, ...]
+    finish_reason: str | None
+    stop_reason: int | str | None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SchedulerStatistics:
+    num_running: int
+    num_waiting: int
+    num_swapped: int
+    num_preemptions: int
+    num_swap_outs: int
+    num_swap_ins: int
+    num_recomputes: int
+    num_rope_restarts: int
+    num_finished: int
+    num_aborted: int
+
+
+@dataclass(slots=True)
+class PlanBudget:
+    """A step being planned: budgets and the decisions made so far."""
+
+    budget_left: int
+    seats_left: int
+    free: int  # device blocks free for mandatory operations (negative: under pressure)
+    short: bool = False  # some request's blocks do not fit: the allocator preempts
+    claim: Claim | None = None  # priority policy: a waiting request claims running groups' room
+
+
+def insort(queue: list[Request], request: Request) -> None:
+    """Insert ``request`` into ``queue``, kept sorted by :attr:`Request.queue_key`."""
+    bisect.insort(queue, request, key=_queue_key)
+
+
+def _queue_key(request: Request) -> tuple[int, int]:
+    return request.queue_key
