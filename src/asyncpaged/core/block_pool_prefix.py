@@ -1,0 +1,145 @@
+"""The prefix cache's side of the block pool: the hash chain of a table's full blocks, matching
+a prompt's leading full blocks against the device cache and then the lower KV tiers
+(core/kv_tiers.py), restoring tier hits into new device blocks, registering full blocks, and
+copying the cached blocks down to the tiers at shutdown.
+
+Functions of the device pool, tier index and tables they are given (the
+:class:`~asyncpaged.core.block_pool.BlockPool` passes its own); with prefix caching off the
+pool has no tiers, nothing matches, and no block is hashed or registered.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+from asyncpaged.core.block_table import BlockTable
+from asyncpaged.core.kv_tiers import TierIndex, TierOp
+from asyncpaged.core.physical_blocks import PhysicalBlocks
+from asyncpaged.core.prefix_hash import ROOT_HASH, BlockHash, hash_block
+from asyncpaged.errors import BlockPoolError
+
+
+def match_prefix(
+    device: PhysicalBlocks,
+    token_ids: Sequence[int],
+    extra_key: str | None,
+    num_blocks: int | None = None,
+    *,
+    caching: bool,
+) -> tuple[list[int], list[BlockHash]]:
+    """Cached blocks (and their hashes) for the leading full blocks of ``token_ids``, at most
+    ``num_blocks`` of them; none unless ``caching``.
+
+    By default the last token is excluded: a prompt needs the logits of its last token.
+    """
+    if not caching:
+        return [], []
+    bs = device.block_size
+    if num_blocks is None:
+        num_blocks = (len(token_ids) - 1) // bs
+    blocks: list[int] = []
+    hashes: list[BlockHash] = []
+    parent = ROOT_HASH
+    for i in range(num_blocks):
+        parent = hash_block(parent, token_ids[i * bs : (i + 1) * bs], extra_key)
+        block = device.lookup(parent)
+        if block is None:
+            break
+        blocks.append(block)
+        hashes.append(parent)
+    return blocks, hashes
+
+
+def match_full_blocks(
+    device: PhysicalBlocks, token_ids: Sequence[int], extra_key: str | None
+) -> list[int] | None:
+    """The cached blocks of every full block of ``token_ids`` (a prefix to pin, prefix caching
+    on), or None unless all of them are cached; raises unless there is a full block."""
+    bs = device.block_size
+    num_full = len(token_ids) // bs
+    if num_full == 0:
+        raise BlockPoolError(
+            f"a pinned prefix needs at least one full block of {bs} tokens, "
+            f"got {len(token_ids)} tokens."
+        )
+    blocks, _ = match_prefix(device, token_ids, extra_key, num_blocks=num_full, caching=True)
+    return blocks if len(blocks) == num_full else None
+
+
+def match_tiers(
+    device: PhysicalBlocks,
+    tiers: TierIndex | None,
+    token_ids: Sequence[int],
+    extra_key: str | None,
+    device_hashes: list[BlockHash],
+) -> list[BlockHash]:
+    """Hashes of the full blocks after the device hits that a lower tier holds, up to the
+    first that none does (or that is on the device); never the prompt's last token."""
+    if tiers is None:
+        return []
+    bs = device.block_size
+    found: list[BlockHash] = []
+    parent = device_hashes[-1] if device_hashes else ROOT_HASH
+    for i in range(len(device_hashes), (len(token_ids) - 1) // bs):
+        parent = hash_block(parent, token_ids[i * bs : (i + 1) * bs], extra_key)
+        if device.lookup(parent) is not None or tiers.lookup(parent) is None:
+            break
+        found.append(parent)
+    return found
+
+
+def restore_from_tiers(
+    device: PhysicalBlocks,
+    tiers: TierIndex,
+    table: BlockTable,
+    hashes: list[BlockHash],
+    tier_hit_tokens: dict[str, int],
+) -> None:
+    """Give ``table`` a new, registered device block per tier hit and record each copy (and
+    its tokens in ``tier_hit_tokens``, per tier). Taking a block may evict (offload) another:
+    the entries being restored are protected from the tiers' own evictions meanwhile."""
+    bs = device.block_size
+    for block_hash in hashes:
+        tiers.protect(block_hash)
+    for block_hash in hashes:
+        block = device.take(after=table.block_ids[-1] if table.block_ids else None)
+        device.fill(block, bs)
+        registered = device.register(block, block_hash)
+        assert registered, "a restored block's hash is already on the device"
+        tier_hit_tokens[tiers.restore(block_hash, block)] += bs
+        table.block_ids.append(block)
+        table.block_hashes.append(block_hash)
+
+
+def seal_full_block(table: BlockTable) -> BlockHash:
+    """Chain the hash of the table's just-filled last block (its ``partial_token_ids``), append
+    it to ``block_hashes`` and start a new, empty partial block; returns the hash (the caller
+    registers the block or not)."""
+    parent = table.block_hashes[-1] if table.block_hashes else ROOT_HASH
+    block_hash = hash_block(parent, table.partial_token_ids, table.extra_key)
+    table.block_hashes.append(block_hash)
+    table.partial_token_ids.clear()
+    return block_hash
+
+
+def register_full_blocks(device: PhysicalBlocks, table: BlockTable, first: int = 0) -> None:
+    """Register in the prefix cache the table's full blocks from index ``first`` on that are
+    not registered yet (verified speculative blocks, blocks swapped back in)."""
+    block_ids, block_hashes = table.block_ids, table.block_hashes
+    for i in range(first, len(block_hashes)):
+        if device.hash_of(block_ids[i]) is None:
+            device.register(block_ids[i], block_hashes[i])
+
+
+def persist_to_tiers(
+    device: PhysicalBlocks, tiers: TierIndex, pinned: Iterable[tuple[int, ...]]
+) -> tuple[TierOp, ...]:
+    """Offload every cached device block (least recently used first, then the ``pinned``
+    ones) and persist the tiers; returns the tier copies to run."""
+    pinned_blocks = [b for blocks in pinned for b in blocks]
+    for block in (*device.evictable_blocks(), *dict.fromkeys(pinned_blocks)):
+        block_hash = device.hash_of(block)
+        assert block_hash is not None, f"cached block {block} has no hash"
+        tiers.offload(block, block_hash)
+    tiers.persist()
+    return tiers.drain_ops()

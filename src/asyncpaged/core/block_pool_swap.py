@@ -1,0 +1,147 @@
+"""Swap bookkeeping of the block pool: checking a swap group, moving its tables onto new blocks
+of the other pool with both ends of every copy held in flight, finishing the moves once the
+copies are done, and counting the source blocks that swaps in flight release.
+
+Functions of the two pools (source and destination of the direction), the tables and the swaps
+they are given; the :class:`~asyncpaged.core.block_pool.BlockPool` keeps the swaps in flight
+and names their ids.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Container, Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+
+from asyncpaged.core.block_pool_prefix import register_full_blocks
+from asyncpaged.core.block_pool_speculative import check_verified
+from asyncpaged.core.block_table import BlockTable, Location, SeqId, SwapDirection, SwapPlan
+from asyncpaged.core.physical_blocks import PhysicalBlocks
+from asyncpaged.errors import BlockPoolError
+
+
+@dataclass(slots=True)
+class SwapInFlight:
+    """A swap whose copies run: its plan and the tables it moves, in the group's order."""
+
+    plan: SwapPlan
+    tables: tuple[BlockTable, ...]
+
+
+def distinct_blocks(tables: Iterable[BlockTable]) -> list[int]:
+    """The blocks the tables hold, each once, in first-seen order."""
+    return list(dict.fromkeys(b for t in tables for b in t.block_ids))
+
+
+def swap_group(
+    table_of: Callable[[SeqId], BlockTable],
+    speculative: Container[SeqId],
+    seq_ids: Sequence[SeqId],
+    direction: SwapDirection,
+) -> tuple[BlockTable, ...]:
+    """The tables of a group that can swap in ``direction`` (``table_of`` raises for an unknown
+    sequence); raises :class:`BlockPoolError` for an empty group, a repeated sequence, one in
+    the wrong place or one holding speculative tokens."""
+    if not seq_ids:
+        raise BlockPoolError("a swap needs at least one sequence.")
+    if len(set(seq_ids)) != len(seq_ids):
+        raise BlockPoolError(f"duplicate sequence ids in swap group {list(seq_ids)!r}.")
+    want = Location.DEVICE if direction is SwapDirection.OUT else Location.HOST
+    tables = tuple(table_of(sid) for sid in seq_ids)
+    for table in tables:
+        if table.location is not want:
+            raise BlockPoolError(
+                f"cannot swap {direction.value} sequence {table.seq_id!r}: it is "
+                f"{table.location.value}, not {want.value}."
+            )
+        check_verified(speculative, table.seq_id, "swap out")
+    return tables
+
+
+def move_tables(
+    src: PhysicalBlocks,
+    dst: PhysicalBlocks,
+    tables: tuple[BlockTable, ...],
+    direction: SwapDirection,
+) -> dict[int, int] | None:
+    """Map every block of the tables to a new ``dst`` block (a block shared inside the group
+    once), hold both ends in flight and move the tables to the swapping location; returns the
+    mapping, or None, changing nothing, when ``dst`` is short."""
+    blocks = distinct_blocks(tables)
+    if len(blocks) > dst.num_allocatable:
+        return None
+    mapping: dict[int, int] = {}
+    prev: int | None = None
+    for block in blocks:
+        prev = mapping[block] = dst.take(after=prev)
+        dst.mark_in_flight(prev)
+        dst.fill(prev, src.num_filled[block])
+        src.hold_in_flight(block)
+    out = direction is SwapDirection.OUT
+    for table in tables:
+        for block in table.block_ids:
+            dst.incref(mapping[block])
+        src.release(table.block_ids)
+        table.block_ids = [mapping[b] for b in table.block_ids]
+        table.location = Location.SWAPPING_OUT if out else Location.SWAPPING_IN
+    return mapping
+
+
+def start_swap(
+    src: PhysicalBlocks,
+    dst: PhysicalBlocks,
+    seq_ids: Sequence[SeqId],
+    tables: tuple[BlockTable, ...],
+    direction: SwapDirection,
+    ids: Iterator[int],
+) -> SwapInFlight | None:
+    """Start the swap of a group checked by :func:`swap_group` (its ``seq_ids`` and their
+    ``tables``; see :func:`move_tables`), its id the next of ``ids``; None, changing nothing,
+    when ``dst`` is short."""
+    mapping = move_tables(src, dst, tables, direction)
+    if mapping is None:
+        return None
+    plan = SwapPlan(
+        swap_id=next(ids),
+        direction=direction,
+        seq_ids=tuple(seq_ids),
+        block_mapping=tuple(mapping.items()),
+    )
+    return SwapInFlight(plan=plan, tables=tables)
+
+
+def finish_swap(
+    src: PhysicalBlocks,
+    dst: PhysicalBlocks,
+    swap: SwapInFlight,
+    tables: Mapping[SeqId, BlockTable],
+    *,
+    caching: bool,
+) -> None:
+    """Release a finished swap's in-flight holds and settle its tables that are still in
+    ``tables`` (a table freed while the copy ran is skipped); a table swapped in registers its
+    full blocks in the prefix cache again (with ``caching``)."""
+    out = swap.plan.direction is SwapDirection.OUT
+    src.release_in_flight(s for s, _ in swap.plan.block_mapping)
+    dst.release_in_flight(d for _, d in swap.plan.block_mapping)
+    for table in swap.tables:
+        if tables.get(table.seq_id) is not table:
+            continue  # freed while the copy ran
+        table.location = Location.HOST if out else Location.DEVICE
+        if not out and caching:
+            register_full_blocks(dst, table)
+
+
+def num_blocks_freed(src: PhysicalBlocks, plan: SwapPlan) -> int:
+    """Source blocks that completing the swap would release (their only holder is it)."""
+    return sum(1 for b, _ in plan.block_mapping if src.ref_cnt[b] == src.in_flight[b])
+
+
+def num_blocks_coming(device: PhysicalBlocks, swaps: Iterable[SwapInFlight]) -> int:
+    """Device blocks that the swap-outs among ``swaps`` release when their copies complete."""
+    blocks = {  # a block two swap-outs copy (shared by their groups) is counted once
+        b
+        for swap in swaps
+        if swap.plan.direction is SwapDirection.OUT
+        for b, _ in swap.plan.block_mapping
+    }
+    return sum(1 for b in blocks if device.ref_cnt[b] == device.in_flight[b])

@@ -1,0 +1,82 @@
+"""Writing a device block table: reserving slots for new tokens at its end (a block is taken
+whenever the last one is full; each block that fills is hashed and, unless it holds a
+speculative token, registered in the prefix cache), and copy-on-write of a shared partial last
+block. (The one-token decode fast path, :meth:`BlockPool.append_token`, stays inline in the
+pool: it runs per token.)
+
+Functions of the device pool and the table they are given; the
+:class:`~asyncpaged.core.block_pool.BlockPool` checks the capacity and the table's state first,
+so nothing here fails for want of blocks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from asyncpaged.core.block_pool_prefix import seal_full_block
+from asyncpaged.core.block_table import BlockTable
+from asyncpaged.core.physical_blocks import PhysicalBlocks
+
+
+def set_filled(device: PhysicalBlocks, block: int, num_slots: int) -> None:
+    """Make an exclusively held block's written-slot count ``num_slots``: the slots past it
+    are dead (truncated away, or a sibling's that freed the block since)."""
+    device.fill(block, num_slots - device.num_filled[block])
+
+
+def copy_on_write(device: PhysicalBlocks, table: BlockTable) -> tuple[tuple[int, int], ...]:
+    """Move ``table`` off a partial last block that other tables hold, onto a new block; returns
+    the ``(src, dst)`` copy the executor must run before writing, or ``()`` when the last block
+    is full or exclusive (one block of capacity already checked)."""
+    bs = device.block_size
+    if not (table.num_tokens % bs and device.ref_cnt[table.block_ids[-1]] > 1):
+        return ()
+    src = table.block_ids[-1]
+    dst = device.take(after=table.block_ids[-2] if len(table.block_ids) > 1 else None)
+    # this table's slots only: after a truncation the source may hold more (a sibling's)
+    device.fill(dst, table.num_tokens % bs)
+    device.release((src,))
+    table.block_ids[-1] = dst
+    return ((src, dst),)
+
+
+def write_slots(
+    device: PhysicalBlocks,
+    table: BlockTable,
+    token_ids: Sequence[int],
+    num_verified: int | None = None,
+    *,
+    caching: bool,
+) -> tuple[int, ...]:
+    """Reserve slots for ``token_ids`` at the end of ``table`` (capacity already checked).
+
+    A block that fills up is hashed and registered in the prefix cache at once: the step that
+    writes its last token writes the K/V of every token before any attention reads the cache.
+    Tokens from ``num_verified`` on are speculative: a block holding one is hashed into the
+    table but not registered (:meth:`BlockPool.truncate` registers it once verified).
+    """
+    cache_end = table.num_tokens + (len(token_ids) if num_verified is None else num_verified)
+    bs = device.block_size
+    slots: list[int] = []
+    pos, end, i = table.num_tokens, table.num_tokens + len(token_ids), 0
+    while pos < end:
+        offset = pos % bs
+        if offset == 0:
+            prev = table.block_ids[-1] if table.block_ids else None
+            table.block_ids.append(device.take(after=prev))
+        block = table.block_ids[-1]
+        if device.num_filled[block] != offset:  # dead slots past a truncation
+            set_filled(device, block, offset)
+        n = min(bs - offset, end - pos)
+        slots.extend(range(block * bs + offset, block * bs + offset + n))
+        device.fill(block, n)
+        if caching:
+            table.partial_token_ids.extend(token_ids[i : i + n])
+            if offset + n == bs:
+                block_hash = seal_full_block(table)
+                if pos + n <= cache_end:
+                    device.register(block, block_hash)
+        pos += n
+        i += n
+    table.num_tokens = end
+    return tuple(slots)
