@@ -1,0 +1,383 @@
+"""Building an engine at start, for :class:`asyncpaged.engine.AsyncEngine`.
+
+What the checkpoint's config implies (dtypes, KV blocks, lengths), the CPU levers, the model
+runner (in this process, or the tensor-parallel ranks) with its draft model, the tokenizers and
+generation defaults, the KV tiers, the scheduler core, and the actors with the channels between
+them. Each function returns what it built; the engine keeps it and starts the actors. The
+async ones run their blocking work in worker threads (``anyio.to_thread``), off the event loop.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import anyio
+import torch
+from anyio.streams.memory import MemoryObjectSendStream
+
+from asyncpaged._log import get_logger
+from asyncpaged.actors.allocator import AllocatorActor
+from asyncpaged.actors.executor import ExecutorActor
+from asyncpaged.actors.intake import IntakeActor, thread_copy
+from asyncpaged.actors.scheduler import SchedulerActor
+from asyncpaged.actors.swap_space import SwapSpaceActor
+from asyncpaged.config import EngineConfig, KVShape, num_blocks_for
+from asyncpaged.core.block_pool import BlockPool
+from asyncpaged.core.kv_tiers import TierIndex
+from asyncpaged.core.scheduler import Scheduler, SchedulerConfig
+from asyncpaged.core.txn import StepTxn, TxnResult
+from asyncpaged.distributed import TensorParallelRunner, check_tensor_parallel, worker_spec
+from asyncpaged.errors import InvalidRequestError
+from asyncpaged.messages import ExecuteStep, SchedulerInbox, SubmitRequest, SwapSpaceInbox
+from asyncpaged.model.cpu_plan import LEVERS, CpuPlan, plan_cpu
+from asyncpaged.model.draft import DraftModel, DraftProposals
+from asyncpaged.model.generation_config import GenerationDefaults, load_generation_defaults
+from asyncpaged.model.kv_tier_store import KVTierStore, build_kv_tiers
+from asyncpaged.model.loader import load_config, load_tokenizer, resolve_dtype, text_config
+from asyncpaged.model.runner import ModelRunner, StepRunner, select_attention_backend
+from asyncpaged.request_checks import RequestLimits, max_prompt_chars
+from asyncpaged.spec_decode import NgramProposer, SpeculativeConfig
+from asyncpaged.structured_outputs import GrammarBackend
+
+__all__ = [
+    "EngineActors",
+    "LoadedModel",
+    "ModelPlan",
+    "Proposer",
+    "Tokenizers",
+    "build_actors",
+    "build_kv_tier_store",
+    "build_proposer",
+    "build_scheduler",
+    "check_draft_model",
+    "load_model",
+    "load_runner",
+    "load_tokenizers",
+    "plan_levers",
+    "plan_model",
+]
+
+log = get_logger("asyncpaged.engine")  # its events are the engine's (its logger's name)
+
+Proposer = Callable[[int, list[int], int], Sequence[int]]
+
+
+def check_draft_model(cfg: EngineConfig) -> None:
+    """Refuse what the draft-model method does not support yet: tensor parallelism (the
+    draft would need a shard per rank) and the KV tiers (they do not carry the draft's
+    cache)."""
+    spec = cfg.speculative_config
+    if spec is None or spec.method != "draft_model":
+        return
+    if cfg.tensor_parallel_size > 1:
+        raise InvalidRequestError(
+            "speculative method 'draft_model' needs tensor_parallel_size=1 (not supported with "
+            "tensor parallelism yet); use 'ngram'."
+        )
+    if cfg.kv_offload_host_bytes:
+        raise InvalidRequestError(
+            "speculative method 'draft_model' does not support the KV tiers (kv_offload_*) yet."
+        )
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ModelPlan:
+    """What the checkpoint's config implies for this engine (one rank's share under tensor
+    parallelism)."""
+
+    hf_config: Any  # the text model's config (a multimodal checkpoint: its language model)
+    dtype: torch.dtype
+    kv_dtype: torch.dtype
+    num_device_blocks: int
+    num_host_blocks: int
+    max_model_len: int
+    vocab_size: int
+
+
+def plan_model(cfg: EngineConfig, hf_config: Any) -> ModelPlan:
+    """The dtypes, block counts and lengths, after refusing what cannot start (before any
+    process starts)."""
+    dtype = resolve_dtype(cfg.dtype, hf_config, torch.device(cfg.device))
+    hf_config = text_config(hf_config)  # a multimodal checkpoint: its language model
+    kv_dtype = dtype if cfg.kv_cache_dtype == "auto" else getattr(torch, cfg.kv_cache_dtype)
+    tp_size = cfg.tensor_parallel_size
+    check_draft_model(cfg)
+    if tp_size > 1:
+        check_tensor_parallel(hf_config, tp_size)  # before any process starts
+    shape = KVShape.from_hf_config(hf_config, kv_dtype.itemsize, tp_size)  # one rank's share
+    num_device, num_host = num_blocks_for(cfg, shape)
+    max_model_len = cfg.max_model_len or int(getattr(hf_config, "max_position_embeddings", 2048))
+    return ModelPlan(hf_config=hf_config, dtype=dtype, kv_dtype=kv_dtype,
+                     num_device_blocks=num_device, num_host_blocks=num_host,
+                     max_model_len=max_model_len, vocab_size=int(hf_config.vocab_size))  # fmt: skip
+
+
+def plan_levers(
+    cfg: EngineConfig, hf_config: Any, dtype: torch.dtype
+) -> tuple[dict[str, bool], CpuPlan | None]:
+    """The CPU levers' on/off, and the plan that chose them (``engine.cpu_plan`` says why);
+    they act on float32 CPU models only, so elsewhere nothing is probed, the plan is None and
+    "auto" is passed on as on."""
+    settings = {name: getattr(cfg, name) for name in LEVERS}
+    if torch.device(cfg.device).type != "cpu" or dtype != torch.float32:
+        return {name: setting is not False for name, setting in settings.items()}, None
+    hidden = int(hf_config.hidden_size)
+    width = next((int(v) for k in ("intermediate_size", "ffn_dim", "n_inner")
+                  if (v := getattr(hf_config, k, None))), 4 * hidden)  # fmt: skip
+    cpu_plan = plan_cpu(settings, hidden_size=hidden, intermediate_size=width,
+                        vocab_size=int(hf_config.vocab_size))  # fmt: skip
+    return cpu_plan.levers(), cpu_plan
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class LoadedModel:
+    """The checkpoint found and planned for, and its runner loaded."""
+
+    path: Path  # the checkpoint's local directory
+    plan: ModelPlan
+    cpu_plan: CpuPlan | None  # a float32 CPU model: the levers' plan (``engine.cpu_plan``)
+    runner: ModelRunner  # rank 0's under tensor parallelism
+    step_runner: StepRunner  # what the executor drives
+    tp: TensorParallelRunner | None  # tensor_parallel_size > 1
+
+
+async def load_model(cfg: EngineConfig, resolve: Callable[[str, str | None], Path]) -> LoadedModel:
+    """Find the checkpoint (``resolve``: the model's and the draft model's), plan for it and
+    load its runner; the blocking steps run in worker threads. Nothing is left running when it
+    fails: the tensor-parallel ranks start last."""
+    path = await anyio.to_thread.run_sync(resolve, cfg.model, cfg.revision)
+    hf_config = await anyio.to_thread.run_sync(load_config, path)
+    plan = plan_model(cfg, hf_config)
+    levers, cpu_plan = await anyio.to_thread.run_sync(plan_levers, cfg, plan.hf_config, plan.dtype)
+    runner, step_runner, tp = await load_runner(cfg, path, plan, levers, resolve)
+    return LoadedModel(path=path, plan=plan, cpu_plan=cpu_plan, runner=runner,
+                       step_runner=step_runner, tp=tp)  # fmt: skip
+
+
+async def load_runner(
+    cfg: EngineConfig,
+    path: Path,
+    plan: ModelPlan,
+    levers: dict[str, bool],
+    resolve: Callable[[str, str | None], Path],
+) -> tuple[ModelRunner, StepRunner, TensorParallelRunner | None]:
+    """The model runner (rank 0's under tensor parallelism), what the executor drives (the
+    runner itself, or the :class:`TensorParallelRunner` that also drives the other ranks), and
+    the latter. ``resolve`` finds the draft model's checkpoint (speculative "draft_model")."""
+    num_device, num_host = plan.num_device_blocks, plan.num_host_blocks
+    dtype, kv_dtype = plan.dtype, plan.kv_dtype
+    if cfg.tensor_parallel_size > 1:
+        local = dataclasses.replace(cfg, model=str(path), revision=None)
+        spec = worker_spec(local, dtype, kv_dtype, num_device, num_host, levers)
+        tp = await anyio.to_thread.run_sync(
+            TensorParallelRunner.start, spec, cfg.tensor_parallel_size, cfg.device
+        )
+        return tp.runner, tp, tp
+    backend = await anyio.to_thread.run_sync(  # may compile (g++)
+        select_attention_backend, cfg.device, cfg.attention_backend
+    )
+    runner = await anyio.to_thread.run_sync(
+        lambda: ModelRunner(path, dtype, num_device, cfg.block_size, num_host,
+                            device=cfg.device, seed=cfg.seed, attn_backend=backend,
+                            kv_cache_dtype=kv_dtype,
+                            packed_linears=levers["packed_linears"],
+                            screened_lm_head=levers["screened_lm_head"],
+                            int8_lm_head=levers["int8_lm_head"],
+                            fused_elementwise=levers["fused_elementwise"])
+    )  # fmt: skip
+    speculative = cfg.speculative_config
+    if speculative is not None and speculative.method == "draft_model":
+        await anyio.to_thread.run_sync(
+            attach_draft, runner, cfg, speculative, plan, levers, resolve
+        )
+    return runner, runner, None  # TP=1: the executor drives the runner itself
+
+
+def attach_draft(
+    runner: ModelRunner,
+    cfg: EngineConfig,
+    spec: SpeculativeConfig,
+    plan: ModelPlan,
+    levers: dict[str, bool],
+    resolve: Callable[[str, str | None], Path],
+) -> None:
+    """Load the draft model (its own KV cache over the target's block ids) onto the
+    runner (worker thread)."""
+    assert spec.model is not None
+    path = resolve(spec.model, None)
+    draft = DraftModel(
+        path, dtype=plan.dtype, device=runner.device, num_blocks=plan.num_device_blocks,
+        block_size=cfg.block_size, num_host_blocks=plan.num_host_blocks,
+        max_num_seqs=cfg.max_num_seqs, num_speculative_tokens=spec.num_speculative_tokens,
+        kv_cache_dtype=plan.kv_dtype,
+        attn_backend=select_attention_backend(cfg.device, cfg.attention_backend),
+        packed_linears=levers["packed_linears"],
+        fused_elementwise=levers["fused_elementwise"], seed=cfg.seed,
+    )  # fmt: skip
+    runner.attach_draft(draft, plan.max_model_len)
+    log.info("draft_model_loaded", model=spec.model, num_layers=draft.model.num_layers,
+             num_scratch_blocks=draft.num_scratch_blocks)  # fmt: skip
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Tokenizers:
+    """The tokenizers, and what is read with them at start."""
+
+    tokenizer: Any  # the event loop's: detokenizing
+    intake_tokenizer: Any  # the intake worker thread's own copy: encoding
+    max_prompt_chars: int  # a longer text prompt cannot fit: refused by its length at generate
+    generation_defaults: GenerationDefaults
+    limits: RequestLimits  # what the model and the KV cache allow a request
+
+
+async def load_tokenizers(cfg: EngineConfig, path: Path, plan: ModelPlan) -> Tokenizers:
+    """Load the tokenizer, its copy for the intake and the model's generation defaults (worker
+    threads)."""
+    tokenizer = await anyio.to_thread.run_sync(load_tokenizer, path)
+    # Fast tokenizers are not re-entrant: the loop thread detokenizes with ``tokenizer``,
+    # the intake's worker thread encodes (prompts, chat, pinned prefixes) with its own copy.
+    intake_tokenizer = await anyio.to_thread.run_sync(thread_copy, tokenizer, path)
+    max_chars = await anyio.to_thread.run_sync(max_prompt_chars, tokenizer, plan.max_model_len)
+    eos = getattr(tokenizer, "eos_token_id", None)
+    defaults: GenerationDefaults = await anyio.to_thread.run_sync(
+        lambda: load_generation_defaults(
+            path, cfg.generation_config, tokenizer_eos=eos,
+            config_eos=getattr(plan.hf_config, "eos_token_id", None),
+        )
+    )  # fmt: skip
+    limits = RequestLimits(
+        vocab_size=plan.vocab_size, max_model_len=plan.max_model_len,
+        block_size=cfg.block_size, num_device_blocks=plan.num_device_blocks,
+        max_logprobs=cfg.max_logprobs, eos_token_ids=defaults.eos_token_ids,
+    )  # fmt: skip
+    return Tokenizers(tokenizer=tokenizer, intake_tokenizer=intake_tokenizer,
+                      max_prompt_chars=max_chars, generation_defaults=defaults,
+                      limits=limits)  # fmt: skip
+
+
+async def build_kv_tier_store(
+    cfg: EngineConfig, runner: ModelRunner, path: Path
+) -> tuple[TierIndex | None, KVTierStore | None]:
+    """The KV tiers' index and store (``kv_offload_host_bytes`` with prefix caching), else
+    ``(None, None)``; the disk tier is scanned in a worker thread."""
+    if not (cfg.kv_offload_host_bytes and cfg.enable_prefix_caching):
+        return None, None
+    return await anyio.to_thread.run_sync(
+        lambda: build_kv_tiers(
+            device_cache=runner.kv_cache, model_path=path,
+            host_bytes=cfg.kv_offload_host_bytes, disk_dir=cfg.kv_offload_dir,
+            disk_bytes=cfg.kv_offload_disk_bytes,
+        )
+    )  # fmt: skip
+
+
+def build_proposer(
+    spec: SpeculativeConfig | None, max_model_len: int
+) -> tuple[Proposer | None, DraftProposals | None]:
+    """Speculative decoding's proposer for the scheduler (None: no speculation): prompt
+    lookup, or the draft model's proposals of the last step (the returned
+    ``DraftProposals``, filled by the scheduler actor from each step's result)."""
+    if spec is None:
+        return None, None
+    if spec.method == "draft_model":
+        proposals = DraftProposals()
+        return proposals.propose, proposals
+    ngram = NgramProposer(spec, max_model_len=max_model_len)
+    return (lambda seq_id, token_ids, k: ngram.propose(token_ids, k)), None
+
+
+def build_scheduler(
+    cfg: EngineConfig,
+    num_device: int,
+    num_host: int,
+    rope_switch_len: int | None,
+    new_seq_id: Callable[[], int],
+    propose: Proposer | None,
+) -> Scheduler:
+    """The scheduler core, configured from the engine's config and the pool's sizes."""
+    return Scheduler(
+        SchedulerConfig(
+            block_size=cfg.block_size,
+            num_device_blocks=num_device,
+            max_num_seqs=cfg.max_num_seqs,
+            max_num_batched_tokens=cfg.max_num_batched_tokens,
+            preemption_mode=cfg.preemption_mode if num_host else "recompute",
+            watermark=cfg.watermark,
+            rope_switch_len=rope_switch_len,
+            scheduling_policy=cfg.scheduling_policy,
+            priority_aging_steps=cfg.priority_aging_steps,
+            spec_disable_by_batch_size=cfg.speculative_config.disable_by_batch_size
+            if cfg.speculative_config
+            else None,
+        ),
+        new_seq_id=new_seq_id,
+        propose=propose,
+    )
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class EngineActors:
+    """The actors, in the order they start, and the engine's two send ends."""
+
+    allocator: AllocatorActor
+    executor: ExecutorActor
+    swap_space: SwapSpaceActor
+    scheduler: SchedulerActor
+    intake: IntakeActor
+    control: MemoryObjectSendStream[SchedulerInbox]  # aborts and pins, to the scheduler
+    submit: MemoryObjectSendStream[SubmitRequest]  # new requests, to the intake
+
+
+def build_actors(
+    cfg: EngineConfig,
+    pool: BlockPool,
+    scheduler: Scheduler,
+    runner: StepRunner,
+    *,
+    tokenizer: Any,
+    intake_tokenizer: Any,
+    limits: RequestLimits,
+    seq_ids: Iterator[int],
+    tier_store: KVTierStore | None,
+    draft_proposals: DraftProposals | None,
+) -> EngineActors:
+    """The actors and the channels between them (none started yet)."""
+    spec = cfg.speculative_config
+    eos = limits.eos_token_ids
+    sched_send, sched_recv = anyio.create_memory_object_stream[SchedulerInbox](math.inf)
+    txn_send, txn_recv = anyio.create_memory_object_stream[StepTxn](1)
+    res_send, res_recv = anyio.create_memory_object_stream[TxnResult](1)
+    exec_send, exec_recv = anyio.create_memory_object_stream[ExecuteStep](1)
+    # Each swap in flight holds at least one block at each end: this bound is never reached.
+    # (+1: a transaction's KV-tier copies, one at a time)
+    swap_send, swap_recv = anyio.create_memory_object_stream[SwapSpaceInbox](
+        pool.device.num_blocks + pool.host.num_blocks + 2
+    )
+    intake_send, intake_recv = anyio.create_memory_object_stream[SubmitRequest](math.inf)
+    failed_spills = tier_store.take_failed_spills if tier_store else None
+    allocator = AllocatorActor(pool, txn_recv, res_send, failed_spills)
+    executor = ExecutorActor(runner, exec_recv, sched_send.clone())
+    swap_space = SwapSpaceActor(runner, swap_recv, sched_send.clone(), tier_store)
+    grammars = GrammarBackend(
+        tokenizer, limits.vocab_size, sorted(eos),
+        jump_forward=cfg.structured_outputs_jump_forward,
+    )  # fmt: skip
+    sched_actor = SchedulerActor(
+        scheduler, allocator.snapshot(), sched_recv, txn_send, res_recv,
+        exec_send, swap_send, eos, tokenizer, grammars,
+        draft_proposals=draft_proposals,
+    )  # fmt: skip
+    intake = IntakeActor(
+        intake_tokenizer, limits.check_ids, limits.stop_criteria, intake_recv,
+        sched_send.clone(), seq_ids, grammars,
+        on_released=sched_actor.intake_released,
+        num_speculative_tokens=spec.num_speculative_tokens if spec else 0,
+    )  # fmt: skip
+    return EngineActors(allocator=allocator, executor=executor, swap_space=swap_space,
+                        scheduler=sched_actor, intake=intake, control=sched_send,
+                        submit=intake_send)  # fmt: skip

@@ -1,0 +1,139 @@
+"""The engine's actors at run time, for :class:`asyncpaged.engine.AsyncEngine`: the engine's own
+task that holds them (:class:`ActorTask`), the supervisor that turns an actor's failure into
+the engine's (every waiter learns why; the host is not cancelled), and the steps of a close
+beyond the engine's own state: the KV tiers written to disk, the tensor-parallel ranks joined.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
+from typing import Any
+
+import anyio
+from anyio.abc import TaskGroup, TaskStatus
+
+from asyncpaged._detached import spawn_detached
+from asyncpaged.core.block_pool import BlockPool
+from asyncpaged.distributed import TensorParallelRunner
+from asyncpaged.model.kv_tier_store import KVTierStore
+
+__all__ = [
+    "ActorTask",
+    "close_tensor_parallel",
+    "persist_kv_tiers",
+    "supervise_actors",
+    "wait_or_dead",
+]
+
+ActorRun = Callable[..., Coroutine[Any, Any, None]]  # an actor's ``run(task_status=...)``
+
+
+class ActorTask:
+    """The engine's own task (:func:`spawn_detached`): it holds the actors' task group from
+    :meth:`start` until :meth:`stop`, so whichever task started the engine, any task may close
+    it. The task never raises: an actor's failure to start is kept in ``start_error``.
+
+    Invariants: ``tg`` is set once every actor has started, and stays set; once :meth:`stop`
+    returns, the task group has exited.
+    """
+
+    def __init__(self) -> None:
+        self.tg: TaskGroup | None = None
+        self.start_error: Exception | None = None  # the actors failed to start
+        self._stop = anyio.Event()  # aclose asks the task to stop the actors
+        self._ready = anyio.Event()  # the actors started, or failed to
+        self._done = anyio.Event()  # the task group has exited
+
+    async def start(
+        self,
+        actor_runs: Sequence[ActorRun],
+        tp: TensorParallelRunner | None,
+        fail: Callable[[BaseException], None],
+    ) -> None:
+        """Spawn the task and wait until the actors have started, or failed to. If cancelled
+        meanwhile, the actors are stopped (shielded) before the cancellation propagates."""
+        spawn_detached(lambda: self._own(actor_runs, tp, fail))
+        try:
+            await self._ready.wait()
+        except BaseException:  # cancelled while the actors start: stop them, then propagate
+            await self.stop()
+            raise
+
+    async def stop(self) -> None:
+        """Cancel the actors and wait until their task group has exited (shielded)."""
+        self._stop.set()  # the task cancels the actors and exits their group
+        with anyio.CancelScope(shield=True):
+            await self._done.wait()
+
+    async def _own(
+        self,
+        actor_runs: Sequence[ActorRun],
+        tp: TensorParallelRunner | None,
+        fail: Callable[[BaseException], None],
+    ) -> None:
+        try:
+            async with anyio.create_task_group() as tg:
+                await tg.start(supervise_actors, actor_runs, tp, fail)
+                self.tg = tg
+                self._ready.set()
+                await self._stop.wait()
+                tg.cancel_scope.cancel()
+        except Exception as exc:  # an actor failed to start: the engine's start raises it
+            self.start_error = exc
+        finally:
+            self._ready.set()
+            self._done.set()
+
+
+async def supervise_actors(
+    actor_runs: Sequence[ActorRun],
+    tp: TensorParallelRunner | None,
+    fail: Callable[[BaseException], None],
+    *,
+    task_status: TaskStatus[None],
+) -> None:
+    """Start each actor's ``run`` in order (and the tensor-parallel watchdog) and run them; on
+    failure call ``fail`` with the cause (unwrapped from single-exception groups) instead of
+    cancelling the host."""
+    try:
+        async with anyio.create_task_group() as tg:
+            for run in actor_runs:
+                await tg.start(run)
+            if tp is not None:
+                tg.start_soon(tp.watch, fail)
+            task_status.started()
+    except Exception as exc:  # the engine failed: every waiter learns why
+        while isinstance(exc, ExceptionGroup) and len(exc.exceptions) == 1:
+            exc = exc.exceptions[0]
+        fail(exc)
+
+
+async def wait_or_dead(wait: Callable[[], Awaitable[object]], dead: anyio.Event) -> None:
+    """Await ``wait()`` until it returns or ``dead`` is set (the engine failed, after which
+    ``wait()`` may never return)."""
+    async with anyio.create_task_group() as tg:
+
+        async def stop_when_dead() -> None:
+            await dead.wait()
+            tg.cancel_scope.cancel()
+
+        tg.start_soon(stop_when_dead)
+        await wait()
+        tg.cancel_scope.cancel()
+
+
+async def close_tensor_parallel(tp: TensorParallelRunner | None, *, graceful: bool) -> None:
+    """Stop and join every tensor-parallel rank (shielded: runs even when cancelled)."""
+    if tp is not None:
+        with anyio.CancelScope(shield=True):
+            await anyio.to_thread.run_sync(lambda: tp.close(graceful=graceful))
+
+
+async def persist_kv_tiers(store: KVTierStore | None, pool: BlockPool) -> None:
+    """At close, with nothing running: write the cached device blocks and the host tier
+    to the disk tier (docs/architecture.md, "KV tiers"), in a worker thread."""
+    if store is None or store.disk is None:
+        return
+    pool.begin_tier_txn(store.take_failed_spills())
+    ops = pool.persist_tiers()
+    await anyio.to_thread.run_sync(store.run, ops, abandon_on_cancel=False)
