@@ -1,0 +1,146 @@
+"""The executor's per-row sampling options, built from a request's sampling parameters and its
+sequence's history: the fast path's ``None`` for plain greedy, min-tokens masks, penalty
+histories, seeded generator keys, bad words (tokenized once per distinct word list, see
+:class:`BadWordsCache`) and the verification rows of a speculative sequence."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from asyncpaged.core.request import Sequence as Seq
+from asyncpaged.model.sampler import SamplingOptions, derive_generator_key
+from asyncpaged.sampling_params import SamplingParams
+
+
+class BadWordsCache:
+    """Token ids of requests' bad words, tokenized once per distinct word list (with the
+    loop thread's tokenizer); cleared when it holds 1024 lists."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self._tokenizer = tokenizer
+        self._ids: dict[tuple[str, ...], tuple[tuple[int, ...], ...]] = {}
+
+    def ids(self, words: tuple[str, ...]) -> tuple[tuple[int, ...], ...]:
+        """Token ids of a request's bad words, tokenized once per distinct word list."""
+        if not words:
+            return ()
+        ids = self._ids.get(words)
+        if ids is None:
+            if len(self._ids) >= 1024:
+                self._ids.clear()
+            ids = self._ids[words] = bad_words_token_ids(self._tokenizer, words)
+        return ids
+
+
+def verify_options(
+    params: SamplingParams,
+    seq: Seq,
+    draft: tuple[int, ...],
+    eos_token_ids: frozenset[int],
+    bad_words_ids: tuple[tuple[int, ...], ...],
+) -> tuple[SamplingOptions | None, ...]:
+    """The sampling options of a speculative sequence's verification rows: row ``j`` as
+    a plain step would build them after the first ``j`` proposals (penalty history,
+    min-tokens mask, bad words, the seed's stream position); () when all are plain."""
+    context = list(seq.token_ids)
+    options = []
+    for j in range(len(draft) + 1):
+        options.append(sampling_options(params, context, seq.num_prompt_tokens, seq.index,
+                                        eos_token_ids, bad_words_ids))  # fmt: skip
+        if j < len(draft):
+            context.append(draft[j])
+    return () if all(o is None for o in options) else tuple(options)
+
+
+def sampling_options(
+    params: SamplingParams,
+    token_ids: list[int],
+    num_prompt: int,
+    index: int,
+    eos_token_ids: frozenset[int],
+    bad_words_ids: tuple[tuple[int, ...], ...] = (),
+    token_bitmask: torch.Tensor | None = None,
+) -> SamplingOptions | None:
+    """The executor's per-row sampling options; None for plain greedy (the fast path)."""
+    if token_bitmask is None and params.is_plain_greedy:
+        return None
+    num_generated = len(token_ids) - num_prompt
+    # The output is sliced only for bad words: a per-step copy of every history otherwise.
+    banned = banned_next_tokens(bad_words_ids, token_ids[num_prompt:]) if bad_words_ids else ()
+    controlled = bool(
+        params.logit_bias
+        or params.allowed_token_ids is not None
+        or banned
+        or token_bitmask is not None
+        or params.logits_processors
+    )
+    mask: tuple[int, ...] = ()
+    if num_generated < params.min_tokens:
+        mask = tuple(params.stop_token_ids)
+        if not params.ignore_eos:
+            mask = (*mask, *sorted(eos_token_ids - set(mask)))
+    penalized = (
+        params.presence_penalty != 0.0
+        or params.frequency_penalty != 0.0
+        or params.repetition_penalty != 1.0
+    )
+    if (
+        params.is_greedy
+        and not penalized
+        and not mask
+        and not controlled
+        and params.logprobs is None
+    ):
+        return None
+    return SamplingOptions(
+        temperature=params.temperature,
+        top_p=params.top_p,
+        top_k=params.top_k,
+        min_p=params.min_p,
+        seed=params.seed,
+        presence_penalty=params.presence_penalty,
+        frequency_penalty=params.frequency_penalty,
+        repetition_penalty=params.repetition_penalty,
+        num_logprobs=params.logprobs,
+        min_tokens_mask_ids=mask,
+        prompt_token_ids=tuple(token_ids[:num_prompt]) if penalized else (),
+        output_token_ids=(
+            tuple(token_ids[num_prompt:]) if penalized or params.logits_processors else ()
+        ),
+        generator_key=derive_generator_key(params.seed, index, num_generated)
+        if params.seed is not None
+        else 0,
+        logit_bias=params.logit_bias,
+        allowed_token_ids=params.allowed_token_ids,
+        banned_token_ids=banned,
+        token_bitmask=token_bitmask,
+        logits_processors=params.logits_processors,
+    )
+
+
+def bad_words_token_ids(tokenizer: Any, words: tuple[str, ...]) -> tuple[tuple[int, ...], ...]:
+    """Each bad word's token ids, as vLLM tokenizes them: the word (left-stripped), and the word
+    after a space where that tokenizes into as many tokens, starting with another one."""
+    out: list[tuple[int, ...]] = []
+    for word in words:
+        plain = tuple(tokenizer.encode(word.lstrip(), add_special_tokens=False))
+        spaced = tuple(tokenizer.encode(" " + word.lstrip(), add_special_tokens=False))
+        out.append(plain)
+        if spaced and plain and spaced[0] != plain[0] and len(spaced) == len(plain):
+            out.append(spaced)
+    return tuple(ids for ids in out if ids)
+
+
+def banned_next_tokens(
+    bad_words_ids: tuple[tuple[int, ...], ...], output: list[int]
+) -> tuple[int, ...]:
+    """The last token of every bad word whose other tokens end the output (vLLM's rule: a
+    one-token word is always banned)."""
+    banned = []
+    for ids in bad_words_ids:
+        prefix = ids[:-1]
+        if len(prefix) <= len(output) and (not prefix or tuple(output[-len(prefix) :]) == prefix):
+            banned.append(ids[-1])
+    return tuple(dict.fromkeys(banned))

@@ -1,0 +1,162 @@
+"""A step's rows, one :class:`SequenceStep` per scheduled sequence, built from the core's
+scheduled sequences and the requests' states: the plain greedy fast path (no options at all),
+and otherwise each row's sampling options (see :mod:`.scheduler_sampling`), structured outputs'
+grammar bitmasks, beam search's candidates, prompt-logprob targets, speculative verification
+options and the number of draft-model proposals wanted after the step."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+
+from asyncpaged.actors.scheduler_sampling import BadWordsCache, sampling_options, verify_options
+from asyncpaged.core.request import Request
+from asyncpaged.core.request import Sequence as Seq
+from asyncpaged.core.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
+from asyncpaged.model.runner import SequenceStep
+from asyncpaged.model.sampler import SamplingOptions
+from asyncpaged.streams import RequestState
+from asyncpaged.structured_outputs import GrammarBackend
+
+
+def build_sequence_steps(
+    out: SchedulerOutput,
+    scheduler: Scheduler,
+    states: dict[str, RequestState],
+    *,
+    eos_token_ids: frozenset[int],
+    bad_words: BadWordsCache,
+    grammars: GrammarBackend | None,
+    has_draft_model: bool,
+) -> list[SequenceStep]:
+    """One :class:`SequenceStep` per scheduled sequence of ``out``, in its order; also notes
+    each request's first scheduled time and its number of cached tokens in its state."""
+    now = time.monotonic()
+    steps = []
+    bitmasks = grammar_bitmasks(out, scheduler, states, grammars)
+    for s in out.seqs:
+        state = states[s.request_id]
+        if state.metrics.first_scheduled_time is None:
+            state.metrics.first_scheduled_time = now
+        request = scheduler.requests[s.request_id]
+        state.num_cached_tokens = request.num_cached_tokens
+        draft_k = (
+            _draft_k(scheduler, request, s)
+            if has_draft_model and request.num_speculative_tokens
+            else 0
+        )
+        if state.plain and state.grammar is None and s.num_samples == 1:
+            steps.append(SequenceStep(s.seq_id, s.token_ids, s.start_pos, s.slot_mapping,
+                                      s.block_table, s.samples, min_rope_len=s.min_rope_len,
+                                      num_draft=s.num_draft, draft_k=draft_k))  # fmt: skip
+            continue
+        steps.append(_sampled_step(s, request, state, bitmasks, eos_token_ids, bad_words, draft_k))
+    return steps
+
+
+def _sampled_step(
+    s: ScheduledSeq,
+    request: Request,
+    state: RequestState,
+    bitmasks: dict[tuple[int, int], torch.Tensor],
+    eos_token_ids: frozenset[int],
+    bad_words: BadWordsCache,
+    draft_k: int,
+) -> SequenceStep:
+    """The row of a sequence off the plain greedy path: its sampling options (or a fan-out's,
+    or beam search's candidates), prompt-logprob targets and speculative verification
+    options."""
+    seq = seq_of(request, s.seq_id)
+
+    def options(index: int) -> SamplingOptions | None:
+        if request.beam is not None:  # each beam offers its 2k best continuations
+            return SamplingOptions(temperature=0.0, num_logprobs=2 * request.beam.width)
+        params = state.params
+        return sampling_options(
+            params, seq.token_ids, seq.num_prompt_tokens, index, eos_token_ids,
+            bad_words.ids(params.bad_words), bitmasks.get((seq.seq_id, index)),
+        )  # fmt: skip
+
+    row_offset, targets = state.prompt_logprob_targets(s.start_pos, len(s.token_ids))
+    verify: tuple[SamplingOptions | None, ...] = ()
+    if s.num_draft:
+        draft = s.token_ids[len(s.token_ids) - s.num_draft :]
+        bad_words_ids = bad_words.ids(state.params.bad_words)
+        verify = verify_options(state.params, seq, draft, eos_token_ids, bad_words_ids)
+    return SequenceStep(
+        seq_id=s.seq_id,
+        token_ids=s.token_ids,
+        num_computed_tokens=s.start_pos,
+        slot_mapping=s.slot_mapping,
+        block_table=s.block_table,
+        do_sample=s.samples,
+        sampling=options(seq.index) if s.samples else None,
+        fanout=tuple(options(i) for i in range(s.num_samples)) if s.num_samples > 1 else (),
+        want_logprob=state.ranks_by_logprob,
+        min_rope_len=s.min_rope_len,
+        prompt_targets=targets,
+        prompt_row_offset=row_offset,
+        num_prompt_logprobs=state.params.prompt_logprobs or 0,
+        num_draft=s.num_draft,
+        verify_options=verify,
+        draft_k=draft_k,
+    )
+
+
+def _draft_k(scheduler: Scheduler, request: Request, s: ScheduledSeq) -> int:
+    """Draft-model proposals wanted after this step's token: the request's
+    ``num_speculative_tokens``, fewer near ``max_tokens`` or ``max_model_len`` (the next
+    step plans at most that many, see the core's ``_drafts``)."""
+    if not s.samples or s.num_samples != 1:
+        return 0
+    seq = seq_of(request, s.seq_id)
+    # No draft decodes for a next step that will not propose: a sequence backing off (a
+    # skipped step leaves its back-off as it is) or a batch over the speculation limit.
+    limit = scheduler.config.spec_disable_by_batch_size
+    if seq.spec_skip or (limit is not None and len(scheduler.running) > limit):
+        return 0
+    stop = request.stop
+    room = stop.max_tokens - seq.num_generated - 2
+    if stop.max_model_len is not None:
+        room = min(room, stop.max_model_len - len(seq.token_ids) - 2)
+    return max(0, min(request.num_speculative_tokens, room))
+
+
+def grammar_bitmasks(
+    out: SchedulerOutput,
+    scheduler: Scheduler,
+    states: dict[str, RequestState],
+    grammars: GrammarBackend | None,
+) -> dict[tuple[int, int], torch.Tensor]:
+    """Structured outputs: (seq id, completion index) -> the next-token bitmask of that
+    completion's matcher (made on its first step; it has accepted every token the
+    completion holds), for every sampling row of the step, filled in one buffer."""
+    keys: list[tuple[int, int]] = []
+    matchers: list[Any] = []
+    for s in out.seqs:
+        state = states[s.request_id]
+        if not s.samples or state.grammar is None:
+            continue
+        assert grammars is not None, "a compiled grammar without a grammar backend"
+        request = scheduler.requests[s.request_id]
+        seq = next(q for q in request.seqs if q.seq_id == s.seq_id)
+        for index in range(s.num_samples) if s.num_samples > 1 else (seq.index,):
+            matcher = state.matchers.get(index)
+            if matcher is None:
+                matcher = state.matchers[index] = grammars.matcher(state.grammar)
+            keys.append((s.seq_id, index))
+            matchers.append(matcher)
+    if not matchers:
+        return {}
+    assert grammars is not None
+    rows = grammars.next_token_bitmasks(matchers)  # [R, W]
+    return dict(zip(keys, rows.unbind(0), strict=True))
+
+
+def seq_of(request: Request, seq_id: int) -> Seq:
+    """The sequence ``seq_id`` of ``request`` (its only one, without a search, usually)."""
+    if len(request.seqs) == 1:
+        return request.seqs[0]
+    return next(q for q in request.seqs if q.seq_id == seq_id)
