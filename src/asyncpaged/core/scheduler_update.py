@@ -127,14 +127,8 @@ def verified(
     else:  # each wasted round doubles the pause before the next proposal (at most 16)
         seq.spec_backoff = min(16, 2 * seq.spec_backoff or 1)
         seq.spec_skip = seq.spec_backoff
-    appended: list[int] = []
-    for token in tokens:
-        seq.token_ids.append(token)
-        appended.append(token)
-        if check_stop(request, seq, token):
-            sched._release(seq)
-            break
-    else:
+    appended = _append_until_stop(sched, request, seq, tokens)
+    if not seq.is_finished:
         seq.num_computed_tokens += accepted
         sched._pending_truncates.append((seq.seq_id, seq.num_computed_tokens))
     return SeqUpdate(
@@ -142,7 +136,7 @@ def verified(
         seq_id=seq.seq_id,
         completion=seq.index,
         row=(seq.seq_id, 0),
-        new_token_ids=tuple(appended),
+        new_token_ids=appended,
         finish_reason=seq.finish_reason,
         stop_reason=seq.stop_reason,
     )
@@ -236,14 +230,21 @@ def append_forced(
     seq = None if request is None else next(s for s in request.seqs if s.seq_id == seq_id)
     if request is None or seq is None or seq.is_finished:
         return (), None, None
-    appended: list[int] = []
-    for token in tokens:
+    appended = _append_until_stop(sched, request, seq, tokens)
+    if request.is_finished:  # this sequence stopped, and it was the request's last
+        sched._finish(request)
+        sched.num_finished += 1
+    return appended, seq.finish_reason, seq.stop_reason
+
+
+def _append_until_stop(
+    sched: Scheduler, request: Request, seq: Sequence, tokens: SeqOf[int]
+) -> tuple[int, ...]:
+    """Append ``tokens`` one by one under the stop rules; the first that stops the sequence
+    is the last appended, and the sequence is released. Returns what was appended."""
+    for i, token in enumerate(tokens):
         seq.token_ids.append(token)
-        appended.append(token)
         if check_stop(request, seq, token):
             sched._release(seq)
-            if request.is_finished:
-                sched._finish(request)
-                sched.num_finished += 1
-            break
-    return tuple(appended), seq.finish_reason, seq.stop_reason
+            return tuple(tokens[: i + 1])
+    return tuple(tokens)
