@@ -18,6 +18,12 @@ their order; rows without a seed share the caller's generator.
 LM head (``lm_head.TopKCandidates``) for the rows ``is_screenable`` admits, without the fp32 GEMM
 over the whole vocabulary: it reads the same random stream and sums over full-width rows that
 hold -inf wherever ``sample`` has -inf after top-k.
+
+Here: the options, the seeded generators' keys, ``sample`` and every random draw (the full rows'
+and the candidates'). ``sampler_stages`` holds the stages before the draw (``process_logits``,
+``apply_logit_controls``, ``random_probs``) and ``sampler_candidates`` which rows may be screened
+(``is_screenable``, ``screened_top_k``) and their probabilities at the candidates; their names
+are re-exported from this module.
 """
 
 from __future__ import annotations
@@ -29,19 +35,42 @@ from dataclasses import dataclass, field
 import torch
 
 from asyncpaged.model.lm_head import TopKCandidates
-from asyncpaged.model.logits_processors import (
-    apply_min_p,
-    apply_min_tokens_mask,
-    apply_penalties,
-    apply_top_k_top_p,
+from asyncpaged.model.sampler_candidates import (
+    MAX_SCREENED_TOP_K,
+    _candidate_probs,
+    is_screenable,
+    screened_top_k,
 )
-from asyncpaged.structured_outputs import grammar_mask_bias
+from asyncpaged.model.sampler_stages import (
+    _process,
+    _random_probs,
+    apply_logit_controls,
+    process_logits,
+    random_probs,
+)
+
+__all__ = [
+    "MAX_SCREENED_TOP_K",
+    "SAMPLING_EPS",
+    "SamplerOutput",
+    "SamplingOptions",
+    "apply_logit_controls",
+    "derive_generator_key",
+    "exponential_race",
+    "greedy",
+    "is_screenable",
+    "process_logits",
+    "random_probs",
+    "salt_generator_key",
+    "sample",
+    "sample_from_candidates",
+    "screened_top_k",
+]
 
 SAMPLING_EPS = 1e-5
 """Temperatures below this sample greedily (vLLM's ``_SAMPLING_EPS``)."""
 
 _MASK64 = (1 << 64) - 1
-_NEG_INF = float("-inf")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -221,109 +250,6 @@ def sample(
     )
 
 
-def _process(
-    logits: torch.Tensor,
-    opts: Sequence[SamplingOptions | None],
-    errors: dict[int, BaseException] | None = None,
-) -> torch.Tensor:
-    """Logit controls, min-tokens masking and penalties (they change greedy rows too);
-    ``logits`` is not edited."""
-    masked = [i for i, o in enumerate(opts) if o is not None and o.min_tokens_mask_ids]
-    penalized = [i for i, o in enumerate(opts) if o is not None and o.has_penalties]
-    controlled = [o is not None and o.has_logit_controls for o in opts]
-    if not masked and not penalized and not any(controlled):
-        return logits
-    logits = logits.clone()
-    if any(controlled):
-        apply_logit_controls(logits, opts, {} if errors is None else errors)
-    apply_min_tokens_mask(logits, [o.min_tokens_mask_ids if o is not None else () for o in opts])
-    if penalized:
-        rows = torch.tensor(penalized, dtype=torch.int64, device=logits.device)
-        subset = [o for o in opts if o is not None and o.has_penalties]
-
-        def column(values: list[float]) -> torch.Tensor:
-            return torch.tensor(values, dtype=torch.float32, device=logits.device)
-
-        logits[rows] = apply_penalties(
-            logits[rows],
-            prompt_token_ids=[o.prompt_token_ids for o in subset],
-            output_token_ids=[o.output_token_ids for o in subset],
-            repetition_penalties=column([o.repetition_penalty for o in subset]),
-            frequency_penalties=column([o.frequency_penalty for o in subset]),
-            presence_penalties=column([o.presence_penalty for o in subset]),
-        )
-    return logits
-
-
-def apply_logit_controls(
-    logits: torch.Tensor,
-    opts: Sequence[SamplingOptions | None],
-    errors: dict[int, BaseException] | None = None,
-) -> None:
-    """In place, per row: keep only ``allowed_token_ids``, add ``logit_bias``, ban
-    ``banned_token_ids`` and every token ``token_bitmask`` rules out (vLLM v1's order; -inf
-    stays -inf under any bias; the masks commute, so the bitmasks go last, in one batch)."""
-    device = logits.device
-    masked = [r for r, o in enumerate(opts) if o is not None and o.token_bitmask is not None]
-    for r, o in enumerate(opts):
-        if o is None or not o.has_logit_controls:
-            continue
-        row = logits[r]
-        if o.allowed_token_ids is not None:
-            keep = torch.tensor(o.allowed_token_ids, dtype=torch.int64, device=device)
-            kept = row[keep].clone()
-            row.fill_(_NEG_INF)
-            row[keep] = kept
-        if o.logit_bias:
-            ids = torch.tensor([t for t, _ in o.logit_bias], dtype=torch.int64, device=device)
-            bias = torch.tensor([b for _, b in o.logit_bias], dtype=row.dtype, device=device)
-            row.index_add_(0, ids, bias)
-        if o.banned_token_ids:
-            row[torch.tensor(o.banned_token_ids, dtype=torch.int64, device=device)] = _NEG_INF
-    if masked:  # structured outputs: each row's grammar allows the set bits of its bitmask
-        _apply_bitmasks(logits, masked, [opts[r].token_bitmask for r in masked])  # type: ignore[union-attr]
-    for r, o in enumerate(opts):
-        if o is not None and o.logits_processors:
-            _run_processors(logits, r, o, {} if errors is None else errors)
-
-
-def _apply_bitmasks(
-    logits: torch.Tensor, masked: list[int], bitmasks: list[torch.Tensor | None]
-) -> None:
-    """-inf in rows ``masked`` of ``logits`` wherever their bitmasks rule a token out: the
-    0 / -inf mask bias added (exact where no logit is NaN or +inf: then a ``masked_fill``),
-    in place when every row is masked."""
-    bias = grammar_mask_bias(bitmasks, logits.shape[1], logits.device)  # [R, V]
-    assert bias is not None
-    every = len(masked) == logits.shape[0]
-    rows = None if every else torch.tensor(masked, dtype=torch.int64, device=logits.device)
-    sub = logits if rows is None else logits[rows]
-    if bool(sub.amax() < float("inf")):  # amax is NaN if any logit is
-        sub.add_(bias)
-    else:
-        sub.masked_fill_(bias != 0, _NEG_INF)
-    if rows is not None:
-        logits[rows] = sub
-
-
-def _run_processors(
-    logits: torch.Tensor, r: int, o: SamplingOptions, errors: dict[int, BaseException]
-) -> None:
-    """Row ``r`` through its request's processors; what one raises is recorded, not raised
-    (it fails that request alone), and the row keeps its logits."""
-    row = logits[r]
-    try:
-        for processor in o.logits_processors:
-            row = processor(list(o.output_token_ids), row)
-            if not (isinstance(row, torch.Tensor) and row.shape == logits[r].shape):
-                raise TypeError(
-                    f"a logits processor must return a tensor of shape {tuple(logits[r].shape)}"
-                )
-        logits[r] = row.to(logits.dtype)
-    except Exception as exc:  # the user's code: it fails its own request
-        errors[r] = exc
-
-
 def _sample_random(
     logits: torch.Tensor, opts: Sequence[SamplingOptions], generator: torch.Generator | None
 ) -> torch.Tensor:
@@ -342,42 +268,6 @@ def exponential_race(
     q = _exponential_draws(opts, probs.shape[1], probs.device, generator)
     q.clamp_min_(torch.finfo(torch.float32).tiny)  # never divide by zero
     return torch.argmax(probs / q, dim=-1)
-
-
-def process_logits(
-    logits: torch.Tensor,
-    opts: Sequence[SamplingOptions | None],
-    errors: dict[int, BaseException] | None = None,
-) -> torch.Tensor:
-    """``sample``'s first stage, for every row: logit controls, min-tokens mask, penalties
-    (``logits`` [N, V] is not edited; what a row's logits processor raised goes to ``errors``).
-    Greedy rows pick the argmax of the result; random rows go on to :func:`random_probs`."""
-    return _process(logits, opts, errors)
-
-
-def random_probs(logits: torch.Tensor, opts: Sequence[SamplingOptions]) -> torch.Tensor:
-    """``sample``'s second stage for random rows: processed logits [R, V] -> the probabilities
-    it draws from (temperature, min-p, top-k, top-p, softmax), computed by the same operations."""
-    return _random_probs(logits, opts)
-
-
-def _random_probs(logits: torch.Tensor, opts: Sequence[SamplingOptions]) -> torch.Tensor:
-    """Temperature, min-p, top-k, top-p, softmax: logits [R, V] -> probabilities [R, V]."""
-    device, vocab_size = logits.device, logits.shape[1]
-    temperature = torch.tensor([o.temperature for o in opts], dtype=torch.float32, device=device)
-    logits = logits / temperature[:, None]
-    if any(o.min_p > 0.0 for o in opts):
-        min_p = torch.tensor([o.min_p for o in opts], dtype=torch.float32, device=device)
-        logits = apply_min_p(logits, min_p)
-    top_k = None
-    if any(0 < o.top_k < vocab_size for o in opts):
-        ks = [o.top_k if 0 < o.top_k < vocab_size else vocab_size for o in opts]
-        top_k = torch.tensor(ks, dtype=torch.int64, device=device)
-    top_p = None
-    if any(o.top_p < 1.0 for o in opts):
-        top_p = torch.tensor([o.top_p for o in opts], dtype=torch.float32, device=device)
-    logits = apply_top_k_top_p(logits, top_k, top_p)
-    return torch.softmax(logits, dim=-1)
 
 
 def _exponential_draws(
@@ -414,38 +304,6 @@ def _exponential_draws(
 
 
 # ---- sampling from the screened LM head's top-k candidates ---------------------------------------
-
-MAX_SCREENED_TOP_K = 64
-"""Largest top-k sampled from screened candidates (more candidates to rescore, less gain)."""
-
-
-def is_screenable(opt: SamplingOptions | None, vocab_size: int) -> bool:
-    """Whether ``sample_from_candidates`` gives this row exactly the token ``sample`` gives it.
-
-    Greedy rows qualify, and random rows with ``0 < top_k <= MAX_SCREENED_TOP_K`` (and
-    ``top_k < vocab_size``, else top-k is off), any temperature, top-p and seed. Not: rows asking
-    for logprobs (the log-softmax normaliser sums over every token), penalties or min-tokens
-    masks (they move logits after the LM head, so the screen's bounds no longer hold), min-p
-    (applied before top-k against the softmax over the whole vocabulary). The caller must also
-    route rows whose step wants the sampled token's logprob to ``sample``.
-    """
-    if opt is None:
-        return True
-    if (
-        opt.num_logprobs is not None
-        or opt.has_penalties
-        or opt.min_tokens_mask_ids
-        or opt.has_logit_controls
-    ):
-        return False
-    if opt.is_greedy:
-        return True
-    return 0 < opt.top_k <= MAX_SCREENED_TOP_K and opt.top_k < vocab_size and opt.min_p == 0.0
-
-
-def screened_top_k(options: Sequence[SamplingOptions | None]) -> list[int]:
-    """The k to screen each row for: 1 for greedy rows, ``top_k`` for random ones."""
-    return [1 if o is None or o.is_greedy else o.top_k for o in options]
 
 
 def sample_from_candidates(
@@ -522,57 +380,6 @@ def _sample_candidates(
     token_ids = ids.gather(1, best)[:, 0]
     # Outside tokens race with p / q == 0 exactly; if no candidate beats 0, argmax is token 0.
     return torch.where(ratio.gather(1, best)[:, 0] > 0, token_ids, 0)
-
-
-def _candidate_probs(
-    ids: torch.Tensor,
-    logits: torch.Tensor,
-    outside_bound: torch.Tensor,
-    opts: Sequence[SamplingOptions],
-    vocab_size: int,
-) -> torch.Tensor | None:
-    """``_random_probs`` step by step, at the candidates: [R, C] (padding: 0), or None."""
-    device, num_rows = logits.device, logits.shape[0]
-    temperature = torch.tensor([o.temperature for o in opts], dtype=torch.float32, device=device)
-    logits = logits / temperature[:, None]  # the same division as on the full row (pads: -inf)
-    top_k = torch.tensor([o.top_k for o in opts], dtype=torch.int64, device=device)
-    kth = logits.topk(int(top_k.max()), dim=-1).values.gather(1, (top_k - 1)[:, None])  # [R, 1]
-    # Division by a positive number is monotone: outside tokens stay <= outside_bound / T.
-    if not bool((outside_bound[:, None] / temperature[:, None] < kth).all()):
-        return None
-    logits = logits.masked_fill(logits < kth, _NEG_INF)  # top-k, boundary ties kept
-    if any(o.top_p < 1.0 for o in opts):
-        top_p = torch.tensor([o.top_p for o in opts], dtype=torch.float32, device=device)
-        logits = _top_p_of_candidates(logits, top_p, vocab_size)
-    is_pad = ids == vocab_size
-    safe_ids = ids.masked_fill(is_pad, 0)
-    row_ids = torch.arange(num_rows, device=device)[:, None].expand_as(ids)
-    full = torch.full((num_rows, vocab_size), _NEG_INF, dtype=torch.float32, device=device)
-    full[row_ids[~is_pad], ids[~is_pad]] = logits[~is_pad]  # [R, V]: sample's row after top-p
-    return torch.softmax(full, dim=-1).gather(1, safe_ids).masked_fill_(is_pad, 0.0)
-
-
-def _top_p_of_candidates(
-    logits: torch.Tensor, top_p: torch.Tensor, vocab_size: int
-) -> torch.Tensor:
-    """``apply_top_k_top_p``'s top-p half on top-k-masked candidates [R, C] (vocab ``V``).
-
-    Its ascending stable sort puts the top-k-kept tokens last, by (value, id), after V - kept
-    -inf entries; sorting the candidates (ascending ids, -inf for the rest) gives the same tail,
-    placed at the end of a full -inf row so the softmax and cumulative sum see that very row::
-
-        sample:      [ -inf ... -inf | -inf  kept kept kept ]   (V wide)
-        candidates:                  [ -inf  kept kept kept ]   (C wide, written at V - C)
-    """
-    num_rows, width = logits.shape
-    ordered, order = torch.sort(logits, dim=-1, stable=True)  # [R, C]
-    logits_sort = torch.full((num_rows, vocab_size), _NEG_INF, device=logits.device)
-    logits_sort[:, vocab_size - width :] = ordered
-    cumulative = torch.softmax(logits_sort, dim=-1).cumsum(dim=-1)  # [R, V]
-    drop = cumulative <= 1 - top_p[:, None]
-    drop[:, -1] = False
-    logits_sort.masked_fill_(drop, _NEG_INF)
-    return torch.empty_like(logits).scatter_(1, order, logits_sort[:, vocab_size - width :])
 
 
 def _candidate_draws(
