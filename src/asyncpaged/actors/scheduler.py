@@ -56,6 +56,7 @@ from asyncpaged.messages import (
     UnpinPrefix,
     WatchPin,
 )
+from asyncpaged.model.block_tables import TableDeltas
 from asyncpaged.model.draft import DraftProposals
 from asyncpaged.model.runner import SampledToken, StepPlan
 from asyncpaged.streams import RequestState
@@ -108,6 +109,7 @@ class SchedulerActor:
         self._swaps = swaps
         self._eos = eos_token_ids
         self._in_flight: SchedulerOutput | None = None
+        self._tables = TableDeltas()  # the block tables the executor's runner holds
         self._planning = False  # a transaction is at the allocator
         self._idle = anyio.Event()
         self._log = log.bind(actor="scheduler")
@@ -234,6 +236,7 @@ class SchedulerActor:
             bad_words=self._bad_words,
             grammars=self._grammars,
             has_draft_model=self._draft_proposals is not None,
+            tables=self._tables,
         )
         self._in_flight = out
         await self._executor.send(

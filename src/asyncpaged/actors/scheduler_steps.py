@@ -15,6 +15,7 @@ from asyncpaged.actors.scheduler_sampling import BadWordsCache, sampling_options
 from asyncpaged.core.request import Request
 from asyncpaged.core.request import Sequence as Seq
 from asyncpaged.core.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
+from asyncpaged.model.block_tables import TableDeltas
 from asyncpaged.model.runner import SequenceStep
 from asyncpaged.model.sampler import SamplingOptions
 from asyncpaged.streams import RequestState
@@ -30,11 +31,15 @@ def build_sequence_steps(
     bad_words: BadWordsCache,
     grammars: GrammarBackend | None,
     has_draft_model: bool,
+    tables: TableDeltas,
 ) -> list[SequenceStep]:
-    """One :class:`SequenceStep` per scheduled sequence of ``out``, in its order; also notes
-    each request's first scheduled time and its number of cached tokens in its state."""
+    """One :class:`SequenceStep` per scheduled sequence of ``out``, in its order, each with
+    its block table's changes since the last plan (``tables``, which this plan then
+    replaces: the plan must be sent); also notes each request's first scheduled time and its
+    number of cached tokens in its state."""
     now = time.monotonic()
     steps = []
+    tables.start_plan()
     bitmasks = grammar_bitmasks(out, scheduler, states, grammars)
     for s in out.seqs:
         state = states[s.request_id]
@@ -47,12 +52,16 @@ def build_sequence_steps(
             if has_draft_model and request.num_speculative_tokens
             else 0
         )
+        table = tables.delta(s.seq_id, s.block_table)
         if state.plain and state.grammar is None and s.num_samples == 1:
             steps.append(SequenceStep(s.seq_id, s.token_ids, s.start_pos, s.slot_mapping,
-                                      s.block_table, s.samples, min_rope_len=s.min_rope_len,
-                                      num_draft=s.num_draft, draft_k=draft_k))  # fmt: skip
+                                      table[1], s.samples, min_rope_len=s.min_rope_len,
+                                      num_draft=s.num_draft, draft_k=draft_k,
+                                      table_start=table[0]))  # fmt: skip
             continue
-        steps.append(_sampled_step(s, request, state, bitmasks, eos_token_ids, bad_words, draft_k))
+        steps.append(
+            _sampled_step(s, request, state, bitmasks, eos_token_ids, bad_words, draft_k, table)
+        )
     return steps
 
 
@@ -64,6 +73,7 @@ def _sampled_step(
     eos_token_ids: frozenset[int],
     bad_words: BadWordsCache,
     draft_k: int,
+    table: tuple[int, tuple[int, ...]],
 ) -> SequenceStep:
     """The row of a sequence off the plain greedy path: its sampling options (or a fan-out's,
     or beam search's candidates), prompt-logprob targets and speculative verification
@@ -90,7 +100,8 @@ def _sampled_step(
         token_ids=s.token_ids,
         num_computed_tokens=s.start_pos,
         slot_mapping=s.slot_mapping,
-        block_table=s.block_table,
+        block_table=table[1],
+        table_start=table[0],
         do_sample=s.samples,
         sampling=options(seq.index) if s.samples else None,
         fanout=tuple(options(i) for i in range(s.num_samples)) if s.num_samples > 1 else (),

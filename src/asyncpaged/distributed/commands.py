@@ -11,8 +11,9 @@
 
 Commands are frozen dataclasses of numbers and tuples, pickled by
 ``torch.distributed.broadcast_object_list``. A step carries only what a non-sampling rank reads:
-per sequence the new tokens, the cached-token count, the slot mapping and the whole block table
-(no diffs: a table is a few dozen ints), plus the copy-on-write pairs; sampling options stay on
+per sequence the new tokens, the cached-token count, the slot mapping and the block table's
+changes since the last step (``model.block_tables``: every rank's runner keeps the tables, and
+every rank runs every step, in order), plus the copy-on-write pairs; sampling options stay on
 rank 0.
 """
 
@@ -23,8 +24,9 @@ from dataclasses import dataclass
 from asyncpaged.core.block_table import SwapDirection
 from asyncpaged.model.runner import AttentionChoice, SequenceStep, StepPlan
 
-# (seq_id, token_ids, num_computed_tokens, slot_mapping, block_table)
-WireSequence = tuple[int, tuple[int, ...], int, tuple[int, ...], tuple[int, ...]]
+# (seq_id, token_ids, num_computed_tokens, slot_mapping, table_start, block_table): the table
+# from entry table_start on, as the plan has it (each rank keeps its own persistent tables)
+WireSequence = tuple[int, tuple[int, ...], int, tuple[int, ...], int, tuple[int, ...]]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -74,7 +76,14 @@ class RunStep:
     @classmethod
     def of(cls, plan: StepPlan) -> RunStep:
         seqs = tuple(
-            (s.seq_id, s.token_ids, s.num_computed_tokens, s.slot_mapping, s.block_table)
+            (
+                s.seq_id,
+                s.token_ids,
+                s.num_computed_tokens,
+                s.slot_mapping,
+                s.table_start,
+                s.block_table,
+            )
             for s in plan.seqs
         )
         return cls(seqs=seqs, copy_pairs=plan.copy_pairs)
@@ -83,8 +92,9 @@ class RunStep:
         """The step as a plan that samples nothing (what a rank other than 0 runs)."""
         seqs = tuple(
             SequenceStep(seq_id=seq_id, token_ids=tokens, num_computed_tokens=computed,
-                         slot_mapping=slots, block_table=table, do_sample=False)
-            for seq_id, tokens, computed, slots, table in self.seqs
+                         slot_mapping=slots, block_table=table, do_sample=False,
+                         table_start=start)
+            for seq_id, tokens, computed, slots, start, table in self.seqs
         )  # fmt: skip
         return StepPlan(seqs=seqs, copy_pairs=self.copy_pairs)
 

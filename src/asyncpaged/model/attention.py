@@ -35,6 +35,7 @@ class AttentionMetadata:
     query_start_loc: torch.Tensor  # [S+1] int64, cu_seqlens of the new tokens
     context_lens: torch.Tensor  # [S] int64, cached + new tokens per sequence
     block_tables: torch.Tensor  # [S, max_blocks] int64, padded with block 0 (never read)
+    block_tables_host: np.ndarray  # the same, on the host
     slot_mapping: torch.Tensor  # [T] int64, -1 = do not write
     # [T] int64: the sequence length each token's RoPE scaling is chosen for (dynamic,
     # longrope): its sequence's context length after the step, or more (``rope_lens``)
@@ -52,20 +53,25 @@ class AttentionMetadata:
         *,
         query_lens: Sequence[int] | np.ndarray,
         context_lens: Sequence[int] | np.ndarray,
-        block_tables: Sequence[Sequence[int]],
+        block_tables: Sequence[Sequence[int]] | np.ndarray,
         slot_mapping: Sequence[int] | np.ndarray,
         device: torch.device,
         block_size: int = 16,
         rope_lens: Sequence[int] | np.ndarray | None = None,
     ) -> AttentionMetadata:
+        """``block_tables``: one table per sequence, or an ``[S, max_blocks]`` int64 array
+        padded with block 0 (the runner's persistent tables, ``block_tables.BlockTables``)."""
         qlens = np.asarray(query_lens, dtype=np.int64)
         ctx = np.asarray(context_lens, dtype=np.int64)
         starts = np.zeros(len(qlens) + 1, dtype=np.int64)
         np.cumsum(qlens, out=starts[1:])
-        width = max(map(len, block_tables), default=0) or 1
-        tables = np.zeros((len(block_tables), width), dtype=np.int64)
-        for i, table in enumerate(block_tables):
-            tables[i, : len(table)] = table
+        if isinstance(block_tables, np.ndarray):
+            tables = block_tables
+        else:
+            width = max(map(len, block_tables), default=0) or 1
+            tables = np.zeros((len(block_tables), width), dtype=np.int64)
+            for i, table in enumerate(block_tables):
+                tables[i, : len(table)] = table
         slots = torch.from_numpy(np.asarray(slot_mapping, dtype=np.int64)).to(device)
         rope = ctx if rope_lens is None else np.asarray(rope_lens, dtype=np.int64)
         decodes = qlens == 1
@@ -73,6 +79,7 @@ class AttentionMetadata:
             query_start_loc=torch.from_numpy(starts).to(device),
             context_lens=torch.from_numpy(ctx).to(device),
             block_tables=torch.from_numpy(tables).to(device),
+            block_tables_host=tables,
             slot_mapping=slots,
             slot_targets=SlotTargets.of(slots, block_size),
             block_size=block_size,

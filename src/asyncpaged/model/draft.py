@@ -35,6 +35,7 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, NamedTuple
 
+import numpy as np
 import torch
 
 from asyncpaged.errors import InvalidRequestError
@@ -70,6 +71,7 @@ class _Root(NamedTuple):
     length: int
     k: int
     options: SamplingOptions | None
+    table: np.ndarray  # its block table: its row of the step's padded tables
 
 
 class DraftModel:
@@ -189,7 +191,7 @@ class DraftModel:
         began = time.perf_counter()
         metadata, input_tensor, position_tensor = inputs
         self.model(input_tensor, position_tensor, metadata, self.kv_cache)
-        sampled = self.propose(plan, result.sampled)
+        sampled = self.propose(plan, result.sampled, metadata.block_tables_host)
         compute_s = result.compute_s + time.perf_counter() - began
         return dataclasses.replace(result, sampled=sampled, compute_s=compute_s)
 
@@ -213,11 +215,12 @@ class DraftModel:
         return torch.cat(rows) if found and rows else None
 
     def propose(
-        self, plan: StepPlan, sampled: tuple[SampledToken, ...]
+        self, plan: StepPlan, sampled: tuple[SampledToken, ...], block_tables: np.ndarray
     ) -> tuple[SampledToken, ...]:
         """Up to ``draft_k`` proposals after each sampling sequence's emitted token: the
-        draft decodes batched over sequences, K/V written into scratch blocks."""
-        roots = _roots(plan, sampled, self.max_positions)
+        draft decodes batched over sequences, K/V written into scratch blocks.
+        ``block_tables``: the step's tables, one row per sequence of ``plan``."""
+        roots = _roots(plan, sampled, self.max_positions, block_tables)
         self._draft_probs = {}
         if not roots:
             return sampled
@@ -260,8 +263,8 @@ class DraftModel:
             if next_scratch > self.kv_cache.num_blocks:  # more sequences than sized for
                 break  # the rest propose nothing this step
             if r.length % bs:
-                pairs.append((r.seq.block_table[first], scratch[0]))
-            tables.append((*r.seq.block_table[:first], *scratch))
+                pairs.append((int(r.table[first]), scratch[0]))
+            tables.append((*r.table[:first].tolist(), *scratch))
             slots.append(
                 [scratch[p // bs - first] * bs + p % bs for p in range(r.length, r.length + r.k)]
             )
@@ -297,15 +300,22 @@ class DraftModel:
         return self.model.compute_logits(hidden)
 
 
-def _roots(plan: StepPlan, sampled: tuple[SampledToken, ...], max_positions: int) -> list[_Root]:
+def _roots(
+    plan: StepPlan, sampled: tuple[SampledToken, ...], max_positions: int, tables: np.ndarray
+) -> list[_Root]:
     """The sampling sequences that want proposals, each from its emitted token (its draft
     decodes stay below ``max_positions``)."""
-    wanting = {s.seq_id: s for s in plan.seqs if s.draft_k and s.do_sample and not s.fanout}
+    wanting = {
+        s.seq_id: (i, s)
+        for i, s in enumerate(plan.seqs)
+        if s.draft_k and s.do_sample and not s.fanout
+    }
     roots = []
     for index, t in enumerate(sampled):
-        s = wanting.get(t.seq_id)
-        if s is None or t.error is not None or t.sample_index:
+        found = wanting.get(t.seq_id)
+        if found is None or t.error is not None or t.sample_index:
             continue
+        plan_index, s = found
         accepted = len(t.accepted)
         length = s.num_computed_tokens + len(s.token_ids) - s.num_draft + accepted
         if s.num_draft:
@@ -314,7 +324,7 @@ def _roots(plan: StepPlan, sampled: tuple[SampledToken, ...], max_positions: int
             options = s.sampling
         k = min(s.draft_k, max_positions - length)
         if k > 0:
-            roots.append(_Root(index, s, t.token_id, length, k, options))
+            roots.append(_Root(index, s, t.token_id, length, k, options, tables[plan_index]))
     return roots
 
 

@@ -33,6 +33,7 @@ from asyncpaged._log import get_logger
 from asyncpaged.errors import InvalidRequestError
 from asyncpaged.model.attention import AttentionBackend, AttentionMetadata, TorchAttentionBackend
 from asyncpaged.model.base import SINGLE_SHARD, CausalLM, TensorShard
+from asyncpaged.model.block_tables import BlockTables
 from asyncpaged.model.kv_cache import PagedKVCache, swap_in, swap_out
 from asyncpaged.model.lm_head import ScreenedLMHead
 from asyncpaged.model.lm_head_int8 import Int8ScreenedArgmax, int8_screen_supported
@@ -61,7 +62,8 @@ class SequenceStep(NamedTuple):
     """One sequence's share of a step (a named tuple: one per sequence per step).
 
     ``token_ids`` sit at positions ``num_computed_tokens ..``; after the step the cache holds
-    ``num_computed_tokens + len(token_ids)`` tokens, which ``block_table`` must cover. ``do_sample``
+    ``num_computed_tokens + len(token_ids)`` tokens, which the block table must cover (the
+    runner's stored table up to ``table_start``, then ``block_table``). ``do_sample``
     is False for a prefill chunk that stops short of the prompt's end (its logits are not needed).
     ``sampling`` None = greedy with no penalties. The sampled token's logprob and rank come back
     when ``want_logprob`` or ``sampling.num_logprobs`` is set. ``min_rope_len``: the RoPE
@@ -73,7 +75,9 @@ class SequenceStep(NamedTuple):
     token_ids: tuple[int, ...]
     num_computed_tokens: int
     slot_mapping: tuple[int, ...]  # one slot per new token; -1 = do not store
-    block_table: tuple[int, ...]  # physical block ids, logical order
+    # Physical block ids in logical order, from entry ``table_start`` of the table on: the
+    # runner keeps the entries before it from the last step (``block_tables``).
+    block_table: tuple[int, ...]
     do_sample: bool
     want_logprob: bool = False
     sampling: SamplingOptions | None = None
@@ -94,6 +98,9 @@ class SequenceStep(NamedTuple):
     # Draft-model speculation: proposals wanted for this sequence's next step (the runner's
     # draft proposes them after the token this step emits; ``SampledToken.proposals``).
     draft_k: int = 0
+    # How many leading entries of the table the runner keeps from the last step, where this
+    # sequence also ran (0: ``block_table`` is the whole table; see ``block_tables``).
+    table_start: int = 0
 
     @property
     def wants_logprob(self) -> bool:
@@ -295,6 +302,7 @@ class ModelRunner:
         )
         self._step_end: torch.cuda.Event | None = None  # see _record_step_end
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
+        self._tables = BlockTables()  # the block tables of the last step's sequences
         # Draft-model speculation (``attach_draft``): its cache mirrors this one's block ids.
         self.draft: DraftModel | None = None
 
@@ -329,14 +337,15 @@ class ModelRunner:
         """The step's attention metadata, token ids [T] and positions [T]."""
         seqs = plan.seqs
         n = len(seqs)
+        rows, num_blocks = self._tables.update(seqs)
         qlens = np.fromiter(map(len, (s.token_ids for s in seqs)), np.int64, n)
         starts = np.fromiter((s.num_computed_tokens for s in seqs), np.int64, n)
         num_slots = np.fromiter(map(len, (s.slot_mapping for s in seqs)), np.int64, n)
-        num_blocks = np.fromiter(map(len, (s.block_table for s in seqs)), np.int64, n)
         context = starts + qlens
         bad = (qlens <= 0) | (num_slots != qlens) | (num_blocks * self.block_size < context)
         if bad.any():
-            self._refuse(seqs[int(np.flatnonzero(bad)[0])])
+            first = int(np.flatnonzero(bad)[0])
+            self._refuse(seqs[first], int(num_blocks[first]))
         if int(qlens.max()) == 1:  # all decodes: one token each
             ids = np.fromiter((s.token_ids[0] for s in seqs), np.int64, n)
             slots = np.fromiter((s.slot_mapping[0] for s in seqs), np.int64, n)
@@ -355,7 +364,7 @@ class ModelRunner:
         metadata = AttentionMetadata.build(
             query_lens=qlens,
             context_lens=context,
-            block_tables=[s.block_table for s in seqs],
+            block_tables=self._tables.gather(rows, num_blocks),
             slot_mapping=slots,
             device=self.device,
             block_size=self.block_size,
@@ -365,7 +374,7 @@ class ModelRunner:
         position_tensor = torch.from_numpy(positions).to(self.device)
         return metadata, input_tensor, position_tensor
 
-    def _refuse(self, seq: SequenceStep) -> None:
+    def _refuse(self, seq: SequenceStep, num_blocks: int) -> None:
         """A malformed sequence step (a scheduler bug): fail loudly, naming what is wrong."""
         num_new = len(seq.token_ids)
         assert num_new > 0, f"sequence {seq.seq_id} has no new tokens"
@@ -374,7 +383,7 @@ class ModelRunner:
         )
         context = seq.num_computed_tokens + num_new
         raise AssertionError(
-            f"sequence {seq.seq_id}: {len(seq.block_table)} blocks cannot hold {context} tokens"
+            f"sequence {seq.seq_id}: {num_blocks} blocks cannot hold {context} tokens"
         )
 
     @torch.inference_mode()
