@@ -16,7 +16,12 @@ import pytest
 import torch
 from transformers import RepetitionPenaltyLogitsProcessor
 
-from asyncpaged.model.logits_processors import apply_min_p, apply_penalties, apply_top_k_top_p
+from asyncpaged.model.logits_processors import (
+    apply_min_p,
+    apply_penalties,
+    apply_top_k_top_p,
+    token_bin_counts,
+)
 from asyncpaged.model.sampler import SamplingOptions, derive_generator_key, sample
 
 VOCAB = 50
@@ -127,6 +132,23 @@ def test_frequency_and_presence_penalties_follow_the_formula() -> None:
         want = _ref_penalties(logits[r].tolist(), prompts[r], outputs[r], rep, freq, pres)
         assert got[r].tolist() == pytest.approx(want, rel=1e-5, abs=1e-5)
     assert torch.equal(got[2], logits[2]), "no-op penalties must leave the row bit-identical"
+
+
+def test_token_bin_counts_count_every_id_of_every_row() -> None:
+    rng = random.Random(7)
+    # Ragged rows: empty ones, repeats, the first and last ids of the vocabulary, lists too.
+    rows: list[Sequence[int]] = [(), (0, VOCAB - 1, VOCAB - 1), [5] * 40, ()]
+    rows += [tuple(rng.randrange(VOCAB) for _ in range(rng.randint(0, 300))) for _ in range(9)]
+    counts = token_bin_counts(rows, VOCAB, torch.device("cpu"))
+    assert counts.shape == (len(rows), VOCAB) and counts.dtype == torch.float32
+    for r, ids in enumerate(rows):
+        want = [0.0] * VOCAB
+        for i in ids:
+            want[i] += 1.0
+        assert counts[r].tolist() == want, r
+    assert not token_bin_counts([(), ()], VOCAB, torch.device("cpu")).any()
+    with pytest.raises(AssertionError, match="vocab size"):
+        token_bin_counts([(1,), (VOCAB,)], VOCAB, torch.device("cpu"))
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 _NEG_INF = float("-inf")
@@ -18,19 +19,22 @@ _NEG_INF = float("-inf")
 def token_bin_counts(
     token_ids: Sequence[Sequence[int]], vocab_size: int, device: torch.device
 ) -> torch.Tensor:
-    """Per-row occurrence counts ``[R, V]`` float32 of the given token ids (one scatter_add)."""
+    """Per-row occurrence counts ``[R, V]`` float32 of the given token ids: each row's ids
+    converted to an array in C (no padded Python lists), then one ``index_add_`` of ones at
+    ``row * V + id`` (sums of ones: exact in float32 in any order)."""
     num_rows = len(token_ids)
-    width = max((len(t) for t in token_ids), default=0)
-    counts = torch.zeros(num_rows, vocab_size + 1, dtype=torch.float32, device=device)
-    if width == 0:
-        return counts[:, :vocab_size]
-    # Pad with the extra column ``vocab_size``, dropped at the end.
-    padded = [list(t) + [vocab_size] * (width - len(t)) for t in token_ids]
-    ids = torch.tensor(padded, dtype=torch.int64, device=device)  # [R, W]
-    assert int(ids.min()) >= 0, "negative token id in a penalty token list"
-    assert int(ids.max()) <= vocab_size, f"token id >= vocab size {vocab_size} in a penalty list"
-    counts.scatter_add_(1, ids, torch.ones(ids.shape, dtype=torch.float32, device=device))
-    return counts[:, :vocab_size]
+    counts = torch.zeros(num_rows, vocab_size, dtype=torch.float32, device=device)
+    lens = np.fromiter(map(len, token_ids), np.int64, num_rows)
+    total = int(lens.sum())
+    if total == 0:
+        return counts
+    flat = np.concatenate([np.asarray(t, dtype=np.int64) for t in token_ids if len(t)])
+    assert int(flat.min()) >= 0, "negative token id in a penalty token list"
+    assert int(flat.max()) < vocab_size, f"token id >= vocab size {vocab_size} in a penalty list"
+    flat += np.repeat(np.arange(num_rows, dtype=np.int64) * vocab_size, lens)
+    ones = torch.ones(total, dtype=torch.float32, device=device)
+    counts.view(-1).index_add_(0, torch.from_numpy(flat).to(device), ones)
+    return counts
 
 
 def apply_min_tokens_mask(logits: torch.Tensor, mask_ids: Sequence[Sequence[int]]) -> None:
