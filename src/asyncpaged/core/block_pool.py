@@ -17,9 +17,10 @@ tails, the checks every call makes before it changes anything, and its statistic
 functions of the pool's pieces that each call passes explicitly: core/block_pool_counts.py
 (counting queries: what an allocation or appends take, what freeing a group releases, shared
 tails), core/block_pool_prefix.py (the hash chain, matching the prefix cache and the KV tiers,
-restoring and persisting tier blocks), core/block_pool_write.py (reserving slots,
-copy-on-write), core/block_pool_swap.py (swap groups, their in-flight moves and what they
-release) and core/block_pool_speculative.py (speculative tails, truncation).
+restoring and persisting tier blocks, pinning), core/block_pool_write.py (a new table,
+reserving slots, copy-on-write), core/block_pool_swap.py (swap groups, their in-flight moves
+and what they release), core/block_pool_speculative.py (speculative tails, truncation) and
+core/block_pool_report.py (statistics, the snapshot and the invariant check).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from types import MappingProxyType
 
 from asyncpaged.core import block_pool_counts as counts
 from asyncpaged.core import block_pool_prefix as prefix
+from asyncpaged.core import block_pool_report as report
 from asyncpaged.core import block_pool_speculative as spec
 from asyncpaged.core import block_pool_swap as swap
 from asyncpaged.core import block_pool_write as write
@@ -179,7 +181,11 @@ class BlockPool:
     ) -> int:
         """Allocatable device blocks that :meth:`allocate` with these arguments would consume."""
         _check_tokens(token_ids)
-        return self._plan_allocation(token_ids, max_new_tokens, extra_key, read_cache).num_blocks
+        caching = self.enable_prefix_caching
+        plan = counts.plan_allocation(
+            self.device, self.tiers, token_ids, max_new_tokens, extra_key, read_cache, caching
+        )
+        return plan.num_blocks
 
     def can_allocate(
         self,
@@ -255,26 +261,19 @@ class BlockPool:
         if seq_id in self._tables:
             raise BlockPoolError(f"sequence {seq_id!r} already exists.")
         _check_tokens(token_ids)
-        plan = self._plan_allocation(token_ids, max_new_tokens, extra_key, read_cache)
+        caching = self.enable_prefix_caching
+        plan = counts.plan_allocation(
+            self.device, self.tiers, token_ids, max_new_tokens, extra_key, read_cache, caching
+        )
         if plan.num_blocks > self.device.num_allocatable:
             return None
-        num_cached, caching = plan.num_cached_tokens, self.enable_prefix_caching
+        num_cached = plan.num_cached_tokens
         if caching:
             self.prefix_query_tokens += len(token_ids)
             self.prefix_hit_tokens += num_cached
-        for block in plan.hit:
-            self.device.incref(block)
-        table = BlockTable(seq_id=seq_id, extra_key=extra_key, block_ids=plan.hit)
-        table.block_hashes = plan.hashes
-        if plan.restored:
-            assert self.tiers is not None
-            prefix.restore_from_tiers(
-                self.device, self.tiers, table, plan.restored, self.prefix_tier_hit_tokens
-            )
-        table.num_tokens = num_cached
-        slots = write.write_slots(
-            self.device, table, token_ids[num_cached : plan.num_tokens], caching=caching
-        )
+        table, slots = write.allocate_table(self.device, self.tiers, seq_id, token_ids, plan,
+                                            extra_key, self.prefix_tier_hit_tokens,
+                                            caching=caching)  # fmt: skip
         self._tables[seq_id] = table
         return SeqAllocation(
             block_ids=tuple(table.block_ids), num_cached_tokens=num_cached, slot_mapping=slots
@@ -295,11 +294,7 @@ class BlockPool:
         """
         table = self._device_table(seq_id, "append to")
         _check_tokens(token_ids)
-        if not 0 <= num_speculative_tokens <= len(token_ids):
-            raise BlockPoolError(
-                f"num_speculative_tokens must be in [0, {len(token_ids)}], got "
-                f"{num_speculative_tokens}."
-            )
+        spec.check_num_speculative(num_speculative_tokens, len(token_ids))
         spec.check_verified(self._speculative, seq_id, "append to")
         need = counts.num_blocks_to_append(
             self.device.ref_cnt, self.block_size, table, len(token_ids)
@@ -378,11 +373,7 @@ class BlockPool:
         allocates.
         """
         table = self._device_table(seq_id, "truncate")
-        if not 1 <= num_tokens <= table.num_tokens:
-            raise BlockPoolError(
-                f"cannot truncate sequence {seq_id!r} to {num_tokens} tokens: it has "
-                f"{table.num_tokens} (keep at least 1)."
-            )
+        spec.check_truncate(table, num_tokens)
         tail = self._speculative.get(seq_id)
         dropped = spec.truncate_table(
             self.device, table, num_tokens, tail, self._forked, caching=self.enable_prefix_caching
@@ -430,10 +421,7 @@ class BlockPool:
         return started.plan
 
     def _swap_pools(self, direction: SwapDirection) -> tuple[PhysicalBlocks, PhysicalBlocks]:
-        """(source, destination) of a swap in ``direction``."""
-        if direction is SwapDirection.OUT:
-            return self.device, self.host
-        return self.host, self.device
+        return swap.swap_pools(self.device, self.host, direction)
 
     # ---- explicit prefixes, eviction and the KV tiers -------------------------------------
 
@@ -448,17 +436,9 @@ class BlockPool:
         if not self.enable_prefix_caching:
             raise BlockPoolError("pin_prefix needs enable_prefix_caching=True.")
         _check_tokens(token_ids)
-        blocks = prefix.match_full_blocks(self.device, token_ids, extra_key)
-        if blocks is None:
-            return None
-        for block in blocks:
-            self.device.incref(block)
-        pin = PinnedPrefix(
-            pin_id=next(self._ids),
-            block_ids=tuple(blocks),
-            num_tokens=len(blocks) * self.block_size,
-        )
-        self._pins[pin.pin_id] = pin.block_ids
+        pin = prefix.pin_full_blocks(self.device, token_ids, extra_key, self._ids)
+        if pin is not None:
+            self._pins[pin.pin_id] = pin.block_ids
         return pin
 
     def unpin_prefix(self, pin_id: int) -> None:
@@ -491,50 +471,16 @@ class BlockPool:
     # ---- statistics and checks ------------------------------------------------------------
 
     def statistics(self) -> PoolStatistics:
-        return PoolStatistics(
-            block_size=self.block_size,
-            device=counts.pool_usage(self.device),
-            host=counts.pool_usage(self.host),
-            num_filled_device_slots=self.device.num_filled_held,
-            num_held_device_blocks=self.device.num_held,
-            num_shared_device_blocks=self.device.num_shared,
-            num_seqs=len(self._tables),
-            num_pins=len(self._pins),
-            num_swaps_in_flight=len(self._swaps),
-            num_cow_copies=self.num_cow_copies,
-            prefix_query_tokens=self.prefix_query_tokens,
-            prefix_hit_tokens=self.prefix_hit_tokens,
-            prefix_host_hit_tokens=self.prefix_tier_hit_tokens["host"],
-            prefix_disk_hit_tokens=self.prefix_tier_hit_tokens["disk"],
-            num_tier_offloads=self.tiers.num_offloads if self.tiers else 0,
-            num_tier_spills=self.tiers.num_spills if self.tiers else 0,
-        )
+        return report.pool_statistics(self, num_seqs=len(self._tables), num_pins=len(self._pins),
+                                      num_swaps_in_flight=len(self._swaps))  # fmt: skip
 
     def state(self) -> tuple[object, ...]:
         """A comparable snapshot of the whole pool (O(pool); for tests)."""
-        tables = tuple(
-            (sid, t.extra_key, tuple(t.block_ids), t.num_tokens, tuple(t.block_hashes),
-             tuple(t.partial_token_ids), t.location)
-            for sid, t in self._tables.items()
-        )  # fmt: skip
-        swaps = tuple((i, s.plan) for i, s in self._swaps.items())
-        counters = (self.num_cow_copies, self.prefix_query_tokens, self.prefix_hit_tokens,
-                    tuple(self.prefix_tier_hit_tokens.values()))  # fmt: skip
-        tiers = self.tiers.state() if self.tiers else ()
-        return (self.device.state(), self.host.state(), tables, tuple(self._pins.items()),
-                swaps, counters, tiers, tuple(self._speculative.items()))  # fmt: skip
+        return report.pool_state(self, self._tables, self._pins, self._swaps, self._speculative)
 
     def check_invariants(self) -> None:
         """Assert every invariant of the class docstring (O(pool); for tests)."""
-        from asyncpaged.core.pool_invariants import check_block_pool
-
-        check_block_pool(self, self._tables, self._pins, [s.plan for s in self._swaps.values()])
-        if self.tiers is not None:
-            self.tiers.check_invariants()
-        counts.check_shared_tails(self.shared_tails(), self._tables, self.device)
-        spec.check_speculative_tails(
-            self.device, self._tables, self._speculative, caching=self.enable_prefix_caching
-        )
+        report.check_pool(self, self._tables, self._pins, self._swaps, self._speculative)
 
     # ---- internals ------------------------------------------------------------------------
 
@@ -551,18 +497,6 @@ class BlockPool:
                 f"cannot {action} sequence {seq_id!r}: it is {table.location.value}, not on device."
             )
         return table
-
-    def _plan_allocation(
-        self,
-        token_ids: Sequence[int],
-        max_new_tokens: int | None,
-        extra_key: str | None,
-        read_cache: bool,
-    ) -> counts.AllocationPlan:
-        caching = self.enable_prefix_caching
-        return counts.plan_allocation(
-            self.device, self.tiers, token_ids, max_new_tokens, extra_key, read_cache, caching
-        )
 
 
 def _check_tokens(token_ids: Sequence[int]) -> None:

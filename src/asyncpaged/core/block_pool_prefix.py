@@ -1,7 +1,7 @@
 """The prefix cache's side of the block pool: the hash chain of a table's full blocks, matching
 a prompt's leading full blocks against the device cache and then the lower KV tiers
-(core/kv_tiers.py), restoring tier hits into new device blocks, registering full blocks, and
-copying the cached blocks down to the tiers at shutdown.
+(core/kv_tiers.py), restoring tier hits into new device blocks, registering full blocks, pinning a
+prefix's cached blocks, and copying the cached blocks down to the tiers at shutdown.
 
 Functions of the device pool, tier index and tables they are given (the
 :class:`~asyncpaged.core.block_pool.BlockPool` passes its own); with prefix caching off the
@@ -10,9 +10,9 @@ pool has no tiers, nothing matches, and no block is hashed or registered.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 
-from asyncpaged.core.block_table import BlockTable
+from asyncpaged.core.block_table import BlockTable, PinnedPrefix
 from asyncpaged.core.kv_tiers import TierIndex, TierOp
 from asyncpaged.core.physical_blocks import PhysicalBlocks
 from asyncpaged.core.prefix_hash import ROOT_HASH, BlockHash, hash_block
@@ -143,3 +143,17 @@ def persist_to_tiers(
         tiers.offload(block, block_hash)
     tiers.persist()
     return tiers.drain_ops()
+
+
+def pin_full_blocks(
+    device: PhysicalBlocks, token_ids: Sequence[int], extra_key: str | None, ids: Iterator[int]
+) -> PinnedPrefix | None:
+    """Hold the cached device blocks of every full block of ``token_ids`` (one reference each)
+    as a pin, its id the next of ``ids``; None, changing nothing, unless all are cached."""
+    blocks = match_full_blocks(device, token_ids, extra_key)
+    if blocks is None:
+        return None
+    for block in blocks:
+        device.incref(block)
+    num_tokens = len(blocks) * device.block_size
+    return PinnedPrefix(pin_id=next(ids), block_ids=tuple(blocks), num_tokens=num_tokens)

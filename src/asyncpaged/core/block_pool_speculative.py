@@ -155,3 +155,20 @@ def check_speculative_tails(
             num_partial = table.num_tokens % bs
             if num_partial:
                 assert list(tail.known_tokens[-num_partial:]) == table.partial_token_ids
+
+
+def check_num_speculative(num_speculative: int, num_tokens: int) -> None:
+    """An append of ``num_tokens`` tokens may mark ``0 .. num_tokens`` of them speculative."""
+    if not 0 <= num_speculative <= num_tokens:
+        raise BlockPoolError(
+            f"num_speculative_tokens must be in [0, {num_tokens}], got {num_speculative}."
+        )
+
+
+def check_truncate(table: BlockTable, num_tokens: int) -> None:
+    """A truncation keeps ``1 ..`` the table's length tokens."""
+    if not 1 <= num_tokens <= table.num_tokens:
+        raise BlockPoolError(
+            f"cannot truncate sequence {table.seq_id!r} to {num_tokens} tokens: it has "
+            f"{table.num_tokens} (keep at least 1)."
+        )

@@ -145,3 +145,12 @@ def num_blocks_coming(device: PhysicalBlocks, swaps: Iterable[SwapInFlight]) -> 
         for b, _ in swap.plan.block_mapping
     }
     return sum(1 for b in blocks if device.ref_cnt[b] == device.in_flight[b])
+
+
+def swap_pools(
+    device: PhysicalBlocks, host: PhysicalBlocks, direction: SwapDirection
+) -> tuple[PhysicalBlocks, PhysicalBlocks]:
+    """(source, destination) of a swap in ``direction``."""
+    if direction is SwapDirection.OUT:
+        return device, host
+    return host, device

@@ -1,8 +1,8 @@
 """Writing a device block table: reserving slots for new tokens at its end (a block is taken
 whenever the last one is full; each block that fills is hashed and, unless it holds a
-speculative token, registered in the prefix cache), and copy-on-write of a shared partial last
-block. (The one-token decode fast path, :meth:`BlockPool.append_token`, stays inline in the
-pool: it runs per token.)
+speculative token, registered in the prefix cache), copy-on-write of a shared partial last
+block, and a new sequence's table as its allocation plan says. (The one-token decode fast
+path, :meth:`BlockPool.append_token`, stays inline in the pool: it runs per token.)
 
 Functions of the device pool and the table they are given; the
 :class:`~asyncpaged.core.block_pool.BlockPool` checks the capacity and the table's state first,
@@ -13,8 +13,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from asyncpaged.core.block_pool_prefix import seal_full_block
-from asyncpaged.core.block_table import BlockTable
+from asyncpaged.core.block_pool_counts import AllocationPlan
+from asyncpaged.core.block_pool_prefix import restore_from_tiers, seal_full_block
+from asyncpaged.core.block_table import BlockTable, SeqId
+from asyncpaged.core.kv_tiers import TierIndex
 from asyncpaged.core.physical_blocks import PhysicalBlocks
 
 
@@ -80,3 +82,31 @@ def write_slots(
         i += n
     table.num_tokens = end
     return tuple(slots)
+
+
+def allocate_table(
+    device: PhysicalBlocks,
+    tiers: TierIndex | None,
+    seq_id: SeqId,
+    token_ids: Sequence[int],
+    plan: AllocationPlan,
+    extra_key: str | None,
+    tier_hit_tokens: dict[str, int],
+    *,
+    caching: bool,
+) -> tuple[BlockTable, tuple[int, ...]]:
+    """The table of a new sequence whose prompt is ``token_ids``, as ``plan`` says (capacity
+    already checked): its cached blocks mapped in (their references raised), its tier hits
+    restored after them, then slots reserved for the next uncached prompt tokens, up to
+    ``plan.num_tokens``; returns (table, slot mapping)."""
+    for block in plan.hit:
+        device.incref(block)
+    table = BlockTable(seq_id=seq_id, extra_key=extra_key, block_ids=plan.hit)
+    table.block_hashes = plan.hashes
+    if plan.restored:
+        assert tiers is not None
+        restore_from_tiers(device, tiers, table, plan.restored, tier_hit_tokens)
+    num_cached = plan.num_cached_tokens
+    table.num_tokens = num_cached
+    new_tokens = token_ids[num_cached : plan.num_tokens]
+    return table, write_slots(device, table, new_tokens, caching=caching)
