@@ -401,7 +401,13 @@ class AsyncEngine:
         if len(self._live) >= 2 * self._live_pruned_at:  # amortized O(1) per request
             self._live = {k: v for k, v in self._live.items() if not v.is_done}
             self._live_pruned_at = max(64, len(self._live))
-        self._submit.send_nowait(msg)
+        try:
+            self._submit.send_nowait(msg)
+        except (anyio.BrokenResourceError, anyio.ClosedResourceError) as exc:
+            # A failing engine's actors stop before it marks itself dead: not queued, so the
+            # caller hears that the engine is stopping (and the state is not left live).
+            del self._live[state.request_id]
+            raise EngineClosedError("the engine is not running: it is stopping.") from exc
         self._scheduler.expect_request()
         return RequestStream(state, self._abort_state, self._scheduler.dropped.append)
 

@@ -11,7 +11,7 @@ that transaction comes (:class:`ForgetPin`).
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,9 +19,10 @@ import anyio
 from anyio.streams.memory import MemoryObjectSendStream
 
 from asyncpaged.actors.intake import IntakeActor, tokenize
+from asyncpaged.actors.worker_thread import WorkerThreadClosedError
 from asyncpaged.config import EngineConfig
 from asyncpaged.core.block_table import PinnedPrefix
-from asyncpaged.errors import InvalidRequestError
+from asyncpaged.errors import EngineClosedError, InvalidRequestError
 from asyncpaged.messages import ForgetPin, SchedulerInbox, UnpinPrefix, WatchPin
 from asyncpaged.sampling_params import SamplingParams
 from asyncpaged.streams import RequestStream
@@ -42,11 +43,13 @@ async def prefix_token_ids(
     prefix: str | Sequence[int], cfg: EngineConfig, intake: IntakeActor, tokenizer: Any
 ) -> list[int]:
     """The prefix's token ids (a text is tokenized on the intake's worker thread with the
-    intake's ``tokenizer``); refused without prefix caching or when shorter than one block."""
+    intake's ``tokenizer``); refused without prefix caching or when shorter than one block.
+    :class:`EngineClosedError` if the intake has stopped already (:func:`_stopping_is_closed`)."""
     if not cfg.enable_prefix_caching:
         raise InvalidRequestError("pin_prefix needs enable_prefix_caching=True.")
     if isinstance(prefix, str):
-        ids: list[int] = await intake.thread.run(tokenize, tokenizer, prefix)
+        with _stopping_is_closed():
+            ids: list[int] = await intake.thread.run(tokenize, tokenizer, prefix)
     else:
         ids = list(prefix)
     if len(ids) < cfg.block_size:
@@ -68,14 +71,17 @@ async def pin_token_ids(
     check_alive: Callable[[], None],
 ) -> PrefixHandle:
     """Compute ``ids`` as request ``pin-{pin_id}`` (``submit``) and return the handle of the
-    blocks its transaction pinned. If cancelled midway (or failing), nothing stays pinned."""
+    blocks its transaction pinned. If cancelled midway (or failing), nothing stays pinned; if the
+    actors have already stopped, raises :class:`EngineClosedError` (:func:`_stopping_is_closed`)."""
     event: anyio.Event = anyio.Event()
     slot: list[PinnedPrefix | None] = []
-    control.send_nowait(WatchPin(pin_id=pin_id, event=event, slot=slot))
+    with _stopping_is_closed():
+        control.send_nowait(WatchPin(pin_id=pin_id, event=event, slot=slot))
     returned = False
     try:
         params = SamplingParams(temperature=0.0, max_tokens=1)
-        stream = submit(ids, params, f"pin-{pin_id}", cache_salt, pin_id)
+        with _stopping_is_closed():
+            stream = submit(ids, params, f"pin-{pin_id}", cache_salt, pin_id)
         await stream
         await wait_or_dead(event.wait)  # set by the pin's transaction
         check_alive()
@@ -105,3 +111,16 @@ def release_pin(
         return  # the transaction came and pinned nothing
     with contextlib.suppress(anyio.ClosedResourceError, anyio.BrokenResourceError):
         control.send_nowait(msg)
+
+
+@contextlib.contextmanager
+def _stopping_is_closed() -> Iterator[None]:
+    """The engine's actors have stopped (their threads closed, their inboxes' receive ends gone)
+    while the engine still looks alive: a failing engine's actors stop before it marks itself
+    dead. A call made then gets :class:`EngineClosedError` (the cause chained), not the bare
+    error of a thread or stream. Only for calls into the intake, the scheduler's inbox or the
+    intake's thread: nothing else raises these from there."""
+    try:
+        yield
+    except (WorkerThreadClosedError, anyio.BrokenResourceError, anyio.ClosedResourceError) as exc:
+        raise EngineClosedError("the engine is not running: it is stopping.") from exc

@@ -27,6 +27,11 @@ _log = get_logger(__name__)
 _Job = Callable[[], None]
 
 
+class WorkerThreadClosedError(RuntimeError):
+    """A call submitted to a :class:`WorkerThread` after :meth:`WorkerThread.close`: its owner
+    has stopped (an actor's run ended), so the caller's engine is closing or failing."""
+
+
 class WorkerThread:
     """Runs blocking calls in order on one thread, each awaited by the caller's task.
 
@@ -46,9 +51,10 @@ class WorkerThread:
         self._closed = False
 
     async def run(self, fn: Callable[..., Any], *args: Any) -> Any:
-        """``fn(*args)`` on the thread; its result, or its exception raised here."""
+        """``fn(*args)`` on the thread; its result, or its exception raised here. Raises
+        :class:`WorkerThreadClosedError` once the thread is closed (before anything is queued)."""
         if self._closed:
-            raise RuntimeError(f"{self.name}: the worker thread is closed")
+            raise WorkerThreadClosedError(f"{self.name}: the worker thread is closed")
         if self._thread is None:
             self._thread = threading.Thread(target=self._serve, name=self.name, daemon=True)
             self._thread.start()
