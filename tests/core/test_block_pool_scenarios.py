@@ -8,6 +8,7 @@ least recently used cached block.
 from __future__ import annotations
 
 import itertools
+from typing import Any
 
 import pytest
 
@@ -445,3 +446,38 @@ def test_truncate_needs_the_tokens_of_its_new_last_block() -> None:
     assert off.truncate("a", 6) == (2,)  # without a cache every length is fine
     assert off.device.num_filled[1] == 2
     off.check_invariants()
+
+
+def test_admission_hashes_each_prompt_block_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The size check, the allocation and the blocks the allocation fills share one hash
+    chain (issue 22: admission hashed each prompt twice); the result is the same chain."""
+    from asyncpaged.core import block_pool_prefix
+    from asyncpaged.core.prefix_hash import hash_full_blocks
+
+    calls = 0
+    real = block_pool_prefix.hash_block
+
+    def counting(*args: Any) -> Any:
+        nonlocal calls
+        calls += 1
+        return real(*args)
+
+    monkeypatch.setattr(block_pool_prefix, "hash_block", counting)
+    pool = BlockPool(num_device_blocks=64, block_size=4)
+    first = tuple(range(100, 141))  # 10 full blocks and one token
+    for _ in range(3):  # the same tuple checked again
+        assert pool.num_blocks_to_allocate(first) == 11
+    assert pool.allocate(1, first) is not None
+    assert calls == 10
+    assert pool._tables[1].block_hashes == hash_full_blocks(first, 4, None, 10)
+    # A second prompt sharing 6 blocks: its own 10 blocks hashed once, 6 of them cache hits.
+    second = (*first[:24], *range(500, 517))
+    assert pool.num_blocks_to_allocate(second) == 5
+    alloc = pool.allocate(2, second)
+    assert alloc is not None and alloc.num_cached_tokens == 24
+    assert calls == 20
+    assert pool._tables[2].block_hashes == hash_full_blocks(second, 4, None, 10)
+    # A list (it could change between calls) is hashed as before, block by block.
+    pool.allocate(3, list(range(900, 909)))
+    assert calls == 20 + 1 + 2  # the lookup that misses, then each block as it fills
+    pool.check_invariants()

@@ -106,6 +106,7 @@ class BlockPool:
             )
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
+        self._prompt_hashes = prefix.PromptHashes(block_size)  # a cache of a pure function
         self.device = PhysicalBlocks(num_device_blocks, block_size, cacheable=enable_prefix_caching)
         self.host = PhysicalBlocks(num_host_blocks, block_size, cacheable=False)
         self._tables: dict[SeqId, BlockTable] = {}
@@ -181,11 +182,7 @@ class BlockPool:
     ) -> int:
         """Allocatable device blocks that :meth:`allocate` with these arguments would consume."""
         _check_tokens(token_ids)
-        caching = self.enable_prefix_caching
-        plan = counts.plan_allocation(
-            self.device, self.tiers, token_ids, max_new_tokens, extra_key, read_cache, caching
-        )
-        return plan.num_blocks
+        return self._plan_allocation(token_ids, max_new_tokens, extra_key, read_cache)[0].num_blocks
 
     def can_allocate(
         self,
@@ -261,19 +258,16 @@ class BlockPool:
         if seq_id in self._tables:
             raise BlockPoolError(f"sequence {seq_id!r} already exists.")
         _check_tokens(token_ids)
-        caching = self.enable_prefix_caching
-        plan = counts.plan_allocation(
-            self.device, self.tiers, token_ids, max_new_tokens, extra_key, read_cache, caching
-        )
+        plan, chain = self._plan_allocation(token_ids, max_new_tokens, extra_key, read_cache)
         if plan.num_blocks > self.device.num_allocatable:
             return None
-        num_cached = plan.num_cached_tokens
+        num_cached, caching = plan.num_cached_tokens, self.enable_prefix_caching
         if caching:
             self.prefix_query_tokens += len(token_ids)
             self.prefix_hit_tokens += num_cached
         table, slots = write.allocate_table(self.device, self.tiers, seq_id, token_ids, plan,
                                             extra_key, self.prefix_tier_hit_tokens,
-                                            caching=caching)  # fmt: skip
+                                            caching=caching, chain=chain or ())  # fmt: skip
         self._tables[seq_id] = table
         return SeqAllocation(
             block_ids=tuple(table.block_ids), num_cached_tokens=num_cached, slot_mapping=slots
@@ -483,6 +477,21 @@ class BlockPool:
         report.check_pool(self, self._tables, self._pins, self._swaps, self._speculative)
 
     # ---- internals ------------------------------------------------------------------------
+
+    def _plan_allocation(
+        self,
+        token_ids: Sequence[int],
+        max_new_tokens: int | None,
+        extra_key: str | None,
+        read_cache: bool,
+    ) -> tuple[counts.AllocationPlan, list[BlockHash] | None]:
+        """The allocation plan of a prompt, and its block hashes (None: not known, or prefix
+        caching off) from the memo that hashes each prompt once (``PromptHashes``)."""
+        caching = self.enable_prefix_caching
+        chain = self._prompt_hashes.of(token_ids, extra_key) if caching else None
+        plan = counts.plan_allocation(self.device, self.tiers, token_ids, max_new_tokens,
+                                      extra_key, read_cache, caching, chain)  # fmt: skip
+        return plan, chain
 
     def _table(self, seq_id: SeqId) -> BlockTable:
         table = self._tables.get(seq_id)

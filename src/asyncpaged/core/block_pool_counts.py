@@ -42,14 +42,16 @@ def plan_allocation(
     extra_key: str | None,
     read_cache: bool,
     caching: bool,
+    chain: Sequence[BlockHash] | None = None,
 ) -> AllocationPlan:
     """The :class:`AllocationPlan` of a prompt against the cache and tiers as they are now
-    (``read_cache=False``: no hit); raises for ``max_new_tokens < 1``."""
+    (``read_cache=False``: no hit); raises for ``max_new_tokens < 1``. ``chain``: the
+    prompt's block hashes, if known (``block_pool_prefix.PromptHashes``)."""
     bs = device.block_size
     hit, hashes = match_prefix(
-        device, token_ids, extra_key, None if read_cache else 0, caching=caching
+        device, token_ids, extra_key, None if read_cache else 0, caching=caching, chain=chain
     )
-    restored = match_tiers(device, tiers, token_ids, extra_key, hashes) if read_cache else []
+    restored = match_tiers(device, tiers, token_ids, extra_key, hashes, chain) if read_cache else []
     num_hit = len(hit) + len(restored)
     num_tokens = num_tokens_after_allocate(bs, token_ids, num_hit, max_new_tokens)
     num_new_blocks = -(-num_tokens // bs) - len(hit)

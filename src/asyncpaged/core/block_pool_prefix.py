@@ -19,6 +19,43 @@ from asyncpaged.core.prefix_hash import ROOT_HASH, BlockHash, hash_block
 from asyncpaged.errors import BlockPoolError
 
 
+class PromptHashes:
+    """The hash chains of recent prompts' full blocks, so that admitting a prompt hashes each
+    of its blocks once: its size check, its allocation and the blocks its first chunk fills all
+    read the same chain (one tuple: the allocator's ``AllocateOp.token_ids``). A prompt that
+    waits for memory is offered again as a new tuple each step and hashed again, up to its
+    first block the cache lacks.
+
+    Keyed by the identity of the prompt's token tuple (only tuples: they cannot change), with
+    the tuple held so that its id is not reused while the entry lives; a chain is a pure
+    function of the tokens, the extra key and the block size, so an entry never goes stale.
+    At most ``capacity`` entries, the oldest dropped first.
+    """
+
+    def __init__(self, block_size: int, capacity: int = 256) -> None:
+        self.block_size = block_size
+        self.capacity = capacity
+        self._chains: dict[int, tuple[tuple[int, ...], str | None, list[BlockHash]]] = {}
+
+    def of(self, token_ids: Sequence[int], extra_key: str | None) -> list[BlockHash] | None:
+        """The hashes of every full block of ``token_ids``; None for a non-tuple."""
+        if type(token_ids) is not tuple:
+            return None
+        entry = self._chains.get(id(token_ids))
+        if entry is not None and entry[0] is token_ids and entry[1] == extra_key:
+            return entry[2]
+        bs = self.block_size
+        hashes = []
+        parent = ROOT_HASH
+        for i in range(len(token_ids) // bs):
+            parent = hash_block(parent, token_ids[i * bs : (i + 1) * bs], extra_key)
+            hashes.append(parent)
+        if len(self._chains) >= self.capacity:
+            del self._chains[next(iter(self._chains))]
+        self._chains[id(token_ids)] = (token_ids, extra_key, hashes)
+        return hashes
+
+
 def match_prefix(
     device: PhysicalBlocks,
     token_ids: Sequence[int],
@@ -26,9 +63,11 @@ def match_prefix(
     num_blocks: int | None = None,
     *,
     caching: bool,
+    chain: Sequence[BlockHash] | None = None,
 ) -> tuple[list[int], list[BlockHash]]:
     """Cached blocks (and their hashes) for the leading full blocks of ``token_ids``, at most
-    ``num_blocks`` of them; none unless ``caching``.
+    ``num_blocks`` of them; none unless ``caching``. ``chain``: the prompt's hashes, if known
+    (``PromptHashes``).
 
     By default the last token is excluded: a prompt needs the logits of its last token.
     """
@@ -41,7 +80,10 @@ def match_prefix(
     hashes: list[BlockHash] = []
     parent = ROOT_HASH
     for i in range(num_blocks):
-        parent = hash_block(parent, token_ids[i * bs : (i + 1) * bs], extra_key)
+        if chain is not None:
+            parent = chain[i]
+        else:
+            parent = hash_block(parent, token_ids[i * bs : (i + 1) * bs], extra_key)
         block = device.lookup(parent)
         if block is None:
             break
@@ -72,16 +114,21 @@ def match_tiers(
     token_ids: Sequence[int],
     extra_key: str | None,
     device_hashes: list[BlockHash],
+    chain: Sequence[BlockHash] | None = None,
 ) -> list[BlockHash]:
     """Hashes of the full blocks after the device hits that a lower tier holds, up to the
-    first that none does (or that is on the device); never the prompt's last token."""
+    first that none does (or that is on the device); never the prompt's last token.
+    ``chain``: the prompt's hashes, if known."""
     if tiers is None:
         return []
     bs = device.block_size
     found: list[BlockHash] = []
     parent = device_hashes[-1] if device_hashes else ROOT_HASH
     for i in range(len(device_hashes), (len(token_ids) - 1) // bs):
-        parent = hash_block(parent, token_ids[i * bs : (i + 1) * bs], extra_key)
+        if chain is not None:
+            parent = chain[i]
+        else:
+            parent = hash_block(parent, token_ids[i * bs : (i + 1) * bs], extra_key)
         if device.lookup(parent) is not None or tiers.lookup(parent) is None:
             break
         found.append(parent)
@@ -111,12 +158,17 @@ def restore_from_tiers(
         table.block_hashes.append(block_hash)
 
 
-def seal_full_block(table: BlockTable) -> BlockHash:
+def seal_full_block(table: BlockTable, chain: Sequence[BlockHash] = ()) -> BlockHash:
     """Chain the hash of the table's just-filled last block (its ``partial_token_ids``), append
     it to ``block_hashes`` and start a new, empty partial block; returns the hash (the caller
-    registers the block or not)."""
-    parent = table.block_hashes[-1] if table.block_hashes else ROOT_HASH
-    block_hash = hash_block(parent, table.partial_token_ids, table.extra_key)
+    registers the block or not). ``chain``: the hashes of the table's prompt, when these are
+    its tokens (an allocation); the block's hash is then read, not computed."""
+    index = len(table.block_hashes)
+    if index < len(chain):
+        block_hash = chain[index]
+    else:
+        parent = table.block_hashes[-1] if table.block_hashes else ROOT_HASH
+        block_hash = hash_block(parent, table.partial_token_ids, table.extra_key)
     table.block_hashes.append(block_hash)
     table.partial_token_ids.clear()
     return block_hash

@@ -18,6 +18,7 @@ from asyncpaged.core.block_pool_prefix import restore_from_tiers, seal_full_bloc
 from asyncpaged.core.block_table import BlockTable, SeqId
 from asyncpaged.core.kv_tiers import TierIndex
 from asyncpaged.core.physical_blocks import PhysicalBlocks
+from asyncpaged.core.prefix_hash import BlockHash
 
 
 def set_filled(device: PhysicalBlocks, block: int, num_slots: int) -> None:
@@ -49,6 +50,7 @@ def write_slots(
     num_verified: int | None = None,
     *,
     caching: bool,
+    chain: Sequence[BlockHash] = (),
 ) -> tuple[int, ...]:
     """Reserve slots for ``token_ids`` at the end of ``table`` (capacity already checked).
 
@@ -56,6 +58,8 @@ def write_slots(
     writes its last token writes the K/V of every token before any attention reads the cache.
     Tokens from ``num_verified`` on are speculative: a block holding one is hashed into the
     table but not registered (:meth:`BlockPool.truncate` registers it once verified).
+    ``chain``: the hashes of the table's prompt when ``token_ids`` are its tokens (read, not
+    computed, for the blocks they fill).
     """
     cache_end = table.num_tokens + (len(token_ids) if num_verified is None else num_verified)
     bs = device.block_size
@@ -75,7 +79,7 @@ def write_slots(
         if caching:
             table.partial_token_ids.extend(token_ids[i : i + n])
             if offset + n == bs:
-                block_hash = seal_full_block(table)
+                block_hash = seal_full_block(table, chain)
                 if pos + n <= cache_end:
                     device.register(block, block_hash)
         pos += n
@@ -94,6 +98,7 @@ def allocate_table(
     tier_hit_tokens: dict[str, int],
     *,
     caching: bool,
+    chain: Sequence[BlockHash] = (),
 ) -> tuple[BlockTable, tuple[int, ...]]:
     """The table of a new sequence whose prompt is ``token_ids``, as ``plan`` says (capacity
     already checked): its cached blocks mapped in (their references raised), its tier hits
@@ -109,4 +114,4 @@ def allocate_table(
     num_cached = plan.num_cached_tokens
     table.num_tokens = num_cached
     new_tokens = token_ids[num_cached : plan.num_tokens]
-    return table, write_slots(device, table, new_tokens, caching=caching)
+    return table, write_slots(device, table, new_tokens, caching=caching, chain=chain)
