@@ -146,13 +146,12 @@ def test_zero_rows_pick_the_lowest_allowed_id_and_empty_masks_give_up() -> None:
 def test_runner_sends_masked_greedy_rows_to_the_screen(monkeypatch: pytest.MonkeyPatch) -> None:
     """Greedy rows whose only control is a bitmask take the screened head; any other control
     (or a sampled row) keeps the full path."""
-    from asyncpaged.model import runner as runner_module
     from asyncpaged.model.runner import SequenceStep
+    from asyncpaged.model.step import plain_greedy as plain
 
     step = SequenceStep(seq_id=1, token_ids=(1,), num_computed_tokens=0, slot_mapping=(0,),
                         block_table=(0,), do_sample=True)  # fmt: skip
     bitmask = _bitmask(torch.ones(40, dtype=torch.bool))
-    plain = runner_module._plain_greedy
     assert plain(step, SamplingOptions(temperature=0.0, token_bitmask=bitmask))
     assert not plain(step, SamplingOptions(temperature=0.0, token_bitmask=bitmask,
                                            logit_bias=((3, 1.0),)))  # fmt: skip

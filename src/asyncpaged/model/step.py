@@ -1,0 +1,185 @@
+"""One step's records, exchanged by the scheduler actor and the runner: the plan
+(:class:`StepPlan` of :class:`SequenceStep` rows), the result (:class:`StepResult` of
+:class:`SampledToken` rows), what drives a runner (:class:`StepRunner`), and the functions that
+turn the sampler's tensors into result rows."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple, Protocol
+
+from asyncpaged.model.prompt_logprobs import PromptLogprobRows
+from asyncpaged.model.sampler import SamplerOutput, SamplingOptions
+
+
+class SequenceStep(NamedTuple):
+    """One sequence's share of a step (a named tuple: one per sequence per step).
+
+    ``token_ids`` sit at positions ``num_computed_tokens ..``; after the step the cache holds
+    ``num_computed_tokens + len(token_ids)`` tokens, which the block table must cover (the
+    runner's stored table up to ``table_start``, then ``block_table``). ``do_sample``
+    is False for a prefill chunk that stops short of the prompt's end (its logits are not needed).
+    ``sampling`` None = greedy with no penalties. The sampled token's logprob and rank come back
+    when ``want_logprob`` or ``sampling.num_logprobs`` is set. ``min_rope_len``: the RoPE
+    scaling of length-dependent types (dynamic, longrope) is chosen for at least this sequence
+    length (the scheduler sets it for a longrope request in its long regime).
+    """
+
+    seq_id: int
+    token_ids: tuple[int, ...]
+    num_computed_tokens: int
+    slot_mapping: tuple[int, ...]  # one slot per new token; -1 = do not store
+    # Physical block ids in logical order, from entry ``table_start`` of the table on: the
+    # runner keeps the entries before it from the last step (``block_tables``).
+    block_table: tuple[int, ...]
+    do_sample: bool
+    want_logprob: bool = False
+    sampling: SamplingOptions | None = None
+    # Parallel sampling: when not empty, the row is sampled once per entry (sample ``i`` with
+    # ``fanout[i]``) instead of once with ``sampling``.
+    fanout: tuple[SamplingOptions | None, ...] = ()
+    min_rope_len: int = 0
+    # Prompt logprobs (``prompt_logprobs``): the prompt tokens that rows ``prompt_row_offset ..``
+    # of this step predict, and how many top tokens to return for each.
+    prompt_targets: tuple[int, ...] = ()
+    prompt_row_offset: int = 0
+    num_prompt_logprobs: int = 0
+    # Speculative decoding: the last ``num_draft`` tokens are proposals; the logits of the last
+    # ``num_draft + 1`` rows verify them, row ``j`` with ``verify_options[j]`` (empty: plain
+    # greedy), and the row's result holds the accepted proposals and the target's next token.
+    num_draft: int = 0
+    verify_options: tuple[SamplingOptions | None, ...] = ()
+    # Draft-model speculation: proposals wanted for this sequence's next step (the runner's
+    # draft proposes them after the token this step emits; ``SampledToken.proposals``).
+    draft_k: int = 0
+    # How many leading entries of the table the runner keeps from the last step, where this
+    # sequence also ran (0: ``block_table`` is the whole table; see ``block_tables``).
+    table_start: int = 0
+
+    @property
+    def wants_logprob(self) -> bool:
+        return self.want_logprob or (
+            self.sampling is not None and self.sampling.num_logprobs is not None
+        )
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StepPlan:
+    """Everything the runner needs for one step; ``copy_pairs`` (src, dst) run first."""
+
+    seqs: tuple[SequenceStep, ...]
+    copy_pairs: tuple[tuple[int, int], ...] = ()
+
+
+class SampledToken(NamedTuple):
+    """A sampled token; logprobs are the log-softmax of the raw float32 logits (vLLM v1). A
+    named tuple: a step makes one per sampling row, and a tuple is the cheapest immutable
+    record to build."""
+
+    seq_id: int
+    token_id: int
+    logprob: float | None  # of the sampled token, if asked
+    rank: int | None = None  # 1-based rank of the sampled token by raw logprob, if asked
+    top_logprobs: tuple[tuple[int, float], ...] = ()  # (token id, logprob), best first
+    sample_index: int = 0  # which entry of the step's ``fanout`` drew it
+    error: BaseException | None = None  # the row's logits processor raised: the request fails
+    accepted: tuple[int, ...] = ()  # speculative decoding: the proposals kept before token_id
+    proposals: tuple[int, ...] = ()  # the draft model's proposals to follow token_id
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StepResult:
+    """One entry per sequence with ``do_sample``, in plan order.
+
+    ``compute_s``: seconds spent in the model forward, the LM head and sampling (the rest of
+    ``execute`` is building inputs and results: the runner's overhead).
+    """
+
+    sampled: tuple[SampledToken, ...]
+    compute_s: float = 0.0
+    prompt_logprobs: tuple[PromptLogprobRows, ...] = ()  # for sequences with prompt_targets
+
+
+class StepRunner(Protocol):
+    """What the executor and swap actors drive: a :class:`ModelRunner`, or, under tensor
+    parallelism, ``asyncpaged.distributed.TensorParallelRunner`` (which also drives the other
+    ranks)."""
+
+    def execute(self, plan: StepPlan) -> StepResult: ...
+
+    def swap_out(self, pairs: tuple[tuple[int, int], ...]) -> None: ...
+
+    def swap_in(self, pairs: tuple[tuple[int, int], ...]) -> None: ...
+
+
+def greedy_verdicts(
+    spec: list[tuple[int, SequenceStep]], drafts: list[tuple[int, ...]], argmax: list[int]
+) -> tuple[SampledToken, ...]:
+    """Greedy verification: a sequence keeps its proposals while each equals the target's
+    argmax before it, then takes the argmax at the first mismatch (or after the last)."""
+    out = []
+    row = 0
+    for (_, seq), draft in zip(spec, drafts, strict=True):
+        best = argmax[row : row + len(draft) + 1]
+        kept = 0
+        while kept < len(draft) and draft[kept] == best[kept]:
+            kept += 1
+        out.append(SampledToken(seq.seq_id, best[kept], None, None, (), 0, None, draft[:kept]))
+        row += len(draft) + 1
+    return tuple(out)
+
+
+def plain_greedy(seq: SequenceStep, opt: SamplingOptions | None) -> bool:
+    """A row whose token is the plain argmax of its logits, or of its logits under a grammar's
+    bitmask (no logprobs, penalties, other masks or logit controls)."""
+    if seq.want_logprob:
+        return False
+    return opt is None or (
+        opt.is_greedy
+        and not opt.has_penalties
+        and not opt.min_tokens_mask_ids
+        and not (
+            opt.logit_bias
+            or opt.allowed_token_ids is not None
+            or opt.banned_token_ids
+            or opt.logits_processors
+        )
+        and opt.num_logprobs is None
+    )
+
+
+def sampled_tokens(
+    draws: list[tuple[SequenceStep, int, SamplingOptions | None]], out: SamplerOutput
+) -> tuple[SampledToken, ...]:
+    token_ids = out.token_ids.tolist()
+    if out.logprobs is None and out.top_token_ids is None and not out.errors:
+        return tuple(
+            SampledToken(seq.seq_id, token, None, None, (), index)
+            for (seq, index, _), token in zip(draws, token_ids, strict=True)
+        )
+    logprobs = out.logprobs.tolist() if out.logprobs is not None else None
+    ranks = out.ranks.tolist() if out.ranks is not None else None
+    top_ids = out.top_token_ids.tolist() if out.top_token_ids is not None else None
+    top_logprobs = out.top_logprobs.tolist() if out.top_logprobs is not None else None
+    sampled = []
+    for k, (seq, index, opt) in enumerate(draws):
+        logprob, rank = None, None
+        wants = seq.want_logprob or (opt is not None and opt.num_logprobs is not None)
+        if wants and logprobs is not None and ranks is not None:
+            logprob, rank = float(logprobs[k]), int(ranks[k])
+        num_top = opt.num_logprobs if opt is not None else None
+        top: tuple[tuple[int, float], ...] = ()
+        if num_top and top_ids is not None and top_logprobs is not None:
+            top = tuple(zip(top_ids[k][:num_top], top_logprobs[k][:num_top], strict=True))
+        sampled.append(
+            SampledToken(
+                seq_id=seq.seq_id,
+                token_id=int(token_ids[k]),
+                logprob=logprob,
+                rank=rank,
+                top_logprobs=top,
+                sample_index=index,
+                error=out.errors.get(k),
+            )
+        )
+    return tuple(sampled)
