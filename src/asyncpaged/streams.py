@@ -101,6 +101,7 @@ class RequestState:
         self.request_id = request_id
         self.prompt = prompt
         self.prompt_token_ids: list[int] = []
+        self.prompt_tuple: tuple[int, ...] | None = None  # the scheduler actor's copy, once
         self.params = params
         self.completions = [
             _Completion(index=i, detokenizer=None) for i in range(params.num_sequences)

@@ -62,8 +62,11 @@ def sampling_options(
     eos_token_ids: frozenset[int],
     bad_words_ids: tuple[tuple[int, ...], ...] = (),
     token_bitmask: torch.Tensor | None = None,
+    prompt: tuple[int, ...] | None = None,
 ) -> SamplingOptions | None:
-    """The executor's per-row sampling options; None for plain greedy (the fast path)."""
+    """The executor's per-row sampling options; None for plain greedy (the fast path).
+    ``prompt``: ``token_ids[:num_prompt]`` as a tuple, when the caller keeps one (the
+    penalties read the prompt every step; see ``scheduler_steps``)."""
     if token_bitmask is None and params.is_plain_greedy:
         return None
     num_generated = len(token_ids) - num_prompt
@@ -105,7 +108,9 @@ def sampling_options(
         repetition_penalty=params.repetition_penalty,
         num_logprobs=params.logprobs,
         min_tokens_mask_ids=mask,
-        prompt_token_ids=tuple(token_ids[:num_prompt]) if penalized else (),
+        prompt_token_ids=(
+            (prompt if prompt is not None else tuple(token_ids[:num_prompt])) if penalized else ()
+        ),
         output_token_ids=(
             tuple(token_ids[num_prompt:]) if penalized or params.logits_processors else ()
         ),

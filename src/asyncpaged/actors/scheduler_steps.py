@@ -87,6 +87,7 @@ def _sampled_step(
         return sampling_options(
             params, seq.token_ids, seq.num_prompt_tokens, index, eos_token_ids,
             bad_words.ids(params.bad_words), bitmasks.get((seq.seq_id, index)),
+            prompt_tuple(state, seq),
         )  # fmt: skip
 
     row_offset, targets = state.prompt_logprob_targets(s.start_pos, len(s.token_ids))
@@ -114,6 +115,16 @@ def _sampled_step(
         verify_options=verify,
         draft_k=draft_k,
     )
+
+
+def prompt_tuple(state: RequestState, seq: Seq) -> tuple[int, ...]:
+    """The sequence's prompt as a tuple, made once per request (``state.prompt_tuple``) rather
+    than sliced and copied for every penalized row of every step."""
+    num_prompt = seq.num_prompt_tokens
+    cached = state.prompt_tuple
+    if cached is None or len(cached) != num_prompt:
+        cached = state.prompt_tuple = tuple(seq.token_ids[:num_prompt])
+    return cached
 
 
 def _draft_k(scheduler: Scheduler, request: Request, s: ScheduledSeq) -> int:
