@@ -76,6 +76,7 @@ def test_deltas_rebuild_every_true_table(plans: list[dict[int, tuple[int, ...]]]
                 assert (start, blocks) == (len(before), table[len(before) :])
             elif before is None:
                 assert start == 0
+        sender.sent()
         order, lens = runner.update(rows)
         gathered = runner.gather(order, lens)
         width = max(len(t) for t in plan.values())
@@ -96,6 +97,7 @@ def test_a_sequence_that_missed_a_step_gets_its_whole_table() -> None:
     for plan in ({1: (5, 6), 2: (7,)}, {2: (7,)}, {1: (5, 6, 8), 2: (7,)}):
         sender.start_plan()
         rows = [Row(s, *sender.delta(s, t)) for s, t in plan.items()]
+        sender.sent()
         runner.update(rows)
     assert rows == [Row(1, 0, (5, 6, 8)), Row(2, 1, ())]
     assert runner.table(1) == (5, 6, 8)
@@ -113,3 +115,18 @@ def test_the_runner_refuses_a_delta_it_cannot_apply() -> None:
     runner = BlockTables()
     with pytest.raises(AssertionError, match="appears twice"):
         runner.update([Row(1, 0, (4,)), Row(1, 0, (5,))])
+
+
+def test_a_plan_built_but_not_sent_changes_nothing() -> None:
+    sender, runner = TableDeltas(), BlockTables()
+    sender.start_plan()
+    runner.update([Row(1, *sender.delta(1, (4, 5)))])
+    sender.sent()
+    sender.start_plan()  # a plan that fails to build (or is never sent) ...
+    assert sender.delta(1, (4, 5, 6, 7)) == (2, (6, 7))
+    sender.start_plan()  # ... and the next one is relative to what the runner holds
+    rows = [Row(1, *sender.delta(1, (4, 5, 6)))]
+    assert rows == [Row(1, 2, (6,))]
+    sender.sent()
+    runner.update(rows)
+    assert runner.table(1) == (4, 5, 6)

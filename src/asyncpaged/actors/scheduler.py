@@ -242,6 +242,7 @@ class SchedulerActor:
         await self._executor.send(
             ExecuteStep(output=out, plan=StepPlan(seqs=tuple(steps), copy_pairs=out.copy_on_write))
         )
+        self._tables.sent()
         return True
 
     # ---- messages ---------------------------------------------------------------------------

@@ -34,9 +34,9 @@ def build_sequence_steps(
     tables: TableDeltas,
 ) -> list[SequenceStep]:
     """One :class:`SequenceStep` per scheduled sequence of ``out``, in its order, each with
-    its block table's changes since the last plan (``tables``, which this plan then
-    replaces: the plan must be sent); also notes each request's first scheduled time and its
-    number of cached tokens in its state."""
+    its block table's changes since the last plan sent (``tables``: the caller marks this
+    plan sent once the executor has it); also notes each request's first scheduled time and
+    its number of cached tokens in its state."""
     now = time.monotonic()
     steps = []
     tables.start_plan()

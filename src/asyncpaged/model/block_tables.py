@@ -10,9 +10,10 @@ The rule both sides follow: **a table persists from one plan to the next only fo
 in both**. A sequence absent from a plan (finished, preempted, swapped, or just not scheduled
 that step) is forgotten, and its next appearance sends its whole table (``table_start`` 0).
 That needs no finish or preemption messages, and it holds as long as every plan the sender
-builds is executed, in order, by the runner (the executor runs steps one at a time; a failed
-step fails the engine). ``table_start`` 0 is always valid, so a plan built by hand (tests,
-benchmarks, probes) with full tables works on any runner.
+marks sent is executed, in order, by the runner (the executor runs steps one at a time; a
+failed step fails the engine); a plan built but not sent changes nothing. ``table_start`` 0
+is always valid, so a plan built by hand (tests, benchmarks, probes) with full tables works
+on any runner.
 
 In a decode step most sequences send ``(len, ())``: their tables gain a block only every
 ``block_size`` tokens. Copy-on-write replaces a table's last entry, a speculative rollback
@@ -39,11 +40,11 @@ class TableRow(Protocol):
 
 
 class TableDeltas:
-    """The sender's side: the tables of the last plan, by sequence id.
+    """The sender's side: the tables of the last plan sent, by sequence id.
 
-    Invariant: ``_last`` holds exactly the tables of the last plan built through
-    :meth:`start_plan` / :meth:`delta`, which is the state of the runner's rows once it has
-    executed that plan.
+    Invariant: ``_last`` holds exactly the tables of the last plan :meth:`sent`, which is the
+    state of the runner's rows once it has executed that plan; ``_next`` those of the plan
+    being built (a plan that is never sent changes nothing).
     """
 
     def __init__(self) -> None:
@@ -51,13 +52,17 @@ class TableDeltas:
         self._next: dict[int, tuple[int, ...]] = {}
 
     def start_plan(self) -> None:
-        """Begin a plan: sequences not passed to :meth:`delta` before the next call are
-        forgotten."""
-        self._last = self._next
+        """Begin building a plan (dropping one built but not sent)."""
         self._next = {}
 
+    def sent(self) -> None:
+        """The plan built since :meth:`start_plan` went to the runner: its tables are what the
+        runner holds next; sequences not in it are forgotten."""
+        self._last, self._next = self._next, {}
+
     def delta(self, seq_id: int, table: tuple[int, ...]) -> tuple[int, tuple[int, ...]]:
-        """``(table_start, blocks)`` that turn the runner's row of ``seq_id`` into ``table``."""
+        """``(table_start, blocks)`` that turn the runner's row of ``seq_id`` (as of the last
+        plan sent) into ``table``."""
         self._next[seq_id] = table
         last = self._last.get(seq_id)
         if last is None:
@@ -68,7 +73,7 @@ class TableDeltas:
         return kept, table[kept:]
 
     def __len__(self) -> int:
-        return len(self._next)
+        return len(self._last)
 
 
 def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
