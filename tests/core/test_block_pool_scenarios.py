@@ -481,3 +481,21 @@ def test_admission_hashes_each_prompt_block_once(monkeypatch: pytest.MonkeyPatch
     pool.allocate(3, list(range(900, 909)))
     assert calls == 20 + 1 + 2  # the lookup that misses, then each block as it fills
     pool.check_invariants()
+
+
+def test_prompt_hashes_keep_a_bounded_number_of_prompt_tokens() -> None:
+    from asyncpaged.core.block_pool_prefix import PromptHashes
+    from asyncpaged.core.prefix_hash import hash_full_blocks
+
+    memo = PromptHashes(block_size=4, max_tokens=100)
+    prompts = [tuple(range(i * 1000, i * 1000 + 30)) for i in range(10)]
+    for p in prompts:
+        assert memo.of(p, None) == hash_full_blocks(p, 4, None, 7)
+        assert memo.num_tokens <= 100
+    assert memo.of(prompts[-1], None) is memo.of(prompts[-1], None)  # kept, not recomputed
+    assert memo.of(prompts[-1], "salt") == hash_full_blocks(prompts[-1], 4, "salt", 7)
+    assert memo.num_tokens <= 100
+    huge = tuple(range(500))  # longer than the bound: kept alone
+    assert memo.of(huge, None) == hash_full_blocks(huge, 4, None, 125)
+    assert memo.num_tokens == 500
+    assert memo.of([1, 2, 3, 4], None) is None  # a list may change: never memoized

@@ -29,13 +29,16 @@ class PromptHashes:
     Keyed by the identity of the prompt's token tuple (only tuples: they cannot change), with
     the tuple held so that its id is not reused while the entry lives; a chain is a pure
     function of the tokens, the extra key and the block size, so an entry never goes stale.
-    At most ``capacity`` entries, the oldest dropped first.
+    The entries hold at most ``max_tokens`` prompt tokens in all (a transaction's admissions
+    fit; a finished request's prompt is not kept alive for long), the oldest dropped first;
+    one prompt longer than that is still kept, alone.
     """
 
-    def __init__(self, block_size: int, capacity: int = 256) -> None:
+    def __init__(self, block_size: int, max_tokens: int = 1 << 16) -> None:
         self.block_size = block_size
-        self.capacity = capacity
+        self.max_tokens = max_tokens
         self._chains: dict[int, tuple[tuple[int, ...], str | None, list[BlockHash]]] = {}
+        self._num_tokens = 0
 
     def of(self, token_ids: Sequence[int], extra_key: str | None) -> list[BlockHash] | None:
         """The hashes of every full block of ``token_ids``; None for a non-tuple."""
@@ -50,10 +53,18 @@ class PromptHashes:
         for i in range(len(token_ids) // bs):
             parent = hash_block(parent, token_ids[i * bs : (i + 1) * bs], extra_key)
             hashes.append(parent)
-        if len(self._chains) >= self.capacity:
-            del self._chains[next(iter(self._chains))]
+        if entry is not None:  # the same tuple under another extra key: replaced
+            self._num_tokens -= len(self._chains.pop(id(token_ids))[0])
+        while self._chains and self._num_tokens + len(token_ids) > self.max_tokens:
+            self._num_tokens -= len(self._chains.pop(next(iter(self._chains)))[0])
         self._chains[id(token_ids)] = (token_ids, extra_key, hashes)
+        self._num_tokens += len(token_ids)
         return hashes
+
+    @property
+    def num_tokens(self) -> int:
+        """Prompt tokens the entries hold (their tuples are kept alive)."""
+        return self._num_tokens
 
 
 def match_prefix(
