@@ -21,3 +21,5 @@ def test_bench_overhead_small_run(tmp_path: Path) -> None:
         assert 12 <= r["steps"] <= 12 + 3
         assert 0.0 < r["outside_forward"] < 1.0
         assert r["ms_per_step"] > 0.0
+        assert 0.0 < r["loop_cpu_ms_per_step"] <= r["ms_per_step"] * 1.05
+        assert 0.0 < r["forward_ms_per_step"] < r["ms_per_step"]
