@@ -267,7 +267,7 @@ class BlockPool:
             self.prefix_hit_tokens += num_cached
         table, slots = write.allocate_table(self.device, self.tiers, seq_id, token_ids, plan,
                                             extra_key, self.prefix_tier_hit_tokens,
-                                            caching=caching, chain=chain or ())  # fmt: skip
+                                            caching=caching, chain=chain)  # fmt: skip
         self._tables[seq_id] = table
         return SeqAllocation(
             block_ids=tuple(table.block_ids), num_cached_tokens=num_cached, slot_mapping=slots
@@ -484,7 +484,7 @@ class BlockPool:
         max_new_tokens: int | None,
         extra_key: str | None,
         read_cache: bool,
-    ) -> tuple[counts.AllocationPlan, list[BlockHash] | None]:
+    ) -> tuple[counts.AllocationPlan, prefix.HashChain | None]:
         """The allocation plan of a prompt, and its block hashes (None: not known, or prefix
         caching off) from the memo that hashes each prompt once (``PromptHashes``)."""
         caching = self.enable_prefix_caching

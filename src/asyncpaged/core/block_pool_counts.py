@@ -12,7 +12,7 @@ import operator
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
-from asyncpaged.core.block_pool_prefix import match_prefix, match_tiers
+from asyncpaged.core.block_pool_prefix import HashChain, match_prefix, match_tiers
 from asyncpaged.core.block_table import BlockTable, Location, PoolUsage, SeqId
 from asyncpaged.core.kv_tiers import TierIndex
 from asyncpaged.core.physical_blocks import PhysicalBlocks
@@ -42,7 +42,7 @@ def plan_allocation(
     extra_key: str | None,
     read_cache: bool,
     caching: bool,
-    chain: Sequence[BlockHash] | None = None,
+    chain: HashChain | None = None,
 ) -> AllocationPlan:
     """The :class:`AllocationPlan` of a prompt against the cache and tiers as they are now
     (``read_cache=False``: no hit); raises for ``max_new_tokens < 1``. ``chain``: the

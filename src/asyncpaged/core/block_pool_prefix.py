@@ -37,22 +37,17 @@ class PromptHashes:
     def __init__(self, block_size: int, max_tokens: int = 1 << 16) -> None:
         self.block_size = block_size
         self.max_tokens = max_tokens
-        self._chains: dict[int, tuple[tuple[int, ...], str | None, list[BlockHash]]] = {}
+        self._chains: dict[int, tuple[tuple[int, ...], str | None, HashChain]] = {}
         self._num_tokens = 0
 
-    def of(self, token_ids: Sequence[int], extra_key: str | None) -> list[BlockHash] | None:
-        """The hashes of every full block of ``token_ids``; None for a non-tuple."""
+    def of(self, token_ids: Sequence[int], extra_key: str | None) -> HashChain | None:
+        """The hash chain of ``token_ids``' full blocks; None for a non-tuple."""
         if type(token_ids) is not tuple:
             return None
         entry = self._chains.get(id(token_ids))
         if entry is not None and entry[0] is token_ids and entry[1] == extra_key:
             return entry[2]
-        bs = self.block_size
-        hashes = []
-        parent = ROOT_HASH
-        for i in range(len(token_ids) // bs):
-            parent = hash_block(parent, token_ids[i * bs : (i + 1) * bs], extra_key)
-            hashes.append(parent)
+        hashes = HashChain(token_ids, extra_key, self.block_size)
         if entry is not None:  # the same tuple under another extra key: replaced
             self._num_tokens -= len(self._chains.pop(id(token_ids))[0])
         while self._chains and self._num_tokens + len(token_ids) > self.max_tokens:
@@ -67,6 +62,33 @@ class PromptHashes:
         return self._num_tokens
 
 
+class HashChain:
+    """The hashes of a prompt's full blocks, each computed on first use (a size check reads
+    them only up to the first block the cache lacks) and kept."""
+
+    __slots__ = ("_block_size", "_extra_key", "_hashes", "_token_ids", "num_blocks")
+
+    def __init__(self, token_ids: tuple[int, ...], extra_key: str | None, block_size: int):
+        self._token_ids, self._extra_key, self._block_size = token_ids, extra_key, block_size
+        self._hashes: list[BlockHash] = []
+        self.num_blocks = len(token_ids) // block_size
+
+    def __len__(self) -> int:
+        return self.num_blocks
+
+    def __getitem__(self, index: int) -> BlockHash:
+        if not 0 <= index < self.num_blocks:
+            raise IndexError(index)
+        hashes, bs = self._hashes, self._block_size
+        while len(hashes) <= index:
+            i = len(hashes)
+            parent = hashes[-1] if hashes else ROOT_HASH
+            hashes.append(
+                hash_block(parent, self._token_ids[i * bs : (i + 1) * bs], self._extra_key)
+            )
+        return hashes[index]
+
+
 def match_prefix(
     device: PhysicalBlocks,
     token_ids: Sequence[int],
@@ -74,7 +96,7 @@ def match_prefix(
     num_blocks: int | None = None,
     *,
     caching: bool,
-    chain: Sequence[BlockHash] | None = None,
+    chain: HashChain | None = None,
 ) -> tuple[list[int], list[BlockHash]]:
     """Cached blocks (and their hashes) for the leading full blocks of ``token_ids``, at most
     ``num_blocks`` of them; none unless ``caching``. ``chain``: the prompt's hashes, if known
@@ -125,7 +147,7 @@ def match_tiers(
     token_ids: Sequence[int],
     extra_key: str | None,
     device_hashes: list[BlockHash],
-    chain: Sequence[BlockHash] | None = None,
+    chain: HashChain | None = None,
 ) -> list[BlockHash]:
     """Hashes of the full blocks after the device hits that a lower tier holds, up to the
     first that none does (or that is on the device); never the prompt's last token.
@@ -169,13 +191,13 @@ def restore_from_tiers(
         table.block_hashes.append(block_hash)
 
 
-def seal_full_block(table: BlockTable, chain: Sequence[BlockHash] = ()) -> BlockHash:
+def seal_full_block(table: BlockTable, chain: HashChain | None = None) -> BlockHash:
     """Chain the hash of the table's just-filled last block (its ``partial_token_ids``), append
     it to ``block_hashes`` and start a new, empty partial block; returns the hash (the caller
     registers the block or not). ``chain``: the hashes of the table's prompt, when these are
     its tokens (an allocation); the block's hash is then read, not computed."""
     index = len(table.block_hashes)
-    if index < len(chain):
+    if chain is not None and index < len(chain):
         block_hash = chain[index]
     else:
         parent = table.block_hashes[-1] if table.block_hashes else ROOT_HASH

@@ -14,11 +14,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from asyncpaged.core.block_pool_counts import AllocationPlan
-from asyncpaged.core.block_pool_prefix import restore_from_tiers, seal_full_block
+from asyncpaged.core.block_pool_prefix import HashChain, restore_from_tiers, seal_full_block
 from asyncpaged.core.block_table import BlockTable, SeqId
 from asyncpaged.core.kv_tiers import TierIndex
 from asyncpaged.core.physical_blocks import PhysicalBlocks
-from asyncpaged.core.prefix_hash import BlockHash
 
 
 def set_filled(device: PhysicalBlocks, block: int, num_slots: int) -> None:
@@ -50,7 +49,7 @@ def write_slots(
     num_verified: int | None = None,
     *,
     caching: bool,
-    chain: Sequence[BlockHash] = (),
+    chain: HashChain | None = None,
 ) -> tuple[int, ...]:
     """Reserve slots for ``token_ids`` at the end of ``table`` (capacity already checked).
 
@@ -98,7 +97,7 @@ def allocate_table(
     tier_hit_tokens: dict[str, int],
     *,
     caching: bool,
-    chain: Sequence[BlockHash] = (),
+    chain: HashChain | None = None,
 ) -> tuple[BlockTable, tuple[int, ...]]:
     """The table of a new sequence whose prompt is ``token_ids``, as ``plan`` says (capacity
     already checked): its cached blocks mapped in (their references raised), its tier hits

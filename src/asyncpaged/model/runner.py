@@ -31,11 +31,7 @@ import torch
 
 from asyncpaged._log import get_logger
 from asyncpaged.model.attention import AttentionBackend, AttentionMetadata
-from asyncpaged.model.attention_select import (
-    TRITON_HINT,
-    AttentionChoice,
-    select_attention_backend,
-)
+from asyncpaged.model.attention_select import AttentionChoice, select_attention_backend
 from asyncpaged.model.base import SINGLE_SHARD, CausalLM, TensorShard
 from asyncpaged.model.block_tables import BlockTables
 from asyncpaged.model.kv_cache import PagedKVCache, swap_in, swap_out
@@ -70,7 +66,6 @@ if TYPE_CHECKING:
     from asyncpaged.model.draft import DraftModel
 
 __all__ = [
-    "TRITON_HINT",
     "AttentionChoice",
     "ModelRunner",
     "SampledToken",
