@@ -19,6 +19,7 @@ import anyio
 
 from asyncpaged._gc import freeze_after_start, unfreeze_at_close
 from asyncpaged._log import get_logger
+from asyncpaged.actors.output_processor import OutputProcessor
 from asyncpaged.config import EngineConfig
 from asyncpaged.core.block_map import BlockMap, build_block_map
 from asyncpaged.core.block_pool import BlockPool
@@ -82,8 +83,7 @@ class AsyncEngine:
         self.config = config
         self._dead: BaseException | None = None
         self._closed = False
-        self._live: dict[str, RequestState] = {}  # submitted; finished ones pruned lazily
-        self._live_pruned_at = 64
+        self._outputs: OutputProcessor | None = None  # the live requests' states, once started
         self._ids = itertools.count()
         self._tp: TensorParallelRunner | None = None  # tensor_parallel_size > 1
         self._tier_store: KVTierStore | None = None  # kv_offload_host_bytes > 0
@@ -151,9 +151,9 @@ class AsyncEngine:
         self._seq_ids = itertools.count()  # shared by intake and scheduler (one event loop)
         scheduler = build_scheduler(cfg, num_device, num_host, self.runner.model.rope_switch_len,
                                     self._seq_ids.__next__, self._proposer())  # fmt: skip
-        self._build_actors(pool, scheduler, step_runner)
+        outputs = self._build_actors(pool, scheduler, step_runner)
         actor_runs = [actor.run for actor in (self._allocator, self._executor, self._swap_space,
-                                              self._scheduler, self._intake)]  # fmt: skip
+                                              outputs, self._scheduler, self._intake)]  # fmt: skip
         try:
             await self._task.start(actor_runs, self._tp, self._fail)
         except BaseException:  # cancelled while the actors start: stopped, then propagate
@@ -174,7 +174,9 @@ class AsyncEngine:
         )
         return propose
 
-    def _build_actors(self, pool: BlockPool, scheduler: Scheduler, runner: StepRunner) -> None:
+    def _build_actors(
+        self, pool: BlockPool, scheduler: Scheduler, runner: StepRunner
+    ) -> OutputProcessor:
         actors = build_actors(
             self.config, pool, scheduler, runner, tokenizer=self.tokenizer,
             intake_tokenizer=self._intake_tokenizer, limits=self._limits, seq_ids=self._seq_ids,
@@ -182,9 +184,11 @@ class AsyncEngine:
         )  # fmt: skip
         self._allocator, self._executor = actors.allocator, actors.executor
         self._swap_space, self._scheduler = actors.swap_space, actors.scheduler
+        self._outputs = actors.outputs
         self._intake = actors.intake
         self._control = actors.control  # aborts
         self._submit = actors.submit
+        return actors.outputs
 
     def _fail(self, exc: BaseException) -> None:
         """Mark the engine dead and fail every waiter (the first cause wins). The watchdog calls
@@ -194,8 +198,8 @@ class AsyncEngine:
             self._dead = exc
             self._dead_event.set()
             log.error("engine_failed", error=repr(exc))
-        for state in self._live.values():  # every request not yet done
-            state.fail(self._dead)
+        if self._outputs is not None:
+            self._outputs.fail_all(self._dead)  # every request not yet done
 
     async def __aexit__(
         self,
@@ -230,10 +234,11 @@ class AsyncEngine:
         self._closed = True
         try:
             if self._dead is None:
-                for state in list(self._live.values()):  # wherever it is, intake included
+                assert self._outputs is not None
+                for state in list(self._outputs.live.values()):  # wherever, intake included
                     self._abort_state(state)
                 with anyio.fail_after(60):
-                    await self._wait_or_dead(self._scheduler.wait_idle)
+                    await self._wait_or_dead(self._wait_idle)
                 await persist_kv_tiers(self._tier_store, self._allocator.pool)
         finally:
             self._submit.close()
@@ -274,8 +279,18 @@ class AsyncEngine:
         Cancelling it only stops the waiting. If the engine fails meanwhile, raises
         :class:`EngineDeadError`."""
         self._check_alive()
-        await self._wait_or_dead(self._scheduler.wait_idle)
+        await self._wait_or_dead(self._wait_idle)
         self._check_alive()
+
+    async def _wait_idle(self) -> None:
+        """Both the scheduler and the output processor idle (the latter sends the former
+        nothing unasked, so once both are, both stay so until the next request)."""
+        assert self._outputs is not None
+        while True:
+            await self._scheduler.wait_idle()
+            await self._outputs.wait_idle()
+            if self._scheduler.is_idle:
+                return
 
     async def _wait_or_dead(self, wait: Callable[[], Awaitable[object]]) -> None:
         """Await ``wait()`` until it returns or the engine fails (after which it may never)."""
@@ -390,23 +405,23 @@ class AsyncEngine:
         chat: ChatPrompt | None = None,
         priority: int = 0,
     ) -> RequestStream:
-        """Queue a checked request for the intake (``engine_submit.submission``)."""
+        """Queue a checked request for the intake (``engine_submit.submission``); its state
+        is registered with the output processor first."""
+        outputs = self._outputs
+        assert outputs is not None
         msg = submission(
             prompt, params, request_id, cache_salt, pin_id=pin_id, beam=beam, chat=chat,
-            priority=priority, live=self._live, cfg=self.config, limits=self._limits,
+            priority=priority, live=outputs.live, cfg=self.config, limits=self._limits,
             max_prompt_chars=self.max_prompt_chars,
         )  # fmt: skip
         state = msg.state
-        self._live[state.request_id] = state
-        if len(self._live) >= 2 * self._live_pruned_at:  # amortized O(1) per request
-            self._live = {k: v for k, v in self._live.items() if not v.is_done}
-            self._live_pruned_at = max(64, len(self._live))
+        outputs.register(state)
         try:
             self._submit.send_nowait(msg)
         except (anyio.BrokenResourceError, anyio.ClosedResourceError) as exc:
             # A failing engine's actors stop before it marks itself dead: not queued, so the
             # caller hears that the engine is stopping (and the state is not left live).
-            del self._live[state.request_id]
+            outputs.forget(state)
             raise EngineClosedError("the engine is not running: it is stopping.") from exc
         self._scheduler.expect_request()
         return RequestStream(state, self._abort_state, self._scheduler.dropped.append)
@@ -417,7 +432,8 @@ class AsyncEngine:
         requests have all finished). Honoured wherever the request is: in intake (it is never
         scheduled), waiting, running, swapped out or in, or finishing. Returns at once;
         cancelling it has no effect."""
-        state = self._live.get(request_id) if isinstance(request_id, str) else None
+        live = self._outputs.live if self._outputs is not None else {}
+        state = live.get(request_id) if isinstance(request_id, str) else None
         if state is not None:
             self._abort_state(state)
 
@@ -428,13 +444,13 @@ class AsyncEngine:
         if state.is_done or state.abort_requested:
             return
         state.abort_requested = True
-        self._abort_nowait(state.request_id, state)
+        self._abort_nowait(state.request_id, state.serial)
 
-    def _abort_nowait(self, request_id: str, state: RequestState | None = None) -> None:
+    def _abort_nowait(self, request_id: str, serial: int | None = None) -> None:
         if self._dead is None and self._task.tg is not None:
             with contextlib.suppress(anyio.ClosedResourceError, anyio.BrokenResourceError):
                 # closed: every request has finished, nothing is left to abort
-                self._control.send_nowait(AbortRequest(request_id=request_id, state=state))
+                self._control.send_nowait(AbortRequest(request_id=request_id, serial=serial))
 
     def _check_alive(self) -> None:
         if self._dead is not None:

@@ -24,6 +24,7 @@ from asyncpaged._log import get_logger
 from asyncpaged.actors.allocator import AllocatorActor
 from asyncpaged.actors.executor import ExecutorActor
 from asyncpaged.actors.intake import IntakeActor, thread_copy
+from asyncpaged.actors.output_processor import OutputProcessor
 from asyncpaged.actors.scheduler import SchedulerActor
 from asyncpaged.actors.swap_space import SwapSpaceActor
 from asyncpaged.config import EngineConfig, KVShape, num_blocks_for
@@ -33,7 +34,14 @@ from asyncpaged.core.scheduler import Scheduler, SchedulerConfig
 from asyncpaged.core.txn import StepTxn, TxnResult
 from asyncpaged.distributed import TensorParallelRunner, check_tensor_parallel, worker_spec
 from asyncpaged.errors import InvalidRequestError
-from asyncpaged.messages import ExecuteStep, SchedulerInbox, SubmitRequest, SwapSpaceInbox
+from asyncpaged.messages import (
+    ExecuteStep,
+    OutputsInbox,
+    SchedulerInbox,
+    StopsFound,
+    SubmitRequest,
+    SwapSpaceInbox,
+)
 from asyncpaged.model.cpu_plan import LEVERS, CpuPlan, plan_cpu
 from asyncpaged.model.draft import DraftModel, DraftProposals
 from asyncpaged.model.generation_config import GenerationDefaults, load_generation_defaults
@@ -327,6 +335,7 @@ class EngineActors:
     allocator: AllocatorActor
     executor: ExecutorActor
     swap_space: SwapSpaceActor
+    outputs: OutputProcessor
     scheduler: SchedulerActor
     intake: IntakeActor
     control: MemoryObjectSendStream[SchedulerInbox]  # aborts and pins, to the scheduler
@@ -359,6 +368,10 @@ def build_actors(
         pool.device.num_blocks + pool.host.num_blocks + 2
     )
     intake_send, intake_recv = anyio.create_memory_object_stream[SubmitRequest](math.inf)
+    # Unbounded: every message stands for accepted work (a prompt, a step's outputs, an end).
+    out_send, out_recv = anyio.create_memory_object_stream[OutputsInbox](math.inf)
+    stops_send, stops_recv = anyio.create_memory_object_stream[StopsFound](1)  # one check at a time
+    outputs = OutputProcessor(out_recv, stops_send, tokenizer)
     failed_spills = tier_store.take_failed_spills if tier_store else None
     allocator = AllocatorActor(pool, txn_recv, res_send, failed_spills)
     executor = ExecutorActor(runner, exec_recv, sched_send.clone())
@@ -369,15 +382,15 @@ def build_actors(
     )  # fmt: skip
     sched_actor = SchedulerActor(
         scheduler, allocator.snapshot(), sched_recv, txn_send, res_recv,
-        exec_send, swap_send, eos, tokenizer, grammars,
+        exec_send, swap_send, out_send.clone(), stops_recv, eos, tokenizer, grammars,
         draft_proposals=draft_proposals,
     )  # fmt: skip
     intake = IntakeActor(
         intake_tokenizer, limits.check_ids, limits.stop_criteria, intake_recv,
-        sched_send.clone(), seq_ids, grammars,
+        sched_send.clone(), out_send, seq_ids, grammars,
         on_released=sched_actor.intake_released,
         num_speculative_tokens=spec.num_speculative_tokens if spec else 0,
     )  # fmt: skip
     return EngineActors(allocator=allocator, executor=executor, swap_space=swap_space,
-                        scheduler=sched_actor, intake=intake, control=sched_send,
-                        submit=intake_send)  # fmt: skip
+                        outputs=outputs, scheduler=sched_actor, intake=intake,
+                        control=sched_send, submit=intake_send)  # fmt: skip

@@ -3,9 +3,11 @@
 ::
 
     engine.generate ──SubmitRequest──► Intake ──AddRequest──► Scheduler ──StepTxn──► Allocator
-                                                    ▲  │  ▲ ◄─────────TxnResult───────┘
-                                      StepDone ─────┘  │  └──── SwapDone ◄── SwapSpace
-                                      (Executor) ◄─ExecuteStep   SwapBlocks ──►
+                                         │          ▲  │  ▲ ◄─────────TxnResult───────┘
+                          PromptReady, EndRequest   │  │  └──── SwapDone ◄── SwapSpace
+                                         ▼  StepDone┘  │ ExecuteStep, SwapBlocks ──►
+                                  OutputProcessor ◄── RecordOutputs, EndRequest
+                                                 └──► StopsFound (its reply to a stop check)
 """
 
 from __future__ import annotations
@@ -18,8 +20,9 @@ import anyio
 from asyncpaged.core.block_table import PinnedPrefix, SwapPlan
 from asyncpaged.core.kv_tiers import TierOp
 from asyncpaged.core.request import Request
-from asyncpaged.core.scheduler import SchedulerOutput
-from asyncpaged.model.runner import StepPlan, StepResult
+from asyncpaged.core.scheduler import SchedulerOutput, SeqUpdate
+from asyncpaged.model.prompt_logprobs import PromptLogprobRows
+from asyncpaged.model.runner import SampledToken, StepPlan, StepResult
 from asyncpaged.sampling_params import BeamSearchParams, SamplingParams
 from asyncpaged.streams import RequestState
 
@@ -38,7 +41,9 @@ class ChatPrompt:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class SubmitRequest:
-    """A validated request whose prompt may still need rendering (chat) and tokenizing."""
+    """A validated request whose prompt may still need rendering (chat) and tokenizing.
+    ``state`` is read, never written, by the intake: its id, serial and ``abort_requested``
+    (the output processor writes it)."""
 
     state: RequestState
     prompt: str | None
@@ -52,17 +57,99 @@ class SubmitRequest:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class RequestInfo:
+    """What the scheduler actor needs of a request beyond the core's :class:`Request`, fixed
+    when the intake hands it on: its parameters, its submission's serial (aborts name it),
+    whether its rows take the plain greedy path, whether best_of ranks by logprob, and its
+    compiled grammar (structured outputs; the scheduler actor makes the matchers)."""
+
+    params: SamplingParams
+    serial: int
+    plain: bool
+    ranks_by_logprob: bool
+    prompt_token_ids: tuple[int, ...]  # the (truncated) prompt, for penalties and logprobs
+    grammar: Any = None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class AddRequest:
     request: Request
-    state: RequestState
+    info: RequestInfo
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PromptReady:
+    """The intake hands a request on: its prompt's token ids (and the rendered text of a chat),
+    sent to the output processor before the ``AddRequest``, so its state is set up before any
+    output of it exists."""
+
+    request_id: str
+    prompt: str | None  # a chat's rendered text (None: the state's prompt stands)
+    prompt_token_ids: tuple[int, ...]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class AbortRequest:
     request_id: str
-    # The request aborted (by its stream or engine.abort): only that one, never a later
-    # request that reuses its id; None aborts whatever request holds the id (engine exit).
-    state: RequestState | None = None
+    # The submission aborted (its RequestState.serial, from its stream or engine.abort): only
+    # that one, never a later request that reuses its id; None aborts whatever request holds
+    # the id.
+    serial: int | None = None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TokenOutput:
+    """One completion's new tokens from one step (the core's update, with the grammar's
+    forced tokens) and the draw that produced them (its logprobs, if asked)."""
+
+    update: SeqUpdate
+    sampled: SampledToken
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Scheduled:
+    """A request's scheduling facts its outputs report: when it was first scheduled, and how
+    many of its prompt tokens came from the prefix cache."""
+
+    request_id: str
+    first_scheduled_time: float
+    num_cached_tokens: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RecordOutputs:
+    """A step's outputs for the output processor to record into the requests' states.
+
+    ``check_stops``: these are the tokens of requests with stop strings, sent before the next
+    step is planned; the processor records them, keeps those states held (their readers see
+    nothing new) and replies with :class:`StopsFound`. Otherwise it records them, then
+    releases every held state and wakes the readers (sent once the next transaction has freed
+    what finished: a reader never sees a finish before its blocks are free)."""
+
+    tokens: tuple[TokenOutput, ...] = ()
+    prompt_logprobs: tuple[tuple[str, PromptLogprobRows], ...] = ()
+    scheduled: tuple[Scheduled, ...] = ()
+    # Finished beam searches: per request, its hypotheses (tokens, cumulative logprob,
+    # ended at EOS), best first.
+    beams: tuple[tuple[str, tuple[tuple[tuple[int, ...], float, bool], ...]], ...] = ()
+    check_stops: bool = False
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class EndRequest:
+    """A request ended outside its outputs: aborted (``error`` None), or refused by the intake
+    or failed alone in the scheduler (a logits processor raised): its waiter gets ``error``."""
+
+    request_id: str
+    error: BaseException | None = None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StopsFound:
+    """The output processor's reply to ``RecordOutputs(check_stops=True)``: the sequences
+    whose text matched a stop string, as (request id, seq id, the stop string)."""
+
+    matches: tuple[tuple[str, int, str], ...]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -126,3 +213,4 @@ SchedulerInbox = (
     AddRequest | AbortRequest | StepDone | SwapDone | WatchPin | ForgetPin | UnpinPrefix
 )
 SwapSpaceInbox = SwapBlocks | CopyTierBlocks
+OutputsInbox = PromptReady | RecordOutputs | EndRequest

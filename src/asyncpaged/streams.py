@@ -9,6 +9,7 @@ everything new since its last look (DELTA, so a slow reader gets merged deltas),
 from __future__ import annotations
 
 import asyncio
+import itertools
 import time
 from collections.abc import Callable, Generator
 from dataclasses import dataclass, field
@@ -86,8 +87,27 @@ class _Completion:
     read_text: int = 0
 
 
+def is_plain(params: SamplingParams, *, beam: bool) -> bool:
+    """Plain greedy, one completion, nothing asked beyond tokens and text: each step's sampling
+    options are None (the runner's fast path) unless a grammar is set."""
+    return (
+        params.is_plain_greedy and params.num_sequences == 1 and not beam
+        and params.prompt_logprobs is None
+    )  # fmt: skip
+
+
+def ranks_by_logprob(params: SamplingParams) -> bool:
+    """best_of > n ranks the candidates by cumulative logprob and shows the n best at the end."""
+    return params.num_sequences > params.n
+
+
+_serials = itertools.count()
+
+
 class RequestState:
-    """Everything the engine knows of one request's outputs (owned by the scheduler actor)."""
+    """Everything the engine knows of one request's outputs. Its writer: the intake until it
+    hands the request on (prompt, rejection, an abort there), then the output processor
+    (``actors/output_processor.py``); its reader: the request's stream, on the same loop."""
 
     def __init__(
         self,
@@ -99,36 +119,25 @@ class RequestState:
         beam: bool = False,
     ) -> None:
         self.request_id = request_id
+        self.serial = next(_serials)  # this submission, whatever later reuses its id
         self.prompt = prompt
         self.prompt_token_ids: list[int] = []
-        self.prompt_tuple: tuple[int, ...] | None = None  # the scheduler actor's copy, once
         self.params = params
         self.completions = [
             _Completion(index=i, detokenizer=None) for i in range(params.num_sequences)
         ]
-        # best_of > n ranks the candidates by cumulative logprob and shows the n best at the end.
-        self.ranks_by_logprob = params.num_sequences > params.n
+        self.ranks_by_logprob = ranks_by_logprob(params)
         self.beam = beam  # completions are filled in at the end (finish_beams)
         for c in self.completions:
             if params.logprobs is not None:
                 c.logprobs = []
             if params.logprobs is not None or self.ranks_by_logprob:
                 c.cumulative_logprob = 0.0
-        # Plain greedy, one completion, nothing asked beyond tokens and text: each step's
-        # sampling options are None (the runner's fast path) unless a grammar is set.
-        self.plain = (
-            params.is_plain_greedy and params.num_sequences == 1 and not beam
-            and params.prompt_logprobs is None
-        )  # fmt: skip
         self.metrics = RequestMetrics(arrival_time=arrival_time)
         self.num_cached_tokens = 0
         # prompt_logprobs: [None, position 1, ...], filled in position order by the steps
         self.prompt_logprobs: PromptLogprobs | None = None
         self._prompt_logprobs_read = False  # DELTA: sent once
-        # Structured outputs: the compiled constraint (set by intake) and one grammar matcher
-        # per completion index (made by the scheduler actor on its first step).
-        self.grammar: Any = None
-        self.matchers: dict[int, Any] = {}
         self.error: BaseException | None = None
         self.rejection: BaseException | None = None
         # Set by the engine's abort (and a dropped stream) wherever the request is: the intake
@@ -219,20 +228,6 @@ class RequestState:
     def release(self) -> None:
         self._held = False
         self._event.set()
-
-    def prompt_logprob_targets(self, start: int, num_new: int) -> tuple[int, tuple[int, ...]]:
-        """(row offset, prompt tokens they predict) for a step computing positions ``start ..
-        start + num_new - 1``: the rows whose prompt logprob is still unknown ((0, ()): none;
-        a prefill recomputed after preemption skips the positions already known)."""
-        known = self.prompt_logprobs
-        if known is None:
-            return 0, ()
-        prompt = self.prompt_token_ids
-        first = max(start, len(known) - 1)
-        end = min(start + num_new, len(prompt) - 1)
-        if first >= end:
-            return 0, ()
-        return first - start, tuple(prompt[first + 1 : end + 1])
 
     def add_prompt_logprobs(self, rows: PromptLogprobRows, tokenizer: Any) -> bool:
         """Record one step's prompt logprobs (vLLM's dicts: the prompt token with its rank, then

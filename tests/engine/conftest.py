@@ -32,4 +32,5 @@ def assert_no_leaks(engine: AsyncEngine) -> None:
     assert (stats.num_running, stats.num_waiting, stats.num_swapped) == (0, 0, 0), stats
     assert stats.num_free_device_blocks == stats.num_device_blocks, stats
     assert stats.num_free_host_blocks == stats.num_host_blocks, stats
-    assert not engine._scheduler.states, "request states left behind"
+    assert engine._outputs is not None and not engine._outputs.live, "request states left behind"
+    assert engine._scheduler.num_tracked == 0, "scheduler records left behind"

@@ -82,12 +82,13 @@ async def test_pin_prefix_in_the_window_before_a_failing_engine_is_dead(
             assert self._dead is None and not self._closed, "not the window"
             assert self._intake.thread._closed, "the intake's thread is still open"
             seen.append(_first_step(self.pin_prefix(prefix)))
-            before = set(self._live)
+            assert self._outputs is not None
+            before = set(self._outputs.live)
             try:  # recorded, not asserted here: the engine must still be failed below
                 self.generate([5, 6, 7], SamplingParams(max_tokens=2))
             except BaseException as submitted:
                 seen.append(submitted)
-            left_live.update(set(self._live) - before)
+            left_live.update(set(self._outputs.live) - before)
         fail(self, exc)
 
     monkeypatch.setattr(engine_module.AsyncEngine, "_fail", fail_after_pinning)

@@ -5,7 +5,7 @@ recompute, output kinds, and the native and torch attention backends."""
 from __future__ import annotations
 
 import random
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from asyncpaged import InvalidRequestError, RequestOutputKind, SamplingParams
+from asyncpaged.actors import scheduler_steps
 from asyncpaged.core import BlockPool
 from asyncpaged.model import prompt_logprobs as plp_module
 from asyncpaged.model.prompt_logprobs import PromptLogprobRows
@@ -157,15 +158,17 @@ async def test_preemption_mid_prefill_recomputes_only_the_unknown_positions(
     long_prompt = prompt_of(60, seed=9)
     old_params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
     asked: list[tuple[int, int, int]] = []  # (chunk start, first row asked, rows asked)
-    targets = RequestState.prompt_logprob_targets
+    targets = scheduler_steps.prompt_logprob_targets
 
-    def spy(state: RequestState, start: int, num_new: int) -> tuple[int, tuple[int, ...]]:
-        offset, ids = targets(state, start, num_new)
+    def spy(
+        known: int | None, prompt: Sequence[int], start: int, num_new: int
+    ) -> tuple[int, tuple[int, ...]]:
+        offset, ids = targets(known, prompt, start, num_new)
         if ids:
             asked.append((start, start + offset, len(ids)))
         return offset, ids
 
-    monkeypatch.setattr(RequestState, "prompt_logprob_targets", spy)
+    monkeypatch.setattr(scheduler_steps, "prompt_logprob_targets", spy)
     results: dict[int, RequestOutput] = {}
 
     async def one(i: int, prompt: list[int], params: SamplingParams) -> None:
@@ -253,18 +256,20 @@ def test_targets_skip_known_positions_and_stop_before_the_last_token() -> None:
     state = RequestState("r", None, plp_params(1), 0.0)
     prompt = list(range(100, 110))
     state.start(prompt, tokenizer=None)
-    assert state.prompt_logprob_targets(0, 4) == (0, tuple(prompt[1:5]))  # rows 0-3
+    targets = scheduler_steps.prompt_logprob_targets
+    assert targets(1, prompt, 0, 4) == (0, tuple(prompt[1:5]))  # rows 0-3
     top = (((7, -0.5),),) * 4
     rows = PromptLogprobRows(seq_id=1, first_position=1, token_ids=tuple(prompt[1:5]),
                              logprobs=(-1.0,) * 4, ranks=(3,) * 4, top=top)  # fmt: skip
     assert not state.add_prompt_logprobs(rows, tokenizer=None)
-    assert state.prompt_logprob_targets(0, 6) == (4, (prompt[5], prompt[6]))  # recomputed
-    assert state.prompt_logprob_targets(4, 6) == (0, tuple(prompt[5:10]))  # row 9 samples
-    assert state.prompt_logprob_targets(10, 1) == (0, ())  # a decode
-    assert state.prompt_logprobs is not None and state.prompt_logprobs[1] == {
+    assert state.prompt_logprobs is not None
+    known = len(state.prompt_logprobs)  # what the scheduler actor counts: position 0 and 1-4
+    assert known == 5
+    assert targets(known, prompt, 0, 6) == (4, (prompt[5], prompt[6]))  # recomputed
+    assert targets(known, prompt, 4, 6) == (0, tuple(prompt[5:10]))  # row 9 samples
+    assert targets(known, prompt, 10, 1) == (0, ())  # a decode
+    assert state.prompt_logprobs[1] == {
         101: Logprob(-1.0, 3, None),
         7: Logprob(-0.5, 1, None),
     }
-    plain = RequestState("p", None, GREEDY, 0.0)
-    plain.start(prompt, tokenizer=None)
-    assert plain.prompt_logprob_targets(0, 10) == (0, ())
+    assert targets(None, prompt, 0, 10) == (0, ())  # not asked

@@ -18,24 +18,37 @@ from asyncpaged.core.request import Request, StopCriteria
 from asyncpaged.core.request import Sequence as Seq
 from asyncpaged.errors import InvalidRequestError
 from asyncpaged.inputs import truncate_prompt
-from asyncpaged.messages import AddRequest, ChatPrompt, SchedulerInbox, SubmitRequest
+from asyncpaged.messages import (
+    AddRequest,
+    ChatPrompt,
+    EndRequest,
+    OutputsInbox,
+    PromptReady,
+    RequestInfo,
+    SchedulerInbox,
+    SubmitRequest,
+)
 from asyncpaged.model.loader import load_tokenizer
+from asyncpaged.streams import is_plain, ranks_by_logprob
 from asyncpaged.structured_outputs import GrammarBackend
 
 log = get_logger(__name__)
 
 
 class IntakeActor:
-    """Turns :class:`SubmitRequest` into the scheduler's :class:`AddRequest`.
+    """Turns :class:`SubmitRequest` into the scheduler's :class:`AddRequest` (and the output
+    processor's :class:`PromptReady`, sent first).
 
     Per request: a prompt of token ids (validated by ``generate``) without a grammar is handed on
     at once, in arrival order; one that needs work (a chat to render, a text to tokenize, a
     grammar to compile) gets its own task, whose work runs in a worker thread (one at a time:
     fast tokenizers are not re-entrant), so a long prompt never holds up a prompt of ids. A
     prompt that turns out invalid (too long, a template or tokenizer that fails on it, a grammar
-    that does not compile) is rejected to its waiter alone and never reaches the scheduler; so
-    is whatever the tokenizer or grammar compiler raises. A request aborted while here (its
-    ``abort_requested`` set) is finished with "abort" instead of being handed on.
+    that does not compile) is rejected to its waiter alone (an ``EndRequest`` with the error,
+    to the output processor) and never reaches the scheduler; so is whatever the tokenizer or
+    grammar compiler raises. A request aborted while here (its ``abort_requested`` set) is
+    finished with "abort" (an ``EndRequest`` without error) instead of being handed on. It
+    writes no request state.
 
     Invariant: every message taken from the inbox ends in exactly one of: an ``AddRequest`` sent,
     a rejection, an abort; ``on_released`` is called for the latter two (the scheduler counts
@@ -49,6 +62,7 @@ class IntakeActor:
         stop_criteria: Callable[[Any, int], StopCriteria],
         inbox: MemoryObjectReceiveStream[SubmitRequest],
         outbox: MemoryObjectSendStream[SchedulerInbox],
+        outputs: MemoryObjectSendStream[OutputsInbox],
         seq_ids: Iterator[int],
         grammars: GrammarBackend | None = None,
         on_released: Callable[[], None] | None = None,
@@ -61,6 +75,7 @@ class IntakeActor:
         self._stop_criteria = stop_criteria
         self._inbox = inbox
         self._outbox = outbox
+        self._outputs = outputs
         self._on_released = on_released
         # The one thread its tokenizer runs on (the engine's pin_prefix shares it).
         self.thread = WorkerThread("asyncpaged-intake")
@@ -73,7 +88,7 @@ class IntakeActor:
     async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
         task_status.started()
         try:
-            async with self._inbox, self._outbox, anyio.create_task_group() as tg:
+            async with self._inbox, self._outbox, self._outputs, anyio.create_task_group() as tg:
                 async for msg in self._inbox:
                     self.num_pending += 1
                     if msg.prompt_token_ids is not None and msg.params.structured_outputs is None:
@@ -91,48 +106,59 @@ class IntakeActor:
         except InvalidRequestError as exc:
             self._release(msg, exc)
             return
-        self._hand_on(msg, ids, max_tokens)
+        self._hand_on(msg, ids, max_tokens, None, None)
 
     async def _admit(self, msg: SubmitRequest) -> None:
         """Render, tokenize and validate (worker thread), compile the grammar, hand it on."""
         try:
-            ids, max_tokens = await self.thread.run(self._prepare, msg)
-            await self._compile_grammar(msg)
+            text, ids, max_tokens = await self.thread.run(self._prepare, msg)
+            grammar = await self._compile_grammar(msg)
         except InvalidRequestError as exc:
             self._release(msg, exc)
             return
-        self._hand_on(msg, ids, max_tokens)
+        self._hand_on(msg, ids, max_tokens, text, grammar)
 
-    def _prepare(self, msg: SubmitRequest) -> tuple[tuple[int, ...], int]:
-        """(prompt ids, max new tokens), in the worker thread: nothing here is O(prompt) on
-        the event loop. What the tokenizer or template raises fails this request alone."""
+    def _prepare(self, msg: SubmitRequest) -> tuple[str | None, tuple[int, ...], int]:
+        """(a chat's rendered text, prompt ids, max new tokens), in the worker thread: nothing
+        here is O(prompt) on the event loop. What the tokenizer or template raises fails this
+        request alone."""
+        text = None
         if msg.prompt_token_ids is not None:
             ids: Sequence[int] = msg.prompt_token_ids
         elif msg.chat is not None:
             text, ids = render_chat(self.tokenizer, msg.chat)
-            msg.state.prompt = text  # read by the waiter only after the request is handed on
         else:
             assert msg.prompt is not None
             ids = tokenize(self.tokenizer, msg.prompt)
         truncated = truncate_prompt(ids, msg.params)
-        return truncated, self._validate_ids(truncated, msg.params)
+        return text, truncated, self._validate_ids(truncated, msg.params)
 
-    def _hand_on(self, msg: SubmitRequest, ids: tuple[int, ...], max_tokens: int) -> None:
-        """Send the request to the scheduler, unless it was aborted meanwhile (synchronous:
-        an abort either comes before, and is seen here, or after, and reaches the scheduler)."""
-        if msg.state.abort_requested:
+    def _hand_on(
+        self, msg: SubmitRequest, ids: tuple[int, ...], max_tokens: int, text: str | None,
+        grammar: Any,
+    ) -> None:  # fmt: skip
+        """Send the request on, unless it was aborted meanwhile (synchronous: an abort either
+        comes before, and is seen here, or after, and reaches the scheduler)."""
+        state = msg.state
+        if state.abort_requested:
             self.num_aborted += 1
-            msg.state.abort()
+            self._outputs.send_nowait(EndRequest(request_id=state.request_id))
             self._release(msg, None)
             return
-        msg.state.start(list(ids), self.tokenizer)
         request = self._request(msg, ids, max_tokens)
+        info = RequestInfo(
+            params=msg.params, serial=state.serial, plain=is_plain(msg.params, beam=state.beam),
+            ranks_by_logprob=ranks_by_logprob(msg.params), prompt_token_ids=ids, grammar=grammar,
+        )  # fmt: skip
         self.num_pending -= 1
-        self._outbox.send_nowait(AddRequest(request=request, state=msg.state))
+        self._outputs.send_nowait(
+            PromptReady(request_id=state.request_id, prompt=text, prompt_token_ids=ids)
+        )
+        self._outbox.send_nowait(AddRequest(request=request, info=info))
 
     def _release(self, msg: SubmitRequest, error: InvalidRequestError | None) -> None:
         if error is not None:
-            msg.state.reject(error)
+            self._outputs.send_nowait(EndRequest(request_id=msg.state.request_id, error=error))
         self.num_pending -= 1
         if self._on_released is not None:
             self._on_released()
@@ -167,12 +193,12 @@ class IntakeActor:
             request.num_speculative_tokens = self._num_speculative
         return request
 
-    async def _compile_grammar(self, msg: SubmitRequest) -> None:
-        """Structured outputs: compile the request's constraint (cached) in the worker thread;
-        whatever the compiler raises fails this request alone."""
+    async def _compile_grammar(self, msg: SubmitRequest) -> Any:
+        """Structured outputs: the request's compiled constraint (cached; None without one),
+        compiled in the worker thread; whatever the compiler raises fails this request alone."""
         constraint = msg.params.structured_outputs
         if constraint is None:
-            return
+            return None
         assert self._grammars is not None, "structured outputs without a grammar backend"
         grammars = self._grammars
 
@@ -184,7 +210,7 @@ class IntakeActor:
             except Exception as exc:  # the grammar backend's own errors, per constraint
                 raise InvalidRequestError(f"the constraint failed to compile: {exc!r}") from exc
 
-        msg.state.grammar = await self.thread.run(compile_)
+        return await self.thread.run(compile_)
 
 
 def speculates(params: Any) -> bool:

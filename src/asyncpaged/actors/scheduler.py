@@ -1,10 +1,11 @@
-"""The scheduler actor: the step loop, request lifecycle and output streaming.
+"""The scheduler actor: the step loop and the requests' lifecycle in the core.
 
 Its parts live beside it: building a step's ``SequenceStep`` rows (:mod:`.scheduler_steps`,
-with the sampling options of :mod:`.scheduler_sampling`), recording a step's results into the
-requests' states (:mod:`.scheduler_outputs`), and ``pin_prefix``'s waiters
-(:mod:`.scheduler_pins`). This module keeps the actor: its loop, its messages, and when a step's
-outputs are recorded and their readers woken."""
+with the sampling options of :mod:`.scheduler_sampling`), a step's results on this side
+(:mod:`.scheduler_outputs`: the core's updates, grammars, failed rows), and ``pin_prefix``'s
+waiters (:mod:`.scheduler_pins`). This module keeps the actor: its loop, its messages, and when
+a step's outputs go to the output processor (``actors/output_processor.py``), which owns the
+requests' output states."""
 
 from __future__ import annotations
 
@@ -18,11 +19,11 @@ from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStre
 
 from asyncpaged._log import get_logger
 from asyncpaged.actors.scheduler_outputs import (
+    Tracked,
     accept_grammar_tokens,
-    fail_requests_of,
+    failed_requests,
     jump_forward,
-    record_prompt_logprobs,
-    record_tokens,
+    prompt_logprob_progress,
     tokens_by_seq,
 )
 from asyncpaged.actors.scheduler_pins import PinWaiters, hand_out_pins
@@ -32,32 +33,37 @@ from asyncpaged.actors.scheduler_sampling import (
     banned_next_tokens,
 )
 from asyncpaged.actors.scheduler_steps import build_sequence_steps
-from asyncpaged.core.beam_search import Hypothesis
 from asyncpaged.core.kv_tiers import TierOp
 from asyncpaged.core.request import RequestStatus
 from asyncpaged.core.scheduler import (
     Scheduler,
     SchedulerOutput,
     SchedulerStatistics,
-    SeqUpdate,
 )
 from asyncpaged.core.txn import PoolSnapshot, StepTxn, TxnResult
 from asyncpaged.messages import (
     AbortRequest,
     AddRequest,
     CopyTierBlocks,
+    EndRequest,
     ExecuteStep,
     ForgetPin,
+    OutputsInbox,
+    RecordOutputs,
+    Scheduled,
     SchedulerInbox,
     StepDone,
+    StopsFound,
     SwapBlocks,
     SwapDone,
     SwapSpaceInbox,
+    TokenOutput,
     UnpinPrefix,
     WatchPin,
 )
 from asyncpaged.model.block_tables import TableDeltas
 from asyncpaged.model.draft import DraftProposals
+from asyncpaged.model.prompt_logprobs import PromptLogprobRows
 from asyncpaged.model.runner import SampledToken, StepPlan
 from asyncpaged.streams import RequestState
 from asyncpaged.structured_outputs import GrammarBackend
@@ -68,14 +74,23 @@ log = get_logger(__name__)
 
 
 class SchedulerActor:
-    """Owns the request queues (the :class:`Scheduler` core) and every request's output state.
+    """Owns the request queues (the :class:`Scheduler` core) and its own record of each live
+    request (:class:`Tracked`: the intake's ``RequestInfo``, grammar matchers, prompt-logprob
+    progress); it never sees a request's output state.
 
-    Loop: handle every message that has arrived; when no step is in flight and there is work,
-    plan a step, get the allocator's transaction result, start the swaps and send the step to
-    the executor; then wait for the next message. Inboxes: its own is unbounded because every
-    message in it stands for accepted work (one add and at most one abort per request, one
-    step, one completion per swap); it never blocks on its outboxes (one transaction and one
-    step at a time; the swap outbox is sized for every swap that can be in flight).
+    Loop: handle every message that has arrived; if the last step had tokens of requests with
+    stop strings, send them to the output processor and wait for its verdict (a stop string
+    ends its sequence before the next plan, so no step computes past it); when no step is in
+    flight and there is work, plan a step, get the allocator's transaction result, start the
+    swaps and send the step to the executor; then send the last step's other outputs to the
+    output processor (after the transaction that freed what finished), and wait for the next
+    message. Inboxes: its own is unbounded because every message in it stands for accepted
+    work (one add and at most one abort per request, one step, one completion per swap); it
+    never blocks on its outboxes (one transaction and one step at a time; the swap outbox is
+    sized for every swap that can be in flight; the output processor's is unbounded, and
+    answers a stop check without waiting on anything).
+
+    Invariant: ``_tracked`` holds exactly the requests the core holds (added, not finished).
     """
 
     def __init__(
@@ -87,6 +102,8 @@ class SchedulerActor:
         results: MemoryObjectReceiveStream[TxnResult],
         executor: MemoryObjectSendStream[ExecuteStep],
         swaps: MemoryObjectSendStream[SwapSpaceInbox],
+        outputs: MemoryObjectSendStream[OutputsInbox],
+        stop_replies: MemoryObjectReceiveStream[StopsFound],
         eos_token_ids: frozenset[int],
         tokenizer: Any = None,
         grammars: GrammarBackend | None = None,
@@ -94,15 +111,17 @@ class SchedulerActor:
         draft_proposals: DraftProposals | None = None,
     ) -> None:
         """``draft_proposals``: the draft model's proposals (speculative method
-        "draft_model"), refilled from every step's result for the core's proposer."""
+        "draft_model"), refilled from every step's result for the core's proposer;
+        ``tokenizer``: the loop's, for bad words."""
         self.scheduler = scheduler
         self._draft_proposals = draft_proposals
-        self._tokenizer = tokenizer
         self._grammars = grammars
         self._bad_words = BadWordsCache(tokenizer)
         self.snapshot = snapshot
-        self.states: dict[str, RequestState] = {}
+        self._tracked: dict[str, Tracked] = {}
         self._inbox = inbox
+        self._outputs = outputs
+        self._stop_replies = stop_replies
         self._txns = txns
         self._results = results
         self._executor = executor
@@ -123,13 +142,17 @@ class SchedulerActor:
         # aborted there): the engine counts them in (expect_request), so idle waits for them.
         self.num_incoming = 0
         # States of streams dropped unfinished (their finalizer, maybe on another thread, only
-        # appends here: deque.append is atomic); aborted at the top of the next loop.
+        # appends here: deque.append is atomic); their requests (id and serial, nothing else
+        # is read) are aborted at the top of the next loop.
         self.dropped: deque[RequestState] = deque()
-        # A step's outputs recorded after the next step is sent (_deliver): (state, update,
-        # token) to record, held states to release, finished beam searches.
-        self._to_record: list[tuple[RequestState, SeqUpdate, SampledToken]] = []
-        self._to_release: list[RequestState] = []
-        self._beams_done: list[tuple[str, list[Hypothesis]]] = []
+        # The last step's outputs: the tokens of requests with stop strings, checked before
+        # the next plan (_check_stops); the rest, sent after the next step (_deliver).
+        self._stop_tokens: list[TokenOutput] = []
+        self._tokens: list[TokenOutput] = []
+        self._prompt_logprobs: list[tuple[str, PromptLogprobRows]] = []
+        self._scheduled: list[Scheduled] = []
+        self._beams: list[tuple[str, tuple[tuple[tuple[int, ...], float, bool], ...]]] = []
+        self._release_due = False  # a stop check held states: the next delivery releases them
 
     # ---- queries ----------------------------------------------------------------------------
 
@@ -137,11 +160,17 @@ class SchedulerActor:
         return self.scheduler.statistics()
 
     @property
+    def num_tracked(self) -> int:
+        """Requests this actor keeps a record of (the core's live requests)."""
+        return len(self._tracked)
+
+    @property
     def is_idle(self) -> bool:
         sched = self.scheduler
         return not (
             self.num_incoming or self._in_flight or self._planning or self._pins
-            or self._to_record or self._to_release or self._beams_done
+            or self._stop_tokens or self._tokens or self._prompt_logprobs or self._scheduled
+            or self._beams or self._release_due
             or sched.has_unfinished
             or sched.has_swaps_in_flight or sched.has_pending_txn_work
         )  # fmt: skip
@@ -169,7 +198,10 @@ class SchedulerActor:
 
     async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
         task_status.started()
-        async with self._inbox, self._txns, self._results, self._executor, self._swaps:
+        async with (
+            self._inbox, self._txns, self._results, self._executor, self._swaps, self._outputs,
+            self._stop_replies,
+        ):  # fmt: skip
             while True:
                 while self.dropped:
                     self._abort_dropped(self.dropped.popleft())
@@ -181,6 +213,8 @@ class SchedulerActor:
                     except anyio.EndOfStream:
                         self._deliver()
                         return
+                if self._stop_tokens:
+                    await self._check_stops()
                 stepped = False
                 if self._in_flight is None and self._has_work():
                     stepped = await self._step()
@@ -228,16 +262,17 @@ class SchedulerActor:
             self._log.info("request_preempted", request_id=rid)
         if not out.seqs:  # it changed something the next plan may use, or nothing
             return bool(txn.frees or txn.complete_swaps or out.preempted)
-        steps = build_sequence_steps(
+        steps, scheduled = build_sequence_steps(
             out,
             self.scheduler,
-            self.states,
+            self._tracked,
             eos_token_ids=self._eos,
             bad_words=self._bad_words,
             grammars=self._grammars,
             has_draft_model=self._draft_proposals is not None,
             tables=self._tables,
         )
+        self._scheduled.extend(scheduled)
         self._in_flight = out
         await self._executor.send(
             ExecuteStep(output=out, plan=StepPlan(seqs=tuple(steps), copy_pairs=out.copy_on_write))
@@ -249,16 +284,19 @@ class SchedulerActor:
 
     def _handle(self, msg: SchedulerInbox) -> None:
         match msg:
-            case AddRequest(request=request, state=state):
+            case AddRequest(request=request, info=info):
                 self.num_incoming -= 1
-                self.states[request.request_id] = state
+                rid = request.request_id
+                known = None if info.params.prompt_logprobs is None else 1
+                self._tracked[rid] = Tracked(info=info, prompt_known=known)
                 self.scheduler.add_request(request)
-                self._log.debug("request_added", request_id=request.request_id)
-            case AbortRequest(request_id=rid, state=aborted):
-                if aborted is not None and self.states.get(rid) is not aborted:
+                self._log.debug("request_added", request_id=rid)
+            case AbortRequest(request_id=rid, serial=serial):
+                tracked = self._tracked.get(rid)
+                if serial is not None and (tracked is None or tracked.info.serial != serial):
                     return  # still in intake (which drops it), or already finished
                 if self.scheduler.abort(rid) is not None:
-                    self.states.pop(rid).abort()
+                    self._end(rid, None)
                     self._log.info("request_aborted", request_id=rid)
             case StepDone(step_id=step_id, result=result, duration_s=duration):
                 out = self._in_flight
@@ -268,8 +306,9 @@ class SchedulerActor:
                 self.num_steps += 1
                 self.step_time_s += duration
                 self.compute_time_s += result.compute_s
-                record_prompt_logprobs(out, result.prompt_logprobs, self.scheduler, self.states,
-                                       self._tokenizer)  # fmt: skip
+                self._prompt_logprobs.extend(prompt_logprob_progress(
+                    out, result.prompt_logprobs, self.scheduler, self._tracked
+                ))  # fmt: skip
                 self._finish_step(out, result.sampled)
             case SwapDone(swap_id=swap_id):
                 self.scheduler.complete_swap(swap_id)
@@ -285,70 +324,83 @@ class SchedulerActor:
     def _abort_dropped(self, state: RequestState) -> None:
         """A stream was dropped unfinished: abort its request if it is here (in intake, its
         ``abort_requested`` flag is enough)."""
-        if self.states.get(state.request_id) is state:
-            self._handle(AbortRequest(request_id=state.request_id, state=state))
+        self._handle(AbortRequest(request_id=state.request_id, serial=state.serial))
+
+    def _end(self, request_id: str, error: BaseException | None) -> None:
+        """The core ended a request outside its outputs (aborted, failed alone)."""
+        del self._tracked[request_id]
+        self._outputs.send_nowait(EndRequest(request_id=request_id, error=error))
+
+    def _forget_if_gone(self, request_id: str) -> None:
+        if request_id not in self.scheduler.requests:
+            self._tracked.pop(request_id, None)
 
     def _finish_step(self, out: SchedulerOutput, sampled: Iterable[SampledToken]) -> None:
         """A step's results, the part the next plan depends on: the scheduler's appends and
-        stop rules, failed rows, grammar matchers and jump-forward, and the text of requests
-        with stop strings (a stop string ends its sequence before the next plan, so no step
-        computes past it). Everything else is recorded into the requests' states by
-        :meth:`_deliver`, after the next step is sent, while its forward runs; a request
-        detokenized here is held until then, so no reader sees a finish before its blocks are
-        freed by the next transaction."""
+        stop rules, failed rows, grammar matchers and jump-forward. The tokens of requests
+        with stop strings wait for :meth:`_check_stops` (before the next plan), the others
+        for :meth:`_deliver` (after the next step is sent, while its forward runs)."""
         sampled = list(sampled)
         failed = [t for t in sampled if t.error is not None]
-        fail_requests_of(out, failed, self.scheduler, self.states, self._log)
+        for rid, error in failed_requests(out, failed, self.scheduler, self._log):
+            self._end(rid, error)
         by_row, tokens, top = tokens_by_seq(sampled)
         updates = self.scheduler.update(out, tokens, top)
         if self._draft_proposals is not None:
             self._draft_proposals.record(out.seqs, sampled)
+        ended: list[str] = []
         for update in updates:
-            state = self.states[update.request_id]
+            tracked = self._tracked[update.request_id]
             upd = update
-            if state.matchers:
-                if not accept_grammar_tokens(state, upd.completion, upd.new_token_ids):
+            if tracked.matchers:
+                if not accept_grammar_tokens(tracked.matchers, upd.completion, upd.new_token_ids):
                     self._log.warning("grammar_rejected_token", request_id=upd.request_id,
                                       tokens=list(upd.new_token_ids))  # fmt: skip
                 # + the tokens the grammar forces
-                upd, num_forced = jump_forward(state, upd, self.scheduler, self._grammars)
+                upd, num_forced = jump_forward(tracked.info, tracked.matchers, upd,
+                                               self.scheduler, self._grammars)  # fmt: skip
                 self.num_jump_forward_tokens += num_forced
-            if state.params.stop:
-                state.hold()
-                if record_tokens(state, upd, by_row[upd.row], self.scheduler, self._tokenizer):
-                    self._log_if_finished(upd.request_id, state)
-                self._to_release.append(state)
+            token = TokenOutput(update=upd, sampled=by_row[upd.row])
+            if tracked.info.params.stop:
+                self._stop_tokens.append(token)
             else:
-                self._to_record.append((state, upd, by_row[upd.row]))
-        self._beams_done.extend(self.scheduler.finished_beams)
+                self._tokens.append(token)
+                if upd.finish_reason is not None:
+                    ended.append(upd.request_id)
+        for rid in ended:  # once all its completions' updates are taken
+            self._forget_if_gone(rid)
+        eos = self._eos
+        for rid, hypotheses in self.scheduler.finished_beams:
+            self._beams.append((rid, tuple((tuple(h.tokens), h.logprob, h.tokens[-1] in eos)
+                                           for h in hypotheses)))  # fmt: skip
+            self._tracked.pop(rid, None)
         self.scheduler.finished_beams.clear()
 
-    def _deliver(self) -> None:
-        """Record the last step's outputs (detokenize, logprobs) and wake their readers."""
-        to_record, self._to_record = self._to_record, []
-        scheduler, tokenizer = self.scheduler, self._tokenizer
-        for state, upd, token in to_record:
-            if record_tokens(state, upd, token, scheduler, tokenizer):
-                self._log_if_finished(upd.request_id, state)
-        to_release, self._to_release = self._to_release, []
-        for state in to_release:
-            state.release()
-        beams, self._beams_done = self._beams_done, []
-        for rid, hypotheses in beams:
-            state = self.states[rid]
-            eos = self._eos
-            state.finish_beams(
-                [(list(h.tokens), h.logprob, h.tokens[-1] in eos) for h in hypotheses],
-                self._tokenizer,
-            )
-            self._log_if_finished(rid, state)
+    async def _check_stops(self) -> None:
+        """The last step's tokens of requests with stop strings, to the output processor, which
+        records them (held from their readers until the next delivery) and answers which
+        sequences a stop string ended; those end here, before the next plan."""
+        tokens, self._stop_tokens = self._stop_tokens, []
+        prompt_logprobs, self._prompt_logprobs = self._prompt_logprobs, []
+        self._outputs.send_nowait(RecordOutputs(tokens=tuple(tokens),
+                                                prompt_logprobs=tuple(prompt_logprobs),
+                                                check_stops=True))  # fmt: skip
+        self._release_due = True
+        verdict = await self._stop_replies.receive()
+        for rid, seq_id, matched in verdict.matches:
+            self.scheduler.finish_seq(rid, seq_id, "stop", matched)
+        for token in tokens:
+            self._forget_if_gone(token.update.request_id)
 
-    def _log_if_finished(self, request_id: str, state: RequestState) -> None:
-        if state.finished and request_id in self.states:
-            del self.states[request_id]
-            self._log.info(
-                "request_finished",
-                request_id=request_id,
-                finish_reasons=[c.finish_reason for c in state.completions],
-                num_tokens=sum(len(c.token_ids) for c in state.completions),
-            )
+    def _deliver(self) -> None:
+        """Send the last step's other outputs to the output processor (which records them,
+        releases what the stop check held and wakes the readers)."""
+        if not (self._tokens or self._prompt_logprobs or self._scheduled or self._beams
+                or self._release_due):  # fmt: skip
+            return
+        msg = RecordOutputs(tokens=tuple(self._tokens),
+                            prompt_logprobs=tuple(self._prompt_logprobs),
+                            scheduled=tuple(self._scheduled), beams=tuple(self._beams))  # fmt: skip
+        self._tokens, self._prompt_logprobs, self._scheduled, self._beams = [], [], [], []
+        self._release_due = False
+        self._outputs.send_nowait(msg)

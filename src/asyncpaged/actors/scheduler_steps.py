@@ -1,8 +1,9 @@
 """A step's rows, one :class:`SequenceStep` per scheduled sequence, built from the core's
-scheduled sequences and the requests' states: the plain greedy fast path (no options at all),
-and otherwise each row's sampling options (see :mod:`.scheduler_sampling`), structured outputs'
-grammar bitmasks, beam search's candidates, prompt-logprob targets, speculative verification
-options and the number of draft-model proposals wanted after the step."""
+scheduled sequences and the scheduler actor's records of them: the plain greedy fast path (no
+options at all), and otherwise each row's sampling options (see :mod:`.scheduler_sampling`),
+structured outputs' grammar bitmasks, beam search's candidates, prompt-logprob targets,
+speculative verification options and the number of draft-model proposals wanted after the
+step."""
 
 from __future__ import annotations
 
@@ -11,64 +12,67 @@ from typing import Any
 
 import torch
 
+from asyncpaged.actors.scheduler_outputs import Tracked, prompt_logprob_targets
 from asyncpaged.actors.scheduler_sampling import BadWordsCache, sampling_options, verify_options
 from asyncpaged.core.request import Request
 from asyncpaged.core.request import Sequence as Seq
 from asyncpaged.core.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
+from asyncpaged.messages import Scheduled
 from asyncpaged.model.block_tables import TableDeltas
 from asyncpaged.model.runner import SequenceStep
 from asyncpaged.model.sampler import SamplingOptions
-from asyncpaged.streams import RequestState
 from asyncpaged.structured_outputs import GrammarBackend
 
 
 def build_sequence_steps(
     out: SchedulerOutput,
     scheduler: Scheduler,
-    states: dict[str, RequestState],
+    tracked: dict[str, Tracked],
     *,
     eos_token_ids: frozenset[int],
     bad_words: BadWordsCache,
     grammars: GrammarBackend | None,
     has_draft_model: bool,
     tables: TableDeltas,
-) -> list[SequenceStep]:
+) -> tuple[list[SequenceStep], list[Scheduled]]:
     """One :class:`SequenceStep` per scheduled sequence of ``out``, in its order, each with
     its block table's changes since the last plan sent (``tables``: the caller marks this
-    plan sent once the executor has it); also notes each request's first scheduled time and
-    its number of cached tokens in its state."""
+    plan sent once the executor has it); and the scheduling facts to report for the requests
+    scheduled for the first time or whose cached-token count changed."""
     now = time.monotonic()
     steps = []
+    scheduled = []
     tables.start_plan()
-    bitmasks = grammar_bitmasks(out, scheduler, states, grammars)
+    bitmasks = grammar_bitmasks(out, scheduler, tracked, grammars)
     for s in out.seqs:
-        state = states[s.request_id]
-        if state.metrics.first_scheduled_time is None:
-            state.metrics.first_scheduled_time = now
+        t = tracked[s.request_id]
         request = scheduler.requests[s.request_id]
-        state.num_cached_tokens = request.num_cached_tokens
+        if t.reported_cached != request.num_cached_tokens:
+            t.reported_cached = request.num_cached_tokens
+            scheduled.append(Scheduled(request_id=s.request_id, first_scheduled_time=now,
+                                       num_cached_tokens=request.num_cached_tokens))  # fmt: skip
         draft_k = (
             _draft_k(scheduler, request, s)
             if has_draft_model and request.num_speculative_tokens
             else 0
         )
         table = tables.delta(s.seq_id, s.block_table)
-        if state.plain and state.grammar is None and s.num_samples == 1:
+        if t.info.plain and t.info.grammar is None and s.num_samples == 1:
             steps.append(SequenceStep(s.seq_id, s.token_ids, s.start_pos, s.slot_mapping,
                                       table[1], s.samples, min_rope_len=s.min_rope_len,
                                       num_draft=s.num_draft, draft_k=draft_k,
                                       table_start=table[0]))  # fmt: skip
             continue
         steps.append(
-            _sampled_step(s, request, state, bitmasks, eos_token_ids, bad_words, draft_k, table)
+            _sampled_step(s, request, t, bitmasks, eos_token_ids, bad_words, draft_k, table)
         )
-    return steps
+    return steps, scheduled
 
 
 def _sampled_step(
     s: ScheduledSeq,
     request: Request,
-    state: RequestState,
+    t: Tracked,
     bitmasks: dict[tuple[int, int], torch.Tensor],
     eos_token_ids: frozenset[int],
     bad_words: BadWordsCache,
@@ -79,23 +83,29 @@ def _sampled_step(
     or beam search's candidates), prompt-logprob targets and speculative verification
     options."""
     seq = seq_of(request, s.seq_id)
+    info = t.info
+    params = info.params
 
     def options(index: int) -> SamplingOptions | None:
         if request.beam is not None:  # each beam offers its 2k best continuations
             return SamplingOptions(temperature=0.0, num_logprobs=2 * request.beam.width)
-        params = state.params
+        # The prompt as one tuple made by the intake, not sliced and copied for every
+        # penalized row of every step.
+        assert len(info.prompt_token_ids) == seq.num_prompt_tokens
         return sampling_options(
             params, seq.token_ids, seq.num_prompt_tokens, index, eos_token_ids,
             bad_words.ids(params.bad_words), bitmasks.get((seq.seq_id, index)),
-            prompt_tuple(state, seq),
+            info.prompt_token_ids,
         )  # fmt: skip
 
-    row_offset, targets = state.prompt_logprob_targets(s.start_pos, len(s.token_ids))
+    row_offset, targets = prompt_logprob_targets(
+        t.prompt_known, info.prompt_token_ids, s.start_pos, len(s.token_ids)
+    )
     verify: tuple[SamplingOptions | None, ...] = ()
     if s.num_draft:
         draft = s.token_ids[len(s.token_ids) - s.num_draft :]
-        bad_words_ids = bad_words.ids(state.params.bad_words)
-        verify = verify_options(state.params, seq, draft, eos_token_ids, bad_words_ids)
+        bad_words_ids = bad_words.ids(params.bad_words)
+        verify = verify_options(params, seq, draft, eos_token_ids, bad_words_ids)
     return SequenceStep(
         seq_id=s.seq_id,
         token_ids=s.token_ids,
@@ -106,25 +116,15 @@ def _sampled_step(
         do_sample=s.samples,
         sampling=options(seq.index) if s.samples else None,
         fanout=tuple(options(i) for i in range(s.num_samples)) if s.num_samples > 1 else (),
-        want_logprob=state.ranks_by_logprob,
+        want_logprob=info.ranks_by_logprob,
         min_rope_len=s.min_rope_len,
         prompt_targets=targets,
         prompt_row_offset=row_offset,
-        num_prompt_logprobs=state.params.prompt_logprobs or 0,
+        num_prompt_logprobs=params.prompt_logprobs or 0,
         num_draft=s.num_draft,
         verify_options=verify,
         draft_k=draft_k,
     )
-
-
-def prompt_tuple(state: RequestState, seq: Seq) -> tuple[int, ...]:
-    """The sequence's prompt as a tuple, made once per request (``state.prompt_tuple``) rather
-    than sliced and copied for every penalized row of every step."""
-    num_prompt = seq.num_prompt_tokens
-    cached = state.prompt_tuple
-    if cached is None or len(cached) != num_prompt:
-        cached = state.prompt_tuple = tuple(seq.token_ids[:num_prompt])
-    return cached
 
 
 def _draft_k(scheduler: Scheduler, request: Request, s: ScheduledSeq) -> int:
@@ -149,7 +149,7 @@ def _draft_k(scheduler: Scheduler, request: Request, s: ScheduledSeq) -> int:
 def grammar_bitmasks(
     out: SchedulerOutput,
     scheduler: Scheduler,
-    states: dict[str, RequestState],
+    tracked: dict[str, Tracked],
     grammars: GrammarBackend | None,
 ) -> dict[tuple[int, int], torch.Tensor]:
     """Structured outputs: (seq id, completion index) -> the next-token bitmask of that
@@ -158,16 +158,16 @@ def grammar_bitmasks(
     keys: list[tuple[int, int]] = []
     matchers: list[Any] = []
     for s in out.seqs:
-        state = states[s.request_id]
-        if not s.samples or state.grammar is None:
+        t = tracked[s.request_id]
+        if not s.samples or t.info.grammar is None:
             continue
         assert grammars is not None, "a compiled grammar without a grammar backend"
         request = scheduler.requests[s.request_id]
         seq = next(q for q in request.seqs if q.seq_id == s.seq_id)
         for index in range(s.num_samples) if s.num_samples > 1 else (seq.index,):
-            matcher = state.matchers.get(index)
+            matcher = t.matchers.get(index)
             if matcher is None:
-                matcher = state.matchers[index] = grammars.matcher(state.grammar)
+                matcher = t.matchers[index] = grammars.matcher(t.info.grammar)
             keys.append((s.seq_id, index))
             matchers.append(matcher)
     if not matchers:
