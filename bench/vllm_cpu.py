@@ -15,7 +15,8 @@ ours), and this script has two halves, one per environment::
     # 3. both, interleaved (from asyncpaged's environment): N rounds of asyncpaged's
     #    `bench throughput` (one or more source trees) and vLLM's `run`, tokens checked, medians
     .venv/bin/python bench/vllm_cpu.py compare /tmp/vllm-workload --rounds 5 \
-        [--tree NAME=SRC_DIR ...] [--vllm-python /tmp/vllmenv/bin/python]
+        [--tree NAME=SRC_DIR ...] [--engine-option NAME:KEY=VALUE ...] \
+        [--vllm-python /tmp/vllmenv/bin/python]
 
 ``run`` pins vLLM's one OpenMP thread to core 0 (``VLLM_CPU_OMP_THREADS_BIND=0``, as vLLM's CPU
 docs ask, with their recommended ``libiomp5`` preload), uses the bench's batching settings
@@ -98,16 +99,19 @@ def run(directory: Path, repeats: int) -> None:
     print(f"median {statistics.median(rates):.1f} tok/s over {repeats}, setup {setup:.1f} s")
 
 
-def _asyncpaged_round(src: str | None, workdir: Path) -> tuple[float, list[list[int]]]:
+def _asyncpaged_round(
+    src: str | None, workdir: Path, options: list[str]
+) -> tuple[float, list[list[int]]]:
     """One fresh ``bench throughput`` run of asyncpaged (from ``src``, else the installed
-    package): its tok/s and its requests' tokens."""
+    package; ``options``: EngineConfig ``KEY=VALUE``s): its tok/s and its requests' tokens."""
     env = dict(os.environ)
     if src:
         env["PYTHONPATH"] = src
     out = Path(tempfile.mkdtemp(dir=workdir))
+    extra = [arg for option in options for arg in ("--engine-option", option)]
     subprocess.run(
         [sys.executable, "-m", "asyncpaged", "bench", "throughput", "--engines", "asyncpaged",
-         "--threads", "1", "--no-progress", "--output", str(out)],
+         "--threads", "1", "--no-progress", "--output", str(out), *extra],
         env=env, check=True, stdout=subprocess.DEVNULL,
     )  # fmt: skip
     report = json.loads((out / "throughput.json").read_text())
@@ -132,29 +136,61 @@ def _vllm_round(directory: Path, vllm_python: Path) -> tuple[float, bool]:
     return float(found[1]), found[2] == found[3]
 
 
-def compare(directory: Path, rounds: int, trees: list[str], vllm_python: Path) -> None:
+def _cpu_flags() -> str:
+    """The CPU's model name and its vector flags (recorded with every number)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return "unknown CPU"
+    name = next((ln.split(":", 1)[1].strip() for ln in text.splitlines()
+                 if ln.startswith("model name")), "?")  # fmt: skip
+    flags = next((ln.split(":", 1)[1].split() for ln in text.splitlines()
+                  if ln.startswith("flags")), [])  # fmt: skip
+    wanted = [f for f in flags if re.match(r"(avx|fma|amx|.*vnni|.*bf16)", f)]
+    return f"{name}: {' '.join(wanted)}"
+
+
+def compare(
+    directory: Path,
+    rounds: int,
+    trees: list[str],
+    options: list[str],
+    vllm_python: Path | None,
+) -> None:
     """Interleaved rounds: each asyncpaged tree, then vLLM; per-round tok/s, token checks,
-    medians and each tree's ratio to vLLM."""
+    medians and each tree's ratio to vLLM (``vllm_python`` None: asyncpaged only, ratios to
+    the first tree). ``options``: ``NAME:KEY=VALUE``, an EngineConfig
+    field for the tree (or variant) ``NAME``."""
     want = json.loads((directory / "hf_tokens.json").read_text())
     named = [tuple(t.split("=", 1)) if "=" in t else (t or "installed", t) for t in trees]
+    by_tree: dict[str, list[str]] = {}
+    for option in options:
+        name, _, setting = option.partition(":")
+        by_tree.setdefault(name, []).append(setting)
     rates: dict[str, list[float]] = {name: [] for name, _ in named}
     rates["vllm"] = []
+    print(_cpu_flags(), flush=True)
     with tempfile.TemporaryDirectory() as workdir:
         for r in range(1, rounds + 1):
             for name, src in named:
-                rate, tokens = _asyncpaged_round(src or None, Path(workdir))
+                rate, tokens = _asyncpaged_round(src or None, Path(workdir), by_tree.get(name, []))
                 equal = tokens == want
                 rates[name].append(rate)
                 print(f"round {r} {name}: {rate:.1f} tok/s, tokens "
                       f"{'equal transformers' if equal else 'DIFFER'}", flush=True)  # fmt: skip
+            if vllm_python is None:
+                continue
             rate, equal = _vllm_round(directory, vllm_python)
             rates["vllm"].append(rate)
             print(f"round {r} vllm: {rate:.1f} tok/s, tokens "
                   f"{'equal transformers' if equal else 'DIFFER'}", flush=True)  # fmt: skip
-    vllm = statistics.median(rates["vllm"])
+    base_name = "vllm" if vllm_python is not None else named[0][0]
+    base = statistics.median(rates[base_name])
     for name, values in rates.items():
+        if not values:
+            continue
         median = statistics.median(values)
-        ratio = "" if name == "vllm" else f", {median / vllm:.2f}x vLLM"
+        ratio = "" if name == base_name else f", {median / base:.2f}x {base_name}"
         print(f"{name}: median {median:.1f} tok/s{ratio}")
 
 
@@ -167,7 +203,19 @@ def main() -> None:
     parser.add_argument("--tree", action="append", default=[],
                         help="compare: NAME=SRC_DIR of an asyncpaged tree (repeatable; "
                              "default: the installed package)")  # fmt: skip
+    parser.add_argument(
+        "--engine-option",
+        action="append",
+        default=[],
+        help="compare: NAME:KEY=VALUE, an EngineConfig field for tree NAME "
+        "(repeatable; the same SRC_DIR may appear under several names)",
+    )
     parser.add_argument("--vllm-python", type=Path, default=Path("/tmp/vllmenv/bin/python"))
+    parser.add_argument(
+        "--no-vllm",
+        action="store_true",
+        help="compare: asyncpaged trees only (ratios to the first)",
+    )
     args = parser.parse_args()
     args.directory.mkdir(parents=True, exist_ok=True)
     if args.mode == "export":
@@ -175,7 +223,8 @@ def main() -> None:
     elif args.mode == "run":
         run(args.directory, args.repeats)
     else:
-        compare(args.directory, args.rounds, args.tree or [""], args.vllm_python)
+        vllm_python = None if args.no_vllm else args.vllm_python
+        compare(args.directory, args.rounds, args.tree or [""], args.engine_option, vllm_python)
     sys.stdout.flush()
 
 
