@@ -6,13 +6,16 @@ import argparse
 import json
 from pathlib import Path
 
+import pytest
+
 from asyncpaged.tools.bench_overhead import run
 
 
-def test_bench_overhead_small_run(tmp_path: Path) -> None:
-    args = argparse.Namespace(num_seqs=16, max_tokens=12, repeats=2, threads=1,
+@pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "sampled"])
+def test_bench_overhead_small_run(tmp_path: Path, sampled: bool) -> None:
+    args = argparse.Namespace(num_seqs=16, max_tokens=12, repeats=2, threads=1, sampled=sampled,
                               model_dir=str(tmp_path / "model"), output=str(tmp_path))  # fmt: skip
-    assert run(args) == 0  # the two runs' greedy tokens agree
+    assert run(args) == 0  # the two runs' tokens agree (sampled: seeded per request)
     report = json.loads((tmp_path / "overhead.json").read_text())
     assert report["model"]["num_hidden_layers"] == 1
     for r in report["runs"]:

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from asyncpaged.model.logits_processors import stable_sort_rows
 from asyncpaged.model.sampler_stages import _NEG_INF
 
 if TYPE_CHECKING:
@@ -93,7 +94,7 @@ def _top_p_of_candidates(
         candidates:                  [ -inf  kept kept kept ]   (C wide, written at V - C)
     """
     num_rows, width = logits.shape
-    ordered, order = torch.sort(logits, dim=-1, stable=True)  # [R, C]
+    ordered, order = stable_sort_rows(logits)  # [R, C]
     logits_sort = torch.full((num_rows, vocab_size), _NEG_INF, device=logits.device)
     logits_sort[:, vocab_size - width :] = ordered
     cumulative = torch.softmax(logits_sort, dim=-1).cumsum(dim=-1)  # [R, V]

@@ -20,6 +20,7 @@ engine changes). ``--output DIR`` receives ``overhead.json``.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import hashlib
 import json
 import platform
@@ -67,12 +68,19 @@ async def _one_run(args: argparse.Namespace, checkpoint: Path) -> dict[str, Any]
     )  # fmt: skip
     prompts = _prompts(args.num_seqs, MICRO_MODEL["vocab_size"])
     tokens: list[list[int]] = [[] for _ in prompts]
+
+    def params_of(i: int) -> SamplingParams:
+        if not args.sampled:
+            return params
+        # seeded per request, so the tokens are the same in every run
+        return dataclasses.replace(params, temperature=0.8, top_p=0.95, seed=i)
+
     async with AsyncEngine(config) as engine:
         await engine.generate(prompts[0], SamplingParams(temperature=0.0, max_tokens=4))
         before = engine.statistics()
 
         async def one(i: int) -> None:
-            async for delta in engine.generate(prompts[i], params):
+            async for delta in engine.generate(prompts[i], params_of(i)):
                 tokens[i].extend(delta.outputs[0].token_ids)
 
         began, loop_cpu = time.perf_counter(), time.thread_time()
@@ -138,6 +146,11 @@ def add_parser(modes: Any) -> None:
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--threads", type=int, default=1, help="torch threads")
+    p.add_argument(
+        "--sampled",
+        action="store_true",
+        help="temperature 0.8, top_p 0.95, a seed per request (not greedy)",
+    )
     p.add_argument("--model-dir", default="~/.cache/asyncpaged/bench/overhead")
     p.add_argument("--output", default="bench-results", help="folder for overhead.json")
     p.set_defaults(func=run)
