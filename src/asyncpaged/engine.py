@@ -41,6 +41,7 @@ from asyncpaged.engine_lifecycle import (
     ActorTask,
     close_tensor_parallel,
     persist_kv_tiers,
+    wait_actors_idle,
     wait_or_dead,
 )
 from asyncpaged.engine_prefix import PrefixHandle, pin_token_ids, prefix_token_ids
@@ -283,14 +284,8 @@ class AsyncEngine:
         self._check_alive()
 
     async def _wait_idle(self) -> None:
-        """Both the scheduler and the output processor idle (the latter sends the former
-        nothing unasked, so once both are, both stay so until the next request)."""
         assert self._outputs is not None
-        while True:
-            await self._scheduler.wait_idle()
-            await self._outputs.wait_idle()
-            if self._scheduler.is_idle:
-                return
+        await wait_actors_idle(self._scheduler, self._outputs)
 
     async def _wait_or_dead(self, wait: Callable[[], Awaitable[object]]) -> None:
         """Await ``wait()`` until it returns or the engine fails (after which it may never)."""
@@ -444,13 +439,11 @@ class AsyncEngine:
         if state.is_done or state.abort_requested:
             return
         state.abort_requested = True
-        self._abort_nowait(state.request_id, state.serial)
-
-    def _abort_nowait(self, request_id: str, serial: int | None = None) -> None:
         if self._dead is None and self._task.tg is not None:
             with contextlib.suppress(anyio.ClosedResourceError, anyio.BrokenResourceError):
                 # closed: every request has finished, nothing is left to abort
-                self._control.send_nowait(AbortRequest(request_id=request_id, serial=serial))
+                msg = AbortRequest(request_id=state.request_id, serial=state.serial)
+                self._control.send_nowait(msg)
 
     def _check_alive(self) -> None:
         if self._dead is not None:

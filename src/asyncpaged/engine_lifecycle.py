@@ -13,6 +13,8 @@ import anyio
 from anyio.abc import TaskGroup, TaskStatus
 
 from asyncpaged._detached import spawn_detached
+from asyncpaged.actors.output_processor import OutputProcessor
+from asyncpaged.actors.scheduler import SchedulerActor
 from asyncpaged.core.block_pool import BlockPool
 from asyncpaged.distributed import TensorParallelRunner
 from asyncpaged.model.kv_tier_store import KVTierStore
@@ -22,6 +24,7 @@ __all__ = [
     "close_tensor_parallel",
     "persist_kv_tiers",
     "supervise_actors",
+    "wait_actors_idle",
     "wait_or_dead",
 ]
 
@@ -137,3 +140,13 @@ async def persist_kv_tiers(store: KVTierStore | None, pool: BlockPool) -> None:
     pool.begin_tier_txn(store.take_failed_spills())
     ops = pool.persist_tiers()
     await anyio.to_thread.run_sync(store.run, ops, abandon_on_cancel=False)
+
+
+async def wait_actors_idle(scheduler: SchedulerActor, outputs: OutputProcessor) -> None:
+    """Until the scheduler and the output processor are idle at once (the output processor
+    sends the scheduler nothing unasked, so once both are, both stay so until new work)."""
+    while True:
+        await scheduler.wait_idle()
+        await outputs.wait_idle()
+        if scheduler.is_idle:
+            return

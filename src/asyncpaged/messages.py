@@ -92,9 +92,8 @@ class PromptReady:
 class AbortRequest:
     request_id: str
     # The submission aborted (its RequestState.serial, from its stream or engine.abort): only
-    # that one, never a later request that reuses its id; None aborts whatever request holds
-    # the id.
-    serial: int | None = None
+    # that one, never a later request that reuses its id.
+    serial: int
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

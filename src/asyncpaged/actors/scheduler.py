@@ -293,7 +293,7 @@ class SchedulerActor:
                 self._log.debug("request_added", request_id=rid)
             case AbortRequest(request_id=rid, serial=serial):
                 tracked = self._tracked.get(rid)
-                if serial is not None and (tracked is None or tracked.info.serial != serial):
+                if tracked is None or tracked.info.serial != serial:
                     return  # still in intake (which drops it), or already finished
                 if self.scheduler.abort(rid) is not None:
                     self._end(rid, None)
