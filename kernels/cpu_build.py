@@ -20,11 +20,15 @@ the CPU cannot run is refused with a warning, since it would die on an illegal i
 The shared library lives in ``ASYNCPAGED_CACHE_DIR`` (default ``~/.cache/asyncpaged/kernels``),
 named by a hash of the sources and headers, the flags, the compiler's version and the target. It
 is compiled to a temporary file in that folder and moved into place with ``os.replace``, so
-processes that build at the same time never see a partial file. Nothing here imports Triton.
+processes that build at the same time never see a partial file; on POSIX they also take a lock on
+the folder while building (``flock`` on the folder itself, so no lock file is left behind), so
+processes that start together (two engines, test workers) compile each library once: the others
+wait and then load the finished file. Nothing here imports Triton.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import hashlib
@@ -35,7 +39,7 @@ import subprocess
 import tempfile
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Final
@@ -189,6 +193,42 @@ def build(
         return path
     try:
         directory.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        _warn_once(f"cache:{directory}", "cpu_kernel_unavailable", reason=repr(exc))
+        return None
+    with _folder_lock(directory):
+        if path.exists():  # another process built it while this one waited
+            return path
+        return _build_locked(compiler, target, sources, directory, path)
+
+
+@contextlib.contextmanager
+def _folder_lock(directory: Path) -> Iterator[None]:
+    """Hold an exclusive ``flock`` on ``directory`` itself (no lock file to leave behind); where
+    that is not possible (no ``fcntl``, a file system without locks) build unlocked: the atomic
+    ``os.replace`` alone keeps concurrent builds correct, only duplicated."""
+    try:
+        import fcntl
+    except ImportError:  # not POSIX
+        yield
+        return
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        yield
+        return
+    try:
+        with contextlib.suppress(OSError):
+            fcntl.flock(fd, fcntl.LOCK_EX)  # released when fd is closed
+        yield
+    finally:
+        os.close(fd)
+
+
+def _build_locked(
+    compiler: str, target: str, sources: tuple[Path, ...], directory: Path, path: Path
+) -> Path | None:
+    try:
         fd, tmp_name = tempfile.mkstemp(prefix=f".{path.stem}.", suffix=".so", dir=directory)
     except OSError as exc:
         _warn_once(f"cache:{directory}", "cpu_kernel_unavailable", reason=repr(exc))

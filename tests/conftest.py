@@ -1,16 +1,28 @@
-"""Test-wide settings: Hypothesis profiles.
+"""Test-wide settings: Hypothesis profiles, and running under pytest-xdist.
 
 CI uses the derandomized ``ci`` profile; ``ASYNCPAGED_HYPOTHESIS_PROFILE=long`` selects a longer,
 randomized search (``dev`` is a quick one for editing).
+
+The suite runs on pytest-xdist workers (``addopts`` in pyproject.toml). What keeps it safe there:
+each worker builds its own tiny checkpoints (session fixtures under its own ``tmp_path``), servers
+bind port 0, the native CPU kernels build into the shared cache folder under a file lock
+(``asyncpaged.kernels.cpu_build``: one process compiles, the others wait and load it), and every
+worker sets ``TRITON_INTERPRET`` itself when it imports tests/kernels/conftest.py during collection,
+before any kernel test runs. Two more things are here: each worker gets its share of the cores
+(torch threads), and tests marked ``alone`` run while no other worker runs a test.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import os
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import structlog
+import torch
 from hypothesis import HealthCheck, settings
 
 from asyncpaged.tools import cli_log
@@ -42,3 +54,63 @@ def _reset_structlog() -> Iterator[None]:
     yield
     structlog.reset_defaults()
     cli_log.reset()
+
+
+# --- pytest-xdist ---------------------------------------------------------------------------------
+
+_WORKER = os.environ.get("PYTEST_XDIST_WORKER")  # "gw0", "gw1", ... in a worker; None otherwise
+if _WORKER is not None:
+    # Each worker its share of the cores: two workers of torch's default (every core) thread
+    # pool oversubscribe the machine, and OpenMP's spinning threads then stall each other. The
+    # tests that need threads pass ``num_threads`` explicitly; tests/model and the server
+    # fixtures pin 1 thread anyway.
+    _workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // _workers))
+
+
+class _RunLock:
+    """A readers-writer lock shared by this run's workers (``flock`` on two files in the run's
+    temporary folder): every test holds it shared, an ``alone`` test exclusively. The gate keeps
+    an ``alone`` test from waiting forever: a worker takes it before the run lock, and an
+    ``alone`` test keeps it until it ends, so no new test starts meanwhile."""
+
+    def __init__(self, folder: Path) -> None:
+        flags = os.O_RDWR | os.O_CREAT
+        self._gate = os.open(folder / "xdist-gate.lock", flags, 0o644)
+        self._run = os.open(folder / "xdist-run.lock", flags, 0o644)
+
+    @contextlib.contextmanager
+    def hold(self, alone: bool) -> Iterator[None]:
+        fcntl.flock(self._gate, fcntl.LOCK_EX)
+        try:
+            fcntl.flock(self._run, fcntl.LOCK_EX if alone else fcntl.LOCK_SH)
+        finally:
+            if not alone:
+                fcntl.flock(self._gate, fcntl.LOCK_UN)
+        try:
+            yield
+        finally:
+            fcntl.flock(self._run, fcntl.LOCK_UN)
+            if alone:
+                fcntl.flock(self._gate, fcntl.LOCK_UN)
+
+
+@pytest.fixture(scope="session")
+def _run_lock(tmp_path_factory: pytest.TempPathFactory) -> _RunLock | None:
+    if _WORKER is None:
+        return None  # one process: nothing runs beside a test
+    # A worker's basetemp is <the run's basetemp>/<worker id>: the parent is shared by the run.
+    return _RunLock(tmp_path_factory.getbasetemp().parent)
+
+
+@pytest.fixture(autouse=True)
+def _alone_under_xdist(
+    request: pytest.FixtureRequest, _run_lock: _RunLock | None
+) -> Iterator[None]:
+    """Tests marked ``alone`` (they measure latency or time) run while no other worker runs a
+    test; the others may run side by side. A no-op without xdist workers."""
+    if _run_lock is None:
+        yield
+        return
+    with _run_lock.hold(alone=request.node.get_closest_marker("alone") is not None):
+        yield

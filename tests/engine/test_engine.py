@@ -287,6 +287,9 @@ class SlowRunner:
         return self.runner.execute(plan)
 
 
+# alone: it bounds the event loop's p99 lag (20 ms); another worker's test on the other core
+# (2 cores) competes with the loop and the worker thread for CPU and skews the latency.
+@pytest.mark.alone
 async def test_event_loop_stays_responsive_during_steps(tiny_checkpoint: Callable[[str], Path]
                                                         ) -> None:  # fmt: skip
     path = tiny_checkpoint(MODEL)
