@@ -60,10 +60,13 @@ def test_features_decide_what_timing_cannot() -> None:
     assert _plan(ZEN4, timer) == dict.fromkeys(LEVERS, True)
     assert sorted(timer.calls) == ["bf16_head", "int8_head", "packed_linear"]
     timer = Timings()
-    avx2 = _plan(AVX2, timer)  # no bf16 dot products, no VNNI: neither screen, nothing timed
-    assert avx2 == {"packed_linears": True, "screened_lm_head": False, "int8_lm_head": False,
+    # no bf16 dot products: no bf16 screen, not timed; no VNNI: the int8 screen on 7-bit
+    # activations, timed (its exactness check decides whether it runs at all)
+    avx2 = _plan(AVX2, timer)
+    assert avx2 == {"packed_linears": True, "screened_lm_head": False, "int8_lm_head": True,
                     "fused_elementwise": True}  # fmt: skip
-    assert timer.calls == ["packed_linear"]
+    assert timer.calls == ["packed_linear", "int8_head"]
+    assert _plan(AVX2, Timings(), int8_exact=lambda: False)["int8_lm_head"] is False
     assert _plan(ICELAKE, Timings())["screened_lm_head"] is False  # VNNI, no bf16
     assert _plan(ICELAKE, Timings())["int8_lm_head"] is True
     assert _plan(GRAVITON3, Timings())["screened_lm_head"] is True  # aarch64 "bf16" flag
@@ -114,12 +117,12 @@ def test_the_plan_is_logged_once_at_info_without_warnings() -> None:
     with capture_logs() as logs:
         plan_cpu(AUTO, hidden_size=512, intermediate_size=1376, vocab_size=32000,
                  features=AVX2, timer=Timings(), library_target=lambda: "avx2",
-                 cache=False)  # fmt: skip
+                 int8_exact=lambda: True, cache=False)  # fmt: skip
     events = [(e["event"], e["log_level"]) for e in logs]
     assert events == [("cpu_plan", "info")]
     (entry,) = logs
     assert entry["screened_lm_head"].startswith("off: no bf16 dot products")
-    assert entry["int8_lm_head"].startswith("off: no VNNI")
+    assert entry["int8_lm_head"].startswith("on: 7-bit activations (no VNNI")
 
 
 @pytest.mark.parametrize(

@@ -23,6 +23,7 @@ from asyncpaged.model.lm_head import ScreenedLMHead
 from asyncpaged.model.lm_head_int8 import (
     MAX_HIDDEN_SIZE,
     Int8ScreenedArgmax,
+    int8_activation_limit,
     int8_screen_supported,
 )
 from tests.model.test_lm_head import NEAR_TIES, near_tie_head, planted_triple_head
@@ -68,23 +69,32 @@ def _check(head: Int8ScreenedArgmax, h: torch.Tensor, *, bound: bool = True) -> 
     return got
 
 
+# 8-bit activations (VNNI) and 7-bit ones (where int16 pair sums would saturate 8-bit): both
+# exact on this machine's kernel, the same proof.
+LIMITS = pytest.mark.parametrize("limit", [127, 63], ids=["8bit", "7bit"])
+
+
 @needs_int8
+@LIMITS
 @pytest.mark.parametrize(
     ("vocab", "hidden", "num_rows"),
     [(100, 16, 7), (2000, 64, 64), (777, 80, 1), (5000, 512, 7), (32000, 128, 3)],
 )
-def test_random_heads_give_the_reference_argmax(vocab: int, hidden: int, num_rows: int) -> None:
+def test_random_heads_give_the_reference_argmax(
+    vocab: int, hidden: int, num_rows: int, limit: int
+) -> None:
     gen = torch.Generator().manual_seed(vocab + hidden)
     weight = torch.randn(vocab, hidden, generator=gen) * 0.05
     weight[: vocab // 3] *= 3  # rows of very different norms
     h = torch.randn(num_rows, hidden, generator=gen)
     h *= torch.logspace(-3, 3, num_rows)[torch.randperm(num_rows, generator=gen)][:, None]
-    head = Int8ScreenedArgmax(weight)
+    head = Int8ScreenedArgmax(weight, activation_limit=limit)
     _check(head, h)
 
 
 @needs_int8
-def test_zero_rows_large_rows_and_mixed_norms_in_one_batch() -> None:
+@LIMITS
+def test_zero_rows_large_rows_and_mixed_norms_in_one_batch(limit: int) -> None:
     gen = torch.Generator().manual_seed(5)
     weight = torch.randn(3000, 64, generator=gen) * 0.05
     weight[17] = 0.0  # a zero weight row (its scale is the minimum one)
@@ -95,7 +105,7 @@ def test_zero_rows_large_rows_and_mixed_norms_in_one_batch() -> None:
     h[4, 7] = 3e4  # one huge component: the rest quantises to zero
     h[5] = -0.0
     h[6] *= 1e-6
-    head = Int8ScreenedArgmax(weight, rescorer=ScreenedLMHead(weight))
+    head = Int8ScreenedArgmax(weight, rescorer=ScreenedLMHead(weight), activation_limit=limit)
     got = _check(head, h)
     assert int(got[1]) == 0 and int(got[5]) == 0, "all-zero logits tie: the lowest id wins"
 
@@ -115,13 +125,14 @@ def test_real_sized_head_keeps_few_candidates() -> None:
 
 
 @needs_int8
+@LIMITS
 @settings(max_examples=60, deadline=None)
 @given(**NEAR_TIES)
 def test_adversarial_near_ties_give_the_reference_argmax(
-    seed: int, vocab: int, hidden: int, spread: float, noise: float, ties: int
+    seed: int, vocab: int, hidden: int, spread: float, noise: float, ties: int, limit: int
 ) -> None:
     h, weight = near_tie_head(seed, vocab, hidden, spread, noise, ties)
-    _check(Int8ScreenedArgmax(weight), h)
+    _check(Int8ScreenedArgmax(weight, activation_limit=limit), h)
 
 
 @needs_int8
@@ -291,10 +302,10 @@ def test_rejects_weights_it_cannot_bound() -> None:
 
 @pytest.fixture
 def fresh_support_check() -> Iterator[None]:
-    """``int8_screen_supported`` recomputed inside the test, and again for later tests."""
-    int8_screen_supported.cache_clear()
+    """``int8_activation_limit`` recomputed inside the test, and again for later tests."""
+    int8_activation_limit.cache_clear()
     yield
-    int8_screen_supported.cache_clear()
+    int8_activation_limit.cache_clear()
 
 
 @pytest.mark.usefixtures("fresh_support_check")
@@ -304,9 +315,12 @@ def test_unsupported_without_mkldnn(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 @pytest.mark.usefixtures("fresh_support_check")
-def test_unsupported_when_int16_pair_sums_saturate(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_int16_pair_sums_that_saturate_take_7_bit_activations(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """A kernel that adds u8 x s8 products in pairs into saturating int16 (vpmaddubsw, no VNNI)
-    is what the probe exists for: it must answer False."""
+    is what the probe exists for: 8-bit activations fail on it, 7-bit ones (u8 <= 127, pair sums
+    below 2^15) pass, and the screen runs with those."""
 
     def prepack(weight: torch.Tensor, x_shape: list[int] | None) -> torch.Tensor:
         return weight
@@ -316,11 +330,22 @@ def test_unsupported_when_int16_pair_sums_saturate(monkeypatch: pytest.MonkeyPat
     ) -> torch.Tensor:
         products = qx.long()[:, None, :] * qw.long()[None, :, :]  # [M, V, H]
         pairs = products.view(*products.shape[:2], -1, 2).sum(-1).clamp(-(2**15), 2**15 - 1)
-        return (pairs.sum(-1) - x_zp * qw.long().sum(-1)).float()
+        weight_scales = args[0]
+        assert isinstance(weight_scales, torch.Tensor)
+        return (pairs.sum(-1) - x_zp * qw.long().sum(-1)).float() * weight_scales
 
     monkeypatch.setattr(torch.ops.onednn, "qlinear_prepack", prepack)
     monkeypatch.setattr(torch.ops.onednn, "qlinear_pointwise", saturating)
-    assert int8_screen_supported() is False
+    assert not lm_head_int8._accumulation_is_exact(127)
+    assert int8_activation_limit() == 63
+    assert int8_screen_supported() is True
+    # and with 7-bit activations the saturating kernel screens exactly
+    gen = torch.Generator().manual_seed(4)
+    weight = torch.randn(300, 64, generator=gen)
+    hidden = torch.randn(9, 64, generator=gen)
+    head = Int8ScreenedArgmax(weight, activation_limit=63)
+    want = torch.argmax(torch.nn.functional.linear(hidden, weight), dim=-1)
+    assert torch.equal(head.argmax(hidden), want)
 
 
 @pytest.mark.usefixtures("fresh_support_check")
@@ -335,18 +360,28 @@ def test_the_probe_accepts_an_exact_kernel(monkeypatch: pytest.MonkeyPatch) -> N
 
     monkeypatch.setattr(torch.ops.onednn, "qlinear_prepack", prepack)
     monkeypatch.setattr(torch.ops.onednn, "qlinear_pointwise", exact)
-    assert int8_screen_supported() is True
-    monkeypatch.setattr(lm_head_int8, "_accumulation_is_exact", lambda: False)
-    int8_screen_supported.cache_clear()
+    assert int8_activation_limit() == 127
+    monkeypatch.setattr(lm_head_int8, "_accumulation_is_exact", lambda limit: False)
+    int8_activation_limit.cache_clear()
     assert int8_screen_supported() is False
 
 
 @needs_int8
-def test_the_probe_refuses_onednn_limited_to_avx2() -> None:
+def test_onednn_limited_to_avx2_takes_7_bit_activations() -> None:
     """oneDNN capped at AVX2 (ONEDNN_MAX_CPU_ISA, read at its start, so in a child) adds u8 x s8
-    pairs into saturating int16 on any CPU: the real kernel, not a simulation, fails the probe
-    (on this machine's kind AVX512_CORE does too, AVX512_CORE_VNNI passes)."""
-    code = "from asyncpaged.model.lm_head_int8 import int8_screen_supported as s; print(s())"
+    pairs into saturating int16 on any CPU: the real kernel, not a simulation, fails the 8-bit
+    check and passes the 7-bit one (on this machine's kind AVX512_CORE does the same,
+    AVX512_CORE_VNNI passes 8-bit); and the screen's greedy picks there are the fp32 head's."""
+    code = (
+        "import torch\n"
+        "from asyncpaged.model.lm_head_int8 import Int8ScreenedArgmax, int8_activation_limit\n"
+        "limit = int8_activation_limit()\n"
+        "g = torch.Generator().manual_seed(1)\n"
+        "w = torch.randn(4000, 256, generator=g); h = torch.randn(64, 256, generator=g)\n"
+        "head = Int8ScreenedArgmax(w, activation_limit=limit)\n"
+        "want = torch.argmax(torch.nn.functional.linear(h, w), dim=-1)\n"
+        "print(limit, torch.equal(head.argmax(h), want))\n"
+    )
     answers = {}
     for isa in ("AVX2", "DEFAULT"):
         env = {**os.environ, "ONEDNN_MAX_CPU_ISA": isa}
@@ -354,4 +389,4 @@ def test_the_probe_refuses_onednn_limited_to_avx2() -> None:
             [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True
         )
         answers[isa] = out.stdout.strip().splitlines()[-1]
-    assert answers == {"AVX2": "False", "DEFAULT": "True"}
+    assert answers == {"AVX2": "63 True", "DEFAULT": "127 True"}

@@ -2,8 +2,9 @@
 
 The levers (docs/tuning.md) change speed, never tokens, but each wins only on some CPUs: the bf16
 screen of the LM head is +14-25% where the CPU has bf16 dot products (avx512_bf16, AMX) and 2.3x
-slower where oneDNN emulates them (AVX2-only EPYC, measured); the int8 screen needs VNNI for
-exact int32 sums. So each lever is ``"auto"`` by default (``EngineConfig``), and ``plan_cpu``
+slower where oneDNN emulates them (AVX2-only EPYC, measured); the int8 screen runs 8-bit
+activations where VNNI sums them exactly and 7-bit ones elsewhere (pair sums that fit int16).
+So each lever is ``"auto"`` by default (``EngineConfig``), and ``plan_cpu``
 turns it into on or off with a reason:
 
 ==================  ==========================================================================
@@ -14,8 +15,9 @@ packed_linears      this torch has oneDNN's packed linear, and a timed GEMM at t
 screened_lm_head    the CPU has bf16 dot products (flags), and the screened greedy head, timed at
                     the model's LM-head shape, beats the fp32 head's argmax by
                     ``SCREEN_MIN_SPEEDUP`` (this catches emulation, e.g. ``ONEDNN_MAX_CPU_ISA``)
-int8_lm_head        the CPU has VNNI (flags), oneDNN's int8 sums check exact on it
-                    (``lm_head_int8.int8_screen_supported``), and the int8-screened greedy head,
+int8_lm_head        oneDNN's int8 sums check exact here, with 8-bit activations (VNNI) or
+                    7-bit ones (``lm_head_int8.int8_activation_limit``), and the int8-screened
+                    greedy head,
                     timed at the model's LM-head shape, beats the fp32 head's argmax by
                     ``SCREEN_MIN_SPEEDUP`` (a small vocabulary or hidden size: it does not)
 fused_elementwise   the native kernel library builds here
@@ -212,18 +214,21 @@ def _int8_screen(
     forced = _forced(setting)
     if forced is not None:
         return forced
-    if not features.has_vnni:
-        return LeverChoice(False, "no VNNI on this CPU: oneDNN's int8 sums would saturate")
-    if int8_exact is None:
-        from asyncpaged.model.lm_head_int8 import int8_screen_supported
+    if int8_exact is None:  # this machine's check: which activation range sums exactly
+        from asyncpaged.model.lm_head_int8 import ACTIVATION_LIMITS, int8_activation_limit
 
-        int8_exact = int8_screen_supported
-    if not int8_exact():
+        limit = int8_activation_limit()
+        exact, wide = limit is not None, limit == ACTIVATION_LIMITS[0]
+    else:  # a forced answer (tests): the range follows the flags
+        exact, wide = int8_exact(), features.has_vnni
+    if not exact:
         return LeverChoice(False, "oneDNN's int8 GEMM failed its exactness check here")
     int8, fp32 = timings.get("int8_head", shapes)
     speedup = fp32 / max(int8, 1e-9)
+    sums = ("8-bit activations" if wide
+            else "7-bit activations (no VNNI: 8-bit pair sums would saturate int16)")  # fmt: skip
     return LeverChoice(speedup >= SCREEN_MIN_SPEEDUP,
-                       f"VNNI, int8 sums checked exact; the int8-screened head {speedup:.2f}x "
+                       f"{sums}, int8 sums checked exact; the int8-screened head {speedup:.2f}x "
                        f"as fast as the fp32 head (on from {SCREEN_MIN_SPEEDUP}x)")  # fmt: skip
 
 
@@ -333,13 +338,18 @@ def _measure(probe: str, shapes: Mapping[str, int]) -> tuple[float, float]:
 
 def _screened_argmax(probe: str, weight: torch.Tensor, x: torch.Tensor) -> Callable[[], object]:
     from asyncpaged.model.lm_head import ScreenedLMHead
-    from asyncpaged.model.lm_head_int8 import Int8ScreenedArgmax
+    from asyncpaged.model.lm_head_int8 import (
+        ACTIVATION_LIMITS,
+        Int8ScreenedArgmax,
+        int8_activation_limit,
+    )
 
     head = ScreenedLMHead(weight)
     if probe == "bf16_head":
         return lambda: head.argmax(x)
 
-    int8 = Int8ScreenedArgmax(weight, rescorer=head)
+    limit = int8_activation_limit()
+    int8 = Int8ScreenedArgmax(weight, rescorer=head, activation_limit=limit or ACTIVATION_LIMITS[0])
     return lambda: int8.argmax(x)
 
 

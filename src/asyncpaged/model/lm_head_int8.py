@@ -7,14 +7,19 @@ with ``ScreenedLMHead``'s own per-pair fp32 formula. It serves greedy rows only 
 
 Quantisation. Weight row ``w_v`` gets the float32 scale ``a_v = max|w_v| / 127`` (at least
 2^-100) and the int8 row ``p_v = clamp(round(w_v / a_v), -127, 127)``; ``ŵ_v = a_v p_v`` exactly.
-Hidden row ``h`` gets the float64 factor ``c = 127 / max|h|`` (``c = 1`` for a zero row),
-``h' = fl64(c h)`` and the integers ``q = clamp(round(h'), -127, 127)``, passed as
-``u8 = q + 128`` with zero point 128 and activation scale 1.0: each row has its own scale, and
-no scale is rounded to float32 on the way in. The screen works in units of ``c`` per row.
+Hidden row ``h`` gets the float64 factor ``c = A / max|h|`` (``c = 1`` for a zero row),
+``h' = fl64(c h)`` and the integers ``q = clamp(round(h'), -A, A)``, passed as
+``u8 = q + A + 1`` with zero point ``A + 1`` and activation scale 1.0: each row has its own
+scale, and no scale is rounded to float32 on the way in. The screen works in units of ``c`` per
+row. ``A`` (``activation_limit``) is 127 (8-bit activations) where oneDNN sums the u8 x s8
+products exactly (VNNI), and 63 (7-bit) elsewhere: with every u8 at most 127 a pair of products
+is at most 2 * 127 * 127 = 32258, so a kernel that adds pairs into saturating int16
+(``vpmaddubsw`` on AVX2, or AVX-512 without VNNI) never saturates. ``int8_activation_limit``
+checks on this CPU which of the two is exact; the bound below holds for either.
 
 The bound. oneDNN accumulates ``acc_v = q . p_v`` in int32: exact, since
 ``|sum u8_i p_vi| <= 255 * 127 * H`` and ``|128 sum p_vi| <= 128 * 127 * H`` stay below 2^31 for
-``H <= MAX_HIDDEN_SIZE`` (either form may be computed; ``int8_screen_supported`` checks on this
+``H <= MAX_HIDDEN_SIZE`` (either form may be computed; ``int8_activation_limit`` checks on this
 CPU that no int16 pair sum saturates). The float32 output ``s_v`` is ``acc_v a_v`` after at most
 three float32 roundings (acc to float, the scale product, the product), so with ``u = 2^-24``,
 ``σ_v = q . ŵ_v`` and Cauchy-Schwarz, for the exact logit ``l_v = h . w_v`` and ``L_v`` any fp32
@@ -63,8 +68,11 @@ from asyncpaged.model.row_buckets import bucketed
 
 _log = get_logger(__name__)
 
-INT8_LIMIT = 127  # symmetric int8 range: -127..127 for weights and activations
-ZERO_POINT = 128  # activations travel as u8 = q + 128
+INT8_LIMIT = 127  # symmetric int8 range: -127..127 for weights (and 8-bit activations)
+# Activation ranges, best first: 8-bit (-127..127 as u8 = q + 128; exact sums need VNNI) and
+# 7-bit (-63..63 as u8 = q + 64 <= 127: a u8 x s8 pair sum fits int16, exact on any kernel).
+ACTIVATION_LIMITS = (127, 63)
+ZERO_POINT = 128  # 8-bit activations travel as u8 = q + 128
 MAX_HIDDEN_SIZE = (2**31 - 1) // (255 * INT8_LIMIT)  # int32 accumulation stays exact
 PREPACK_BATCH_HINT: int | None = 64  # oneDNN's weight layout hint (rows per GEMM)
 OUTPUT_ROUNDINGS = 3  # float32 roundings after the int32 accumulation
@@ -76,23 +84,37 @@ WEIGHT_BLOCK = 4096  # weight rows quantised at a time (float64 temporaries: 16 
 
 
 @functools.cache
-def int8_screen_supported() -> bool:
-    """Whether this torch build and CPU run oneDNN's int8 linear with exact int32 sums.
+def int8_activation_limit() -> int | None:
+    """The widest activation range (``ACTIVATION_LIMITS``) in which this torch build and CPU run
+    oneDNN's int8 linear with exact int32 sums; None: neither (or no such op).
 
-    Runs small GEMMs once (cached) whose u8 x s8 pair sums overflow int16: a kernel that
-    saturates them (AVX2 or AVX-512 without VNNI) fails the check, and callers fall back.
+    Runs small GEMMs once (cached) whose u8 x s8 pair sums reach the range's largest: 8-bit
+    activations overflow int16, so a kernel that saturates them (AVX2, or AVX-512 without VNNI)
+    fails that check and the 7-bit one (pair sums below 2^15) is tried next; an expected
+    outcome on such a CPU, logged at INFO.
     """
     if not (
         torch.backends.mkldnn.is_available()  # type: ignore[no-untyped-call]
         and hasattr(torch.ops.onednn, "qlinear_prepack")
         and hasattr(torch.ops.onednn, "qlinear_pointwise")
     ):
-        return False
+        return None
     try:
-        return _accumulation_is_exact()
+        for limit in ACTIVATION_LIMITS:
+            if _accumulation_is_exact(limit):
+                if limit != ACTIVATION_LIMITS[0]:
+                    _log.info("int8_lm_head_narrow_activations", activation_limit=limit)
+                return limit
     except RuntimeError as exc:  # pragma: no cover - depends on the torch build
         _log.warning("int8_lm_head_unavailable", error=str(exc))
-        return False
+        return None
+    _log.warning("int8_lm_head_inexact")
+    return None
+
+
+def int8_screen_supported() -> bool:
+    """Whether the int8 screen runs exactly here in some activation range."""
+    return int8_activation_limit() is not None
 
 
 @dataclass(frozen=True, slots=True)
@@ -123,8 +145,19 @@ class Int8ScreenedArgmax:
     weight``.
     """
 
-    def __init__(self, weight: torch.Tensor, *, rescorer: ScreenedLMHead | None = None) -> None:
-        """``rescorer``: the model's ``ScreenedLMHead`` if there is one (saves its bf16 copy)."""
+    def __init__(
+        self,
+        weight: torch.Tensor,
+        *,
+        rescorer: ScreenedLMHead | None = None,
+        activation_limit: int = ACTIVATION_LIMITS[0],
+    ) -> None:
+        """``rescorer``: the model's ``ScreenedLMHead`` if there is one (saves its bf16 copy);
+        ``activation_limit``: ``A`` of the module docstring (``int8_activation_limit()``)."""
+        if activation_limit not in ACTIVATION_LIMITS:
+            raise ValueError(f"activation_limit must be one of {ACTIVATION_LIMITS}.")
+        self.activation_limit = activation_limit
+        self.zero_point = activation_limit + 1
         if weight.dtype != torch.float32 or weight.dim() != 2 or weight.device.type != "cpu":
             raise ValueError(f"expected a 2-D float32 CPU LM head weight, got {weight.dtype} "
                              f"{tuple(weight.shape)} on {weight.device}.")  # fmt: skip
@@ -235,16 +268,17 @@ class Int8ScreenedArgmax:
         if not bool(torch.isfinite(peak).all()):
             return None
         is_zero = peak == 0
-        row_scale = torch.where(is_zero, 1.0, INT8_LIMIT / peak)  # c
+        limit = self.activation_limit
+        row_scale = torch.where(is_zero, 1.0, limit / peak)  # c
         scaled.mul_(row_scale[:, None])  # h'
-        levels = scaled.round().clamp_(-INT8_LIMIT, INT8_LIMIT)  # q
+        levels = scaled.round().clamp_(-limit, limit)  # q
         norms = torch.linalg.vector_norm(torch.stack([levels, scaled - levels, scaled]), dim=-1)
         level_norm, residual, scaled_norm = norms.unbind(0)  # ||q||, ||h' - q||, ||h'||
         screen_bound = level_norm * (2 * self.max_quantized_norm)  # >= |s_v|
         rescore_bound = scaled_norm / row_scale * (2 * self.max_row_norm)  # >= |L_v|, its sums
         if float(torch.maximum(screen_bound, rescore_bound).max()) >= FLOAT32_SAFE:
             return None  # an fp32 logit or a screening logit could overflow
-        activations = levels.add_(ZERO_POINT).to(torch.uint8)  # [N, H]
+        activations = levels.add_(self.zero_point).to(torch.uint8)  # [N, H]
         try:  # rows bucketed (row_buckets: one kept oneDNN primitive per shape)
             scores = bucketed(self._gemm, activations)  # [N, V]
         except RuntimeError as exc:
@@ -260,10 +294,10 @@ class Int8ScreenedArgmax:
         )
 
     def _gemm(self, activations: torch.Tensor) -> torch.Tensor:
-        """u8 activations [R, H] (zero point 128, scale 1) -> float32 scores [R, V]; a row's
-        scores depend on that row only (exact int32 sums, then per-token scales)."""
+        """u8 activations [R, H] (zero point ``A + 1``, scale 1) -> float32 scores [R, V]; a
+        row's scores depend on that row only (exact int32 sums, then per-token scales)."""
         scores: torch.Tensor = torch.ops.onednn.qlinear_pointwise(
-            activations, 1.0, ZERO_POINT, self.packed_weight, self.weight_scales,
+            activations, 1.0, self.zero_point, self.packed_weight, self.weight_scales,
             self._zero_points, None, 1.0, 0, torch.float32, "none", [], "",
         )  # fmt: skip
         return scores
@@ -295,18 +329,21 @@ def _weight_norms(
     return row, quantized_row, rounding
 
 
-def _accumulation_is_exact() -> bool:
-    """Int8 GEMMs of several batch sizes whose u8 x s8 pair sums exceed int16, checked exactly."""
+def _accumulation_is_exact(limit: int = ACTIVATION_LIMITS[0]) -> bool:
+    """Int8 GEMMs of several batch sizes whose u8 x s8 pair sums reach the largest of
+    activation range ``limit`` (8-bit: 255 * 127 * 2 = 64770 > 2^15 per pair; 7-bit: 127 *
+    127 * 2 = 32258), checked exactly; False on the first inexact one."""
     gen = torch.Generator().manual_seed(0)
     hidden, vocab = 512, 96
+    top, zero_point = 2 * limit + 1, limit + 1  # the largest u8, the zero point
     weight = torch.randint(-INT8_LIMIT, INT8_LIMIT + 1, (vocab, hidden), generator=gen)
     weight[0], weight[1] = INT8_LIMIT, -INT8_LIMIT
     weight[2, 0::2], weight[2, 1::2] = INT8_LIMIT, -INT8_LIMIT
-    activations = torch.randint(1, 256, (64, hidden), generator=gen)
-    activations[0], activations[1] = 255, 1  # 255 * 127 * 2 = 64770 > 2^15 per pair
-    activations[2, 0::2], activations[2, 1::2] = 255, 1
-    # |expected| <= 512 * 127 * 127 < 2^24: exact in float32
-    expected = ((activations - ZERO_POINT) @ weight.T).float()  # [64, V]
+    activations = torch.randint(0, top + 1, (64, hidden), generator=gen)
+    activations[0], activations[1] = top, 1
+    activations[2, 0::2], activations[2, 1::2] = top, 1
+    # |expected| <= 512 * 128 * 127 < 2^24: exact in float32
+    expected = ((activations - zero_point) @ weight.T).float()  # [64, V]
     packed = torch.ops.onednn.qlinear_prepack(
         weight.to(torch.int8), None if PREPACK_BATCH_HINT is None else [PREPACK_BATCH_HINT, hidden]
     )
@@ -314,10 +351,10 @@ def _accumulation_is_exact() -> bool:
     zero_points = torch.zeros(vocab, dtype=torch.int32)
     for num_rows in (1, 3, 64):
         got = torch.ops.onednn.qlinear_pointwise(
-            activations[:num_rows].to(torch.uint8), 1.0, ZERO_POINT, packed, scales,
+            activations[:num_rows].to(torch.uint8), 1.0, zero_point, packed, scales,
             zero_points, None, 1.0, 0, torch.float32, "none", [], "",
         )  # fmt: skip
         if not torch.equal(got, expected[:num_rows]):
-            _log.warning("int8_lm_head_inexact", num_rows=num_rows)
+            _log.debug("int8_sums_inexact", activation_limit=limit, num_rows=num_rows)
             return False
     return True

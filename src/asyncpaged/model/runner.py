@@ -36,7 +36,7 @@ from asyncpaged.model.base import SINGLE_SHARD, CausalLM, TensorShard
 from asyncpaged.model.block_tables import BlockTables
 from asyncpaged.model.kv_cache import PagedKVCache, swap_in, swap_out
 from asyncpaged.model.lm_head import ScreenedLMHead
-from asyncpaged.model.lm_head_int8 import Int8ScreenedArgmax, int8_screen_supported
+from asyncpaged.model.lm_head_int8 import Int8ScreenedArgmax, int8_activation_limit
 from asyncpaged.model.loader import load_model
 from asyncpaged.model.packed_linear import pack_linears, pack_weight
 from asyncpaged.model.prompt_logprobs import compute_prompt_logprobs
@@ -155,10 +155,11 @@ class ModelRunner:
             # layers (with the screen off: +18% on an AVX2-capped Zen 4, +26% natively).
             self.model.packed_lm_head = pack_weight(self.model.lm_head_weight(), 64)
         self.int8_head: Int8ScreenedArgmax | None = None
-        if self.screened_head is not None and int8_lm_head and int8_screen_supported():
+        limit = int8_activation_limit() if self.screened_head is not None and int8_lm_head else None
+        if self.screened_head is not None and limit is not None:
             try:
                 self.int8_head = Int8ScreenedArgmax(
-                    self.screened_head.weight, rescorer=self.screened_head
+                    self.screened_head.weight, rescorer=self.screened_head, activation_limit=limit
                 )
             except ValueError as exc:  # hidden size or weights outside its proof
                 _log.info("int8_lm_head_unavailable", error=str(exc))
