@@ -7,7 +7,7 @@ from typing import Any
 import pytest
 import torch
 
-from asyncpaged.model import lm_head_int8, row_buckets
+from asyncpaged.model import row_buckets
 from asyncpaged.model.lm_head import ScreenedLMHead
 from asyncpaged.model.lm_head_int8 import Int8ScreenedArgmax, int8_screen_supported
 from asyncpaged.model.packed_linear import (
@@ -123,8 +123,9 @@ def test_screened_heads_bucketed(monkeypatch: pytest.MonkeyPatch) -> None:
             # padding changes nothing in the screen's scores (exact int32 sums)
             screen = int8._screen(hidden)
             assert screen is not None
-            quantized = (hidden.double() * screen.row_scale[:, None]).round().clamp(-127, 127)
-            unpadded = gemm((quantized + lm_head_int8.ZERO_POINT).to(torch.uint8))
+            limit = int8.activation_limit
+            quantized = (hidden.double() * screen.row_scale[:, None]).round().clamp(-limit, limit)
+            unpadded = gemm((quantized + int8.zero_point).to(torch.uint8))
             assert torch.equal(screen.scores, unpadded)
     allowed = set(buckets_up_to(257))
     assert set(bf16_rows) <= allowed

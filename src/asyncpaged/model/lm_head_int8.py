@@ -72,7 +72,6 @@ INT8_LIMIT = 127  # symmetric int8 range: -127..127 for weights (and 8-bit activ
 # Activation ranges, best first: 8-bit (-127..127 as u8 = q + 128; exact sums need VNNI) and
 # 7-bit (-63..63 as u8 = q + 64 <= 127: a u8 x s8 pair sum fits int16, exact on any kernel).
 ACTIVATION_LIMITS = (127, 63)
-ZERO_POINT = 128  # 8-bit activations travel as u8 = q + 128
 MAX_HIDDEN_SIZE = (2**31 - 1) // (255 * INT8_LIMIT)  # int32 accumulation stays exact
 PREPACK_BATCH_HINT: int | None = 64  # oneDNN's weight layout hint (rows per GEMM)
 OUTPUT_ROUNDINGS = 3  # float32 roundings after the int32 accumulation
