@@ -137,17 +137,13 @@ def _vllm_round(directory: Path, vllm_python: Path) -> tuple[float, bool]:
 
 
 def _cpu_flags() -> str:
-    """The CPU's model name and its vector flags (recorded with every number)."""
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return "unknown CPU"
-    name = next((ln.split(":", 1)[1].strip() for ln in text.splitlines()
-                 if ln.startswith("model name")), "?")  # fmt: skip
-    flags = next((ln.split(":", 1)[1].split() for ln in text.splitlines()
-                  if ln.startswith("flags")), [])  # fmt: skip
-    wanted = [f for f in flags if re.match(r"(avx|fma|amx|.*vnni|.*bf16)", f)]
-    return f"{name}: {' '.join(wanted)}"
+    """The CPU's model name and its vector flags (recorded with every number), as the engine's
+    lever plan reads them."""
+    from asyncpaged.model.cpu_plan import CpuFeatures
+
+    cpu = CpuFeatures.detect()
+    wanted = sorted(f for f in cpu.flags if re.match(r"(avx|fma|amx|.*vnni|.*bf16)", f))
+    return f"{cpu.model_name}: {' '.join(wanted)}"
 
 
 def compare(
