@@ -20,7 +20,7 @@ from asyncpaged.model.logits_processors import (
     apply_min_p,
     apply_penalties,
     apply_top_k_top_p,
-    token_bin_counts,
+    penalize_rows_,
 )
 from asyncpaged.model.sampler import SamplingOptions, derive_generator_key, sample
 
@@ -134,21 +134,92 @@ def test_frequency_and_presence_penalties_follow_the_formula() -> None:
     assert torch.equal(got[2], logits[2]), "no-op penalties must leave the row bit-identical"
 
 
-def test_token_bin_counts_count_every_id_of_every_row() -> None:
-    rng = random.Random(7)
-    # Ragged rows: empty ones, repeats, the first and last ids of the vocabulary, lists too.
-    rows: list[Sequence[int]] = [(), (0, VOCAB - 1, VOCAB - 1), [5] * 40, ()]
-    rows += [tuple(rng.randrange(VOCAB) for _ in range(rng.randint(0, 300))) for _ in range(9)]
-    counts = token_bin_counts(rows, VOCAB, torch.device("cpu"))
-    assert counts.shape == (len(rows), VOCAB) and counts.dtype == torch.float32
-    for r, ids in enumerate(rows):
-        want = [0.0] * VOCAB
-        for i in ids:
-            want[i] += 1.0
-        assert counts[r].tolist() == want, r
-    assert not token_bin_counts([(), ()], VOCAB, torch.device("cpu")).any()
-    with pytest.raises(AssertionError, match="vocab size"):
-        token_bin_counts([(1,), (VOCAB,)], VOCAB, torch.device("cpu"))
+def _dense_penalties(
+    logits: torch.Tensor,
+    prompts: Sequence[Sequence[int]],
+    outputs: Sequence[Sequence[int]],
+    params: Sequence[tuple[float, float, float]],
+) -> torch.Tensor:
+    """The dense form over [R, V] (vLLM v1's): every logit goes through every operation."""
+    num_rows, vocab = logits.shape
+    out_counts = torch.zeros(num_rows, vocab)
+    prompt_seen = torch.zeros(num_rows, vocab, dtype=torch.bool)
+    for r in range(num_rows):
+        for i in outputs[r]:
+            out_counts[r, i] += 1.0
+        for i in prompts[r]:
+            prompt_seen[r, i] = True
+    rep = torch.tensor([p[0] for p in params])[:, None]
+    freq = torch.tensor([p[1] for p in params])[:, None]
+    pres = torch.tensor([p[2] for p in params])[:, None]
+    seen = (out_counts > 0) | prompt_seen
+    scaled = torch.where(logits > 0, logits / rep, logits * rep)
+    dense = torch.where(seen, scaled, logits)
+    dense -= freq * out_counts
+    dense -= pres * (out_counts > 0)
+    return dense
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2, 3])
+def test_sparse_penalties_are_bit_identical_to_the_dense_form(seed: int) -> None:
+    """Ragged histories (empty rows, repeats, the first and last ids, prompt-only tokens, lists
+    as well as tuples), penalties on and off per row, rows in any order: every logit equals the
+    dense computation's exactly (-0.0 and 0.0 compare equal: only a zero's sign may differ)."""
+    rng = random.Random(seed)
+    num_rows = 9
+    logits = _random_logits(num_rows, seed=seed)
+    logits[0, :4] = torch.tensor([0.0, -0.0, 1e-30, -1e-30])
+    prompts: list[Sequence[int]] = [
+        tuple(rng.randrange(VOCAB) for _ in range(rng.randint(0, 40))) for _ in range(num_rows)
+    ]
+    outputs: list[Sequence[int]] = [
+        [rng.randrange(12) for _ in range(rng.randint(0, 30))] for _ in range(num_rows)
+    ]
+    prompts[0], outputs[0] = (0, 1, 2, 3), (0, 1, VOCAB - 1, VOCAB - 1)
+    outputs[1] = ()
+    params = [(rng.choice([1.0, 0.8, 1.3]), rng.choice([0.0, 0.7, -0.4]),
+               rng.choice([0.0, 1.5, -0.2])) for _ in range(num_rows)]  # fmt: skip
+    params[2] = (1.0, 0.0, 0.0)
+    want = _dense_penalties(logits, prompts, outputs, params)
+    assert not torch.equal(want, logits), "the penalties changed nothing"
+    got = logits.clone()
+    order = list(range(num_rows))
+    rng.shuffle(order)
+    penalize_rows_(
+        got,
+        order,
+        prompt_token_ids=[prompts[r] for r in order],
+        output_token_ids=[outputs[r] for r in order],
+        repetition_penalties=torch.tensor([params[r][0] for r in order]),
+        frequency_penalties=torch.tensor([params[r][1] for r in order]),
+        presence_penalties=torch.tensor([params[r][2] for r in order]),
+    )
+    assert torch.equal(got, want)
+    assert torch.equal(got[2], logits[2]), "no-op penalties must leave the row bit-identical"
+
+
+def test_penalties_touch_only_the_rows_named() -> None:
+    logits = _random_logits(3, seed=5)
+    got = logits.clone()
+    penalize_rows_(got, [1], prompt_token_ids=[(3, 4)], output_token_ids=[(4, 4, 9)],
+                   repetition_penalties=torch.tensor([1.2]),
+                   frequency_penalties=torch.tensor([0.5]),
+                   presence_penalties=torch.tensor([0.25]))  # fmt: skip
+    assert torch.equal(got[0], logits[0]) and torch.equal(got[2], logits[2])
+    params = [(1.0, 0.0, 0.0), (1.2, 0.5, 0.25), (1.0, 0.0, 0.0)]
+    want = _dense_penalties(logits, [(), (3, 4), ()], [(), (4, 4, 9), ()], params)
+    assert torch.equal(got, want)
+    assert not torch.equal(got[1], logits[1])
+
+
+def test_penalty_token_ids_are_checked() -> None:
+    logits = _random_logits(2)
+    for bad in (VOCAB, -1):
+        with pytest.raises(AssertionError, match="token id"):
+            apply_penalties(logits, prompt_token_ids=[(), ()], output_token_ids=[(1,), (bad,)],
+                            repetition_penalties=torch.ones(2),
+                            frequency_penalties=torch.ones(2),
+                            presence_penalties=torch.zeros(2))  # fmt: skip
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])

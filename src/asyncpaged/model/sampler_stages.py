@@ -17,8 +17,8 @@ import torch
 from asyncpaged.model.logits_processors import (
     apply_min_p,
     apply_min_tokens_mask,
-    apply_penalties,
     apply_top_k_top_p,
+    penalize_rows_,
 )
 from asyncpaged.structured_outputs import grammar_mask_bias
 
@@ -40,19 +40,19 @@ def _process(
     controlled = [o is not None and o.has_logit_controls for o in opts]
     if not masked and not penalized and not any(controlled):
         return logits
-    logits = logits.clone()
+    logits = logits.clone(memory_format=torch.contiguous_format)
     if any(controlled):
         apply_logit_controls(logits, opts, {} if errors is None else errors)
     apply_min_tokens_mask(logits, [o.min_tokens_mask_ids if o is not None else () for o in opts])
     if penalized:
-        rows = torch.tensor(penalized, dtype=torch.int64, device=logits.device)
         subset = [o for o in opts if o is not None and o.has_penalties]
 
         def column(values: list[float]) -> torch.Tensor:
             return torch.tensor(values, dtype=torch.float32, device=logits.device)
 
-        logits[rows] = apply_penalties(
-            logits[rows],
+        penalize_rows_(
+            logits,
+            penalized,
             prompt_token_ids=[o.prompt_token_ids for o in subset],
             output_token_ids=[o.output_token_ids for o in subset],
             repetition_penalties=column([o.repetition_penalty for o in subset]),

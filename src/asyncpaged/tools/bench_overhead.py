@@ -70,6 +70,9 @@ async def _one_run(args: argparse.Namespace, checkpoint: Path) -> dict[str, Any]
     tokens: list[list[int]] = [[] for _ in prompts]
 
     def params_of(i: int) -> SamplingParams:
+        if args.penalized:  # greedy under vLLM-style penalties: every row reads its history
+            return dataclasses.replace(params, repetition_penalty=1.1, frequency_penalty=0.1,
+                                       presence_penalty=0.1)  # fmt: skip
         if not args.sampled:
             return params
         # seeded per request, so the tokens are the same in every run
@@ -150,6 +153,11 @@ def add_parser(modes: Any) -> None:
         "--sampled",
         action="store_true",
         help="temperature 0.8, top_p 0.95, a seed per request (not greedy)",
+    )
+    p.add_argument(
+        "--penalized",
+        action="store_true",
+        help="greedy with repetition 1.1, frequency 0.1 and presence 0.1 penalties",
     )
     p.add_argument("--model-dir", default="~/.cache/asyncpaged/bench/overhead")
     p.add_argument("--output", default="bench-results", help="folder for overhead.json")
