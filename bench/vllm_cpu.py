@@ -142,8 +142,7 @@ def _cpu_flags() -> str:
     from asyncpaged.model.cpu_plan import CpuFeatures
 
     cpu = CpuFeatures.detect()
-    wanted = sorted(f for f in cpu.flags if re.match(r"(avx|fma|amx|.*vnni|.*bf16)", f))
-    return f"{cpu.model_name}: {' '.join(wanted)}"
+    return f"{cpu.model_name}: {' '.join(cpu.vector_flags())}"
 
 
 def compare(

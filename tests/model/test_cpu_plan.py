@@ -161,3 +161,13 @@ def test_engine_reports_its_plan(tiny_checkpoint: Callable[[str], Path]) -> None
                 await engine.generate([5, 6, 7], params)
 
     anyio.run(main)
+
+
+def test_vector_flags_name_the_vector_units_only() -> None:
+    intel = CpuFeatures("x86_64", "Xeon (AMX)", frozenset(
+        {"fpu", "sse4_2", "avx2", "fma", "avx512f", "avx512_fp16", "avx512_bf16", "avx_vnni",
+         "amx_bf16", "amx_tile", "hypervisor", "pdpe1gb"}))  # fmt: skip
+    assert intel.vector_flags() == ("amx_bf16", "amx_tile", "avx2", "avx512_bf16",
+                                    "avx512_fp16", "avx512f", "avx_vnni", "fma")  # fmt: skip
+    arm = CpuFeatures("aarch64", "Neoverse", frozenset({"fp", "asimd", "sve", "bf16", "atomics"}))
+    assert arm.vector_flags() == ("asimd", "bf16", "sve")

@@ -11,9 +11,10 @@ import pytest
 from asyncpaged.tools.bench_overhead import run
 
 
-@pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "sampled"])
-def test_bench_overhead_small_run(tmp_path: Path, sampled: bool) -> None:
-    args = argparse.Namespace(num_seqs=16, max_tokens=12, repeats=2, threads=1, sampled=sampled,
+@pytest.mark.parametrize("mode", ["greedy", "sampled", "penalized"])
+def test_bench_overhead_small_run(tmp_path: Path, mode: str) -> None:
+    args = argparse.Namespace(num_seqs=16, max_tokens=12, repeats=2, threads=1,
+                              sampled=mode == "sampled", penalized=mode == "penalized",
                               model_dir=str(tmp_path / "model"), output=str(tmp_path))  # fmt: skip
     assert run(args) == 0  # the two runs' tokens agree (sampled: seeded per request)
     report = json.loads((tmp_path / "overhead.json").read_text())

@@ -37,6 +37,7 @@ import copy
 import json
 import os
 import platform
+import re
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field
@@ -58,6 +59,7 @@ SCREEN_MIN_SPEEDUP = 1.1
 DECODE_ROWS = 64  # rows of the timed GEMMs: a decode step of a busy engine
 _BF16_FLAGS = frozenset({"avx512_bf16", "amx_bf16", "bf16"})  # x86; "bf16" on aarch64
 _VNNI_FLAGS = frozenset({"avx512_vnni", "avx_vnni", "amx_int8"})
+_VECTOR_FLAG = re.compile(r"(avx|fma|amx|asimd|sve|sme\d*$|.*vnni|.*bf16|.*fp16)")
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,6 +88,11 @@ class CpuFeatures:
                 flags = frozenset(value.split())
         machine = platform.machine().lower()
         return cls(machine, name or platform.processor() or machine, flags)
+
+    def vector_flags(self) -> tuple[str, ...]:
+        """The flags that name vector units (SIMD widths, FMA, AMX, VNNI, bf16/fp16 dot
+        products, aarch64's asimd/sve), sorted: what benchmarks record beside every number."""
+        return tuple(sorted(f for f in self.flags if _VECTOR_FLAG.match(f)))
 
     @property
     def has_bf16_dot(self) -> bool:

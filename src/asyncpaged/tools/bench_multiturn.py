@@ -211,14 +211,12 @@ def run(args: argparse.Namespace) -> int:
               f"hits device {hits['device']} host {hits['host']} disk {hits['disk']} of "
               f"{m['prompt_tokens']} prompt tokens")  # fmt: skip
     print("tokens identical across modes" if same else "TOKENS DIFFER between modes")
-    flags = _cpu_flags()
     report = {
         "settings": {k: v for k, v in vars(args).items() if k != "func"},
         "block_bytes": block_bytes,
         "machine": {
             **machine_info(),
             "torch_threads": torch.get_num_threads(),
-            "cpu_flags": flags,
         },
         "runs": runs,
         "summary": summary,
@@ -226,17 +224,6 @@ def run(args: argparse.Namespace) -> int:
     }
     save_report(Path(args.output), "multiturn", report, lambda p: _draw(report, p))
     return 0 if same else 1
-
-
-def _cpu_flags() -> list[str]:
-    wanted = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "avx512_vnni", "fma")
-    try:
-        with open("/proc/cpuinfo") as f:
-            line = next((ln for ln in f if ln.startswith("flags")), "")
-    except OSError:
-        return []
-    have = set(line.split(":", 1)[-1].split())
-    return [w for w in wanted if w in have]
 
 
 def add_parser(modes: Any) -> None:

@@ -23,7 +23,6 @@ import argparse
 import dataclasses
 import hashlib
 import json
-import platform
 import statistics
 import time
 from pathlib import Path
@@ -102,15 +101,11 @@ async def _one_run(args: argparse.Namespace, checkpoint: Path) -> dict[str, Any]
             "forward_ms_per_step": 1000 * compute / steps, "tokens_digest": digest}  # fmt: skip
 
 
-def _cpu_flags() -> str:
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return platform.processor()
-    flags = next((ln.split(":", 1)[1].split() for ln in text.splitlines()
-                  if ln.startswith(("flags", "Features"))), [])  # fmt: skip
-    keep = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_int8", "asimd")
-    return " ".join(f for f in flags if f in keep)
+def cpu_flags() -> str:
+    """The CPU's vector flags, as the engine's lever plan reads them (``CpuFeatures``)."""
+    from asyncpaged.model.cpu_plan import CpuFeatures
+
+    return " ".join(CpuFeatures.detect().vector_flags())
 
 
 def run(args: argparse.Namespace) -> int:
@@ -132,13 +127,13 @@ def run(args: argparse.Namespace) -> int:
     differ = "" if same else "; TOKENS DIFFER BETWEEN RUNS"
     print(f"median {median['ms_per_step']:.2f} ms/step (goal <= 4 at 256 sequences), "
           f"{100 * median['outside_forward']:.0f}% outside the forward, "
-          f"{median['steps_per_s']:.1f} steps/s; CPU flags: {_cpu_flags()}; "
+          f"{median['steps_per_s']:.1f} steps/s; CPU flags: {cpu_flags()}; "
           f"{args.threads} torch thread(s){differ}")  # fmt: skip
     out = Path(args.output)
     out.mkdir(parents=True, exist_ok=True)
     (out / "overhead.json").write_text(json.dumps(
         {"model": MICRO_MODEL, "num_seqs": args.num_seqs, "max_tokens": args.max_tokens,
-         "threads": args.threads, "cpu_flags": _cpu_flags(), "runs": runs, "median": median},
+         "threads": args.threads, "cpu_flags": cpu_flags(), "runs": runs, "median": median},
         indent=2))  # fmt: skip
     return 0 if same else 1
 

@@ -29,7 +29,7 @@ from typing import Any
 
 import anyio
 
-from asyncpaged.tools.bench_overhead import _cpu_flags
+from asyncpaged.tools.bench_overhead import cpu_flags
 
 
 def grounded_prompts(num: int, passage_chars: int = 700, echo_chars: int = 160) -> list[str]:
@@ -117,7 +117,7 @@ def run(args: argparse.Namespace) -> int:
     keys = [f"batch_{b}" for b in [*args.batches, args.throughput_batch]]
     base = runs[args.modes[0]]
     print(
-        f"CPU flags: {_cpu_flags()}; {args.threads} torch thread(s); {len(prompts)} prompts, "
+        f"CPU flags: {cpu_flags()}; {args.threads} torch thread(s); {len(prompts)} prompts, "
         f"{args.max_tokens} tokens, k={args.k}; medians of {args.repeats} interleaved runs"
     )
     summary: dict[str, Any] = {}
@@ -143,7 +143,7 @@ def run(args: argparse.Namespace) -> int:
     out = Path(args.output)
     out.mkdir(parents=True, exist_ok=True)
     (out / "speculative.json").write_text(json.dumps(
-        {"cpu_flags": _cpu_flags(), "args": {k: v for k, v in vars(args).items()
+        {"cpu_flags": cpu_flags(), "args": {k: v for k, v in vars(args).items()
                                              if k != "func"},
          "runs": runs, "summary": summary}, indent=2))  # fmt: skip
     return 0 if same else 1

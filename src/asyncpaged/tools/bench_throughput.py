@@ -114,16 +114,12 @@ def machine_info() -> dict[str, Any]:
     import torch
     import transformers
 
-    cpu = "unknown"
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next(
-                (ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), cpu
-            )
-    except OSError:
-        pass  # not Linux: the model name stays unknown
+    from asyncpaged.model.cpu_plan import CpuFeatures
+
+    cpu = CpuFeatures.detect()
     return {
-        "cpu_model": cpu,
+        "cpu_model": cpu.model_name,
+        "cpu_flags": list(cpu.vector_flags()),
         "cpu_count": os.cpu_count(),
         "platform": platform.platform(),
         "python": platform.python_version(),
