@@ -13,6 +13,7 @@ from anyio.abc import TaskStatus
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from asyncpaged._log import get_logger
+from asyncpaged.actors.idle import IdleSignal
 from asyncpaged.core.scheduler import SeqUpdate
 from asyncpaged.messages import (
     EndRequest,
@@ -59,7 +60,7 @@ class OutputProcessor:
         self._live: dict[str, RequestState] = {}
         self.live: Mapping[str, RequestState] = MappingProxyType(self._live)
         self._held: list[RequestState] = []  # recorded by a stop check, not yet shown
-        self._idle = anyio.Event()
+        self._idle = IdleSignal(lambda: self.is_idle)
         self._log = log.bind(actor="outputs")
 
     # ---- the engine's calls (on the loop) -----------------------------------------------------
@@ -85,11 +86,8 @@ class OutputProcessor:
 
     async def wait_idle(self) -> None:
         """Wait until every message sent here is handled and nothing is held (any number of
-        waiters, as the scheduler actor's)."""
-        while not self.is_idle:
-            if self._idle.is_set():
-                self._idle = anyio.Event()
-            await self._idle.wait()
+        waiters: ``IdleSignal``)."""
+        await self._idle.wait()
 
     # ---- the loop -----------------------------------------------------------------------------
 
@@ -98,8 +96,7 @@ class OutputProcessor:
         async with self._inbox, self._replies:
             async for msg in self._inbox:
                 self._handle(msg)
-                if self.is_idle:
-                    self._idle.set()
+                self._idle.notify()
 
     def _handle(self, msg: OutputsInbox) -> None:
         match msg:

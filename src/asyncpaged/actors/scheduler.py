@@ -18,6 +18,7 @@ from anyio.abc import TaskStatus
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from asyncpaged._log import get_logger
+from asyncpaged.actors.idle import IdleSignal
 from asyncpaged.actors.scheduler_outputs import (
     Tracked,
     accept_grammar_tokens,
@@ -130,7 +131,7 @@ class SchedulerActor:
         self._in_flight: SchedulerOutput | None = None
         self._tables = TableDeltas()  # the block tables the executor's runner holds
         self._planning = False  # a transaction is at the allocator
-        self._idle = anyio.Event()
+        self._idle = IdleSignal(lambda: self.is_idle)
         self._log = log.bind(actor="scheduler")
         self.num_steps = 0
         self.step_time_s = 0.0
@@ -177,12 +178,8 @@ class SchedulerActor:
 
     async def wait_idle(self) -> None:
         """Wait until no request (in intake included), step, swap or pending free is left.
-        Any number of tasks may wait: a new event replaces only one that was already set, so
-        every waiter waits on the event the loop sets next."""
-        while not self.is_idle:
-            if self._idle.is_set():
-                self._idle = anyio.Event()
-            await self._idle.wait()
+        Any number of tasks may wait (``IdleSignal``)."""
+        await self._idle.wait()
 
     def expect_request(self) -> None:
         """The engine queued a request for the intake (counted until added or released)."""
@@ -191,8 +188,7 @@ class SchedulerActor:
     def intake_released(self) -> None:
         """The intake refused or aborted a request: it will never be added here."""
         self.num_incoming -= 1
-        if self.is_idle:
-            self._idle.set()
+        self._idle.notify()
 
     # ---- the loop ---------------------------------------------------------------------------
 
@@ -219,8 +215,7 @@ class SchedulerActor:
                 if self._in_flight is None and self._has_work():
                     stepped = await self._step()
                 self._deliver()  # the last step's outputs, while the next one runs
-                if self.is_idle:
-                    self._idle.set()
+                self._idle.notify()
                 if not stepped:
                     try:
                         self._handle(await self._inbox.receive())
