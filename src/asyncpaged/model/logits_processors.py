@@ -46,7 +46,7 @@ def apply_penalties(
 ) -> torch.Tensor:
     """Repetition, then frequency and presence penalties; returns new logits ``[R, V]`` (see
     :func:`penalize_rows_`, which edits rows in place)."""
-    out = logits.clone()
+    out = logits.clone(memory_format=torch.contiguous_format)
     penalize_rows_(out, range(out.shape[0]), prompt_token_ids=prompt_token_ids,
                    output_token_ids=output_token_ids, repetition_penalties=repetition_penalties,
                    frequency_penalties=frequency_penalties,

@@ -144,12 +144,13 @@ def add_parser(modes: Any) -> None:
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--threads", type=int, default=1, help="torch threads")
-    p.add_argument(
+    workload = p.add_mutually_exclusive_group()
+    workload.add_argument(
         "--sampled",
         action="store_true",
         help="temperature 0.8, top_p 0.95, a seed per request (not greedy)",
     )
-    p.add_argument(
+    workload.add_argument(
         "--penalized",
         action="store_true",
         help="greedy with repetition 1.1, frequency 0.1 and presence 0.1 penalties",
