@@ -19,6 +19,13 @@ into text deltas that are safe to stream:
   start-of-text rules (SentencePiece dropping the leading space, WordLevel/WordPiece joining with
   spaces) from applying in the middle of the text.
 
+  With a stock fast tokenizer the same window runs in Rust: ``tokenizers``' ``DecodeStream``
+  (seeded with the context ids) keeps the offsets and decodes once per id, and the Python
+  side only mirrors the offsets (2.1 -> 1.6 us per token). It refuses a window whose text
+  does not extend its prefix text (a SentencePiece strip after a byte-fallback run); from that
+  id on the Python windows take over, from the same offsets. A differential test checks that
+  both give the same deltas, text and stop cuts.
+
 * **No text that is later cut.** While a stop string could still be completed, the last
   ``SamplingParams.output_text_buffer_length`` characters (longest stop string - 1) are held
   back; a stop string found later starts no earlier than the held-back text.
@@ -45,11 +52,17 @@ text. Consequences and the known exceptions:
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Literal
 
+import tokenizers.decoders
+
 from asyncpaged.sampling_params import SamplingParams
+
+# tokenizers' incremental decoder (0.21 on; seeded with ids since 0.22), where it has one
+_DecodeStream: Any = getattr(tokenizers.decoders, "DecodeStream", None)
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -109,6 +122,8 @@ class IncrementalDetokenizer:
     * ``self._text`` is the text of ``self._ids[context_len:read_offset]`` (cut at a stop string
       once one is found); ``self._ids[read_offset:]`` is pending, its text not yet final.
     * ``self._text[:self._num_released]`` is everything returned so far; it never shrinks.
+    * ``self._prefix_text`` is None or ``decode(self._ids[prefix_offset:read_offset])``;
+      ``self._stream``, while set, holds the same ids and offsets (in Rust).
     """
 
     def __init__(
@@ -144,7 +159,14 @@ class IncrementalDetokenizer:
         self._ids: list[int] = context
         self._prefix_offset = 0
         self._read_offset = len(context)
-        self._prefix_text = prefix_text
+        self._prefix_text: str | None = prefix_text  # None: not decoded since the offsets moved
+        # The same window algorithm in Rust (one call per id), where the backend is plain.
+        self._stream: Any = None
+        if self._backend is not None and _DecodeStream is not None:
+            with contextlib.suppress(TypeError):  # a DecodeStream that takes no ids: none
+                self._stream = _DecodeStream(
+                    ids=list(context), skip_special_tokens=params.skip_special_tokens
+                )
         self._text = ""
         self._num_released = 0
         self._output_token_ids: list[int] = []
@@ -211,8 +233,9 @@ class IncrementalDetokenizer:
             return ""
         if self._read_offset < len(self._ids):
             new_text = self._decode(self._ids[self._prefix_offset :])
-            if len(new_text) > len(self._prefix_text):
-                self._text += new_text[len(self._prefix_text) :]
+            prefix_text = self._window_prefix_text()
+            if len(new_text) > len(prefix_text):
+                self._text += new_text[len(prefix_text) :]
             self._read_offset = len(self._ids)
             self._check_stop_strings()
         self._finished = True
@@ -261,13 +284,32 @@ class IncrementalDetokenizer:
         assert isinstance(text, str), f"tokenizer.decode returned {type(text).__name__}"
         return text
 
+    def _window_prefix_text(self) -> str:
+        if self._prefix_text is None:
+            self._prefix_text = self._decode(self._ids[self._prefix_offset : self._read_offset])
+        return self._prefix_text
+
     def _advance(self) -> None:
-        """Move the text of ``ids[read_offset:]`` into ``_text`` if it is complete."""
+        """Move the text of ``ids[read_offset:]`` into ``_text`` if it is complete (the last id
+        was just appended to ``_ids``)."""
+        if self._stream is not None:
+            try:
+                chunk = self._stream.step(self._backend, self._ids[-1])
+            except Exception:  # e.g. a window whose text does not extend its prefix text
+                self._stream = None  # its state is off by this id now: the Python path goes on
+            else:
+                if chunk is not None:
+                    self._text += chunk
+                    self._prefix_offset = self._read_offset
+                    self._read_offset = len(self._ids)
+                    self._prefix_text = None
+                return
         new_text = self._decode(self._ids[self._prefix_offset :])
-        if len(new_text) <= len(self._prefix_text) or new_text.endswith(_REPLACEMENT_CHAR):
+        prefix_text = self._window_prefix_text()
+        if len(new_text) <= len(prefix_text) or new_text.endswith(_REPLACEMENT_CHAR):
             # No new text yet, or it may end in a partial character: wait for more ids.
             return
-        self._text += new_text[len(self._prefix_text) :]
+        self._text += new_text[len(prefix_text) :]
         self._prefix_offset = self._read_offset
         self._read_offset = len(self._ids)
         self._prefix_text = self._decode(self._ids[self._prefix_offset : self._read_offset])

@@ -630,3 +630,37 @@ def test_stock_fast_tokenizers_decode_through_their_backend_with_the_same_text()
         spaces,
     ):
         assert IncrementalDetokenizer(wrapped, [1], SamplingParams())._backend is None
+
+
+FAST_TOKENIZERS = {
+    "fast_bpe": byte_bpe,
+    "word_level": word_level,
+    "sentencepiece": sentencepiece_like,
+}
+
+
+@given(
+    data=st.data(),
+    name=st.sampled_from(sorted(FAST_TOKENIZERS)),
+    skip=st.booleans(),
+    chunks=chunkings,
+)
+def test_the_rust_decode_stream_gives_the_python_windows_text(
+    data: st.DataObject, name: str, skip: bool, chunks: list[int]
+) -> None:
+    """A plain fast tokenizer's ids go through ``tokenizers``' DecodeStream; its deltas, the
+    final text and the stop-string cuts equal those of the Python window algorithm it stands in
+    for, on random ids (split characters, byte-fallback runs, special and out-of-vocabulary
+    ids) after a random prompt."""
+    tokenizer = FAST_TOKENIZERS[name]()
+    high = len(tokenizer) + 2  # a few ids past the vocabulary
+    prompt = data.draw(st.lists(st.integers(0, high), max_size=10), label="prompt")
+    ids = data.draw(st.lists(st.integers(0, high), max_size=40), label="ids")
+    stop = data.draw(st.lists(st.sampled_from(["o", "lo w", ".", "a"]), max_size=2), label="stop")
+    params = SamplingParams(skip_special_tokens=skip, stop=stop or None)
+    fast = IncrementalDetokenizer(tokenizer, prompt, params)
+    assert fast._stream is not None, "a plain fast tokenizer streams through Rust"
+    slow = IncrementalDetokenizer(tokenizer, prompt, params)
+    slow._stream = None
+    assert _stream(fast, ids, chunks) == _stream(slow, ids, chunks)
+    assert fast.output_text == slow.output_text and fast.stop_reason == slow.stop_reason
