@@ -361,12 +361,13 @@ def _screened_argmax(probe: str, weight: torch.Tensor, x: torch.Tensor) -> Calla
 
 
 def _fp32_argmax(weight: torch.Tensor, x: torch.Tensor) -> Callable[[], object]:
+    from asyncpaged.model.logits_processors import argmax_rows
     from asyncpaged.model.packed_linear import pack_weight, packed_matmul
 
     packed = pack_weight(weight, DECODE_ROWS)
     if packed is None:
-        return lambda: torch.argmax(torch.nn.functional.linear(x, weight), dim=-1)
-    return lambda: torch.argmax(packed_matmul(x, packed), dim=-1)
+        return lambda: argmax_rows(torch.nn.functional.linear(x, weight))
+    return lambda: argmax_rows(packed_matmul(x, packed))
 
 
 def _best_of(fn: Callable[[], object], budget_s: float = 0.05, min_runs: int = 3) -> float:

@@ -44,6 +44,7 @@ from dataclasses import dataclass
 
 import torch
 
+from asyncpaged.model.logits_processors import argmax_rows
 from asyncpaged.model.packed_linear import packing_supported, runs_on_onednn
 from asyncpaged.model.row_buckets import bucketed
 
@@ -141,7 +142,7 @@ class ScreenedLMHead:
             logits = torch.nn.functional.linear(hidden, self.weight)
             if mask_bias is not None:  # as the sampler masks: -inf, whatever the logit
                 logits = logits.masked_fill(mask_bias != 0, float("-inf"))
-            return torch.argmax(logits, dim=-1)
+            return argmax_rows(logits)
         values = self._rescore_pairs(hidden, rows, cols)  # [K] fp32
         best = torch.full((num_rows,), float("-inf"), dtype=values.dtype, device=values.device)
         best.scatter_reduce_(0, rows, values, reduce="amax")

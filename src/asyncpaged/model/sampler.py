@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 import torch
 
 from asyncpaged.model.lm_head import TopKCandidates
+from asyncpaged.model.logits_processors import argmax_rows
 from asyncpaged.model.sampler_candidates import (
     MAX_SCREENED_TOP_K,
     _candidate_probs,
@@ -191,8 +192,7 @@ class SamplerOutput:
 
 def greedy(logits: torch.Tensor) -> torch.Tensor:
     """logits [N, V] float32 -> [N] int64 argmax; ties go to the lowest token id."""
-    # torch.argmax returns the first maximal index, i.e. the lowest id among ties.
-    return torch.argmax(logits, dim=-1)
+    return argmax_rows(logits)
 
 
 def sample(
@@ -267,7 +267,7 @@ def exponential_race(
     # Exponential race: argmax(p / q) with q ~ Exp(1) picks token v with probability p[v].
     q = _exponential_draws(opts, probs.shape[1], probs.device, generator)
     q.clamp_min_(torch.finfo(torch.float32).tiny)  # never divide by zero
-    return torch.argmax(probs / q, dim=-1)
+    return argmax_rows(probs / q)
 
 
 def _exponential_draws(
@@ -344,7 +344,7 @@ def sample_from_candidates(
         return SamplerOutput(
             token_ids=token_ids, logprobs=None, ranks=None, top_token_ids=None, top_logprobs=None
         )
-    token_ids = ids.gather(1, torch.argmax(logits, dim=-1, keepdim=True))[:, 0]  # greedy rows
+    token_ids = ids.gather(1, argmax_rows(logits)[:, None])[:, 0]  # greedy rows
     random_rows = [i for i, o in enumerate(opts) if o is not None and not o.is_greedy]
     if random_rows:
         rows = torch.tensor(random_rows, dtype=torch.int64, device=ids.device)
@@ -376,7 +376,7 @@ def _sample_candidates(
     q = _candidate_draws(ids.masked_fill(is_pad, 0), opts, vocab_size, generator)
     q.clamp_min_(torch.finfo(torch.float32).tiny)
     ratio = (probs / q).masked_fill_(is_pad, -1.0)
-    best = torch.argmax(ratio, dim=-1, keepdim=True)  # first maximum: the lowest id
+    best = argmax_rows(ratio)[:, None]  # first maximum: the lowest id
     token_ids = ids.gather(1, best)[:, 0]
     # Outside tokens race with p / q == 0 exactly; if no candidate beats 0, argmax is token 0.
     return torch.where(ratio.gather(1, best)[:, 0] > 0, token_ids, 0)

@@ -41,6 +41,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from asyncpaged.model.logits_processors import argmax_rows
 from asyncpaged.model.sampler import (
     SamplingOptions,
     exponential_race,
@@ -291,7 +292,7 @@ def _draw_residual(
     residual = torch.where(total > 0, residual / total.clamp_min(1e-30), p)
     e = _exponentials(opts, p.shape[1], p.device, generator)
     e.clamp_min_(torch.finfo(torch.float32).tiny)
-    return torch.argmax(residual / e, dim=-1)
+    return argmax_rows(residual / e)
 
 
 def _row_generators(
