@@ -11,6 +11,7 @@ import pytest
 from structlog.testing import capture_logs
 
 from asyncpaged import AsyncEngine, EngineConfig, SamplingParams
+from asyncpaged.model import cpu_plan
 from asyncpaged.model.cpu_plan import LEVERS, CpuFeatures, LeverSetting, plan_cpu
 from tests.model.driver import Driver
 from tests.model.reference import HFReference
@@ -97,7 +98,7 @@ def test_explicit_settings_win_and_time_nothing() -> None:
     assert timer.calls == []
 
 
-def test_timings_are_cached_per_cpu(tmp_path: Path) -> None:
+def test_timings_are_cached_per_cpu(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     cache = tmp_path / "cpu_plan.json"
     first = Timings()
     _plan(ZEN4, first, cache=cache)
@@ -109,6 +110,10 @@ def test_timings_are_cached_per_cpu(tmp_path: Path) -> None:
     other = Timings()
     _plan(ICELAKE, other, cache=cache)
     assert other.calls == ["packed_linear", "int8_head"]  # another CPU: its own entries
+    monkeypatch.setattr(cpu_plan, "PROBE_REVISION", cpu_plan.PROBE_REVISION + 1)
+    newer = Timings()
+    _plan(ZEN4, newer, cache=cache)
+    assert len(newer.calls) == 3  # timings of older probe code are not reused
     cache.write_text("not json")
     _plan(ZEN4, Timings(), cache=cache)  # a damaged cache is ignored and rewritten
 

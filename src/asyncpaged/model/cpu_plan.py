@@ -27,8 +27,9 @@ fused_elementwise   the native kernel library builds here
 target (the best the CPU runs, ``ASYNCPAGED_CPU_TARGET`` overrides) and the torch thread count
 are reported too. Timings take well under a second and are cached in the kernel cache directory
 (``cpu_plan.json``), keyed by the CPU model, its flags, the torch and asyncpaged versions, the
-oneDNN ISA cap and the shapes, so a restart on the same machine times nothing. A result that is
-simply "not on this CPU" is an INFO line (``cpu_plan``), never a warning.
+probes' revision, the oneDNN ISA cap and the shapes, so a restart on the same machine times
+nothing. A result that is simply "not on this CPU" is an INFO line (``cpu_plan``), never a
+warning.
 """
 
 from __future__ import annotations
@@ -57,6 +58,9 @@ LEVERS = ("packed_linears", "screened_lm_head", "int8_lm_head", "fused_elementwi
 # torch has it (the runner packs the head when no bf16 screen runs), else F.linear.
 SCREEN_MIN_SPEEDUP = 1.1
 DECODE_ROWS = 64  # rows of the timed GEMMs: a decode step of a busy engine
+# Part of every cached timing's key: bump it when a probe's candidate or baseline code changes
+# (2: the fp32 head's argmax became numpy's), so a cache from older code is not read as this one's.
+PROBE_REVISION = 2
 _BF16_FLAGS = frozenset({"avx512_bf16", "amx_bf16", "bf16"})  # x86; "bf16" on aarch64
 _VNNI_FLAGS = frozenset({"avx512_vnni", "avx_vnni", "amx_int8"})
 _VECTOR_FLAG = re.compile(r"(avx|fma|amx|asimd|sve|sme\d*$|.*vnni|.*bf16|.*fp16)")
@@ -263,7 +267,8 @@ def _default_cache() -> Path:
 
 
 class _CachedTimings:
-    """Timings by (CPU, versions, ISA cap, probe, shapes), read from and saved to ``path``."""
+    """Timings by (CPU, versions, probe revision, ISA cap, probe, shapes), read from and saved
+    to ``path``."""
 
     def __init__(self, features: CpuFeatures, path: Path | Literal[False], timer: Timer) -> None:
         import asyncpaged
@@ -271,7 +276,7 @@ class _CachedTimings:
         self._path = path
         self._timer = timer
         self._prefix = json.dumps([features.model_name, sorted(features.flags), torch.__version__,
-                                   asyncpaged.__version__,
+                                   asyncpaged.__version__, PROBE_REVISION,
                                    os.environ.get("ONEDNN_MAX_CPU_ISA", "")])  # fmt: skip
         self._entries: dict[str, list[float]] = {}
         self._dirty = False
