@@ -65,8 +65,8 @@ def test_ties_nans_and_layouts() -> None:
 
 
 def test_other_dtypes_and_grad_go_to_torch(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Half precision, integers and tensors that need grad take torch's argmax; float rows on CPU
-    take numpy's (the same answers either way, checked above)."""
+    """Half precision, integers, tensors that need grad and 1-D ones take torch's argmax; float
+    rows on CPU take numpy's (the same answers either way, checked above)."""
     calls: list[torch.dtype] = []
     torch_argmax = torch.argmax
 
@@ -79,9 +79,9 @@ def test_other_dtypes_and_grad_go_to_torch(monkeypatch: pytest.MonkeyPatch) -> N
     argmax_rows(torch.randn(3, 50, dtype=torch.float64))
     assert calls == []
     for x in (torch.randn(3, 50).bfloat16(), torch.randint(0, 9, (3, 50)),
-              torch.randn(3, 50, requires_grad=True)):  # fmt: skip
+              torch.randn(3, 50, requires_grad=True), torch.randn(50)):  # fmt: skip
         assert torch.equal(argmax_rows(x), torch_argmax(x, dim=-1))
-    assert calls == [torch.bfloat16, torch.int64, torch.float32]
+    assert calls == [torch.bfloat16, torch.int64, torch.float32, torch.float32]
 
 
 def test_greedy_takes_it() -> None:

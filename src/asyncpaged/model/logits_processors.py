@@ -181,10 +181,10 @@ def argmax_rows(values: torch.Tensor) -> torch.Tensor:
 
     On CPU, for float rows, numpy's SIMD argmax does it: torch's CPU argmax is a scalar loop,
     0.68 ms for ``[256, 2000]`` and 95 ms for ``[256, 151936]`` on one thread where numpy takes
-    0.04 and 10 (docs/tuning.md, "Sampling")."""
+    0.04 and 10 (docs/tuning.md, "Argmax in numpy")."""
     if (
         values.device.type != "cpu" or values.dtype not in (torch.float32, torch.float64)
-        or values.requires_grad or values.shape[-1] == 0
+        or values.requires_grad or values.dim() != 2 or values.shape[-1] == 0
     ):  # fmt: skip
         return torch.argmax(values, dim=-1)
     return torch.from_numpy(np.argmax(values.numpy(), axis=-1).astype(np.int64, copy=False))
