@@ -220,6 +220,32 @@ def lr_at(step: int, steps: int, peak: float, warmup: int) -> float:
     return peak * (0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * progress)))
 
 
+def save_checkpoint(
+    model: LlamaForCausalLM, tokenizer: PreTrainedTokenizerFast, out: pathlib.Path
+) -> None:
+    """``save_pretrained`` (float32) of the model, its generation config and its tokenizer."""
+    was_training = model.training
+    model.eval()
+    out.mkdir(parents=True, exist_ok=True)
+    model.generation_config = GenerationConfig(
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    model.save_pretrained(out, safe_serialization=True)
+    tokenizer.save_pretrained(out)
+    # transformers 5 writes its own class name; the generic fast class loads in 4.x and 5.x.
+    tok_config_path = out / "tokenizer_config.json"
+    tok_config = json.loads(tok_config_path.read_text())
+    tok_config["tokenizer_class"] = "PreTrainedTokenizerFast"
+    for key in ("is_local", "local_files_only"):  # added by from_pretrained (--init)
+        tok_config.pop(key, None)
+    tok_config_path.write_text(json.dumps(tok_config, indent=2, sort_keys=True) + "\n")
+    total = sum(f.stat().st_size for f in out.iterdir() if f.is_file())
+    print(f"saved to {out}: {total} bytes", flush=True)
+    model.train(was_training)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=1600)
@@ -263,6 +289,12 @@ def main() -> None:
         type=int,
         default=0,
         help="print copy accuracy and held-out docs loss every N steps",
+    )
+    parser.add_argument(
+        "--save-every",
+        type=int,
+        default=0,
+        help="also save the checkpoint to --out every N steps (a long run can be stopped)",
     )
     args = parser.parse_args()
 
@@ -372,25 +404,10 @@ def main() -> None:
             running = 0.0
         if args.eval_every and ((step + 1) % args.eval_every == 0 or step + 1 == args.steps):
             evaluate(f"step {step + 1}")
+        if args.save_every and (step + 1) % args.save_every == 0 and step + 1 < args.steps:
+            save_checkpoint(model, tokenizer, args.out)
 
-    model.eval()
-    args.out.mkdir(parents=True, exist_ok=True)
-    model.generation_config = GenerationConfig(
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-    )
-    model.save_pretrained(args.out, safe_serialization=True)
-    tokenizer.save_pretrained(args.out)
-    # transformers 5 writes its own class name; the generic fast class loads in 4.x and 5.x.
-    tok_config_path = args.out / "tokenizer_config.json"
-    tok_config = json.loads(tok_config_path.read_text())
-    tok_config["tokenizer_class"] = "PreTrainedTokenizerFast"
-    for key in ("is_local", "local_files_only"):  # added by from_pretrained (--init)
-        tok_config.pop(key, None)
-    tok_config_path.write_text(json.dumps(tok_config, indent=2, sort_keys=True) + "\n")
-    total = sum(f.stat().st_size for f in args.out.iterdir() if f.is_file())
-    print(f"saved to {args.out}: {total} bytes", flush=True)
+    save_checkpoint(model, tokenizer, args.out)
     print(f"total time {time.perf_counter() - start:.0f}s", flush=True)
 
 
