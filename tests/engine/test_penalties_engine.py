@@ -1,6 +1,8 @@
 """Penalized requests through the engine: greedy with a repetition penalty equals transformers'
 ``generate(repetition_penalty=...)``, token for token, with requests batched and decoding for
-many steps (the prompt is kept as one tuple per request, the output appended each step)."""
+many steps (the prompt is kept as one tuple per request; the runner keeps each row's history
+between steps and each step sends only its new tokens, ``model/penalty_histories.py``), and
+under memory pressure, where preempted sequences come back and resend their whole history."""
 
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ import torch
 from asyncpaged import SamplingParams
 from tests.engine.conftest import running_engine
 from tests.engine.test_engine import generate_all, make_prompts
+from tests.engine.test_persistent_tables import Recorder
 
 MODEL = "llama-gqa"
 NEW_TOKENS = 24
@@ -49,6 +52,8 @@ async def test_greedy_repetition_penalty_matches_transformers(
                             repetition_penalty=PENALTY)  # fmt: skip
     with anyio.fail_after(120):
         async with running_engine(path, num_device_blocks=64) as engine:
+            recorder = Recorder(engine._executor.runner)
+            engine._executor.runner = recorder
             outs = await generate_all(engine, prompts, params)
             plain = await generate_all(engine, prompts[:1], SamplingParams(
                 temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True))  # fmt: skip
@@ -56,3 +61,32 @@ async def test_greedy_repetition_penalty_matches_transformers(
         assert out.outputs[0].token_ids == _transformers(path, prompt), prompt
     # The penalty did something: the first prompt's tokens differ without it.
     assert plain[0].outputs[0].token_ids != outs[0].outputs[0].token_ids
+    # Each row sent only the token since the last step: every output token (but the last,
+    # which no step reads) travelled once.
+    rows = [s.sampling for p in recorder.plans for s in p.seqs if s.sampling is not None]
+    assert all(o.history_seq is not None for o in rows)
+    assert all(len(o.output_token_ids) <= 1 for o in rows)
+    assert sum(len(o.output_token_ids) for o in rows) == len(prompts) * (NEW_TOKENS - 1)
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+async def test_penalized_requests_under_memory_pressure_match_transformers(
+    mode: str, tiny_checkpoint: Callable[[str], Path]
+) -> None:
+    path = tiny_checkpoint(MODEL)
+    prompts = make_prompts(12, seed=5)
+    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True,
+                            repetition_penalty=PENALTY)  # fmt: skip
+    with anyio.fail_after(120):
+        async with running_engine(path, num_device_blocks=10, preemption_mode=mode) as engine:
+            recorder = Recorder(engine._executor.runner)
+            engine._executor.runner = recorder
+            outs = await generate_all(engine, prompts, params)
+            stats = engine.statistics()
+    assert stats.num_preemptions > 0
+    for prompt, out in zip(prompts, outs, strict=True):
+        assert out.outputs[0].token_ids == _transformers(path, prompt), prompt
+    # Preempted sequences came back with their whole output (more whole sends than requests).
+    rows = [s.sampling for p in recorder.plans for s in p.seqs if s.sampling is not None]
+    resent = [o for o in rows if o.history_start == 0 and len(o.output_token_ids) > 1]
+    assert resent, "no sequence resent its history after a preemption"

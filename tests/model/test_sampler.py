@@ -160,11 +160,18 @@ def _dense_penalties(
     return dense
 
 
+@pytest.mark.parametrize("form", ["numpy", "torch"])
 @pytest.mark.parametrize("seed", [0, 1, 2, 3])
-def test_sparse_penalties_are_bit_identical_to_the_dense_form(seed: int) -> None:
+def test_sparse_penalties_are_bit_identical_to_the_dense_form(
+    seed: int, form: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Ragged histories (empty rows, repeats, the first and last ids, prompt-only tokens, lists
     as well as tuples), penalties on and off per row, rows in any order: every logit equals the
-    dense computation's exactly (-0.0 and 0.0 compare equal: only a zero's sign may differ)."""
+    dense computation's exactly (-0.0 and 0.0 compare equal: only a zero's sign may differ),
+    in the numpy form CPU tensors take and in the torch form of other devices."""
+    from asyncpaged.model import logits_processors
+
+    monkeypatch.setattr(logits_processors, "_on_host", lambda _: form == "numpy")
     rng = random.Random(seed)
     num_rows = 9
     logits = _random_logits(num_rows, seed=seed)

@@ -64,6 +64,7 @@ from asyncpaged.messages import (
 )
 from asyncpaged.model.block_tables import TableDeltas
 from asyncpaged.model.draft import DraftProposals
+from asyncpaged.model.penalty_histories import HistoryDeltas
 from asyncpaged.model.prompt_logprobs import PromptLogprobRows
 from asyncpaged.model.runner import SampledToken, StepPlan
 from asyncpaged.streams import RequestState
@@ -130,6 +131,7 @@ class SchedulerActor:
         self._eos = eos_token_ids
         self._in_flight: SchedulerOutput | None = None
         self._tables = TableDeltas()  # the block tables the executor's runner holds
+        self._histories = HistoryDeltas()  # the penalty histories it holds
         self._planning = False  # a transaction is at the allocator
         self._idle = IdleSignal(lambda: self.is_idle)
         self._log = log.bind(actor="scheduler")
@@ -266,6 +268,7 @@ class SchedulerActor:
             grammars=self._grammars,
             has_draft_model=self._draft_proposals is not None,
             tables=self._tables,
+            histories=self._histories,
         )
         self._scheduled.extend(scheduled)
         self._in_flight = out
@@ -273,6 +276,7 @@ class SchedulerActor:
             ExecuteStep(output=out, plan=StepPlan(seqs=tuple(steps), copy_pairs=out.copy_on_write))
         )
         self._tables.sent()
+        self._histories.sent()
         return True
 
     # ---- messages ---------------------------------------------------------------------------

@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from asyncpaged.core.request import Sequence as Seq
+from asyncpaged.model.penalty_histories import HistoryDeltas
 from asyncpaged.model.sampler import SamplingOptions, derive_generator_key
 from asyncpaged.sampling_params import SamplingParams
 
@@ -63,10 +64,14 @@ def sampling_options(
     bad_words_ids: tuple[tuple[int, ...], ...] = (),
     token_bitmask: torch.Tensor | None = None,
     prompt: tuple[int, ...] | None = None,
+    history: HistoryDeltas | None = None,
+    seq_id: int = -1,
 ) -> SamplingOptions | None:
     """The executor's per-row sampling options; None for plain greedy (the fast path).
     ``prompt``: ``token_ids[:num_prompt]`` as a tuple, when the caller keeps one (the
-    penalties read the prompt every step; see ``scheduler_steps``)."""
+    penalties read the prompt every step; see ``scheduler_steps``). ``history``: the row may
+    keep its penalty history in the runner (``penalty_histories``), as sequence ``seq_id``;
+    it then sends only the output tokens the runner does not hold yet."""
     if token_bitmask is None and params.is_plain_greedy:
         return None
     num_generated = len(token_ids) - num_prompt
@@ -97,6 +102,11 @@ def sampling_options(
         and params.logprobs is None
     ):
         return None
+    output_start = 0
+    history_seq = None
+    if history is not None and penalized and not params.logits_processors:
+        history_seq = seq_id
+        output_start = history.start(seq_id, token_ids, num_prompt)
     return SamplingOptions(
         temperature=params.temperature,
         top_p=params.top_p,
@@ -112,8 +122,12 @@ def sampling_options(
             (prompt if prompt is not None else tuple(token_ids[:num_prompt])) if penalized else ()
         ),
         output_token_ids=(
-            tuple(token_ids[num_prompt:]) if penalized or params.logits_processors else ()
+            tuple(token_ids[num_prompt + output_start :])
+            if penalized or params.logits_processors
+            else ()
         ),
+        history_seq=history_seq,
+        history_start=output_start,
         generator_key=derive_generator_key(params.seed, index, num_generated)
         if params.seed is not None
         else 0,

@@ -19,6 +19,7 @@ from asyncpaged.core.request import Sequence as Seq
 from asyncpaged.core.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
 from asyncpaged.messages import Scheduled
 from asyncpaged.model.block_tables import TableDeltas
+from asyncpaged.model.penalty_histories import HistoryDeltas
 from asyncpaged.model.runner import SequenceStep
 from asyncpaged.model.sampler import SamplingOptions
 from asyncpaged.structured_outputs import GrammarBackend
@@ -34,15 +35,20 @@ def build_sequence_steps(
     grammars: GrammarBackend | None,
     has_draft_model: bool,
     tables: TableDeltas,
+    histories: HistoryDeltas,
 ) -> tuple[list[SequenceStep], list[Scheduled]]:
     """One :class:`SequenceStep` per scheduled sequence of ``out``, in its order, each with
-    its block table's changes since the last plan sent (``tables``: the caller marks this
-    plan sent once the executor has it); and the scheduling facts to report for the requests
-    scheduled for the first time or whose cached-token count changed."""
+    its block table's changes since the last plan sent (``tables``) and a penalized row's
+    output tokens since then (``histories``; the caller marks both sent once the executor has
+    the plan); and the scheduling facts to report for the requests scheduled for the first
+    time or whose cached-token count changed."""
     now = time.monotonic()
     steps = []
     scheduled = []
     tables.start_plan()
+    # Draft-model engines send whole histories: the draft draws from the same options.
+    kept = None if has_draft_model else histories
+    histories.start_plan()
     bitmasks = grammar_bitmasks(out, scheduler, tracked, grammars)
     for s in out.seqs:
         t = tracked[s.request_id]
@@ -64,7 +70,7 @@ def build_sequence_steps(
                                       table_start=table[0]))  # fmt: skip
             continue
         steps.append(
-            _sampled_step(s, request, t, bitmasks, eos_token_ids, bad_words, draft_k, table)
+            _sampled_step(s, request, t, bitmasks, eos_token_ids, bad_words, draft_k, table, kept)
         )
     return steps, scheduled
 
@@ -78,15 +84,19 @@ def _sampled_step(
     bad_words: BadWordsCache,
     draft_k: int,
     table: tuple[int, tuple[int, ...]],
+    histories: HistoryDeltas | None,
 ) -> SequenceStep:
     """The row of a sequence off the plain greedy path: its sampling options (or a fan-out's,
     or beam search's candidates), prompt-logprob targets and speculative verification
-    options."""
+    options. A row sampled once, not verifying proposals, keeps its penalty history in the
+    runner when ``histories`` is given."""
     seq = seq_of(request, s.seq_id)
     info = t.info
     params = info.params
+    if s.num_samples > 1 or s.num_draft or request.beam is not None:
+        histories = None
 
-    def options(index: int) -> SamplingOptions | None:
+    def options(index: int, history: HistoryDeltas | None = None) -> SamplingOptions | None:
         if request.beam is not None:  # each beam offers its 2k best continuations
             return SamplingOptions(temperature=0.0, num_logprobs=2 * request.beam.width)
         # The prompt as one tuple made by the intake, not sliced and copied for every
@@ -95,7 +105,7 @@ def _sampled_step(
         return sampling_options(
             params, seq.token_ids, seq.num_prompt_tokens, index, eos_token_ids,
             bad_words.ids(params.bad_words), bitmasks.get((seq.seq_id, index)),
-            info.prompt_token_ids,
+            info.prompt_token_ids, history, seq.seq_id,
         )  # fmt: skip
 
     row_offset, targets = prompt_logprob_targets(
@@ -114,7 +124,7 @@ def _sampled_step(
         block_table=table[1],
         table_start=table[0],
         do_sample=s.samples,
-        sampling=options(seq.index) if s.samples else None,
+        sampling=options(seq.index, histories) if s.samples else None,
         fanout=tuple(options(i) for i in range(s.num_samples)) if s.num_samples > 1 else (),
         want_logprob=info.ranks_by_logprob,
         min_rope_len=s.min_rope_len,

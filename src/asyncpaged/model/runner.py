@@ -39,6 +39,7 @@ from asyncpaged.model.lm_head import ScreenedLMHead
 from asyncpaged.model.lm_head_int8 import Int8ScreenedArgmax, int8_activation_limit
 from asyncpaged.model.loader import load_model
 from asyncpaged.model.packed_linear import pack_linears, pack_weight
+from asyncpaged.model.penalty_histories import PenaltyHistories, SeenTokens
 from asyncpaged.model.prompt_logprobs import compute_prompt_logprobs
 from asyncpaged.model.sampler import (
     SamplerOutput,
@@ -188,6 +189,7 @@ class ModelRunner:
         self._step_end: torch.cuda.Event | None = None  # see _record_step_end
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
         self._tables = BlockTables()  # the block tables of the last step's sequences
+        self._histories = PenaltyHistories()  # penalty histories of the last step's rows
         # Draft-model speculation (``attach_draft``): its cache mirrors this one's block ids.
         self.draft: DraftModel | None = None
 
@@ -296,8 +298,9 @@ class ModelRunner:
             draft.copy_blocks(plan.copy_pairs)
         if not plan.seqs:
             return StepResult(sampled=())
+        seen = self._histories.update(plan.seqs)
         inputs = self._inputs(plan)
-        result = self._target_step(plan, *inputs)
+        result = self._target_step(plan, *inputs, seen=seen)
         return result if draft is None else draft.step(plan, inputs, result)
 
     def _target_step(
@@ -306,8 +309,10 @@ class ModelRunner:
         metadata: AttentionMetadata,
         input_tensor: torch.Tensor,
         position_tensor: torch.Tensor,
+        seen: dict[int, SeenTokens] | None = None,
     ) -> StepResult:
-        """The target's forward, prompt logprobs, verification and sampling."""
+        """The target's forward, prompt logprobs, verification and sampling; ``seen``: the
+        penalty histories the runner keeps, by sequence."""
         began = time.perf_counter()
         hidden = self.model(input_tensor, position_tensor, metadata, self.kv_cache)  # [T, H]
         prompt = (
@@ -353,6 +358,12 @@ class ModelRunner:
             [opt for _, _, opt in draws],
             want_logprobs=any(s.want_logprob for s, _, _ in draws),
             generator=self.generator,
+            penalty_seen=[
+                None if opt is None or opt.history_seq is None else seen[s.seq_id]
+                for s, _, opt in draws
+            ]
+            if seen
+            else None,
         )
         compute_s = time.perf_counter() - began
         sampled = sampled_tokens(draws, out) + verified

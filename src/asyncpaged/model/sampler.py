@@ -36,6 +36,7 @@ import torch
 
 from asyncpaged.model.lm_head import TopKCandidates
 from asyncpaged.model.logits_processors import argmax_rows
+from asyncpaged.model.penalty_histories import SeenTokens
 from asyncpaged.model.sampler_candidates import (
     MAX_SCREENED_TOP_K,
     _candidate_probs,
@@ -81,7 +82,10 @@ class SamplingOptions:
     ``top_k`` 0 = off; ``num_logprobs`` = top logprobs to return besides the sampled token
     (``None``: none, and no sampled-token logprob unless the step asks for it). The engine sets
     ``min_tokens_mask_ids`` (EOS + stop token ids) only while fewer than ``min_tokens`` tokens
-    were generated. ``prompt_token_ids`` / ``output_token_ids`` feed the penalties.
+    were generated. ``prompt_token_ids`` / ``output_token_ids`` feed the penalties; with
+    ``history_seq`` set the runner keeps that sequence's penalty history between steps
+    (``penalty_histories``) and ``output_token_ids`` holds only the output tokens after the
+    first ``history_start``, which it already has.
     ``generator_key`` seeds this row's generator when ``seed`` is set (see
     ``derive_generator_key``); it is ignored otherwise. Logit controls (vLLM's): only
     ``allowed_token_ids`` keep their logits (None: all), ``logit_bias`` (token id, bias) pairs
@@ -101,6 +105,8 @@ class SamplingOptions:
     min_tokens_mask_ids: tuple[int, ...] = ()
     prompt_token_ids: tuple[int, ...] = ()
     output_token_ids: tuple[int, ...] = ()
+    history_seq: int | None = None
+    history_start: int = 0
     generator_key: int = 0
     logit_bias: tuple[tuple[int, float], ...] = ()
     allowed_token_ids: tuple[int, ...] | None = None
@@ -201,12 +207,15 @@ def sample(
     *,
     want_logprobs: bool = False,
     generator: torch.Generator | None = None,
+    penalty_seen: Sequence[SeenTokens | None] | None = None,
 ) -> SamplerOutput:
     """Sample one token per row of ``logits`` [N, V] float32; ``options[i] is None`` = greedy.
 
     Logprobs (and ranks) are computed for every row when ``want_logprobs`` or any row sets
     ``num_logprobs``; the top ``max(num_logprobs)`` ids/logprobs when that max is > 0.
     ``generator`` draws for random rows without a seed (torch's default generator if None).
+    ``penalty_seen[i]``: row ``i``'s penalty history as the runner keeps it (its options set
+    ``history_seq``), instead of its token lists.
     """
     assert logits.dtype == torch.float32, f"sampler expects float32 logits, got {logits.dtype}"
     num_rows = logits.shape[0]
@@ -216,7 +225,7 @@ def sample(
     want_logprobs = want_logprobs or any(o is not None and o.num_logprobs is not None for o in opts)
     raw_logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None  # [N, V]
     errors: dict[int, BaseException] = {}
-    processed = _process(logits, opts, errors)  # [N, V]: masks and penalties applied
+    processed = _process(logits, opts, errors, penalty_seen)  # [N, V]: masks, penalties
     random_rows = [i for i, o in enumerate(opts) if o is not None and not o.is_greedy]
     if not random_rows:
         token_ids = greedy(processed)

@@ -23,6 +23,7 @@ from asyncpaged.model.logits_processors import (
 from asyncpaged.structured_outputs import grammar_mask_bias
 
 if TYPE_CHECKING:
+    from asyncpaged.model.penalty_histories import SeenTokens
     from asyncpaged.model.sampler import SamplingOptions
 
 _NEG_INF = float("-inf")
@@ -32,9 +33,11 @@ def _process(
     logits: torch.Tensor,
     opts: Sequence[SamplingOptions | None],
     errors: dict[int, BaseException] | None = None,
+    penalty_seen: Sequence[SeenTokens | None] | None = None,
 ) -> torch.Tensor:
     """Logit controls, min-tokens masking and penalties (they change greedy rows too);
-    ``logits`` is not edited."""
+    ``logits`` is not edited. ``penalty_seen[i]``: row ``i``'s penalty history kept by the
+    runner (required for a row whose options hold only the tail of its output)."""
     masked = [i for i, o in enumerate(opts) if o is not None and o.min_tokens_mask_ids]
     penalized = [i for i, o in enumerate(opts) if o is not None and o.has_penalties]
     controlled = [o is not None and o.has_logit_controls for o in opts]
@@ -46,6 +49,11 @@ def _process(
     apply_min_tokens_mask(logits, [o.min_tokens_mask_ids if o is not None else () for o in opts])
     if penalized:
         subset = [o for o in opts if o is not None and o.has_penalties]
+        seen = [None if penalty_seen is None else penalty_seen[i] for i in penalized]
+        for o, kept in zip(subset, seen, strict=True):
+            assert kept is not None or not o.history_start, (
+                f"sequence {o.history_seq}: only the tail of its output and no kept history"
+            )
 
         def column(values: list[float]) -> torch.Tensor:
             return torch.tensor(values, dtype=torch.float32, device=logits.device)
@@ -58,6 +66,7 @@ def _process(
             repetition_penalties=column([o.repetition_penalty for o in subset]),
             frequency_penalties=column([o.frequency_penalty for o in subset]),
             presence_penalties=column([o.presence_penalty for o in subset]),
+            seen=seen,
         )
     return logits
 
