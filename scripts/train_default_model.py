@@ -156,12 +156,17 @@ def copy_window(
     bos: int,
     gen: torch.Generator,
     random_tokens: bool = False,
+    once: bool = False,
 ) -> torch.Tensor:
     """``<s> passage sep passage[q:] sep passage ...`` cut to ``window`` tokens; the passage is
     a span of the stream, or uniformly random non-special tokens with ``random_tokens`` (which
-    no memorised text predicts, so only copying from the context lowers their loss)."""
+    no memorised text predicts, so only copying from the context lowers their loss). With
+    ``once`` the passage comes back once and the stream follows (after a text passage, the text
+    that follows it; after random tokens, a random span of text): a copy that ends, as a
+    quotation or an edited line does, rather than a loop."""
     longest = max(9, (2 * window) // 3)
     length = int(torch.randint(8, longest, (1,), generator=gen))
+    start = 0
     if random_tokens:
         high = int(data.max()) + 1
         passage = torch.randint(len(SPECIAL_TOKENS), high, (length,), generator=gen).tolist()
@@ -172,6 +177,16 @@ def copy_window(
     if bool(torch.rand((), generator=gen) < 0.5):
         skip = int(torch.randint(0, length // 2 + 1, (1,), generator=gen))
     ids = [bos, *passage]
+    if once:
+        ids += sep + passage[skip:]
+        rest = max(0, window - len(ids))
+        after = (
+            start + length
+            if not random_tokens
+            else int(torch.randint(0, data.numel() - rest, (1,), generator=gen))
+        )
+        after = min(after, data.numel() - rest)
+        ids += data[after : after + rest].tolist()
     while len(ids) < window:
         ids += sep + passage[skip:]
         skip = 0
@@ -279,6 +294,11 @@ def main() -> None:
         help="fraction of the copy windows whose passage is random tokens",
     )
     parser.add_argument(
+        "--copy-once",
+        action="store_true",
+        help="copy windows repeat their passage once, then the text goes on (no loops)",
+    )
+    parser.add_argument(
         "--bf16",
         action="store_true",
         help="forward and backward under bf16 autocast (fast where the CPU has AMX or "
@@ -383,7 +403,8 @@ def main() -> None:
         batch = data[starts[:, None] + offsets[None, :]]
         if n_copy:
             bos = tokenizer.bos_token_id
-            copies = [copy_window(data, window, sep, bos, gen, random_tokens=i < n_random)
+            copies = [copy_window(data, window, sep, bos, gen, random_tokens=i < n_random,
+                                  once=args.copy_once)
                       for i in range(n_copy)]  # fmt: skip
             batch = torch.cat([batch, torch.stack(copies)])
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.bf16):

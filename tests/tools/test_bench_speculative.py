@@ -13,7 +13,11 @@ def test_grounded_prompts_repeat_their_passage() -> None:
     prompts = grounded_prompts(3)
     assert len(prompts) == 3
     for p in prompts:
-        assert p[:160] == p[-160:]  # the passage's beginning, again at the end
+        passage, blank, echo = p[:700], p[700:702], p[702:]
+        assert blank == "\n\n"
+        assert passage.startswith(echo)  # the passage's beginning, again at the end ...
+        assert 100 < len(echo) <= 160
+        assert passage[len(echo)] in " \n"  # ... cut where a word ends
 
 
 def test_bench_speculative_small_run(tmp_path: Path) -> None:

@@ -2,9 +2,10 @@
 
 An input-grounded workload on the built-in model (or ``--model``): each prompt is a passage of
 Python's reference manual (``pydoc_data.topics``, topics in sorted order) followed by its own
-beginning again, so a continuation that copies the passage is what the prompt invites (the
-shape of summarising and code editing, where the output repeats spans of the input). Greedy,
-``--max-tokens`` (128) new tokens, EOS ignored, every request a DELTA stream.
+beginning again (cut where a word ends), so a continuation that copies the passage is what the
+prompt invites (the shape of summarising and code editing, where the output repeats spans of
+the input). Greedy, ``--max-tokens`` (128) new tokens, EOS ignored, every request a DELTA
+stream.
 
 Modes (``--modes``): ``off``; ``ngram`` (prompt lookup, ``--k`` proposals,
 ``--lookup-min``/``--lookup-max``); ``draft`` (``--draft-model DIR``, a smaller checkpoint with
@@ -33,14 +34,19 @@ from asyncpaged.tools.bench_overhead import cpu_flags
 
 
 def grounded_prompts(num: int, passage_chars: int = 700, echo_chars: int = 160) -> list[str]:
-    """``num`` passages of the reference manual, each followed by its beginning again."""
+    """``num`` passages of the reference manual, each followed by its beginning again: its
+    first ``echo_chars`` characters, cut back to the last space or newline. (A cut inside a
+    word leaves a word piece the passage's own tokens do not contain, so neither the model nor
+    a prompt lookup could continue the copy from there; a summary or an edited line never
+    starts mid-word.)"""
     from pydoc_data.topics import topics
 
     texts = [topics[name] for name in sorted(topics) if len(topics[name]) >= passage_chars]
     out = []
     for text in texts[:num]:
         passage = text[:passage_chars]
-        out.append(f"{passage}\n\n{passage[:echo_chars]}")
+        cut = max(passage.rfind(" ", 0, echo_chars), passage.rfind("\n", 0, echo_chars))
+        out.append(f"{passage}\n\n{passage[: cut if cut > 0 else echo_chars]}")
     return out
 
 
