@@ -8,12 +8,13 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import anyio
 import pytest
 import torch
 
-from asyncpaged import SamplingParams
+from asyncpaged import EngineStatistics, RequestOutput, SamplingParams
 from tests.engine.conftest import running_engine
 from tests.engine.test_engine import generate_all, make_prompts
 from tests.engine.test_persistent_tables import Recorder
@@ -43,22 +44,32 @@ def _transformers(path: Path, prompt: tuple[int, ...]) -> list[int]:
     return [int(t) for t in out[0, len(prompt) :]]
 
 
-async def test_greedy_repetition_penalty_matches_transformers(
-    tiny_checkpoint: Callable[[str], Path],
-) -> None:
-    path = tiny_checkpoint(MODEL)
-    prompts = make_prompts(5, seed=11)
-    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True,
-                            repetition_penalty=PENALTY)  # fmt: skip
+PARAMS = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True,
+                        repetition_penalty=PENALTY)  # fmt: skip
+
+
+async def _run(
+    path: Path, prompts: list[tuple[int, ...]], **config: Any
+) -> tuple[list[RequestOutput], Recorder, EngineStatistics, list[RequestOutput]]:
+    """The penalized requests (then the first one without a penalty), every plan recorded."""
     with anyio.fail_after(120):
-        async with running_engine(path, num_device_blocks=64) as engine:
+        async with running_engine(path, **config) as engine:
             recorder = Recorder(engine._executor.runner)
             engine._executor.runner = recorder
-            outs = await generate_all(engine, prompts, params)
+            outs = await generate_all(engine, prompts, PARAMS)
+            stats = engine.statistics()
             plain = await generate_all(engine, prompts[:1], SamplingParams(
                 temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True))  # fmt: skip
     for prompt, out in zip(prompts, outs, strict=True):
         assert out.outputs[0].token_ids == _transformers(path, prompt), prompt
+    return outs, recorder, stats, plain
+
+
+async def test_greedy_repetition_penalty_matches_transformers(
+    tiny_checkpoint: Callable[[str], Path],
+) -> None:
+    prompts = make_prompts(5, seed=11)
+    outs, recorder, _, plain = await _run(tiny_checkpoint(MODEL), prompts, num_device_blocks=64)
     # The penalty did something: the first prompt's tokens differ without it.
     assert plain[0].outputs[0].token_ids != outs[0].outputs[0].token_ids
     # Each row sent only the token since the last step: every output token (but the last,
@@ -73,20 +84,11 @@ async def test_greedy_repetition_penalty_matches_transformers(
 async def test_penalized_requests_under_memory_pressure_match_transformers(
     mode: str, tiny_checkpoint: Callable[[str], Path]
 ) -> None:
-    path = tiny_checkpoint(MODEL)
     prompts = make_prompts(12, seed=5)
-    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True,
-                            repetition_penalty=PENALTY)  # fmt: skip
-    with anyio.fail_after(120):
-        async with running_engine(path, num_device_blocks=10, preemption_mode=mode) as engine:
-            recorder = Recorder(engine._executor.runner)
-            engine._executor.runner = recorder
-            outs = await generate_all(engine, prompts, params)
-            stats = engine.statistics()
+    _, recorder, stats, _ = await _run(tiny_checkpoint(MODEL), prompts, num_device_blocks=10,
+                                       preemption_mode=mode)  # fmt: skip
     assert stats.num_preemptions > 0
-    for prompt, out in zip(prompts, outs, strict=True):
-        assert out.outputs[0].token_ids == _transformers(path, prompt), prompt
-    # Preempted sequences came back with their whole output (more whole sends than requests).
+    # Preempted sequences came back and sent their whole output again.
     rows = [s.sampling for p in recorder.plans for s in p.seqs if s.sampling is not None]
     resent = [o for o in rows if o.history_start == 0 and len(o.output_token_ids) > 1]
     assert resent, "no sequence resent its history after a preemption"
