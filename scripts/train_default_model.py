@@ -157,13 +157,16 @@ def copy_window(
     gen: torch.Generator,
     random_tokens: bool = False,
     once: bool = False,
+    shuffled: bool = False,
 ) -> torch.Tensor:
     """``<s> passage sep passage[q:] sep passage ...`` cut to ``window`` tokens; the passage is
     a span of the stream, or uniformly random non-special tokens with ``random_tokens`` (which
     no memorised text predicts, so only copying from the context lowers their loss). With
     ``once`` the passage comes back once and the stream follows (after a text passage, the text
     that follows it; after random tokens, a random span of text): a copy that ends, as a
-    quotation or an edited line does, rather than a loop."""
+    quotation or an edited line does, rather than a loop. With ``shuffled`` a text passage's
+    tokens come in a random order: text-like tokens that no memorised text predicts, so only
+    copying them pays (a model that memorises its corpus otherwise recites instead of copying)."""
     longest = max(9, (2 * window) // 3)
     length = int(torch.randint(8, longest, (1,), generator=gen))
     start = 0
@@ -173,6 +176,8 @@ def copy_window(
     else:
         start = int(torch.randint(0, data.numel() - length, (1,), generator=gen))
         passage = data[start : start + length].tolist()
+        if shuffled:
+            passage = [passage[i] for i in torch.randperm(length, generator=gen).tolist()]
     skip = 0
     if bool(torch.rand((), generator=gen) < 0.5):
         skip = int(torch.randint(0, length // 2 + 1, (1,), generator=gen))
@@ -294,6 +299,12 @@ def main() -> None:
         help="fraction of the copy windows whose passage is random tokens",
     )
     parser.add_argument(
+        "--copy-shuffled",
+        type=float,
+        default=0.0,
+        help="fraction of the text copy windows whose passage is shuffled",
+    )
+    parser.add_argument(
         "--copy-once",
         action="store_true",
         help="copy windows repeat their passage once, then the text goes on (no loops)",
@@ -403,8 +414,9 @@ def main() -> None:
         batch = data[starts[:, None] + offsets[None, :]]
         if n_copy:
             bos = tokenizer.bos_token_id
+            n_shuffled = round((n_copy - n_random) * args.copy_shuffled)
             copies = [copy_window(data, window, sep, bos, gen, random_tokens=i < n_random,
-                                  once=args.copy_once)
+                                  once=args.copy_once, shuffled=i >= n_copy - n_shuffled)
                       for i in range(n_copy)]  # fmt: skip
             batch = torch.cat([batch, torch.stack(copies)])
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.bf16):
