@@ -23,9 +23,13 @@ retrained); ``--copy-frac F`` builds that fraction of each batch as *copy window
 ``<s> passage \n\n passage[q:] \n\n passage ...`` cut to the window, where the passage is a
 random span of the stream and ``q`` is 0 or a random offset, so the model learns to continue a
 span it has already seen in its context (induction heads, what prompt-lookup speculation
-needs); ``--eval-every N`` prints the copy metric (on held-out docs and on spans of random tokens,
-which only copying predicts) and held-out docs loss every N steps; ``--bf16`` runs forward and
-backward under bf16 autocast (measured 1.24x on an AMX Xeon at batch 32 x 256 for this small
+needs); ``--copy-once`` makes each copy window repeat its passage once and then go on with
+the text (a copy that ends, not a loop); ``--copy-shuffled F`` shuffles the passage of that
+fraction of the text copy windows (text-like tokens no memorised text predicts);
+``--save-every N`` saves the checkpoint during the run; ``--eval-every N`` prints the copy
+metric (on held-out docs and on spans of random tokens, which only copying predicts) and
+held-out docs loss every N steps; ``--bf16`` runs forward and backward under bf16 autocast
+(measured 1.24x on an AMX Xeon at batch 32 x 256 for this small
 model: its steps are not GEMM-bound).
 """
 
