@@ -17,6 +17,7 @@ from asyncpaged.model.logits_processors import penalize_rows_
 from asyncpaged.model.penalty_histories import HistoryDeltas, PenaltyHistories
 from asyncpaged.model.sampler import SamplingOptions
 from asyncpaged.model.step import SequenceStep
+from tests.model.test_sampler import _dense_penalties
 
 VOCAB = 50
 # What a sequence can do between two steps (its output only grows while it lives: recompute
@@ -140,8 +141,9 @@ def test_the_runner_refuses_a_tail_it_cannot_apply() -> None:
 
 @pytest.mark.parametrize("seed", range(4))
 def test_kept_histories_penalize_bit_identically(seed: int) -> None:
-    """``penalize_rows_`` from the runner's kept histories equals it from the token lists, for
-    every row, with kept and listed rows mixed in one call."""
+    """``penalize_rows_`` with the runner's kept histories, kept and listed rows mixed in one
+    call, equals the dense form over ``[R, V]`` (the test_sampler reference) bit for bit on the
+    rows named, and leaves the others alone."""
     rng = np.random.default_rng(seed)
     vocab, num_rows = 300, 12
     logits = torch.from_numpy(rng.standard_normal((num_rows + 3, vocab)).astype(np.float32))
@@ -153,10 +155,9 @@ def test_kept_histories_penalize_bit_identically(seed: int) -> None:
     reps = torch.tensor(rng.choice([1.0, 0.7, 1.4], num_rows), dtype=torch.float32)
     freqs = torch.tensor(rng.choice([0.0, 0.3, -0.2], num_rows), dtype=torch.float32)
     pres = torch.tensor(rng.choice([0.0, 0.5], num_rows), dtype=torch.float32)
+    params = list(zip(reps.tolist(), freqs.tolist(), pres.tolist(), strict=True))
     want = logits.clone()
-    penalize_rows_(want, rows, prompt_token_ids=prompts, output_token_ids=outputs,
-                   repetition_penalties=reps, frequency_penalties=freqs,
-                   presence_penalties=pres)  # fmt: skip
+    want[rows] = _dense_penalties(logits[rows], prompts, outputs, params)
     runner, sender = PenaltyHistories(), HistoryDeltas()
     kept_rows = [i for i in range(num_rows) if i % 3]  # the others stay token lists
     # Two plans: each kept history arrives in two tails, as over two steps.

@@ -71,9 +71,6 @@ class HistoryDeltas:
             return 0  # not an extension of what was sent (cannot happen while it runs)
         return length
 
-    def __len__(self) -> int:
-        return len(self._last)
-
 
 class _History:
     """One sequence's seen tokens: ``ids[:size]`` distinct, ``counts[:size]`` their output
