@@ -14,6 +14,8 @@ from collections.abc import Sequence
 
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 from transformers import RepetitionPenaltyLogitsProcessor
 
 from asyncpaged.model.logits_processors import (
@@ -22,7 +24,7 @@ from asyncpaged.model.logits_processors import (
     apply_top_k_top_p,
     penalize_rows_,
 )
-from asyncpaged.model.sampler import SamplingOptions, derive_generator_key, sample
+from asyncpaged.model.sampler import SamplingOptions, derive_generator_key, draw_tokens, sample
 
 VOCAB = 50
 
@@ -482,27 +484,69 @@ def test_invalid_options_are_rejected() -> None:
         SamplingOptions(repetition_penalty=0.0)
 
 
-def test_exponential_draws_from_the_uniform_stream_equal_exponential_(
-    monkeypatch: pytest.MonkeyPatch,
+@given(
+    probs=st.lists(
+        st.lists(st.one_of(st.just(0.0), st.floats(1e-30, 1.0)), min_size=1, max_size=12),
+        min_size=1,
+        max_size=6,
+    ),
+    us=st.lists(
+        st.one_of(st.just(0.0), st.just(1.0 - 2.0**-53), st.floats(0.0, 1.0, exclude_max=True)),
+        min_size=6,
+        max_size=6,
+    ),
+)
+def test_inverse_cdf_picks_the_first_token_whose_cumulative_integer_weight_exceeds_u(
+    probs: list[list[float]], us: list[float]
 ) -> None:
-    """The CPU fast path (``-log1p(-u)`` of the float64 uniform stream, row by row) gives the
-    very numbers ``exponential_`` gives, seeded rows from their own generators, and leaves the
-    step generator in the same state."""
+    """Against Python integers: weight ``floor(p * 2**52)``, target ``floor(u * total)`` (at
+    most ``total - 1``), the first token whose cumulative weight exceeds it; a zero-weight
+    token is never picked, and padding a row with zero weights anywhere changes nothing."""
     from asyncpaged.model import sampler as sampler_module
 
-    assert sampler_module._exponential_is_uniform_transform()
+    width = max(len(row) for row in probs)
+    rows = [row + [0.0] * (width - len(row)) for row in probs]
+    rows = [row if max(row) >= 2.0**-40 else [*row[:-1], 0.5] for row in rows]  # some weight
+    table = torch.tensor(rows, dtype=torch.float32)
+    u = torch.tensor(us[: len(rows)], dtype=torch.float64)
+    got = sampler_module._inverse_cdf(table, u).tolist()
+    for r, row in enumerate(table.tolist()):
+        weights = [int(p * 2**52) for p in row]  # exact: p is a float32, 2**52 a power of two
+        total = sum(weights)
+        target = min(int(float(u[r]) * total), total - 1)
+        cumulative, want = 0, None
+        for v, w in enumerate(weights):
+            cumulative += w
+            if cumulative > target:
+                want = v
+                break
+        assert got[r] == want and weights[got[r]] > 0
+    spread = torch.zeros(len(rows), 3 * width)
+    spread[:, 1::3] = table  # zeros between and around: the same tokens, at 3v + 1
+    assert [3 * v + 1 for v in got] == sampler_module._inverse_cdf(spread, u).tolist()
+
+
+def test_seeded_rows_draw_from_their_key_alone_and_unseeded_from_the_generator() -> None:
+    """A seeded row's token depends only on its generator key (not on the batch, its row or
+    the step generator); unseeded rows consume one float64 draw each from the generator."""
+    probs = torch.softmax(torch.randn(5, 50, generator=torch.Generator().manual_seed(0)), -1)
     opts = [
-        SamplingOptions(temperature=1.0, seed=i if i % 3 == 0 else None, generator_key=100 + i)
-        for i in range(7)
+        SamplingOptions(temperature=1.0, seed=7 if r % 2 else None, generator_key=1000 + r)
+        for r in range(5)
     ]
-    fast_generator = torch.Generator().manual_seed(11)
-    fast = sampler_module._exponential_draws(opts, 301, torch.device("cpu"), fast_generator)
-    monkeypatch.setattr(sampler_module, "_exponential_is_uniform_transform", lambda: False)
-    slow_generator = torch.Generator().manual_seed(11)
-    slow = sampler_module._exponential_draws(opts, 301, torch.device("cpu"), slow_generator)
-    assert torch.equal(fast, slow)
-    assert torch.equal(fast_generator.get_state(), slow_generator.get_state())
-    assert len({tuple(row[:4].tolist()) for row in fast}) == len(opts)  # rows really differ
+    g = torch.Generator().manual_seed(3)
+    got = draw_tokens(probs, opts, g)
+    after = torch.Generator().manual_seed(3)
+    u = torch.rand(3, dtype=torch.float64, generator=after)
+    assert torch.equal(g.get_state(), after.get_state())
+    from asyncpaged.model import sampler as sampler_module
+
+    for slot, r in enumerate((0, 2, 4)):  # the generator's draws, in row order
+        assert int(got[r]) == int(sampler_module._inverse_cdf(probs[r : r + 1], u[slot : slot + 1]))
+    for r in (1, 3):  # alone, reversed batch, another generator: the same token
+        alone = draw_tokens(probs[r : r + 1], [opts[r]], torch.Generator().manual_seed(99))
+        assert int(alone) == int(got[r])
+    assert len({int(t) for t in got}) > 1
 
 
 def test_logit_controls_in_vllms_order_and_never_screened() -> None:

@@ -112,18 +112,8 @@ def _random_options(
     return opts
 
 
-@pytest.fixture(params=[True, False], ids=["uniform-stream", "exponential-draws"])
-def draws(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> bool:
-    """Both ways of reading the random stream at the candidates."""
-    fast = bool(request.param)
-    if fast and not sampler._exponential_is_uniform_transform():
-        pytest.skip("this torch's exponential_ is not -log1p(-uniform_): the fallback is used")
-    monkeypatch.setattr(sampler, "_exponential_is_uniform_transform", lambda: fast)
-    return fast
-
-
 @pytest.mark.parametrize("with_top_p", [False, True])
-def test_tokens_equal_the_full_sampler_on_random_heads(draws: bool, with_top_p: bool) -> None:
+def test_tokens_equal_the_full_sampler_on_random_heads(with_top_p: bool) -> None:
     gen = torch.Generator().manual_seed(1)
     weight = torch.randn(3000, 64, generator=gen) * 0.05
     h = torch.randn(48, 64, generator=gen) * 4
@@ -137,7 +127,7 @@ def test_tokens_equal_the_full_sampler_on_random_heads(draws: bool, with_top_p: 
     _check_candidates(head, h, [1, 2, 5, 50, MAX_SCREENED_TOP_K, 1] * 8)
 
 
-def test_exact_ties_at_the_kth_and_top_p_boundaries_are_kept(draws: bool) -> None:
+def test_exact_ties_at_the_kth_and_top_p_boundaries_are_kept() -> None:
     """Tokens 3 / 40 / 41 / 900 have identical weights and rank 2nd-5th: top-k with k = 2..4
     cuts through the tie, so ``sample`` keeps all four; so must the candidates."""
     gen = torch.Generator().manual_seed(3)
@@ -236,11 +226,11 @@ def test_worst_case_bf16_inversion_at_the_kth_boundary_is_covered(k: int) -> Non
     assert a_id in candidates.token_ids[0].tolist()
     if k == 1:
         assert int(head.argmax(h)[0]) == a_id
-    hs = h.expand(32, -1).contiguous()
+    hs = h.expand(128, -1).contiguous()  # A's probability at T = 30 is ~0.09 (k = 5)
     for temperature in (0.0, 1.0, 30.0):
         opts: list[SamplingOptions | None] = [
             SamplingOptions(temperature=temperature, top_k=k, seed=i, generator_key=i)
-            for i in range(32)
+            for i in range(128)
         ]
         tokens = _check_sampling(head, hs, opts, seed=0)
         assert b_id not in tokens, "B is outside the top k"

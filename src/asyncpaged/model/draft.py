@@ -46,7 +46,7 @@ from asyncpaged.model.loader import load_model
 from asyncpaged.model.packed_linear import pack_linears, pack_weight
 from asyncpaged.model.sampler import (
     SamplingOptions,
-    exponential_race,
+    draw_tokens,
     greedy,
     process_logits,
     random_probs,
@@ -356,7 +356,7 @@ def _draw(
     random_opts = [o for o in options if o is not None and not o.is_greedy]
     index = torch.tensor(random, dtype=torch.int64, device=logits.device)
     probs = random_probs(processed[index], random_opts)
-    tokens[index] = exponential_race(probs, random_opts, generator)
+    tokens[index] = draw_tokens(probs, random_opts, generator)
     return tokens.tolist(), dict(zip(random, probs.unbind(0), strict=True))
 
 

@@ -7,17 +7,19 @@ Per row, in order (vLLM v1 ``Sampler.forward``)::
                     ─> frequency / presence penalties ─┬─> greedy row: argmax (ties: lowest id)
                                                        └─> random row: / temperature ─> min-p
                                                            ─> top-k ─> top-p ─> softmax
-                                                           ─> argmax(probs / q), q ~ Exp(1)
+                                                           ─> inverse transform draw, u ~ U[0, 1)
 
 min-p comes before top-k/top-p as in vLLM v1 (it is an argmax-invariant logits processor there;
-vLLM v0 applied it last). ``q`` of a row with a seed is drawn from a ``torch.Generator`` seeded with
-the row's ``generator_key`` alone, so its token never depends on the other rows of the batch or
-their order; rows without a seed share the caller's generator.
+vLLM v0 applied it last). A random row draws one uniform ``u`` and takes the first token whose
+cumulative weight exceeds ``u`` times the total (:func:`draw_tokens`; the weights are the
+probabilities as exact integers, so any summation order gives the same token). A row with a
+seed takes ``u`` from its ``generator_key`` alone, so its token never depends on the other rows
+of the batch or their order; rows without a seed share the caller's generator.
 
 ``sample_from_candidates`` gives the same tokens from the top-k candidates of the bf16-screened
 LM head (``lm_head.TopKCandidates``) for the rows ``is_screenable`` admits, without the fp32 GEMM
 over the whole vocabulary: it reads the same random stream and sums over full-width rows that
-hold -inf wherever ``sample`` has -inf after top-k.
+hold -inf wherever ``sample`` has -inf after top-k, and draws with the same ``u``.
 
 Here: the options, the seeded generators' keys, ``sample`` and every random draw (the full rows'
 and the candidates'). ``sampler_stages`` holds the stages before the draw (``process_logits``,
@@ -28,7 +30,6 @@ are re-exported from this module.
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -58,7 +59,7 @@ __all__ = [
     "SamplingOptions",
     "apply_logit_controls",
     "derive_generator_key",
-    "exponential_race",
+    "draw_tokens",
     "greedy",
     "is_screenable",
     "process_logits",
@@ -264,52 +265,57 @@ def _sample_random(
 ) -> torch.Tensor:
     """Rows that sample (temperature >= eps): logits [R, V] -> [R] int64 token ids."""
     probs = _random_probs(logits, opts)  # [R, V]
-    return exponential_race(probs, opts, generator)
+    return draw_tokens(probs, opts, generator)
 
 
-def exponential_race(
+_WEIGHT_SCALE = float(2**52)
+"""A probability ``p`` weighs ``floor(p * 2**52)`` (exact: a float32 times a power of two)."""
+
+
+def draw_tokens(
     probs: torch.Tensor, opts: Sequence[SamplingOptions], generator: torch.Generator | None
 ) -> torch.Tensor:
     """One token per row of ``probs`` [R, V] (rows sum to 1), drawn as ``sample`` draws the
-    random rows of these options: seeded rows read their ``generator_key``'s stream, the others
-    ``generator``'s. Speculative decoding uses it to draw exactly the token ``sample`` would."""
-    # Exponential race: argmax(p / q) with q ~ Exp(1) picks token v with probability p[v].
-    q = _exponential_draws(opts, probs.shape[1], probs.device, generator)
-    q.clamp_min_(torch.finfo(torch.float32).tiny)  # never divide by zero
-    return argmax_rows(probs / q)
+    random rows of these options: each row's uniform (:func:`_row_uniforms`) through the
+    inverse of its cumulative weights (:func:`_inverse_cdf`). Speculative decoding uses it to
+    draw exactly the token ``sample`` would."""
+    return _inverse_cdf(probs, _row_uniforms(opts, probs.device, generator))
 
 
-def _exponential_draws(
-    opts: Sequence[SamplingOptions],
-    vocab_size: int,
-    device: torch.device,
-    generator: torch.Generator | None,
+def _inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """probs [R, V] float32 >= 0, u [R] float64 in [0, 1) -> [R] int64: the first position
+    whose cumulative weight exceeds ``u`` times the row's total weight.
+
+    The weights are ``floor(p * 2**52)`` as int64, so the cumulative sums are exact and the
+    same in any order, on any device, with zeros anywhere in between: position ``v`` is
+    drawn with probability ``w[v] / sum(w)``, within 2**-52 of ``p[v]`` (a token below 2**-52
+    is never drawn), and a row of candidates in ascending id order draws the token its full
+    row draws. One pass and a cumulative sum instead of ``V`` random numbers per row."""
+    cdf = (probs * _WEIGHT_SCALE).long().cumsum_(dim=-1)  # [R, V] exact integers
+    total = cdf[:, -1:]  # [R, 1] > 0: a row's largest probability is at least 1 / V
+    target = (u.to(probs.device)[:, None] * total.double()).long()
+    target = torch.minimum(target, total - 1)  # (rounds up to total only past 2**53)
+    picked = torch.searchsorted(cdf, target, right=True)[:, 0]  # cdf[v] > target, first v
+    return picked.clamp_max_(probs.shape[1] - 1)  # (only a NaN row could pass the end)
+
+
+def _row_uniforms(
+    opts: Sequence[SamplingOptions], device: torch.device, generator: torch.Generator | None
 ) -> torch.Tensor:
-    """q [R, V] float32 ~ Exp(1): one draw of all unseeded rows from ``generator``, then each
-    seeded row from a fresh generator seeded with its ``generator_key``.
-
-    On CPU the same numbers come from the float64 uniform stream, row by row, as
-    ``-log1p(-u)`` (what ``exponential_`` computes there, checked once per process by
-    ``_exponential_is_uniform_transform``): about twice as fast as ``exponential_`` itself.
-    """
-    q = torch.empty(len(opts), vocab_size, dtype=torch.float32, device=device)
-    if device.type == "cpu" and _exponential_is_uniform_transform():
-        row = torch.empty(vocab_size, dtype=torch.float64)
-        for r, row_generator in _uniform_stream_rows(opts, generator):
-            row.uniform_(generator=row_generator).neg_()
-            torch.log1p(row, out=row)
-            q[r] = row.neg_()  # -log1p(-u), rounded to float32 by the copy
-        return q
+    """u [R] float64 in [0, 1): the unseeded rows one draw each from ``generator``, in row
+    order; each seeded row the top 53 bits of a hash of its ``generator_key`` (so its draw
+    depends on nothing else)."""
+    u = [_uniform_of_key(o.generator_key) if o.seed is not None else -1.0 for o in opts]
     unseeded = [r for r, o in enumerate(opts) if o.seed is None]
+    out = torch.tensor(u, dtype=torch.float64)
     if unseeded:
-        draws = torch.empty(len(unseeded), vocab_size, device=device)
-        draws.exponential_(generator=generator)
-        q[torch.tensor(unseeded, dtype=torch.int64, device=device)] = draws
-    for r, o in enumerate(opts):
-        if o.seed is not None:
-            row_generator = torch.Generator(device=device).manual_seed(o.generator_key)
-            q[r] = torch.empty(vocab_size, device=device).exponential_(generator=row_generator)
-    return q
+        draws = torch.rand(len(unseeded), dtype=torch.float64, device=device, generator=generator)
+        out[torch.tensor(unseeded, dtype=torch.int64)] = draws.cpu()
+    return out
+
+
+def _uniform_of_key(generator_key: int) -> float:
+    return (_splitmix64(generator_key & _MASK64) >> 11) * 2.0**-53
 
 
 # ---- sampling from the screened LM head's top-k candidates ---------------------------------------
@@ -330,10 +336,11 @@ def sample_from_candidates(
     - the tokens ``sample`` keeps after top-k are all candidates, and each other token's logit,
       scaled by the temperature, is checked to stay below the k-th largest scaled candidate;
     - every value that reaches the tokens is computed by the same torch operation on the same
-      values: elementwise ones (temperature, masks, ``p / q``) on the candidates alone, the
+      values: elementwise ones (temperature, masks) on the candidates alone, the
       order-dependent sums (softmax, top-p's cumulative sum) on full-vocabulary rows that hold
       the candidates' values and -inf where ``sample`` has -inf after top-k, in its positions;
-    - the random draws are those of ``sample`` (the whole stream, read at the candidates);
+    - the draw uses the same uniforms (one per row), and the cumulative integer weights over
+      ascending candidate ids are the full row's at those ids (the other tokens weigh 0);
     - argmax over ascending candidate ids keeps the lowest id among ties, as over the full row.
 
     Returns None, having drawn nothing, when that check fails (temperature scaling that
@@ -381,78 +388,7 @@ def _sample_candidates(
     probs = _candidate_probs(ids, logits, outside_bound, opts, vocab_size)  # [R, C]
     if probs is None:
         return None
-    is_pad = ids == vocab_size
-    q = _candidate_draws(ids.masked_fill(is_pad, 0), opts, vocab_size, generator)
-    q.clamp_min_(torch.finfo(torch.float32).tiny)
-    ratio = (probs / q).masked_fill_(is_pad, -1.0)
-    best = argmax_rows(ratio)[:, None]  # first maximum: the lowest id
-    token_ids = ids.gather(1, best)[:, 0]
-    # Outside tokens race with p / q == 0 exactly; if no candidate beats 0, argmax is token 0.
-    return torch.where(ratio.gather(1, best)[:, 0] > 0, token_ids, 0)
-
-
-def _candidate_draws(
-    ids: torch.Tensor,
-    opts: Sequence[SamplingOptions],
-    vocab_size: int,
-    generator: torch.Generator | None,
-) -> torch.Tensor:
-    """``_exponential_draws(...)`` at ``ids`` [R, C] only, advancing the generators alike.
-
-    On CPU, ``exponential_`` turns each float64 ``uniform_`` draw ``u`` of the same stream into
-    ``-log1p(-u)``: the uniforms are drawn row by row into one cached row (the stream is
-    sequential) and the logarithm is only taken at the candidates, 4-8x cheaper. Checked once
-    per process (``_exponential_is_uniform_transform``); otherwise the full draws are made and
-    read at the candidates.
-    """
-    device = ids.device
-    if device.type != "cpu" or not _exponential_is_uniform_transform():
-        return _exponential_draws(opts, vocab_size, device, generator).gather(1, ids)
-    uniforms = torch.empty(ids.shape, dtype=torch.float64, device=device)  # [R, C]
-    row = torch.empty(vocab_size, dtype=torch.float64, device=device)
-    for r, row_generator in _uniform_stream_rows(opts, generator):
-        torch.index_select(row.uniform_(generator=row_generator), 0, ids[r], out=uniforms[r])
-    return _exponential_from_uniform(uniforms)
-
-
-def _uniform_stream_rows(
-    opts: Sequence[SamplingOptions], generator: torch.Generator | None
-) -> list[tuple[int, torch.Generator | None]]:
-    """(row, generator) in the order ``_exponential_draws`` consumes the streams (CPU): the
-    unseeded rows from ``generator`` first (its one [R', V] draw), then each seeded row from a
-    fresh generator seeded with its ``generator_key``."""
-    rows: list[tuple[int, torch.Generator | None]] = [
-        (r, generator) for r, o in enumerate(opts) if o.seed is None
-    ]
-    rows += [
-        (r, torch.Generator().manual_seed(o.generator_key))
-        for r, o in enumerate(opts)
-        if o.seed is not None
-    ]
-    return rows
-
-
-def _exponential_from_uniform(uniforms: torch.Tensor) -> torch.Tensor:
-    return (-torch.log1p(-uniforms)).float()
-
-
-@functools.cache
-def _exponential_is_uniform_transform() -> bool:
-    """Whether this torch's CPU ``exponential_`` (default dtype) is ``-log1p(-u)`` of the
-    float64 ``uniform_`` stream, draw for draw, with a 2-D draw equal to one draw per row and
-    the generator left in the same state."""
-    ok = True
-    for seed, (num_rows, width) in ((20240601, (1, 4096)), (7, (3, 1531))):
-        a, b = torch.Generator().manual_seed(seed), torch.Generator().manual_seed(seed)
-        want = torch.empty(num_rows, width).exponential_(generator=a)
-        got = torch.stack(
-            [
-                _exponential_from_uniform(
-                    torch.empty(width, dtype=torch.float64).uniform_(generator=b)
-                )
-                for _ in range(num_rows)
-            ]
-        )
-        ok = ok and want.dtype == torch.float32 and torch.equal(want, got)
-        ok = ok and torch.equal(a.get_state(), b.get_state())
-    return ok
+    # Ascending ids (padding: weight 0, last): the full row's cumulative weights at the
+    # candidates, so the same uniform picks the same token.
+    picked = _inverse_cdf(probs, _row_uniforms(opts, ids.device, generator))
+    return ids.gather(1, picked[:, None])[:, 0]

@@ -44,7 +44,7 @@ import torch
 from asyncpaged.model.logits_processors import argmax_rows
 from asyncpaged.model.sampler import (
     SamplingOptions,
-    exponential_race,
+    draw_tokens,
     greedy,
     process_logits,
     random_probs,
@@ -132,7 +132,7 @@ def verify(
         rows = torch.tensor(random_rows, dtype=torch.int64, device=device)
         probs = random_probs(processed[rows], random_opts)
         if draft_probs is None:  # the coupling: the target's own draw at every position
-            chosen[rows] = exponential_race(probs, random_opts, generator)
+            chosen[rows] = draw_tokens(probs, random_opts, generator)
     accepted = chosen[layout.draft_target_row] == layout.draft_tokens  # [D]
     if draft_probs is not None and probs is not None:
         _accept_drafted(accepted, probs, draft_probs, random_rows, options, layout, generator)
@@ -268,7 +268,7 @@ def _draw_last_tokens(
     device = probs.device
     if bonus:
         p_idx = torch.tensor([index_in_probs[r] for r in bonus], dtype=torch.int64, device=device)
-        chosen[torch.tensor(bonus, dtype=torch.int64, device=device)] = exponential_race(
+        chosen[torch.tensor(bonus, dtype=torch.int64, device=device)] = draw_tokens(
             probs[p_idx], [_not_none(options[r]) for r in bonus], generator
         )
     if residual:
