@@ -16,6 +16,7 @@ from asyncpaged.errors import RequestFailedError
 from asyncpaged.messages import RequestInfo
 from asyncpaged.model.prompt_logprobs import PromptLogprobRows
 from asyncpaged.model.runner import SampledToken
+from asyncpaged.model.sampler import SamplingOptions
 from asyncpaged.structured_outputs import GrammarBackend
 
 Rows = dict[tuple[int, int], SampledToken]  # (seq id, sample index) -> its sampled token
@@ -25,13 +26,16 @@ Rows = dict[tuple[int, int], SampledToken]  # (seq id, sample index) -> its samp
 class Tracked:
     """The scheduler actor's own record of a live request (never shared): what the intake
     fixed (``info``), its grammar matchers by completion index (made on its first step), its
-    prompt logprobs known so far (position 0 included; None: not asked) and the cached-token
-    count last reported to the output processor (None: never scheduled yet)."""
+    prompt logprobs known so far (position 0 included; None: not asked), the cached-token
+    count last reported to the output processor (None: never scheduled yet), and the sampling
+    options of its completions whose options no longer change from step to step (see
+    ``scheduler_steps``), by completion index."""
 
     info: RequestInfo
     matchers: dict[int, Any] = field(default_factory=dict)
     prompt_known: int | None = None
     reported_cached: int | None = None
+    fixed_options: dict[int, SamplingOptions] = field(default_factory=dict)
 
 
 def tokens_by_seq(

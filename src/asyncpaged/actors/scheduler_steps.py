@@ -22,6 +22,7 @@ from asyncpaged.model.block_tables import TableDeltas
 from asyncpaged.model.penalty_histories import HistoryDeltas
 from asyncpaged.model.runner import SequenceStep
 from asyncpaged.model.sampler import SamplingOptions
+from asyncpaged.sampling_params import SamplingParams
 from asyncpaged.structured_outputs import GrammarBackend
 
 
@@ -99,14 +100,20 @@ def _sampled_step(
     def options(index: int, history: HistoryDeltas | None = None) -> SamplingOptions | None:
         if request.beam is not None:  # each beam offers its 2k best continuations
             return SamplingOptions(temperature=0.0, num_logprobs=2 * request.beam.width)
+        fixed = t.fixed_options.get(index)
+        if fixed is not None:
+            return fixed
         # The prompt as one tuple made by the intake, not sliced and copied for every
         # penalized row of every step.
         assert len(info.prompt_token_ids) == seq.num_prompt_tokens
-        return sampling_options(
+        made = sampling_options(
             params, seq.token_ids, seq.num_prompt_tokens, index, eos_token_ids,
             bad_words.ids(params.bad_words), bitmasks.get((seq.seq_id, index)),
             info.prompt_token_ids, history, seq.seq_id,
         )  # fmt: skip
+        if made is not None and _options_fixed(params, info.grammar is not None, seq):
+            t.fixed_options[index] = made
+        return made
 
     row_offset, targets = prompt_logprob_targets(
         t.prompt_known, info.prompt_token_ids, s.start_pos, len(s.token_ids)
@@ -134,6 +141,23 @@ def _sampled_step(
         num_draft=s.num_draft,
         verify_options=verify,
         draft_k=draft_k,
+    )
+
+
+def _options_fixed(params: SamplingParams, has_grammar: bool, seq: Seq) -> bool:
+    """Whether a completion's sampling options stay what they are now at every later step:
+    no seed (its generator key moves with each token), penalties or logits processors (they
+    carry the history), bad words (the banned tokens follow the output), grammar (a bitmask
+    per step), and past its min-tokens mask (which never comes back)."""
+    return (
+        params.seed is None
+        and params.presence_penalty == 0.0
+        and params.frequency_penalty == 0.0
+        and params.repetition_penalty == 1.0
+        and not params.logits_processors
+        and not params.bad_words
+        and not has_grammar
+        and len(seq.token_ids) - seq.num_prompt_tokens >= params.min_tokens
     )
 
 

@@ -1,0 +1,68 @@
+"""A sampled completion whose sampling options can no longer change (no seed, penalties, bad
+words, grammar or logits processors, past its min-tokens mask) sends the very same options
+object in every later step instead of building it again (``scheduler_steps``); the others are
+built per step: a seeded row's generator key moves with each token, and a row under its
+min-tokens mask gets the mask until it ends."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import anyio
+import pytest
+
+from asyncpaged import SamplingParams
+from asyncpaged.model.sampler import SamplingOptions
+from tests.engine.conftest import running_engine
+from tests.engine.test_engine import generate_all, make_prompts
+from tests.engine.test_persistent_tables import Recorder
+
+MODEL = "llama-gqa"
+NEW_TOKENS = 12
+MIN_TOKENS = 4
+
+pytestmark = pytest.mark.anyio
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+async def test_fixed_options_are_sent_once_built_and_the_others_per_step(
+    tiny_checkpoint: Callable[[str], Path],
+) -> None:
+    prompts = make_prompts(3, seed=4)
+    params = [
+        SamplingParams(temperature=0.9, top_p=0.8, max_tokens=NEW_TOKENS, ignore_eos=True,
+                       min_tokens=MIN_TOKENS, stop_token_ids=[3]),
+        SamplingParams(temperature=0.9, max_tokens=NEW_TOKENS, ignore_eos=True, seed=5),
+        SamplingParams(temperature=0.9, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=2),
+    ]  # fmt: skip
+    with anyio.fail_after(120):
+        async with running_engine(tiny_checkpoint(MODEL), num_device_blocks=64) as engine:
+            recorder = Recorder(engine._executor.runner)
+            engine._executor.runner = recorder
+            outs = await generate_all(engine, prompts, lambda i: params[i])
+    assert all(len(o.outputs[0].token_ids) == NEW_TOKENS for o in outs)
+    by_prompt: dict[int, list[SamplingOptions]] = {}
+    prompt_of: dict[int, int] = {}  # seq id -> prompt, from its first (prefill) row
+    for plan in recorder.plans:
+        for s in plan.seqs:
+            if s.seq_id not in prompt_of:
+                assert s.num_computed_tokens == 0
+                prompt_of[s.seq_id] = prompts.index(tuple(s.token_ids))
+            if s.do_sample:
+                assert s.sampling is not None
+                by_prompt.setdefault(prompt_of[s.seq_id], []).append(s.sampling)
+    assert [len(by_prompt[i]) for i in range(3)] == [NEW_TOKENS] * 3
+    masked, fixed = by_prompt[0][:MIN_TOKENS], by_prompt[0][MIN_TOKENS:]
+    assert all(o.min_tokens_mask_ids == (3,) for o in masked)
+    assert len({id(o) for o in masked}) == MIN_TOKENS  # built per step while masked
+    assert all(o is fixed[0] for o in fixed) and fixed[0].min_tokens_mask_ids == ()
+    assert (fixed[0].temperature, fixed[0].top_p) == (0.9, 0.8)
+    seeded = by_prompt[1]  # a new generator key with every token
+    assert len({o.generator_key for o in seeded}) == NEW_TOKENS
+    assert all(o is by_prompt[2][0] for o in by_prompt[2])
+    assert by_prompt[2][0].num_logprobs == 2
