@@ -45,8 +45,13 @@ def tokens_by_seq(
     (speculative: the kept proposals, then the target's token); each sequence's first row's
     top logprobs."""
     by_row = {(t.seq_id, t.sample_index): t for t in sampled}
+    # Fan-out rows in sample-index order per sequence (others: one row per sequence).
+    fanned = any(index for _, index in by_row)
+    rows: Iterable[tuple[tuple[int, int], SampledToken]] = (
+        sorted(by_row.items()) if fanned else by_row.items()
+    )
     tokens: dict[int, list[int]] = {}
-    for (seq_id, _), t in sorted(by_row.items()):
+    for (seq_id, _), t in rows:
         if t.accepted:  # speculative: the kept proposals, then the target's token
             tokens[seq_id] = [*t.accepted, t.token_id]
         else:
@@ -83,6 +88,8 @@ def prompt_logprob_progress(
     """The step's prompt logprobs by request (for the output processor), counted into each
     request's ``prompt_known``; a request whose prompt logprobs are complete reads the prefix
     cache again."""
+    if not rows:
+        return []
     owner = {s.seq_id: s.request_id for s in out.seqs}
     by_request = []
     for chunk in rows:

@@ -64,15 +64,10 @@ def _append_one(sched: Scheduler, request: Request, seq: Sequence, token: int) -
     """A single-sequence request's sampled token."""
     seq.token_ids.append(token)
     finished = check_stop(request, seq, token)
-    update = SeqUpdate(
-        request_id=request.request_id,
-        seq_id=seq.seq_id,
-        completion=seq.index,
-        row=(seq.seq_id, 0),
-        new_token_ids=(token,),
-        finish_reason=seq.finish_reason,
-        stop_reason=seq.stop_reason,
-    )
+    update = SeqUpdate(  # positional: the common case's one allocation per step per row
+        request.request_id, seq.seq_id, seq.index, (seq.seq_id, 0), (token,),
+        seq.finish_reason, seq.stop_reason,
+    )  # fmt: skip
     if finished:
         sched._release(seq)
         sched._finish(request)
