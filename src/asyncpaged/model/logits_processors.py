@@ -268,6 +268,15 @@ def apply_top_k_top_p(
         max_k = int(top_k.max())
         kth = logits.topk(max_k, dim=-1).values.gather(1, (top_k - 1)[:, None])  # [R, 1]
         return logits.masked_fill(logits < kth, _NEG_INF)
+    if logits.device.type == "cpu" and logits.dtype == torch.float32 and not logits.requires_grad:
+        return _top_k_top_p_by_values(logits, top_k, top_p)
+    return _top_k_top_p_sorted(logits, top_k, top_p)
+
+
+def _top_k_top_p_sorted(
+    logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor
+) -> torch.Tensor:
+    """``apply_top_k_top_p`` with top-p, as vLLM computes it: rows sorted with their order."""
     vocab_size = logits.shape[1]
     logits_sort, order = stable_sort_rows(logits)  # ascending
     if top_k is not None:
@@ -278,3 +287,37 @@ def apply_top_k_top_p(
     drop[:, -1] = False
     logits_sort.masked_fill_(drop, _NEG_INF)
     return torch.empty_like(logits).scatter_(1, order, logits_sort)
+
+
+def _top_k_top_p_by_values(
+    logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor
+) -> torch.Tensor:
+    """``apply_top_k_top_p``'s top-p on CPU float32 rows, bit for bit, from the sorted values
+    alone (numpy's SIMD sort of float32, several times faster than sorting keys that also
+    carry the order). Tied tokens have the same probability, so the cumulative sums do not
+    depend on how ties are ordered; only which tied tokens fall before the boundary does, and
+    the stable order says: the lowest ids. So the first ``b`` sorted positions dropped are
+    every token below the value ``v`` at position ``b - 1``, and the first ``b - below(v)``
+    tokens (by id) at ``v``."""
+    vocab_size = logits.shape[1]
+    values = torch.from_numpy(np.sort(logits.numpy(), axis=-1))  # ascending (NaN last)
+    masked = values
+    if top_k is not None:
+        kth = values.gather(1, (vocab_size - top_k)[:, None])  # [R, 1]
+        masked = values.masked_fill(values < kth, _NEG_INF)
+    cumulative = torch.softmax(masked, dim=-1).cumsum(dim=-1)  # [R, V]
+    drop = cumulative <= 1 - top_p[:, None]
+    drop[:, -1] = False
+    num_dropped = drop.sum(dim=-1, keepdim=True)  # [R, 1]: a prefix (the sums only grow)
+    last = values.gather(1, (num_dropped - 1).clamp_min_(0))  # the last dropped (none: cuts 0)
+    below = torch.searchsorted(values, last)  # [R, 1] tokens strictly below it
+    whole = torch.searchsorted(values, last, right=True) == num_dropped  # [R, 1]
+    if bool((whole | (num_dropped == 0)).all()):  # no boundary cuts through ties (usual)
+        drop_p = (logits <= last) & (num_dropped > 0)
+    else:
+        at = logits == last
+        drop_p = (logits < last) | (at & (at.cumsum(dim=-1) <= num_dropped - below))
+    out = logits.masked_fill(drop_p, _NEG_INF)
+    if top_k is not None:
+        out.masked_fill_(logits < kth, _NEG_INF)
+    return out
