@@ -36,12 +36,12 @@ seed gives the same tokens whatever the batch.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
 
-from asyncpaged.model.logits_processors import argmax_rows
 from asyncpaged.model.sampler import (
     SamplingOptions,
     draw_tokens,
@@ -290,9 +290,13 @@ def _draw_residual(
     residual = (p - q).clamp_min_(0.0)  # [R, V]
     total = residual.sum(dim=-1, keepdim=True)
     residual = torch.where(total > 0, residual / total.clamp_min(1e-30), p)
-    e = _exponentials(opts, p.shape[1], p.device, generator)
-    e.clamp_min_(torch.finfo(torch.float32).tiny)
-    return argmax_rows(residual / e)
+    salted = [  # seeded rows draw from their salted key's uniform
+        dataclasses.replace(o, generator_key=salt_generator_key(o.generator_key, RESIDUAL_SALT))
+        if o.seed is not None
+        else o
+        for o in opts
+    ]
+    return draw_tokens(residual, salted, generator)
 
 
 def _row_generators(
@@ -323,24 +327,3 @@ def _uniforms(
         if g is not None:
             u[r] = torch.rand(1, dtype=torch.float64, device=device, generator=g)[0]
     return u
-
-
-def _exponentials(
-    opts: Sequence[SamplingOptions],
-    vocab_size: int,
-    device: torch.device,
-    generator: torch.Generator | None,
-) -> torch.Tensor:
-    """e [R, V] float32 ~ Exp(1), seeded rows from their salted residual streams."""
-    e = torch.empty(len(opts), vocab_size, dtype=torch.float32, device=device)
-    gens = _row_generators(opts, RESIDUAL_SALT, device)
-    unseeded = [r for r, g in enumerate(gens) if g is None]
-    if unseeded:
-        draws = torch.empty(len(unseeded), vocab_size, device=device).exponential_(
-            generator=generator
-        )
-        e[torch.tensor(unseeded, dtype=torch.int64, device=device)] = draws
-    for r, g in enumerate(gens):
-        if g is not None:
-            e[r] = torch.empty(vocab_size, device=device).exponential_(generator=g)
-    return e
