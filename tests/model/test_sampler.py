@@ -18,6 +18,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from transformers import RepetitionPenaltyLogitsProcessor
 
+from asyncpaged.model import sampler as sampler_module
 from asyncpaged.model.logits_processors import (
     apply_min_p,
     apply_penalties,
@@ -502,7 +503,6 @@ def test_inverse_cdf_picks_the_first_token_whose_cumulative_integer_weight_excee
     """Against Python integers: weight ``floor(p * 2**52)``, target ``floor(u * total)`` (at
     most ``total - 1``), the first token whose cumulative weight exceeds it; a zero-weight
     token is never picked, and padding a row with zero weights anywhere changes nothing."""
-    from asyncpaged.model import sampler as sampler_module
 
     width = max(len(row) for row in probs)
     rows = [row + [0.0] * (width - len(row)) for row in probs]
@@ -539,13 +539,12 @@ def test_seeded_rows_draw_from_their_key_alone_and_unseeded_from_the_generator()
     after = torch.Generator().manual_seed(3)
     u = torch.rand(3, dtype=torch.float64, generator=after)
     assert torch.equal(g.get_state(), after.get_state())
-    from asyncpaged.model import sampler as sampler_module
-
     for slot, r in enumerate((0, 2, 4)):  # the generator's draws, in row order
         assert int(got[r]) == int(sampler_module._inverse_cdf(probs[r : r + 1], u[slot : slot + 1]))
-    for r in (1, 3):  # alone, reversed batch, another generator: the same token
+    reversed_batch = draw_tokens(probs.flip(0), opts[::-1], torch.Generator().manual_seed(5))
+    for r in (1, 3):  # alone or in a reversed batch, with other generators: the same token
         alone = draw_tokens(probs[r : r + 1], [opts[r]], torch.Generator().manual_seed(99))
-        assert int(alone) == int(got[r])
+        assert int(alone) == int(got[r]) == int(reversed_batch[4 - r])
     assert len({int(t) for t in got}) > 1
 
 
