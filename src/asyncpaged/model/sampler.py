@@ -18,8 +18,8 @@ of the batch or their order; rows without a seed share the caller's generator.
 
 ``sample_from_candidates`` gives the same tokens from the top-k candidates of the bf16-screened
 LM head (``lm_head.TopKCandidates``) for the rows ``is_screenable`` admits, without the fp32 GEMM
-over the whole vocabulary: it reads the same random stream and sums over full-width rows that
-hold -inf wherever ``sample`` has -inf after top-k, and draws with the same ``u``.
+over the whole vocabulary: it sums over full-width rows that hold -inf wherever ``sample`` has
+-inf after top-k, and draws with the same ``u``.
 
 Here: the options, the seeded generators' keys, ``sample`` and every random draw (the full rows'
 and the candidates'). ``sampler_stages`` holds the stages before the draw (``process_logits``,
@@ -293,7 +293,7 @@ def _inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     row draws. One pass and a cumulative sum instead of ``V`` random numbers per row."""
     cdf = (probs * _WEIGHT_SCALE).long().cumsum_(dim=-1)  # [R, V] exact integers
     total = cdf[:, -1:]  # [R, 1] > 0: a row's largest probability is at least 1 / V
-    target = (u.to(probs.device)[:, None] * total.double()).long()
+    target = (u[:, None] * total.double()).long()
     target = torch.minimum(target, total - 1)  # (rounds up to total only past 2**53)
     picked = torch.searchsorted(cdf, target, right=True)[:, 0]  # cdf[v] > target, first v
     return picked.clamp_max_(probs.shape[1] - 1)  # (only a NaN row could pass the end)
@@ -307,10 +307,10 @@ def _row_uniforms(
     depends on nothing else)."""
     u = [_uniform_of_key(o.generator_key) if o.seed is not None else -1.0 for o in opts]
     unseeded = [r for r, o in enumerate(opts) if o.seed is None]
-    out = torch.tensor(u, dtype=torch.float64)
-    if unseeded:
+    out = torch.tensor(u, dtype=torch.float64, device=device)
+    if unseeded:  # drawn where the generator lives: no device-to-host copy
         draws = torch.rand(len(unseeded), dtype=torch.float64, device=device, generator=generator)
-        out[torch.tensor(unseeded, dtype=torch.int64)] = draws.cpu()
+        out[torch.tensor(unseeded, dtype=torch.int64, device=device)] = draws
     return out
 
 
