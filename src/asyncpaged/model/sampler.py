@@ -30,6 +30,7 @@ are re-exported from this module.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -171,10 +172,15 @@ def derive_generator_key(seed: int, seq_index: int, num_generated_tokens: int) -
     Being a function of these alone (no generator state carried between steps), a seeded
     sequence draws the same tokens however it is batched and after preemption by recompute.
     """
-    key = _splitmix64(seed & _MASK64)
-    key = _splitmix64(key ^ (seq_index & _MASK64))
+    key = _sequence_key(seed, seq_index)
     key = _splitmix64(key ^ (num_generated_tokens & _MASK64))
     return key >> 1
+
+
+@functools.lru_cache(maxsize=4096)
+def _sequence_key(seed: int, seq_index: int) -> int:
+    """The part of ``derive_generator_key`` that stays the same for a sequence's every draw."""
+    return _splitmix64(_splitmix64(seed & _MASK64) ^ (seq_index & _MASK64))
 
 
 def salt_generator_key(generator_key: int, salt: int) -> int:
