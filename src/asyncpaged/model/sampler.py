@@ -236,6 +236,8 @@ def sample(
     random_rows = [i for i, o in enumerate(opts) if o is not None and not o.is_greedy]
     if not random_rows:
         token_ids = greedy(processed)
+    elif len(random_rows) == num_rows:  # every row samples: no gather and scatter of [N, V]
+        token_ids = _sample_random(processed, [o for o in opts if o is not None], generator)
     else:
         token_ids = torch.empty(num_rows, dtype=torch.int64, device=logits.device)
         is_random = set(random_rows)
