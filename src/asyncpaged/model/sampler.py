@@ -65,6 +65,7 @@ __all__ = [
     "is_screenable",
     "process_logits",
     "random_probs",
+    "row_uniforms",
     "salt_generator_key",
     "sample",
     "sample_from_candidates",
@@ -284,10 +285,10 @@ def draw_tokens(
     probs: torch.Tensor, opts: Sequence[SamplingOptions], generator: torch.Generator | None
 ) -> torch.Tensor:
     """One token per row of ``probs`` [R, V] (rows sum to 1), drawn as ``sample`` draws the
-    random rows of these options: each row's uniform (:func:`_row_uniforms`) through the
+    random rows of these options: each row's uniform (:func:`row_uniforms`) through the
     inverse of its cumulative weights (:func:`_inverse_cdf`). Speculative decoding uses it to
     draw exactly the token ``sample`` would."""
-    return _inverse_cdf(probs, _row_uniforms(opts, probs.device, generator))
+    return _inverse_cdf(probs, row_uniforms(opts, probs.device, generator))
 
 
 def _inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
@@ -307,7 +308,7 @@ def _inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     return picked.clamp_max_(probs.shape[1] - 1)  # (only a NaN row could pass the end)
 
 
-def _row_uniforms(
+def row_uniforms(
     opts: Sequence[SamplingOptions], device: torch.device, generator: torch.Generator | None
 ) -> torch.Tensor:
     """u [R] float64 in [0, 1): the unseeded rows one draw each from ``generator``, in row
@@ -398,5 +399,5 @@ def _sample_candidates(
         return None
     # Ascending ids (padding: weight 0, last): the full row's cumulative weights at the
     # candidates, so the same uniform picks the same token.
-    picked = _inverse_cdf(probs, _row_uniforms(opts, ids.device, generator))
+    picked = _inverse_cdf(probs, row_uniforms(opts, ids.device, generator))
     return ids.gather(1, picked[:, None])[:, 0]

@@ -48,6 +48,7 @@ from asyncpaged.model.sampler import (
     greedy,
     process_logits,
     random_probs,
+    row_uniforms,
     salt_generator_key,
 )
 
@@ -238,7 +239,7 @@ def _accept_drafted(
     p_x = probs[p_rows].gather(1, x)[:, 0].double()
     q_x = draft_probs[d_index].gather(1, x)[:, 0].double()
     opts = [_not_none(options[r]) for r in rows]
-    u = _uniforms(opts, device, generator)
+    u = row_uniforms(_salted(opts, ACCEPT_SALT), device, generator)
     accepted[d_index] = u * q_x < p_x
 
 
@@ -290,40 +291,15 @@ def _draw_residual(
     residual = (p - q).clamp_min_(0.0)  # [R, V]
     total = residual.sum(dim=-1, keepdim=True)
     residual = torch.where(total > 0, residual / total.clamp_min(1e-30), p)
-    salted = [  # seeded rows draw from their salted key's uniform
-        dataclasses.replace(o, generator_key=salt_generator_key(o.generator_key, RESIDUAL_SALT))
+    return draw_tokens(residual, _salted(opts, RESIDUAL_SALT), generator)
+
+
+def _salted(opts: Sequence[SamplingOptions], salt: int) -> list[SamplingOptions]:
+    """The options with each seeded row's generator key salted (another draw at the same
+    position, independent of ``sample``'s); unseeded rows as they are."""
+    return [
+        dataclasses.replace(o, generator_key=salt_generator_key(o.generator_key, salt))
         if o.seed is not None
         else o
         for o in opts
     ]
-    return draw_tokens(residual, salted, generator)
-
-
-def _row_generators(
-    opts: Sequence[SamplingOptions], salt: int, device: torch.device
-) -> list[torch.Generator | None]:
-    """Per row, a fresh generator seeded from its salted generator key (seeded rows), or None."""
-    return [
-        torch.Generator(device=device).manual_seed(salt_generator_key(o.generator_key, salt))
-        if o.seed is not None
-        else None
-        for o in opts
-    ]
-
-
-def _uniforms(
-    opts: Sequence[SamplingOptions], device: torch.device, generator: torch.Generator | None
-) -> torch.Tensor:
-    """u [R] float64 ~ U[0, 1): unseeded rows in one draw from ``generator``, seeded rows each
-    from its own salted stream."""
-    u = torch.empty(len(opts), dtype=torch.float64, device=device)
-    gens = _row_generators(opts, ACCEPT_SALT, device)
-    unseeded = [r for r, g in enumerate(gens) if g is None]
-    if unseeded:
-        u[torch.tensor(unseeded, dtype=torch.int64, device=device)] = torch.rand(
-            len(unseeded), dtype=torch.float64, device=device, generator=generator
-        )
-    for r, g in enumerate(gens):
-        if g is not None:
-            u[r] = torch.rand(1, dtype=torch.float64, device=device, generator=g)[0]
-    return u
