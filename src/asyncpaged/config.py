@@ -70,6 +70,11 @@ class EngineConfig:
     # fp32 summation order
     fused_elementwise: bool | Literal["auto"] = "auto"
     tensor_parallel_size: int = 1  # ranks the model is split over (torch.distributed)
+    # Where the model runner runs: "thread", a worker thread of this process; "process", a
+    # spawned process of its own, so the forward computes while the event loop runs Python
+    # (no GIL between them; docs/tuning.md). "process" takes no tensor parallelism, draft
+    # model, KV tiers or per-request logits_processors.
+    executor_backend: Literal["thread", "process"] = "thread"
     # Structured outputs: append the tokens a grammar forces (a schema's keys, punctuation)
     # without sampling each one; they are computed in the next step like a prefill chunk
     structured_outputs_jump_forward: bool = True
@@ -142,6 +147,16 @@ class EngineConfig:
              "kv_offload_host_bytes needs enable_prefix_caching=True."),
             (self.kv_offload_host_bytes == 0 or self.tensor_parallel_size == 1,
              "the KV tiers (kv_offload_*) need tensor_parallel_size=1."),
+            (self.executor_backend in ("thread", "process"),
+             f"executor_backend must be 'thread' or 'process', got {self.executor_backend!r}."),
+            (self.executor_backend == "thread" or self.tensor_parallel_size == 1,
+             "executor_backend='process' needs tensor_parallel_size=1."),
+            (self.executor_backend == "thread" or self.kv_offload_host_bytes == 0,
+             "executor_backend='process' does not take the KV tiers (kv_offload_*)."),
+            (self.executor_backend == "thread" or self.speculative_config is None
+             or self.speculative_config.method != "draft_model",
+             "executor_backend='process' does not take a draft model (speculative "
+             "method 'draft_model')."),
             (self.attention_backend in ("auto", "torch", "triton", "cpu"),
              f"attention_backend must be 'auto', 'torch', 'triton' or 'cpu', got "
              f"{self.attention_backend!r}."),

@@ -25,7 +25,6 @@ from asyncpaged.core.block_map import BlockMap, build_block_map
 from asyncpaged.core.block_pool import BlockPool
 from asyncpaged.core.policy import check_priority
 from asyncpaged.core.scheduler import Scheduler
-from asyncpaged.distributed import TensorParallelRunner
 from asyncpaged.engine_build import (
     ModelPlan,
     Proposer,
@@ -39,7 +38,8 @@ from asyncpaged.engine_build import (
 )
 from asyncpaged.engine_lifecycle import (
     ActorTask,
-    close_tensor_parallel,
+    RemoteWorkers,
+    close_workers,
     persist_kv_tiers,
     wait_actors_idle,
     wait_or_dead,
@@ -62,6 +62,7 @@ from asyncpaged.model.generation_config import GenerationDefaults
 from asyncpaged.model.hub import resolve_model_path
 from asyncpaged.model.kv_tier_store import KVTierStore
 from asyncpaged.model.runner import StepRunner
+from asyncpaged.model.runner_process import RunnerProcess
 from asyncpaged.sampling_params import BeamSearchParams, SamplingParams
 from asyncpaged.streams import RequestState, RequestStream
 
@@ -86,7 +87,8 @@ class AsyncEngine:
         self._closed = False
         self._outputs: OutputProcessor | None = None  # the live requests' states, once started
         self._ids = itertools.count()
-        self._tp: TensorParallelRunner | None = None  # tensor_parallel_size > 1
+        # tensor-parallel ranks (tensor_parallel_size > 1) or the runner's process
+        self._workers: RemoteWorkers | None = None
         self._tier_store: KVTierStore | None = None  # kv_offload_host_bytes > 0
         self._draft_proposals: DraftProposals | None = None  # speculative method "draft_model"
         self._dead_event = anyio.Event()  # set with _dead
@@ -121,11 +123,12 @@ class AsyncEngine:
         self.model_path, plan = model.path, model.plan
         self.max_model_len, self.vocab_size = plan.max_model_len, plan.vocab_size
         self.cpu_plan = model.cpu_plan  # a float32 CPU model: the levers' plan, and why
-        self.runner, self._tp = model.runner, model.tp
+        # the runner in this process (None with executor_backend="process"); rank 0's under TP
+        self.runner, self._workers = model.runner, model.workers
         try:
-            await self._start(plan, model.step_runner)
+            await self._start(plan, model.step_runner, model.rope_switch_len)
         except BaseException:
-            await close_tensor_parallel(self._tp, graceful=True)
+            await close_workers(self._workers, graceful=True)
             raise
         log.info("engine_started", model=cfg.model, num_device_blocks=plan.num_device_blocks,
                  num_host_blocks=plan.num_host_blocks, dtype=str(plan.dtype),
@@ -135,7 +138,9 @@ class AsyncEngine:
             freeze_after_start()
             self._gc_frozen = True
 
-    async def _start(self, plan: ModelPlan, step_runner: StepRunner) -> None:
+    async def _start(
+        self, plan: ModelPlan, step_runner: StepRunner | RunnerProcess, rope_switch_len: int | None
+    ) -> None:
         cfg = self.config
         num_device, num_host = plan.num_device_blocks, plan.num_host_blocks
         tokenizers = await load_tokenizers(cfg, self.model_path, plan)
@@ -150,13 +155,13 @@ class AsyncEngine:
         pool = BlockPool(num_device, num_host, block_size=cfg.block_size,
                          enable_prefix_caching=cfg.enable_prefix_caching, tiers=tiers)  # fmt: skip
         self._seq_ids = itertools.count()  # shared by intake and scheduler (one event loop)
-        scheduler = build_scheduler(cfg, num_device, num_host, self.runner.model.rope_switch_len,
+        scheduler = build_scheduler(cfg, num_device, num_host, rope_switch_len,
                                     self._seq_ids.__next__, self._proposer())  # fmt: skip
         outputs = self._build_actors(pool, scheduler, step_runner)
         actor_runs = [actor.run for actor in (self._allocator, self._executor, self._swap_space,
                                               outputs, self._scheduler, self._intake)]  # fmt: skip
         try:
-            await self._task.start(actor_runs, self._tp, self._fail)
+            await self._task.start(actor_runs, self._workers, self._fail)
         except BaseException:  # cancelled while the actors start: stopped, then propagate
             self._closed = True
             self._close_done.set()
@@ -176,7 +181,7 @@ class AsyncEngine:
         return propose
 
     def _build_actors(
-        self, pool: BlockPool, scheduler: Scheduler, runner: StepRunner
+        self, pool: BlockPool, scheduler: Scheduler, runner: StepRunner | RunnerProcess
     ) -> OutputProcessor:
         actors = build_actors(
             self.config, pool, scheduler, runner, tokenizer=self.tokenizer,
@@ -247,7 +252,7 @@ class AsyncEngine:
             try:
                 await self._task.stop()  # the engine's task cancels the actors, exits their group
             finally:
-                await close_tensor_parallel(self._tp, graceful=self._dead is None)
+                await close_workers(self._workers, graceful=self._dead is None)
                 if self._gc_frozen:
                     self._gc_frozen = False
                     unfreeze_at_close()

@@ -33,6 +33,7 @@ from asyncpaged.core.kv_tiers import TierIndex
 from asyncpaged.core.scheduler import Scheduler, SchedulerConfig
 from asyncpaged.core.txn import StepTxn, TxnResult
 from asyncpaged.distributed import TensorParallelRunner, check_tensor_parallel, worker_spec
+from asyncpaged.engine_lifecycle import RemoteWorkers
 from asyncpaged.errors import InvalidRequestError
 from asyncpaged.messages import (
     ExecuteStep,
@@ -48,6 +49,7 @@ from asyncpaged.model.generation_config import GenerationDefaults, load_generati
 from asyncpaged.model.kv_tier_store import KVTierStore, build_kv_tiers
 from asyncpaged.model.loader import load_config, load_tokenizer, resolve_dtype, text_config
 from asyncpaged.model.runner import ModelRunner, StepRunner, select_attention_backend
+from asyncpaged.model.runner_process import RunnerProcess
 from asyncpaged.request_checks import RequestLimits, max_prompt_chars
 from asyncpaged.spec_decode import NgramProposer, SpeculativeConfig
 from asyncpaged.structured_outputs import GrammarBackend
@@ -149,9 +151,17 @@ class LoadedModel:
     path: Path  # the checkpoint's local directory
     plan: ModelPlan
     cpu_plan: CpuPlan | None  # a float32 CPU model: the levers' plan (``engine.cpu_plan``)
-    runner: ModelRunner  # rank 0's under tensor parallelism
-    step_runner: StepRunner  # what the executor drives
-    tp: TensorParallelRunner | None  # tensor_parallel_size > 1
+    runner: ModelRunner | None  # rank 0's under tensor parallelism; None in a runner process
+    step_runner: StepRunner | RunnerProcess  # what the executor drives
+    workers: RemoteWorkers | None  # tensor_parallel_size > 1, or executor_backend "process"
+
+    @property
+    def rope_switch_len(self) -> int | None:
+        """The model's RoPE regime switch (longrope), for the scheduler."""
+        if self.runner is not None:
+            return self.runner.model.rope_switch_len
+        assert isinstance(self.step_runner, RunnerProcess)
+        return self.step_runner.ready.rope_switch_len
 
 
 async def load_model(cfg: EngineConfig, resolve: Callable[[str, str | None], Path]) -> LoadedModel:
@@ -162,9 +172,9 @@ async def load_model(cfg: EngineConfig, resolve: Callable[[str, str | None], Pat
     hf_config = await anyio.to_thread.run_sync(load_config, path)
     plan = plan_model(cfg, hf_config)
     levers, cpu_plan = await anyio.to_thread.run_sync(plan_levers, cfg, plan.hf_config, plan.dtype)
-    runner, step_runner, tp = await load_runner(cfg, path, plan, levers, resolve)
+    runner, step_runner, workers = await load_runner(cfg, path, plan, levers, resolve)
     return LoadedModel(path=path, plan=plan, cpu_plan=cpu_plan, runner=runner,
-                       step_runner=step_runner, tp=tp)  # fmt: skip
+                       step_runner=step_runner, workers=workers)  # fmt: skip
 
 
 async def load_runner(
@@ -173,15 +183,20 @@ async def load_runner(
     plan: ModelPlan,
     levers: dict[str, bool],
     resolve: Callable[[str, str | None], Path],
-) -> tuple[ModelRunner, StepRunner, TensorParallelRunner | None]:
-    """The model runner (rank 0's under tensor parallelism), what the executor drives (the
-    runner itself, or the :class:`TensorParallelRunner` that also drives the other ranks), and
-    the latter. ``resolve`` finds the draft model's checkpoint (speculative "draft_model")."""
+) -> tuple[ModelRunner | None, StepRunner | RunnerProcess, RemoteWorkers | None]:
+    """The model runner in this process (rank 0's under tensor parallelism; None when it runs
+    in a process of its own), what the executor drives (the runner itself, the
+    :class:`TensorParallelRunner` that also drives the other ranks, or the
+    :class:`RunnerProcess`), and the processes to watch and stop (those two). ``resolve`` finds
+    the draft model's checkpoint (speculative "draft_model")."""
     num_device, num_host = plan.num_device_blocks, plan.num_host_blocks
     dtype, kv_dtype = plan.dtype, plan.kv_dtype
-    if cfg.tensor_parallel_size > 1:
+    if cfg.tensor_parallel_size > 1 or cfg.executor_backend == "process":
         local = dataclasses.replace(cfg, model=str(path), revision=None)
         spec = worker_spec(local, dtype, kv_dtype, num_device, num_host, levers)
+        if cfg.executor_backend == "process":
+            proc = await anyio.to_thread.run_sync(RunnerProcess.start, spec, cfg.device)
+            return None, proc, proc
         tp = await anyio.to_thread.run_sync(
             TensorParallelRunner.start, spec, cfg.tensor_parallel_size, cfg.device
         )
@@ -269,12 +284,13 @@ async def load_tokenizers(cfg: EngineConfig, path: Path, plan: ModelPlan) -> Tok
 
 
 async def build_kv_tier_store(
-    cfg: EngineConfig, runner: ModelRunner, path: Path
+    cfg: EngineConfig, runner: ModelRunner | None, path: Path
 ) -> tuple[TierIndex | None, KVTierStore | None]:
     """The KV tiers' index and store (``kv_offload_host_bytes`` with prefix caching), else
     ``(None, None)``; the disk tier is scanned in a worker thread."""
     if not (cfg.kv_offload_host_bytes and cfg.enable_prefix_caching):
         return None, None
+    assert runner is not None, "the KV tiers need the runner in this process (EngineConfig)"
     return await anyio.to_thread.run_sync(
         lambda: build_kv_tiers(
             device_cache=runner.kv_cache, model_path=path,
@@ -346,7 +362,7 @@ def build_actors(
     cfg: EngineConfig,
     pool: BlockPool,
     scheduler: Scheduler,
-    runner: StepRunner,
+    runner: StepRunner | RunnerProcess,
     *,
     tokenizer: Any,
     intake_tokenizer: Any,

@@ -1,13 +1,14 @@
 """The engine's actors at run time, for :class:`asyncpaged.engine.AsyncEngine`: the engine's own
 task that holds them (:class:`ActorTask`), the supervisor that turns an actor's failure into
 the engine's (every waiter learns why; the host is not cancelled), and the steps of a close
-beyond the engine's own state: the KV tiers written to disk, the tensor-parallel ranks joined.
+beyond the engine's own state: the KV tiers written to disk, the worker processes (the
+tensor-parallel ranks, or the runner's own process) joined.
 """
 
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import anyio
 from anyio.abc import TaskGroup, TaskStatus
@@ -16,12 +17,12 @@ from asyncpaged._detached import spawn_detached
 from asyncpaged.actors.output_processor import OutputProcessor
 from asyncpaged.actors.scheduler import SchedulerActor
 from asyncpaged.core.block_pool import BlockPool
-from asyncpaged.distributed import TensorParallelRunner
 from asyncpaged.model.kv_tier_store import KVTierStore
 
 __all__ = [
     "ActorTask",
-    "close_tensor_parallel",
+    "RemoteWorkers",
+    "close_workers",
     "persist_kv_tiers",
     "supervise_actors",
     "wait_actors_idle",
@@ -29,6 +30,15 @@ __all__ = [
 ]
 
 ActorRun = Callable[..., Coroutine[Any, Any, None]]  # an actor's ``run(task_status=...)``
+
+
+class RemoteWorkers(Protocol):
+    """Processes the engine started for its model (the tensor-parallel ranks, or the runner's
+    own process): watched while the engine runs, stopped when it closes."""
+
+    async def watch(self, on_death: Callable[[BaseException], None]) -> None: ...
+
+    def close(self, *, graceful: bool) -> None: ...
 
 
 class ActorTask:
@@ -50,12 +60,12 @@ class ActorTask:
     async def start(
         self,
         actor_runs: Sequence[ActorRun],
-        tp: TensorParallelRunner | None,
+        workers: RemoteWorkers | None,
         fail: Callable[[BaseException], None],
     ) -> None:
         """Spawn the task and wait until the actors have started, or failed to. If cancelled
         meanwhile, the actors are stopped (shielded) before the cancellation propagates."""
-        spawn_detached(lambda: self._own(actor_runs, tp, fail))
+        spawn_detached(lambda: self._own(actor_runs, workers, fail))
         try:
             await self._ready.wait()
         except BaseException:  # cancelled while the actors start: stop them, then propagate
@@ -71,12 +81,12 @@ class ActorTask:
     async def _own(
         self,
         actor_runs: Sequence[ActorRun],
-        tp: TensorParallelRunner | None,
+        workers: RemoteWorkers | None,
         fail: Callable[[BaseException], None],
     ) -> None:
         try:
             async with anyio.create_task_group() as tg:
-                await tg.start(supervise_actors, actor_runs, tp, fail)
+                await tg.start(supervise_actors, actor_runs, workers, fail)
                 self.tg = tg
                 self._ready.set()
                 await self._stop.wait()
@@ -90,20 +100,20 @@ class ActorTask:
 
 async def supervise_actors(
     actor_runs: Sequence[ActorRun],
-    tp: TensorParallelRunner | None,
+    workers: RemoteWorkers | None,
     fail: Callable[[BaseException], None],
     *,
     task_status: TaskStatus[None],
 ) -> None:
-    """Start each actor's ``run`` in order (and the tensor-parallel watchdog) and run them; on
+    """Start each actor's ``run`` in order (and the worker processes' watchdog) and run them; on
     failure call ``fail`` with the cause (unwrapped from single-exception groups) instead of
     cancelling the host."""
     try:
         async with anyio.create_task_group() as tg:
             for run in actor_runs:
                 await tg.start(run)
-            if tp is not None:
-                tg.start_soon(tp.watch, fail)
+            if workers is not None:
+                tg.start_soon(workers.watch, fail)
             task_status.started()
     except Exception as exc:  # the engine failed: every waiter learns why
         while isinstance(exc, ExceptionGroup) and len(exc.exceptions) == 1:
@@ -125,11 +135,11 @@ async def wait_or_dead(wait: Callable[[], Awaitable[object]], dead: anyio.Event)
         tg.cancel_scope.cancel()
 
 
-async def close_tensor_parallel(tp: TensorParallelRunner | None, *, graceful: bool) -> None:
-    """Stop and join every tensor-parallel rank (shielded: runs even when cancelled)."""
-    if tp is not None:
+async def close_workers(workers: RemoteWorkers | None, *, graceful: bool) -> None:
+    """Stop and join the worker processes (shielded: runs even when cancelled)."""
+    if workers is not None:
         with anyio.CancelScope(shield=True):
-            await anyio.to_thread.run_sync(lambda: tp.close(graceful=graceful))
+            await anyio.to_thread.run_sync(lambda: workers.close(graceful=graceful))
 
 
 async def persist_kv_tiers(store: KVTierStore | None, pool: BlockPool) -> None:

@@ -141,6 +141,12 @@ def check_submission(
         raise InvalidRequestError(f"request id {rid!r} is already in use.")
     limits.check_vocab(params)
     limits.check_logprobs(params)
+    if params.logits_processors and cfg.executor_backend == "process":
+        raise InvalidRequestError(
+            "logits_processors run where the model runs: with executor_backend='process' that "
+            "is another process, which a callable (and its state) cannot follow; use "
+            "executor_backend='thread'."
+        )
     if params.structured_outputs is not None and not structured_outputs_available():
         raise InvalidRequestError(STRUCTURED_EXTRA_HINT)
     if params.structured_outputs is not None and is_beam:

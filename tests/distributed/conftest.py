@@ -14,6 +14,7 @@ import torch
 
 from asyncpaged import AsyncEngine, EngineConfig, RequestOutput, SamplingParams
 from asyncpaged.config import KVShape
+from asyncpaged.distributed import TensorParallelRunner
 from asyncpaged.model.loader import load_config
 from tests.engine.conftest import assert_no_leaks
 from tests.model.conftest import hf_reference, tiny_checkpoint
@@ -101,7 +102,8 @@ def run_engine(
                 await engine.wait_idle()
             assert_no_leaks(engine)
             stats = engine.statistics()
-            tp = engine._tp
+            tp = engine._workers
+            assert tp is None or isinstance(tp, TensorParallelRunner)
             if tp is None:
                 kv_bytes = [engine.runner.kv_cache.num_bytes]
                 heads = [engine.runner.model.num_kv_heads]

@@ -14,6 +14,7 @@ import anyio
 import pytest
 
 from asyncpaged import AsyncEngine, EngineConfig, EngineDeadError, SamplingParams
+from asyncpaged.distributed import TensorParallelRunner
 from asyncpaged.errors import WorkerDiedError
 from tests.distributed.conftest import make_prompts
 
@@ -60,8 +61,8 @@ def test_killed_worker_fails_every_waiter(
     async def run() -> None:
         killed: list[float] = []
         async with AsyncEngine(_config(tiny_checkpoint(MODEL))) as engine:
-            assert engine._tp is not None
-            pids.extend(engine._tp.worker_pids)
+            assert isinstance(engine._workers, TensorParallelRunner)
+            pids.extend(engine._workers.worker_pids)
             if when == "idle":  # nothing in flight: only the watchdog can notice
                 os.kill(pids[0], signal.SIGKILL)
                 killed.append(time.monotonic())

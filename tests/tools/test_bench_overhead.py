@@ -11,11 +11,15 @@ import pytest
 from asyncpaged.tools.bench_overhead import run
 
 
-@pytest.mark.parametrize("mode", ["greedy", "sampled", "penalized"])
-def test_bench_overhead_small_run(tmp_path: Path, mode: str) -> None:
+@pytest.mark.parametrize(
+    ("mode", "executor"),
+    [("greedy", "thread"), ("sampled", "thread"), ("penalized", "thread"), ("greedy", "process")],
+)
+def test_bench_overhead_small_run(tmp_path: Path, mode: str, executor: str) -> None:
     args = argparse.Namespace(num_seqs=16, max_tokens=12, repeats=2, threads=1,
                               sampled=mode == "sampled", penalized=mode == "penalized",
-                              model_dir=str(tmp_path / "model"), output=str(tmp_path))  # fmt: skip
+                              executor_backend=executor, model_dir=str(tmp_path / "model"),
+                              output=str(tmp_path))  # fmt: skip
     assert run(args) == 0  # the two runs' tokens agree (sampled: seeded per request)
     report = json.loads((tmp_path / "overhead.json").read_text())
     assert report["model"]["num_hidden_layers"] == 1

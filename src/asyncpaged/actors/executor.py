@@ -11,6 +11,7 @@ from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStre
 from asyncpaged.actors.worker_thread import WorkerThread
 from asyncpaged.messages import ExecuteStep, SchedulerInbox, StepDone
 from asyncpaged.model.runner import StepRunner
+from asyncpaged.model.runner_process import RunnerProcess
 
 
 class ExecutorActor:
@@ -20,12 +21,13 @@ class ExecutorActor:
     loop stays free and the activations stay in one allocator arena. A cancelled engine waits
     for the running forward to end rather than abandoning the thread, which would keep writing
     the KV cache. ``runner`` is the ``ModelRunner`` itself, or under
-    tensor parallelism the rank-0 runner that also broadcasts each step to the other ranks.
+    tensor parallelism the rank-0 runner that also broadcasts each step to the other ranks; a
+    :class:`RunnerProcess` (the runner in its own process) is awaited on the loop, no thread.
     """
 
     def __init__(
         self,
-        runner: StepRunner,
+        runner: StepRunner | RunnerProcess,
         inbox: MemoryObjectReceiveStream[ExecuteStep],
         events: MemoryObjectSendStream[SchedulerInbox],
     ) -> None:
@@ -45,7 +47,10 @@ class ExecutorActor:
 
     async def _step(self, msg: ExecuteStep) -> None:
         start = time.perf_counter()
-        result = await self._thread.run(self.runner.execute, msg.plan)
+        if isinstance(self.runner, RunnerProcess):
+            result = await self.runner.execute(msg.plan)
+        else:
+            result = await self._thread.run(self.runner.execute, msg.plan)
         duration = time.perf_counter() - start
         await self._events.send(
             StepDone(step_id=msg.output.step_id, result=result, duration_s=duration)

@@ -272,7 +272,9 @@ class SchedulerActor:
         )
         self._scheduled.extend(scheduled)
         self._in_flight = out
-        await self._executor.send(
+        # Without a checkpoint (the executor's inbox is empty: the last step is done), so the
+        # executor is the first task to run and starts the step before the outputs are recorded.
+        self._executor.send_nowait(
             ExecuteStep(output=out, plan=StepPlan(seqs=tuple(steps), copy_pairs=out.copy_on_write))
         )
         self._tables.sent()

@@ -13,6 +13,7 @@ from asyncpaged.core.block_table import SwapDirection
 from asyncpaged.messages import CopyTierBlocks, SchedulerInbox, SwapBlocks, SwapDone, SwapSpaceInbox
 from asyncpaged.model.kv_tier_store import KVTierStore
 from asyncpaged.model.runner import StepRunner
+from asyncpaged.model.runner_process import RunnerProcess
 
 
 class SwapSpaceActor:
@@ -21,7 +22,8 @@ class SwapSpaceActor:
     The copies touch only blocks the pool holds in flight for the swap, which no step reads or
     writes, so they run concurrently with the executor's forward. Under tensor parallelism the
     runner's ``swap_out`` / ``swap_in`` first send the swap to every other rank (each moves its
-    share of the same blocks), ordered with the steps.
+    share of the same blocks), ordered with the steps. A :class:`RunnerProcess` runs the copies
+    in its own process, in order with the steps sent before them.
 
     KV-tier copies (:class:`CopyTierBlocks`, with ``tier_store``) run in the same thread, after
     every swap sent before them; the scheduler waits for them before it starts their step, so
@@ -30,7 +32,7 @@ class SwapSpaceActor:
 
     def __init__(
         self,
-        runner: StepRunner,
+        runner: StepRunner | RunnerProcess,
         inbox: MemoryObjectReceiveStream[SwapSpaceInbox],
         events: MemoryObjectSendStream[SchedulerInbox],
         tier_store: KVTierStore | None = None,
@@ -48,12 +50,7 @@ class SwapSpaceActor:
                 async for msg in self._inbox:
                     match msg:
                         case SwapBlocks(plan=plan):
-                            copy = (
-                                self.runner.swap_out
-                                if plan.direction is SwapDirection.OUT
-                                else self.runner.swap_in
-                            )
-                            await self._thread.run(copy, plan.block_mapping)
+                            await self._swap(plan.direction, plan.block_mapping)
                             await self._events.send(SwapDone(swap_id=plan.swap_id))
                         case CopyTierBlocks(ops=ops, done=done):
                             store = self.tier_store
@@ -64,3 +61,11 @@ class SwapSpaceActor:
                             assert_never(msg)
         finally:
             self._thread.close()
+
+    async def _swap(self, direction: SwapDirection, pairs: tuple[tuple[int, int], ...]) -> None:
+        runner = self.runner
+        if isinstance(runner, RunnerProcess):
+            await (runner.swap_out if direction is SwapDirection.OUT else runner.swap_in)(pairs)
+        else:
+            copy = runner.swap_out if direction is SwapDirection.OUT else runner.swap_in
+            await self._thread.run(copy, pairs)

@@ -59,7 +59,7 @@ async def _one_run(args: argparse.Namespace, checkpoint: Path) -> dict[str, Any]
 
     config = EngineConfig(
         model=str(checkpoint), max_num_seqs=args.num_seqs, max_num_batched_tokens=2048,
-        seed=0, enable_prefix_caching=False,
+        seed=0, enable_prefix_caching=False, executor_backend=args.executor_backend,
     )  # fmt: skip
     params = SamplingParams(
         temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True,
@@ -128,12 +128,13 @@ def run(args: argparse.Namespace) -> int:
     print(f"median {median['ms_per_step']:.2f} ms/step (goal <= 4 at 256 sequences), "
           f"{100 * median['outside_forward']:.0f}% outside the forward, "
           f"{median['steps_per_s']:.1f} steps/s; CPU flags: {cpu_flags()}; "
-          f"{args.threads} torch thread(s){differ}")  # fmt: skip
+          f"{args.threads} torch thread(s), executor {args.executor_backend}{differ}")  # fmt: skip
     out = Path(args.output)
     out.mkdir(parents=True, exist_ok=True)
     (out / "overhead.json").write_text(json.dumps(
         {"model": MICRO_MODEL, "num_seqs": args.num_seqs, "max_tokens": args.max_tokens,
-         "threads": args.threads, "cpu_flags": cpu_flags(), "runs": runs, "median": median},
+         "threads": args.threads, "executor_backend": args.executor_backend,
+         "cpu_flags": cpu_flags(), "runs": runs, "median": median},
         indent=2))  # fmt: skip
     return 0 if same else 1
 
@@ -144,6 +145,8 @@ def add_parser(modes: Any) -> None:
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--threads", type=int, default=1, help="torch threads")
+    p.add_argument("--executor-backend", choices=("thread", "process"), default="thread",
+                   help="where the model runner runs (EngineConfig.executor_backend)")  # fmt: skip
     workload = p.add_mutually_exclusive_group()
     workload.add_argument(
         "--sampled",

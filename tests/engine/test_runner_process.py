@@ -1,0 +1,179 @@
+"""The model runner in a process of its own (``EngineConfig.executor_backend="process"``).
+
+Greedy tokens equal transformers' under concurrency and memory pressure (both preemption modes:
+swaps cross the pipe in order with the steps), seeded sampling equals the in-process runner's,
+what the mode cannot take is refused before anything runs, and a runner process that dies
+fails every waiter at once and is reaped.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import multiprocessing
+import os
+import signal
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import anyio
+import pytest
+import torch
+
+from asyncpaged import (
+    AsyncEngine,
+    EngineConfig,
+    EngineDeadError,
+    InvalidRequestError,
+    SamplingParams,
+    SpeculativeConfig,
+)
+from asyncpaged.errors import WorkerDiedError
+from asyncpaged.model.runner_process import RunnerProcess
+from tests.engine.conftest import running_engine
+from tests.engine.test_engine import generate_all, make_prompts
+from tests.model.reference import HFReference
+
+MODEL = "llama-gqa"
+GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+
+pytestmark = pytest.mark.anyio
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+async def test_greedy_matches_transformers_under_memory_pressure(
+    mode: str, tiny_checkpoint: Callable[[str], Path], hf_reference: Callable[[str], HFReference]
+) -> None:
+    path, ref = tiny_checkpoint(MODEL), hf_reference(MODEL)
+    prompts = make_prompts(24, seed=1)  # at most 40 + 10 tokens: 4 blocks of 16
+    with anyio.fail_after(180):
+        async with running_engine(path, num_device_blocks=8, preemption_mode=mode,
+                                  executor_backend="process") as engine:  # fmt: skip
+            assert engine.runner is None  # no model in this process
+            assert isinstance(engine._executor.runner, RunnerProcess)
+            child = engine._executor.runner.pid
+            assert child is not None and child != os.getpid()
+            outs = await generate_all(engine, prompts, GREEDY)
+            stats = engine.statistics()
+    for prompt, out in zip(prompts, outs, strict=True):
+        assert out.outputs[0].token_ids == ref.generate(prompt, 10)[0], prompt
+    assert stats.num_preemptions > 0
+    assert (stats.num_swap_outs > 0 and stats.num_swap_ins > 0) == (mode == "swap")
+    assert not Path(f"/proc/{child}").exists(), "the runner process was not reaped"
+    assert not multiprocessing.active_children()
+
+
+async def test_seeded_sampling_equals_the_in_process_runner(
+    tiny_checkpoint: Callable[[str], Path],
+) -> None:
+    path = tiny_checkpoint(MODEL)
+    prompts = make_prompts(12, seed=5)
+
+    def params(i: int) -> SamplingParams:  # seeded and not, penalties, logprobs, n > 1
+        return SamplingParams(temperature=0.9, top_p=0.9, top_k=40, max_tokens=8, n=1 + i % 2,
+                              seed=i if i % 3 else None, repetition_penalty=1.2,
+                              logprobs=2, ignore_eos=True)  # fmt: skip
+
+    results = {}
+    for backend in ("thread", "process"):
+        with anyio.fail_after(180):
+            async with running_engine(path, num_device_blocks=64, seed=7,
+                                      executor_backend=backend) as engine:  # fmt: skip
+                outs = []
+                for i in range(len(prompts)):  # one at a time: unseeded draws in a fixed order
+                    outs.append(await engine.generate(list(prompts[i]), params(i)))
+        results[backend] = [
+            [(c.token_ids, [sorted(d.items()) for d in c.logprobs or []]) for c in o.outputs]
+            for o in outs
+        ]
+    assert results["process"] == results["thread"]
+    distinct = {tuple(tokens) for out in results["thread"] for tokens, _ in out}
+    assert len(distinct) > len(prompts)  # not one degenerate sequence
+
+
+def test_what_the_mode_cannot_take_is_refused_at_config(tmp_path: Path) -> None:
+    base = EngineConfig(model=str(tmp_path), executor_backend="process")
+    for change, what in [
+        ({"tensor_parallel_size": 2}, "tensor_parallel_size=1"),
+        ({"kv_offload_host_bytes": 1 << 20}, "KV tiers"),
+        ({"speculative_config": SpeculativeConfig(method="draft_model", model=str(tmp_path),
+                                                  num_speculative_tokens=2)}, "draft model"),
+        ({"executor_backend": "processes"}, "'thread' or 'process'"),
+    ]:  # fmt: skip
+        with pytest.raises(InvalidRequestError, match=what):
+            dataclasses.replace(base, **change)
+
+
+async def test_logits_processors_are_refused_and_the_engine_goes_on(
+    tiny_checkpoint: Callable[[str], Path], hf_reference: Callable[[str], HFReference]
+) -> None:
+    path, ref = tiny_checkpoint(MODEL), hf_reference(MODEL)
+
+    def nothing(ids: list[int], logits: torch.Tensor) -> torch.Tensor:
+        return logits
+
+    prompt = make_prompts(1, seed=3)[0]
+    with anyio.fail_after(120):
+        async with running_engine(path, executor_backend="process") as engine:
+            with pytest.raises(InvalidRequestError, match="logits_processors"):
+                engine.generate(list(prompt), SamplingParams(logits_processors=[nothing]))
+            out = await engine.generate(list(prompt), GREEDY)
+    assert out.outputs[0].token_ids == ref.generate(prompt, 10)[0]
+
+
+@pytest.mark.parametrize("when", ["mid_run", "idle"])
+async def test_killed_runner_process_fails_every_waiter(
+    when: str, tiny_checkpoint: Callable[[str], Path]
+) -> None:
+    prompts = make_prompts(8, seed=1)
+    params = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
+    cfg = EngineConfig(model=str(tiny_checkpoint(MODEL)), dtype="float32",
+                       executor_backend="process", num_device_blocks=128)  # fmt: skip
+    errors: list[BaseException] = []
+    killed: list[float] = []
+    delays: list[float] = []
+    pids: list[int] = []
+
+    async def wait_for(engine: AsyncEngine, prompt: tuple[int, ...]) -> None:
+        with pytest.raises(EngineDeadError) as info:
+            await engine.generate(list(prompt), params)
+        delays.append(time.monotonic() - killed[0])
+        errors.append(info.value)
+
+    async def run() -> None:
+        async with AsyncEngine(cfg) as engine:
+            proc = engine._executor.runner
+            assert isinstance(proc, RunnerProcess) and proc.pid is not None
+            pids.append(proc.pid)
+            if when == "idle":  # nothing in flight: only the watchdog can notice
+                os.kill(proc.pid, signal.SIGKILL)
+                killed.append(time.monotonic())
+                while engine._dead is None:
+                    await anyio.sleep(0.01)
+                delays.append(time.monotonic() - killed[0])
+                with pytest.raises(EngineDeadError):
+                    engine.generate([5, 6, 7], params)
+                return
+            async with anyio.create_task_group() as tg:
+                for prompt in prompts:
+                    tg.start_soon(wait_for, engine, prompt)
+                while engine.statistics().num_steps < 8:  # decoding, mid-run
+                    await anyio.sleep(0.005)
+                os.kill(proc.pid, signal.SIGKILL)
+                killed.append(time.monotonic())
+
+    with pytest.raises(EngineDeadError) as exit_info, anyio.fail_after(120):  # no hang
+        await run()
+    assert isinstance(exit_info.value.__cause__, WorkerDiedError)
+    assert f"pid {pids[0]}" in str(exit_info.value.__cause__)
+    if when == "mid_run":
+        assert len(errors) == len(prompts)
+        assert all(isinstance(e.__cause__, WorkerDiedError) for e in errors), errors
+    assert max(delays) < 5.0, delays
+    assert not Path(f"/proc/{pids[0]}").exists(), "the runner process was not reaped"
+    assert not multiprocessing.active_children()
