@@ -99,12 +99,20 @@ def check_stop_token(
     return None
 
 
-def _accepts_keyword(func: Any, name: str) -> bool:
-    try:
-        parameters = inspect.signature(func).parameters
-    except (TypeError, ValueError):
-        return False
-    return name in parameters
+_SPACES_KWARG: dict[type, bool] = {}  # tokenizer class -> its _decode takes the keyword
+
+
+def _takes_spaces_kwarg(tokenizer: object) -> bool:
+    """Whether the tokenizer's ``_decode`` declares ``spaces_between_special_tokens``; memoized
+    per class (a signature costs ~20 us, and a request builds a detokenizer per sequence)."""
+    cls = type(tokenizer)
+    if cls not in _SPACES_KWARG:
+        decode, takes = getattr(tokenizer, "_decode", None), False
+        if decode is not None:
+            with contextlib.suppress(TypeError, ValueError):  # no signature to read
+                takes = "spaces_between_special_tokens" in inspect.signature(decode).parameters
+        _SPACES_KWARG[cls] = takes
+    return _SPACES_KWARG[cls]
 
 
 class IncrementalDetokenizer:
@@ -148,7 +156,7 @@ class IncrementalDetokenizer:
         }
         # transformers 5 ignores spaces_between_special_tokens except in a few tokenizers
         # (wav2vec2); pass it only where it is a declared parameter, as some reject unknown ones.
-        if _accepts_keyword(getattr(tokenizer, "_decode", None), "spaces_between_special_tokens"):
+        if _takes_spaces_kwarg(tokenizer):
             self._decode_kwargs["spaces_between_special_tokens"] = (
                 params.spaces_between_special_tokens
             )
