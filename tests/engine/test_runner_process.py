@@ -22,16 +22,19 @@ import torch
 
 from asyncpaged import (
     AsyncEngine,
+    BeamSearchParams,
     EngineConfig,
     EngineDeadError,
     InvalidRequestError,
     SamplingParams,
     SpeculativeConfig,
+    StructuredOutputsParams,
 )
 from asyncpaged.errors import WorkerDiedError
 from asyncpaged.model.runner_process import RunnerProcess
 from tests.engine.conftest import running_engine
 from tests.engine.test_engine import generate_all, make_prompts
+from tests.engine.test_speculative import Oracle
 from tests.model.reference import HFReference
 
 MODEL = "llama-gqa"
@@ -94,6 +97,59 @@ async def test_seeded_sampling_equals_the_in_process_runner(
     assert results["process"] == results["thread"]
     distinct = {tuple(tokens) for out in results["thread"] for tokens, _ in out}
     assert len(distinct) > len(prompts)  # not one degenerate sequence
+
+
+async def test_grammars_beams_and_prompt_logprobs_equal_the_in_process_runner(
+    tiny_checkpoint: Callable[[str], Path],
+) -> None:
+    """What else crosses the pipe: grammar bitmasks in the rows' options, beam search's forks and
+    logprobs, prompt logprobs in the result."""
+    path = tiny_checkpoint(MODEL)
+    prompts = [list(p) for p in make_prompts(4, seed=9)]
+    schema = {"type": "object", "properties": {"n": {"enum": ["ann", "bob"]}}, "required": ["n"]}
+    grammar = StructuredOutputsParams(json=schema)
+    json_params = SamplingParams(temperature=0.0, max_tokens=24, structured_outputs=grammar)
+    plp_params = SamplingParams(temperature=0.0, max_tokens=4, prompt_logprobs=3)
+    beams = BeamSearchParams(beam_width=3, max_tokens=6, ignore_eos=True)
+    results = {}
+    for backend in ("thread", "process"):
+        with anyio.fail_after(180):
+            async with running_engine(path, num_device_blocks=64,
+                                      executor_backend=backend) as engine:  # fmt: skip
+                json_out = await generate_all(engine, [tuple(p) for p in prompts], json_params)
+                plp_out = await engine.generate(prompts[0], plp_params)
+                beam_out = [await engine.beam_search(p, beams) for p in prompts[:2]]
+        results[backend] = (
+            [o.outputs[0].text for o in json_out],
+            [sorted(d.items()) if d else None for d in plp_out.prompt_logprobs or []],
+            [[(c.token_ids, c.cumulative_logprob) for c in b.outputs] for b in beam_out],
+        )
+    assert results["process"] == results["thread"]
+    texts, plp, _ = results["thread"]
+    assert all(t.startswith("{") and '"n"' in t for t in texts), texts  # the grammar held
+    assert len(plp) == len(prompts[0]) and plp[0] is None
+
+
+async def test_speculative_rows_match_transformers(
+    tiny_checkpoint: Callable[[str], Path],
+    hf_reference: Callable[[str], HFReference],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Proposals (some wrong) verified in the runner's process: greedy tokens unchanged."""
+    path, ref = tiny_checkpoint(MODEL), hf_reference(MODEL)
+    prompts = make_prompts(8, seed=7)
+    expected = {p: [ref.generate(p, 12)[0]] for p in prompts}
+    monkeypatch.setattr(AsyncEngine, "_proposer", lambda self: Oracle(expected, seed=1))
+    spec = SpeculativeConfig(method="ngram", num_speculative_tokens=3)
+    greedy = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    with anyio.fail_after(180):
+        async with running_engine(path, num_device_blocks=64, speculative_config=spec,
+                                  executor_backend="process") as engine:  # fmt: skip
+            outs = await generate_all(engine, prompts, greedy)
+            stats = engine.statistics()
+    for prompt, out in zip(prompts, outs, strict=True):
+        assert out.outputs[0].token_ids == expected[prompt][0], prompt
+    assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens, stats
 
 
 def test_what_the_mode_cannot_take_is_refused_at_config(tmp_path: Path) -> None:
