@@ -40,6 +40,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         "max_model_len": args.max_model_len,
         "enable_prefix_caching": not args.no_prefix_caching,
         "seed": args.seed,
+        "executor_backend": args.executor_backend,
     }
     if args.swap_space_mib is not None:
         options["swap_space_bytes"] = int(args.swap_space_mib * _MIB)
@@ -95,5 +96,10 @@ def add_parser(sub: Any) -> None:
     serve.add_argument("--max-model-len", type=int)
     serve.add_argument("--no-prefix-caching", action="store_true")
     serve.add_argument("--seed", type=int)
+    serve.add_argument(
+        "--executor-backend", choices=("thread", "process"), default="process",
+        help="where the model runner runs (default: its own process, so the forward computes "
+        "while the event loop serves; EngineConfig.executor_backend)",
+    )  # fmt: skip
     serve.add_argument("--uvicorn-log-level", default="warning")
     serve.set_defaults(func=lambda a: anyio.run(run_serve, a))
