@@ -7,6 +7,8 @@
 #    on the built-in model, preemption by swap, fp32 / bf16 throughput, and a profiled fp32 run
 #    (cProfile of the event loop's and the forward's threads, the GPU's kernels)
 # 4. paged decode attention benchmark: GB/s and the ratio to contiguous SDPA
+# 5. `bench overhead` on CUDA (issue 22: host time per step at 256 sequences), the runner in a
+#    thread and in its own process
 # Budget: under 10 minutes (about 5 on an H200); each stage has its own timeout.
 # Python: $PYTHON, else .venv if its torch sees CUDA, else python3. A package that Python lacks
 # (structlog, say) is installed from wheels in .whl/ when that folder exists.
@@ -90,6 +92,18 @@ else
   status=1
   echo "benchmark: FAIL (see bench_decode.log)" | tee -a "$RESULTS/summary.txt"
 fi
+
+log "5. engine overhead per step on CUDA, 256 sequences (issue 22): runner in a thread / a process"
+for backend in thread process; do
+  if timeout 150 "$PY" -m asyncpaged bench overhead --device cuda --repeats 2 \
+      --executor-backend "$backend" --output "$RESULTS/overhead_$backend" 2>&1 \
+      | tee "$RESULTS/overhead_$backend.log"; then
+    grep -E '^median' "$RESULTS/overhead_$backend.log" >> "$RESULTS/summary.txt" || true
+  else
+    status=1
+    echo "bench overhead ($backend): FAIL (see overhead_$backend.log)" | tee -a "$RESULTS/summary.txt"
+  fi
+done
 
 log "done: status $status, results in $RESULTS"
 exit "$status"

@@ -18,7 +18,8 @@ from asyncpaged.tools.bench_overhead import run
 def test_bench_overhead_small_run(tmp_path: Path, mode: str, executor: str) -> None:
     args = argparse.Namespace(num_seqs=16, max_tokens=12, repeats=2, threads=1,
                               sampled=mode == "sampled", penalized=mode == "penalized",
-                              executor_backend=executor, model_dir=str(tmp_path / "model"),
+                              executor_backend=executor, device="cpu",
+                              model_dir=str(tmp_path / "model"),
                               output=str(tmp_path))  # fmt: skip
     assert run(args) == 0  # the two runs' tokens agree (sampled: seeded per request)
     report = json.loads((tmp_path / "overhead.json").read_text())

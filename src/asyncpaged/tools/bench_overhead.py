@@ -60,6 +60,7 @@ async def _one_run(args: argparse.Namespace, checkpoint: Path) -> dict[str, Any]
     config = EngineConfig(
         model=str(checkpoint), max_num_seqs=args.num_seqs, max_num_batched_tokens=2048,
         seed=0, enable_prefix_caching=False, executor_backend=args.executor_backend,
+        device=args.device,
     )  # fmt: skip
     params = SamplingParams(
         temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True,
@@ -128,12 +129,13 @@ def run(args: argparse.Namespace) -> int:
     print(f"median {median['ms_per_step']:.2f} ms/step (goal <= 4 at 256 sequences), "
           f"{100 * median['outside_forward']:.0f}% outside the forward, "
           f"{median['steps_per_s']:.1f} steps/s; CPU flags: {cpu_flags()}; "
-          f"{args.threads} torch thread(s), executor {args.executor_backend}{differ}")  # fmt: skip
+          f"{args.threads} torch thread(s), executor {args.executor_backend}, device "
+          f"{args.device}{differ}")  # fmt: skip
     out = Path(args.output)
     out.mkdir(parents=True, exist_ok=True)
     (out / "overhead.json").write_text(json.dumps(
         {"model": MICRO_MODEL, "num_seqs": args.num_seqs, "max_tokens": args.max_tokens,
-         "threads": args.threads, "executor_backend": args.executor_backend,
+         "threads": args.threads, "executor_backend": args.executor_backend, "device": args.device,
          "cpu_flags": cpu_flags(), "runs": runs, "median": median},
         indent=2))  # fmt: skip
     return 0 if same else 1
@@ -147,6 +149,7 @@ def add_parser(modes: Any) -> None:
     p.add_argument("--threads", type=int, default=1, help="torch threads")
     p.add_argument("--executor-backend", choices=("thread", "process"), default="thread",
                    help="where the model runner runs (EngineConfig.executor_backend)")  # fmt: skip
+    p.add_argument("--device", default="cpu", help="cpu (default) or cuda")
     workload = p.add_mutually_exclusive_group()
     workload.add_argument(
         "--sampled",
