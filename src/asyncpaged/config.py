@@ -72,8 +72,8 @@ class EngineConfig:
     tensor_parallel_size: int = 1  # ranks the model is split over (torch.distributed)
     # Where the model runner runs: "thread", a worker thread of this process; "process", a
     # spawned process of its own, so the forward computes while the event loop runs Python
-    # (no GIL between them; docs/tuning.md). "process" takes no tensor parallelism, draft
-    # model, KV tiers or per-request logits_processors.
+    # (no GIL between them; docs/tuning.md). "process" takes no tensor parallelism, KV tiers
+    # or per-request logits_processors.
     executor_backend: Literal["thread", "process"] = "thread"
     # Structured outputs: append the tokens a grammar forces (a schema's keys, punctuation)
     # without sampling each one; they are computed in the next step like a prefill chunk
@@ -153,10 +153,6 @@ class EngineConfig:
              "executor_backend='process' needs tensor_parallel_size=1."),
             (self.executor_backend == "thread" or self.kv_offload_host_bytes == 0,
              "executor_backend='process' does not take the KV tiers (kv_offload_*)."),
-            (self.executor_backend == "thread" or self.speculative_config is None
-             or self.speculative_config.method != "draft_model",
-             "executor_backend='process' does not take a draft model (speculative "
-             "method 'draft_model')."),
             (self.attention_backend in ("auto", "torch", "triton", "cpu"),
              f"attention_backend must be 'auto', 'torch', 'triton' or 'cpu', got "
              f"{self.attention_backend!r}."),

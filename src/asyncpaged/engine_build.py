@@ -44,7 +44,7 @@ from asyncpaged.messages import (
     SwapSpaceInbox,
 )
 from asyncpaged.model.cpu_plan import LEVERS, CpuPlan, plan_cpu
-from asyncpaged.model.draft import DraftModel, DraftProposals
+from asyncpaged.model.draft import DraftProposals, DraftSpec, load_draft
 from asyncpaged.model.generation_config import GenerationDefaults, load_generation_defaults
 from asyncpaged.model.kv_tier_store import KVTierStore, build_kv_tiers
 from asyncpaged.model.loader import load_config, load_tokenizer, resolve_dtype, text_config
@@ -191,11 +191,15 @@ async def load_runner(
     the draft model's checkpoint (speculative "draft_model")."""
     num_device, num_host = plan.num_device_blocks, plan.num_host_blocks
     dtype, kv_dtype = plan.dtype, plan.kv_dtype
+    speculative = cfg.speculative_config
+    draft: DraftSpec | None = None
+    if speculative is not None and speculative.method == "draft_model":
+        draft = await anyio.to_thread.run_sync(draft_spec, cfg, speculative, plan, levers, resolve)
     if cfg.tensor_parallel_size > 1 or cfg.executor_backend == "process":
         local = dataclasses.replace(cfg, model=str(path), revision=None)
         spec = worker_spec(local, dtype, kv_dtype, num_device, num_host, levers)
         if cfg.executor_backend == "process":
-            proc = await anyio.to_thread.run_sync(RunnerProcess.start, spec, cfg.device)
+            proc = await anyio.to_thread.run_sync(RunnerProcess.start, spec, cfg.device, draft)
             return None, proc, proc
         tp = await anyio.to_thread.run_sync(
             TensorParallelRunner.start, spec, cfg.tensor_parallel_size, cfg.device
@@ -213,38 +217,30 @@ async def load_runner(
                             int8_lm_head=levers["int8_lm_head"],
                             fused_elementwise=levers["fused_elementwise"])
     )  # fmt: skip
-    speculative = cfg.speculative_config
-    if speculative is not None and speculative.method == "draft_model":
-        await anyio.to_thread.run_sync(
-            attach_draft, runner, cfg, speculative, plan, levers, resolve
-        )
+    if draft is not None:
+        await anyio.to_thread.run_sync(load_draft, runner, draft)
     return runner, runner, None  # TP=1: the executor drives the runner itself
 
 
-def attach_draft(
-    runner: ModelRunner,
+def draft_spec(
     cfg: EngineConfig,
     spec: SpeculativeConfig,
     plan: ModelPlan,
     levers: dict[str, bool],
     resolve: Callable[[str, str | None], Path],
-) -> None:
-    """Load the draft model (its own KV cache over the target's block ids) onto the
-    runner (worker thread)."""
+) -> DraftSpec:
+    """How to load the draft model (its checkpoint found with ``resolve``: blocking)."""
     assert spec.model is not None
-    path = resolve(spec.model, None)
-    draft = DraftModel(
-        path, dtype=plan.dtype, device=runner.device, num_blocks=plan.num_device_blocks,
-        block_size=cfg.block_size, num_host_blocks=plan.num_host_blocks,
-        max_num_seqs=cfg.max_num_seqs, num_speculative_tokens=spec.num_speculative_tokens,
-        kv_cache_dtype=plan.kv_dtype,
-        attn_backend=select_attention_backend(cfg.device, cfg.attention_backend),
-        packed_linears=levers["packed_linears"],
+    return DraftSpec(
+        path=str(resolve(spec.model, None)), model=spec.model,
+        dtype=str(plan.dtype).removeprefix("torch."),
+        kv_cache_dtype=str(plan.kv_dtype).removeprefix("torch."),
+        num_blocks=plan.num_device_blocks, num_host_blocks=plan.num_host_blocks,
+        block_size=cfg.block_size, max_num_seqs=cfg.max_num_seqs,
+        max_model_len=plan.max_model_len, num_speculative_tokens=spec.num_speculative_tokens,
+        attention_backend=cfg.attention_backend, packed_linears=levers["packed_linears"],
         fused_elementwise=levers["fused_elementwise"], seed=cfg.seed,
     )  # fmt: skip
-    runner.attach_draft(draft, plan.max_model_len)
-    log.info("draft_model_loaded", model=spec.model, num_layers=draft.model.num_layers,
-             num_scratch_blocks=draft.num_scratch_blocks)  # fmt: skip
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

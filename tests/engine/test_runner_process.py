@@ -35,12 +35,15 @@ from asyncpaged.model.runner_process import RunnerProcess
 from tests.engine.conftest import running_engine
 from tests.engine.test_engine import generate_all, make_prompts
 from tests.engine.test_speculative import Oracle
+from tests.engine.test_speculative_draft import perturbed_draft
 from tests.model.reference import HFReference
 
 MODEL = "llama-gqa"
 GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
 
 pytestmark = pytest.mark.anyio
+
+__all__ = ["perturbed_draft"]  # a fixture, imported for the draft-model test
 
 
 @pytest.fixture
@@ -152,13 +155,37 @@ async def test_speculative_rows_match_transformers(
     assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens, stats
 
 
+@pytest.mark.parametrize("mode", ["swap", "recompute"])
+async def test_a_draft_model_loads_and_speculates_in_the_runners_process(
+    mode: str,
+    tiny_checkpoint: Callable[[str], Path],
+    hf_reference: Callable[[str], HFReference],
+    perturbed_draft: Callable[[str], Path],
+) -> None:
+    """The draft's cache is the process's too: it mirrors the target's slots, swaps and
+    recomputes there, so greedy tokens stay transformers' while some proposals are rejected."""
+    path, ref = tiny_checkpoint(MODEL), hf_reference(MODEL)
+    prompts = make_prompts(12, seed=8)
+    spec = SpeculativeConfig(method="draft_model", num_speculative_tokens=4,
+                             model=str(perturbed_draft(MODEL)))  # fmt: skip
+    greedy = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+    with anyio.fail_after(240):
+        async with running_engine(path, num_device_blocks=12, preemption_mode=mode,
+                                  speculative_config=spec,
+                                  executor_backend="process") as engine:  # fmt: skip
+            outs = await generate_all(engine, prompts, greedy)
+            stats = engine.statistics()
+    for prompt, out in zip(prompts, outs, strict=True):
+        assert out.outputs[0].token_ids == ref.generate(prompt, 20)[0], prompt
+    assert stats.num_preemptions > 0
+    assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens, stats
+
+
 def test_what_the_mode_cannot_take_is_refused_at_config(tmp_path: Path) -> None:
     base = EngineConfig(model=str(tmp_path), executor_backend="process")
     for change, what in [
         ({"tensor_parallel_size": 2}, "tensor_parallel_size=1"),
         ({"kv_offload_host_bytes": 1 << 20}, "KV tiers"),
-        ({"speculative_config": SpeculativeConfig(method="draft_model", model=str(tmp_path),
-                                                  num_speculative_tokens=2)}, "draft model"),
         ({"executor_backend": "processes"}, "'thread' or 'process'"),
     ]:  # fmt: skip
         with pytest.raises(InvalidRequestError, match=what):

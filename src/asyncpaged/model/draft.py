@@ -32,14 +32,17 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 import torch
 
+from asyncpaged._log import get_logger
 from asyncpaged.errors import InvalidRequestError
 from asyncpaged.model.attention import AttentionBackend, AttentionMetadata
+from asyncpaged.model.attention_select import AttentionChoice, select_attention_backend
 from asyncpaged.model.base import CausalLM
 from asyncpaged.model.kv_cache import PagedKVCache, swap_in, swap_out
 from asyncpaged.model.loader import load_model
@@ -55,7 +58,15 @@ from asyncpaged.model.sampler import (
 
 if TYPE_CHECKING:
     from asyncpaged.core.scheduler import ScheduledSeq
-    from asyncpaged.model.runner import SampledToken, SequenceStep, StepPlan, StepResult
+    from asyncpaged.model.runner import (
+        ModelRunner,
+        SampledToken,
+        SequenceStep,
+        StepPlan,
+        StepResult,
+    )
+
+log = get_logger(__name__)
 
 DRAFT_SALT = 0x5EC_D2AF7
 """Salt of the generator key for a seeded row's draft draw ``j`` (``DRAFT_SALT + j``)."""
@@ -72,6 +83,46 @@ class _Root(NamedTuple):
     k: int
     options: SamplingOptions | None
     table: np.ndarray  # its block table: its row of the step's padded tables
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class DraftSpec:
+    """How to load a draft model beside a runner: plain values, so the runner's own process
+    (``executor_backend="process"``) can load it as the engine's process does. Dtypes are
+    torch dtype names ("float32"); ``path`` is the draft checkpoint's resolved directory."""
+
+    path: str
+    model: str  # as the user named it (logs)
+    dtype: str
+    kv_cache_dtype: str
+    num_blocks: int
+    num_host_blocks: int
+    block_size: int
+    max_num_seqs: int
+    max_model_len: int
+    num_speculative_tokens: int
+    attention_backend: AttentionChoice
+    packed_linears: bool
+    fused_elementwise: bool
+    seed: int
+
+
+def load_draft(runner: ModelRunner, spec: DraftSpec) -> None:
+    """Load the draft model (its own KV cache over the target's block ids) onto ``runner``
+    (blocking: a worker thread, or the runner's process)."""
+    draft = DraftModel(
+        spec.path, dtype=getattr(torch, spec.dtype), device=runner.device,
+        num_blocks=spec.num_blocks, block_size=spec.block_size,
+        num_host_blocks=spec.num_host_blocks, max_num_seqs=spec.max_num_seqs,
+        num_speculative_tokens=spec.num_speculative_tokens,
+        kv_cache_dtype=getattr(torch, spec.kv_cache_dtype),
+        attn_backend=select_attention_backend(str(runner.device), spec.attention_backend),
+        packed_linears=spec.packed_linears, fused_elementwise=spec.fused_elementwise,
+        seed=spec.seed,
+    )  # fmt: skip
+    runner.attach_draft(draft, spec.max_model_len)
+    log.info("draft_model_loaded", model=spec.model, num_layers=draft.model.num_layers,
+             num_scratch_blocks=draft.num_scratch_blocks)  # fmt: skip
 
 
 class DraftModel:

@@ -18,7 +18,8 @@ Python while the other process computes.
 The process runs requests one at a time, in the order they were sent; the engine keeps one
 request on the pipe at a time (a lock), so each reply answers the request sent before it.
 Everything that crosses is pickled: the plan's sampling options included, so per-request
-``logits_processors`` (arbitrary callables, often stateful) are refused in this mode.
+``logits_processors`` (arbitrary callables, often stateful) are refused in this mode. A draft
+model (speculative decoding) is loaded in the process beside the runner.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ import torch
 from asyncpaged._log import get_logger
 from asyncpaged.distributed.commands import WorkerSpec
 from asyncpaged.errors import WorkerDiedError
+from asyncpaged.model.draft import DraftSpec, load_draft
 from asyncpaged.model.runner import ModelRunner, StepPlan, StepResult, select_attention_backend
 
 log = get_logger(__name__)
@@ -78,16 +80,17 @@ class RunnerProcess:
         self._closed = False
 
     @classmethod
-    def start(cls, spec: WorkerSpec, device: str) -> RunnerProcess:
-        """Spawn the process and wait until its runner is loaded (blocking: call it from a
-        worker thread). Raises the load's error, or :class:`WorkerDiedError` if the process
-        exits before it answers; nothing is left running then."""
+    def start(cls, spec: WorkerSpec, device: str, draft: DraftSpec | None = None) -> RunnerProcess:
+        """Spawn the process and wait until its runner (and ``draft``, speculative decoding's
+        draft model) is loaded (blocking: call it from a worker thread). Raises the load's
+        error, or :class:`WorkerDiedError` if the process exits before it answers; nothing is
+        left running then."""
         # The attention backend is selected (and the C++ kernel compiled) here first, so the
         # process finds it built and cached.
         select_attention_backend(device, spec.attention_backend)
         ctx = multiprocessing.get_context("spawn")
         conn, child_conn = ctx.Pipe()
-        proc = ctx.Process(target=_main, args=(child_conn, spec, device),
+        proc = ctx.Process(target=_main, args=(child_conn, spec, device, draft),
                            name="asyncpaged-runner", daemon=True)  # fmt: skip
         proc.start()
         child_conn.close()
@@ -190,12 +193,14 @@ def _stop(proc: BaseProcess, join_timeout_s: float | None) -> None:
         proc.join()
 
 
-def _main(conn: Connection, spec: WorkerSpec, device: str) -> None:
+def _main(conn: Connection, spec: WorkerSpec, device: str, draft: DraftSpec | None) -> None:
     """Entry of the spawned process: load the runner, answer, then serve requests until told
     to stop (``None``) or the engine's end of the pipe closes."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the engine owns this process's lifetime
     try:
         runner = _build(spec, device)
+        if draft is not None:
+            load_draft(runner, draft)
     except BaseException as exc:  # reported: the engine's start raises it
         conn.send_bytes(_dumps_reply(RunnerReady(pid=os.getpid(), error=exc)))
         return
