@@ -142,7 +142,7 @@ class RunnerProcess:
                     await anyio.wait_readable(self._conn.fileno())
                     ok, value = pickle.loads(self._conn.recv_bytes())
                 except (EOFError, OSError) as exc:
-                    self._proc.join(1.0)
+                    self._proc.join(0.1)  # it is exiting: reap it for its exit code
                     raise _died(self._proc) from exc
         if not ok:
             assert isinstance(value, BaseException)
