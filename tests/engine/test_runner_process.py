@@ -12,6 +12,8 @@ import dataclasses
 import multiprocessing
 import os
 import signal
+import subprocess
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -207,6 +209,27 @@ async def test_logits_processors_are_refused_and_the_engine_goes_on(
                 engine.generate(list(prompt), SamplingParams(logits_processors=[nothing]))
             out = await engine.generate(list(prompt), GREEDY)
     assert out.outputs[0].token_ids == ref.generate(prompt, 10)[0]
+
+
+def test_a_script_without_the_main_guard_is_told_why(
+    tmp_path: Path, tiny_checkpoint: Callable[[str], Path]
+) -> None:
+    """The spawned process imports the main module, which starts an engine again: the start
+    fails with an error that names the idiom."""
+    script = tmp_path / "no_guard.py"
+    script.write_text(
+        "import anyio\n"
+        "from asyncpaged import AsyncEngine, EngineConfig\n"
+        "async def main():\n"
+        f"    async with AsyncEngine(EngineConfig(model={str(tiny_checkpoint(MODEL))!r},\n"
+        "                                        executor_backend='process')):\n"
+        "        pass\n"
+        "anyio.run(main)\n"
+    )
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                          timeout=120, check=False)  # fmt: skip
+    assert done.returncode == 1
+    assert "WorkerDiedError" in done.stderr and '__name__ == "__main__"' in done.stderr
 
 
 @pytest.mark.parametrize("when", ["mid_run", "idle"])

@@ -101,7 +101,12 @@ class RunnerProcess:
         except EOFError:
             proc.join(5.0)
             _stop(proc, None)
-            raise _died(proc) from None
+            raise WorkerDiedError(
+                f"the runner process (pid {proc.pid}) exited with code {proc.exitcode} before "
+                "its model was loaded (its error is above, on stderr). A script must start the "
+                'engine under `if __name__ == "__main__":`: the process is spawned and imports '
+                "the main module."
+            ) from None
         except BaseException:
             _stop(proc, None)
             raise
