@@ -42,9 +42,21 @@ from asyncpaged._log import get_logger
 from asyncpaged.distributed.commands import WorkerSpec
 from asyncpaged.errors import WorkerDiedError
 from asyncpaged.model.draft import DraftSpec, load_draft
-from asyncpaged.model.runner import ModelRunner, StepPlan, StepResult, select_attention_backend
+from asyncpaged.model.runner import (
+    ModelRunner,
+    SampledToken,
+    SequenceStep,
+    StepPlan,
+    StepResult,
+    select_attention_backend,
+)
 
 log = get_logger(__name__)
+
+# A step's rows cross the pipe as plain tuples, rebuilt as their named tuples by tuple's own
+# constructor: pickling a named tuple calls its Python ``__getnewargs__`` and ``__new__`` per row
+# (plan 0.23 -> 0.09 ms to pickle, result 0.06 -> 0.04 ms to read back at 256 rows).
+_as_tuple_of = tuple.__new__
 
 START_TIMEOUT_S = 600.0  # loading a large checkpoint may take minutes
 JOIN_TIMEOUT_S = 10.0  # a process told to stop exits within this, or is terminated
@@ -124,9 +136,11 @@ class RunnerProcess:
     # ---- the runner's calls, awaited on the event loop ----------------------------------------
 
     async def execute(self, plan: StepPlan) -> StepResult:
-        result = await self._call("execute", plan)
-        assert isinstance(result, StepResult)
-        return result
+        wire = await self._call("execute", (tuple([tuple(s) for s in plan.seqs]), plan.copy_pairs))
+        assert isinstance(wire, tuple)
+        rows, compute_s, prompt_logprobs = wire
+        sampled = tuple([_as_tuple_of(SampledToken, row) for row in rows])
+        return StepResult(sampled=sampled, compute_s=compute_s, prompt_logprobs=prompt_logprobs)
 
     async def swap_out(self, pairs: tuple[tuple[int, int], ...]) -> None:
         await self._call("swap_out", pairs)
@@ -213,8 +227,16 @@ def _main(conn: Connection, spec: WorkerSpec, device: str, draft: DraftSpec | No
                         kv_cache_bytes=runner.kv_cache.num_bytes,
                         host_kv_cache_bytes=runner.host_kv_cache.num_bytes)  # fmt: skip
     conn.send_bytes(_dumps_reply(ready))
+
+    def execute(wire: tuple[tuple[tuple[Any, ...], ...], tuple[tuple[int, int], ...]]) -> object:
+        seqs, copy_pairs = wire
+        plan = StepPlan(seqs=tuple([_as_tuple_of(SequenceStep, s) for s in seqs]),
+                        copy_pairs=copy_pairs)  # fmt: skip
+        result = runner.execute(plan)
+        return tuple([tuple(t) for t in result.sampled]), result.compute_s, result.prompt_logprobs
+
     calls: dict[str, Callable[[Any], object]] = {
-        "execute": runner.execute, "swap_out": runner.swap_out, "swap_in": runner.swap_in,
+        "execute": execute, "swap_out": runner.swap_out, "swap_in": runner.swap_in,
     }  # fmt: skip
     while True:
         try:
