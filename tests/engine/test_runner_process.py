@@ -11,10 +11,8 @@ from __future__ import annotations
 import dataclasses
 import multiprocessing
 import os
-import signal
 import subprocess
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -32,13 +30,13 @@ from asyncpaged import (
     SpeculativeConfig,
     StructuredOutputsParams,
 )
-from asyncpaged.errors import WorkerDiedError
 from asyncpaged.model.runner_process import RunnerProcess
 from tests.engine.conftest import running_engine
 from tests.engine.test_engine import generate_all, make_prompts
 from tests.engine.test_speculative import Oracle
 from tests.engine.test_speculative_draft import perturbed_draft
 from tests.model.reference import HFReference
+from tests.worker_death import Death, assert_died_well, kill_worker
 
 MODEL = "llama-gqa"
 GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
@@ -240,46 +238,13 @@ async def test_killed_runner_process_fails_every_waiter(
     params = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
     cfg = EngineConfig(model=str(tiny_checkpoint(MODEL)), dtype="float32",
                        executor_backend="process", num_device_blocks=128)  # fmt: skip
-    errors: list[BaseException] = []
-    killed: list[float] = []
-    delays: list[float] = []
     pids: list[int] = []
-
-    async def wait_for(engine: AsyncEngine, prompt: tuple[int, ...]) -> None:
-        with pytest.raises(EngineDeadError) as info:
-            await engine.generate(list(prompt), params)
-        delays.append(time.monotonic() - killed[0])
-        errors.append(info.value)
-
-    async def run() -> None:
+    deaths: list[Death] = []
+    with pytest.raises(EngineDeadError) as exit_info, anyio.fail_after(120):  # no hang
         async with AsyncEngine(cfg) as engine:
             proc = engine._executor.runner
             assert isinstance(proc, RunnerProcess) and proc.pid is not None
             pids.append(proc.pid)
-            if when == "idle":  # nothing in flight: only the watchdog can notice
-                os.kill(proc.pid, signal.SIGKILL)
-                killed.append(time.monotonic())
-                while engine._dead is None:
-                    await anyio.sleep(0.01)
-                delays.append(time.monotonic() - killed[0])
-                with pytest.raises(EngineDeadError):
-                    engine.generate([5, 6, 7], params)
-                return
-            async with anyio.create_task_group() as tg:
-                for prompt in prompts:
-                    tg.start_soon(wait_for, engine, prompt)
-                while engine.statistics().num_steps < 8:  # decoding, mid-run
-                    await anyio.sleep(0.005)
-                os.kill(proc.pid, signal.SIGKILL)
-                killed.append(time.monotonic())
-
-    with pytest.raises(EngineDeadError) as exit_info, anyio.fail_after(120):  # no hang
-        await run()
-    assert isinstance(exit_info.value.__cause__, WorkerDiedError)
-    assert f"pid {pids[0]}" in str(exit_info.value.__cause__)
-    if when == "mid_run":
-        assert len(errors) == len(prompts)
-        assert all(isinstance(e.__cause__, WorkerDiedError) for e in errors), errors
-    assert max(delays) < 5.0, delays
-    assert not Path(f"/proc/{pids[0]}").exists(), "the runner process was not reaped"
-    assert not multiprocessing.active_children()
+            deaths.append(await kill_worker(engine, proc.pid, when, prompts, params,
+                                            wait_idle=True))  # fmt: skip
+    assert_died_well(exit_info.value, pids[0], when, deaths[0], len(prompts))
