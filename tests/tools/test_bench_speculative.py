@@ -24,6 +24,7 @@ def test_bench_speculative_small_run(tmp_path: Path) -> None:
     args = argparse.Namespace(
         modes=["off", "ngram"], model=None, draft_model=None, k=3, lookup_min=1, lookup_max=3,
         num_prompts=2, max_tokens=12, batches=[1, 2], throughput_batch=4, repeats=1, threads=1,
+        executor_backend="thread",
         output=str(tmp_path),
     )  # fmt: skip
     assert run(args) == 0  # greedy tokens identical in both modes

@@ -65,7 +65,8 @@ def _config(args: argparse.Namespace, mode: str) -> Any:
                                  model=args.draft_model)  # fmt: skip
     model = args.model or str(default_model.path())
     return EngineConfig(model=model, speculative_config=spec, seed=0,
-                        max_num_seqs=max(64, args.throughput_batch))  # fmt: skip
+                        max_num_seqs=max(64, args.throughput_batch),
+                        executor_backend=args.executor_backend)  # fmt: skip
 
 
 async def _run(args: argparse.Namespace, mode: str, prompts: list[str]) -> dict[str, Any]:
@@ -169,5 +170,7 @@ def add_parser(modes: Any) -> None:
     p.add_argument("--throughput-batch", type=int, default=64)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--threads", type=int, default=1, help="torch threads")
+    p.add_argument("--executor-backend", choices=("thread", "process"), default="thread",
+                   help="where the model runner runs (EngineConfig.executor_backend)")  # fmt: skip
     p.add_argument("--output", default="bench-results", help="folder for speculative.json")
     p.set_defaults(func=run)
