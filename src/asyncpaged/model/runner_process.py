@@ -11,7 +11,7 @@ Python while the other process computes.
 
    engine process (event loop thread)               runner process
    executor actor: pickle plan ─── pipe ───────────► execute (forward, sampling)
-                   await readable ◄──────────────── StepResult (or the error it raised)
+                   await readable ◄──────────────── sampled rows (or the error it raised)
    swap actor:     pickle pairs ─────────────────────► swap_out / swap_in
    watchdog task:  process exit ─► engine dead
 
