@@ -69,7 +69,6 @@ class RunnerReady:
     pid: int
     rope_switch_len: int | None = None
     kv_cache_bytes: int = 0
-    host_kv_cache_bytes: int = 0
     error: BaseException | None = None
 
 
@@ -224,8 +223,7 @@ def _main(conn: Connection, spec: WorkerSpec, device: str, draft: DraftSpec | No
         conn.send_bytes(_dumps_reply(RunnerReady(pid=os.getpid(), error=exc)))
         return
     ready = RunnerReady(pid=os.getpid(), rope_switch_len=runner.model.rope_switch_len,
-                        kv_cache_bytes=runner.kv_cache.num_bytes,
-                        host_kv_cache_bytes=runner.host_kv_cache.num_bytes)  # fmt: skip
+                        kv_cache_bytes=runner.kv_cache.num_bytes)  # fmt: skip
     conn.send_bytes(_dumps_reply(ready))
 
     def execute(wire: tuple[tuple[tuple[Any, ...], ...], tuple[tuple[int, int], ...]]) -> object:
