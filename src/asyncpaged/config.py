@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -71,10 +72,12 @@ class EngineConfig:
     fused_elementwise: bool | Literal["auto"] = "auto"
     tensor_parallel_size: int = 1  # ranks the model is split over (torch.distributed)
     # Where the model runner runs: "thread", a worker thread of this process; "process", a
-    # spawned process of its own, so the forward computes while the event loop runs Python
-    # (no GIL between them; docs/tuning.md). "process" takes no tensor parallelism, KV tiers
-    # or per-request logits_processors.
-    executor_backend: Literal["thread", "process"] = "thread"
+    # child process of its own, so the forward computes while the event loop runs Python (no
+    # GIL between them; docs/tuning.md). "process" takes no tensor parallelism, KV tiers or
+    # per-request logits_processors, and needs POSIX. "auto" (executor_backend_for): "process"
+    # on a CPU device with 2+ usable cores where it can, else "thread"; the environment
+    # variable ASYNCPAGED_EXECUTOR_BACKEND=thread|process decides "auto" instead.
+    executor_backend: Literal["auto", "thread", "process"] = "auto"
     # Structured outputs: append the tokens a grammar forces (a schema's keys, punctuation)
     # without sampling each one; they are computed in the next step like a prefill chunk
     structured_outputs_jump_forward: bool = True
@@ -147,12 +150,15 @@ class EngineConfig:
              "kv_offload_host_bytes needs enable_prefix_caching=True."),
             (self.kv_offload_host_bytes == 0 or self.tensor_parallel_size == 1,
              "the KV tiers (kv_offload_*) need tensor_parallel_size=1."),
-            (self.executor_backend in ("thread", "process"),
-             f"executor_backend must be 'thread' or 'process', got {self.executor_backend!r}."),
-            (self.executor_backend == "thread" or self.tensor_parallel_size == 1,
+            (self.executor_backend in ("auto", "thread", "process"),
+             "executor_backend must be 'auto', 'thread' or 'process', got "
+             f"{self.executor_backend!r}."),
+            (self.executor_backend != "process" or self.tensor_parallel_size == 1,
              "executor_backend='process' needs tensor_parallel_size=1."),
-            (self.executor_backend == "thread" or self.kv_offload_host_bytes == 0,
+            (self.executor_backend != "process" or self.kv_offload_host_bytes == 0,
              "executor_backend='process' does not take the KV tiers (kv_offload_*)."),
+            (self.executor_backend != "process" or os.name == "posix",
+             "executor_backend='process' needs a POSIX system."),
             (self.attention_backend in ("auto", "torch", "triton", "cpu"),
              f"attention_backend must be 'auto', 'torch', 'triton' or 'cpu', got "
              f"{self.attention_backend!r}."),
@@ -192,6 +198,40 @@ class KVShape:
             head_dim=head_dim,
             dtype_bytes=dtype_bytes,
         )
+
+
+EXECUTOR_BACKEND_ENV = "ASYNCPAGED_EXECUTOR_BACKEND"
+
+
+def executor_backend_for(config: EngineConfig) -> tuple[Literal["thread", "process"], str]:
+    """Where the runner runs for ``config``, and why: its ``executor_backend`` unless "auto".
+
+    "auto" takes the environment's ``ASYNCPAGED_EXECUTOR_BACKEND`` ("thread" or "process") if
+    set, then "thread" where the runner cannot leave this process (tensor parallelism, the KV
+    tiers, no POSIX) or where it is not measured to win (an accelerator: not yet measured; a
+    single usable core: the two processes would take turns on it), else "process"."""
+    chosen = config.executor_backend
+    if chosen != "auto":
+        return chosen, "configured"
+    env = os.environ.get(EXECUTOR_BACKEND_ENV, "")
+    if env not in ("", "thread", "process"):
+        raise InvalidRequestError(
+            f"{EXECUTOR_BACKEND_ENV} must be 'thread' or 'process', got {env!r}."
+        )
+    if config.tensor_parallel_size > 1:
+        return "thread", "tensor parallelism drives its ranks from this process"
+    if config.kv_offload_host_bytes:
+        return "thread", "the KV tiers copy through the runner in this process"
+    if os.name != "posix":
+        return "thread", "the runner process needs POSIX"
+    if env:
+        return env, EXECUTOR_BACKEND_ENV  # type: ignore[return-value]
+    if not config.device.startswith("cpu"):
+        return "thread", f"not measured on {config.device!r} yet"
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    if (cores or 1) < 2:
+        return "thread", "one usable core: the loop and the runner would take turns on it"
+    return "process", f"{cores} usable cores: the forward computes beside the event loop"
 
 
 def num_blocks_for(config: EngineConfig, shape: KVShape) -> tuple[int, int]:

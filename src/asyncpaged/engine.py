@@ -9,6 +9,7 @@ steps of a close in ``engine_lifecycle.py``; statistics in ``engine_stats.py``.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import gc
 import itertools
 from collections.abc import Awaitable, Callable, Mapping, Sequence
@@ -20,7 +21,7 @@ import anyio
 from asyncpaged._gc import freeze_after_start, unfreeze_at_close
 from asyncpaged._log import get_logger
 from asyncpaged.actors.output_processor import OutputProcessor
-from asyncpaged.config import EngineConfig
+from asyncpaged.config import EngineConfig, executor_backend_for
 from asyncpaged.core.block_map import BlockMap, build_block_map
 from asyncpaged.core.block_pool import BlockPool
 from asyncpaged.core.policy import check_priority
@@ -117,6 +118,10 @@ class AsyncEngine:
         if self._started:
             raise EngineClosedError("an AsyncEngine starts only once; create a new one.")
         self._started = True
+        backend, why = executor_backend_for(self.config)
+        if backend != self.config.executor_backend:  # "auto", settled for every part to read
+            log.info("executor_backend_chosen", executor_backend=backend, reason=why)
+            self.config = dataclasses.replace(self.config, executor_backend=backend)
         cfg = self.config
         # resolve_model_path is looked up here, at the call (the model's and the draft's)
         model = await load_model(cfg, resolve_model_path)

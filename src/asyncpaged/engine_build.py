@@ -49,7 +49,7 @@ from asyncpaged.model.generation_config import GenerationDefaults, load_generati
 from asyncpaged.model.kv_tier_store import KVTierStore, build_kv_tiers
 from asyncpaged.model.loader import load_config, load_tokenizer, resolve_dtype, text_config
 from asyncpaged.model.runner import ModelRunner, StepRunner, select_attention_backend
-from asyncpaged.model.runner_process import RunnerProcess
+from asyncpaged.model.runner_process import RunnerLaunch, RunnerProcess
 from asyncpaged.request_checks import RequestLimits, max_prompt_chars
 from asyncpaged.spec_decode import NgramProposer, SpeculativeConfig
 from asyncpaged.structured_outputs import GrammarBackend
@@ -168,11 +168,21 @@ async def load_model(cfg: EngineConfig, resolve: Callable[[str, str | None], Pat
     """Find the checkpoint (``resolve``: the model's and the draft model's), plan for it and
     load its runner; the blocking steps run in worker threads. Nothing is left running when it
     fails: the tensor-parallel ranks start last."""
-    path = await anyio.to_thread.run_sync(resolve, cfg.model, cfg.revision)
-    hf_config = await anyio.to_thread.run_sync(load_config, path)
-    plan = plan_model(cfg, hf_config)
-    levers, cpu_plan = await anyio.to_thread.run_sync(plan_levers, cfg, plan.hf_config, plan.dtype)
-    runner, step_runner, workers = await load_runner(cfg, path, plan, levers, resolve)
+    # The runner's process first: it imports while this one finds and plans the checkpoint
+    launch = None
+    if cfg.executor_backend == "process":
+        launch = await anyio.to_thread.run_sync(RunnerLaunch)
+    try:
+        path = await anyio.to_thread.run_sync(resolve, cfg.model, cfg.revision)
+        hf_config = await anyio.to_thread.run_sync(load_config, path)
+        plan = plan_model(cfg, hf_config)
+        levers, cpu_plan = await anyio.to_thread.run_sync(
+            plan_levers, cfg, plan.hf_config, plan.dtype
+        )
+        runner, step_runner, workers = await load_runner(cfg, path, plan, levers, resolve, launch)
+    finally:
+        if launch is not None:
+            launch.abandon()  # unless started: stopped
     return LoadedModel(path=path, plan=plan, cpu_plan=cpu_plan, runner=runner,
                        step_runner=step_runner, workers=workers)  # fmt: skip
 
@@ -183,12 +193,14 @@ async def load_runner(
     plan: ModelPlan,
     levers: dict[str, bool],
     resolve: Callable[[str, str | None], Path],
+    launch: RunnerLaunch | None = None,
 ) -> tuple[ModelRunner | None, StepRunner | RunnerProcess, RemoteWorkers | None]:
     """The model runner in this process (rank 0's under tensor parallelism; None when it runs
     in a process of its own), what the executor drives (the runner itself, the
     :class:`TensorParallelRunner` that also drives the other ranks, or the
     :class:`RunnerProcess`), and the processes to watch and stop (those two). ``resolve`` finds
-    the draft model's checkpoint (speculative "draft_model")."""
+    the draft model's checkpoint (speculative "draft_model"); ``launch``: the runner's process,
+    launched (executor_backend "process")."""
     num_device, num_host = plan.num_device_blocks, plan.num_host_blocks
     dtype, kv_dtype = plan.dtype, plan.kv_dtype
     speculative = cfg.speculative_config
@@ -199,7 +211,8 @@ async def load_runner(
         local = dataclasses.replace(cfg, model=str(path), revision=None)
         spec = worker_spec(local, dtype, kv_dtype, num_device, num_host, levers)
         if cfg.executor_backend == "process":
-            proc = await anyio.to_thread.run_sync(RunnerProcess.start, spec, cfg.device, draft)
+            assert launch is not None
+            proc = await anyio.to_thread.run_sync(launch.start, spec, cfg.device, draft)
             return None, proc, proc
         tp = await anyio.to_thread.run_sync(
             TensorParallelRunner.start, spec, cfg.tensor_parallel_size, cfg.device

@@ -3,13 +3,13 @@
 Greedy tokens equal transformers' under concurrency and memory pressure (both preemption modes:
 swaps cross the pipe in order with the steps), seeded sampling equals the in-process runner's,
 what the mode cannot take is refused before anything runs, and a runner process that dies
-fails every waiter at once and is reaped.
+fails every waiter at once and is reaped. The default ("auto") chooses it on a CPU with two or
+more cores.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import multiprocessing
 import os
 import subprocess
 import sys
@@ -30,6 +30,7 @@ from asyncpaged import (
     SpeculativeConfig,
     StructuredOutputsParams,
 )
+from asyncpaged.config import EXECUTOR_BACKEND_ENV, executor_backend_for
 from asyncpaged.model.runner_process import RunnerProcess
 from tests.engine.conftest import running_engine
 from tests.engine.test_engine import generate_all, make_prompts
@@ -71,7 +72,6 @@ async def test_greedy_matches_transformers_under_memory_pressure(
     assert stats.num_preemptions > 0
     assert (stats.num_swap_outs > 0 and stats.num_swap_ins > 0) == (mode == "swap")
     assert not Path(f"/proc/{child}").exists(), "the runner process was not reaped"
-    assert not multiprocessing.active_children()
 
 
 async def test_seeded_sampling_equals_the_in_process_runner(
@@ -186,7 +186,7 @@ def test_what_the_mode_cannot_take_is_refused_at_config(tmp_path: Path) -> None:
     for change, what in [
         ({"tensor_parallel_size": 2}, "tensor_parallel_size=1"),
         ({"kv_offload_host_bytes": 1 << 20}, "KV tiers"),
-        ({"executor_backend": "processes"}, "'thread' or 'process'"),
+        ({"executor_backend": "processes"}, "'auto', 'thread' or 'process'"),
     ]:  # fmt: skip
         with pytest.raises(InvalidRequestError, match=what):
             dataclasses.replace(base, **change)
@@ -209,25 +209,118 @@ async def test_logits_processors_are_refused_and_the_engine_goes_on(
     assert out.outputs[0].token_ids == ref.generate(prompt, 10)[0]
 
 
-def test_a_script_without_the_main_guard_is_told_why(
+def test_a_script_without_the_main_guard_runs_its_top_level_once(
     tmp_path: Path, tiny_checkpoint: Callable[[str], Path]
 ) -> None:
-    """The spawned process imports the main module, which starts an engine again: the start
-    fails with an error that names the idiom."""
+    """The runner's process is a fresh interpreter that imports only asyncpaged: a script
+    without ``if __name__ == "__main__":`` works, and its top level runs once (a
+    ``multiprocessing`` spawn would import it again in the child)."""
     script = tmp_path / "no_guard.py"
+    runs = tmp_path / "runs.txt"
     script.write_text(
-        "import anyio\n"
-        "from asyncpaged import AsyncEngine, EngineConfig\n"
+        "import anyio, os\n"
+        "from asyncpaged import AsyncEngine, EngineConfig, SamplingParams\n"
+        f"with open({str(runs)!r}, 'a') as f:\n"
+        "    f.write(f'{os.getpid()}\\n')\n"
         "async def main():\n"
         f"    async with AsyncEngine(EngineConfig(model={str(tiny_checkpoint(MODEL))!r},\n"
-        "                                        executor_backend='process')):\n"
-        "        pass\n"
+        "                                        executor_backend='process')) as engine:\n"
+        "        out = await engine.generate([5, 6, 7], SamplingParams(max_tokens=3))\n"
+        "        print(len(out.outputs[0].token_ids), engine.runner is None)\n"
         "anyio.run(main)\n"
     )
     done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
                           timeout=120, check=False)  # fmt: skip
-    assert done.returncode == 1
-    assert "WorkerDiedError" in done.stderr and '__name__ == "__main__"' in done.stderr
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["3", "True"]
+    assert len(runs.read_text().split()) == 1
+
+
+def test_auto_chooses_the_process_on_a_cpu_with_two_cores(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """What "auto" resolves to, and why, for each case it tells apart (the test suite's
+    conftest sets the environment variable to "thread": it is taken out here)."""
+    monkeypatch.delenv(EXECUTOR_BACKEND_ENV, raising=False)
+    base = EngineConfig(model=str(tmp_path))
+    assert base.executor_backend == "auto"
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
+    assert executor_backend_for(base)[0] == "process"
+    for change, why in [
+        ({"tensor_parallel_size": 2}, "tensor parallelism"),
+        ({"kv_offload_host_bytes": 1 << 20, "enable_prefix_caching": True}, "KV tiers"),
+        ({"device": "cuda"}, "not measured"),
+        ({"executor_backend": "thread"}, "configured"),
+    ]:  # fmt: skip
+        backend, reason = executor_backend_for(dataclasses.replace(base, **change))
+        assert backend == "thread" and why in reason, (change, reason)
+    assert executor_backend_for(dataclasses.replace(base, executor_backend="process")) == (
+        "process",
+        "configured",
+    )
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0})
+    backend, reason = executor_backend_for(base)
+    assert backend == "thread" and "one usable core" in reason
+    monkeypatch.setenv(EXECUTOR_BACKEND_ENV, "process")
+    assert executor_backend_for(base) == ("process", EXECUTOR_BACKEND_ENV)
+    monkeypatch.setenv(EXECUTOR_BACKEND_ENV, "thread")
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
+    assert executor_backend_for(base) == ("thread", EXECUTOR_BACKEND_ENV)
+    monkeypatch.setenv(EXECUTOR_BACKEND_ENV, "threads")
+    with pytest.raises(InvalidRequestError, match=EXECUTOR_BACKEND_ENV):
+        executor_backend_for(base)
+
+
+async def test_the_default_config_runs_the_runner_in_its_process(
+    monkeypatch: pytest.MonkeyPatch, tiny_checkpoint: Callable[[str], Path]
+) -> None:
+    """With nothing set, an engine on this CPU (2+ cores) runs its runner in a process, says
+    so in ``engine.config``, and its greedy tokens equal transformers'."""
+    if len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("one usable core: 'auto' rightly chooses the thread here")
+    monkeypatch.delenv(EXECUTOR_BACKEND_ENV, raising=False)
+    path = tiny_checkpoint(MODEL)
+    prompt = make_prompts(1, seed=3)[0]
+    ref = HFReference(path)
+    async with AsyncEngine(EngineConfig(model=str(path), dtype="float32")) as engine:
+        assert engine.config.executor_backend == "process" and engine.runner is None
+        out = await engine.generate(list(prompt), GREEDY)
+    assert out.outputs[0].token_ids == ref.generate(prompt, 10)[0]
+
+
+def _children() -> set[int]:
+    """This process's live children (from /proc)."""
+    kids = set()
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                stat = Path(f"/proc/{entry}/stat").read_text()
+            except OSError:
+                continue
+            fields = stat.rsplit(")", 1)[1].split()
+            if int(fields[1]) == os.getpid() and fields[0] != "Z":
+                kids.add(int(entry))
+    return kids
+
+
+async def test_failed_starts_leave_no_process(
+    tmp_path: Path, tiny_checkpoint: Callable[[str], Path]
+) -> None:
+    """The process is launched before the checkpoint is read: a start that fails here (no
+    weights: the plan is made, the process's load fails and says why) or before the process
+    was told what to load (no config) stops it."""
+    before = _children()
+    no_weights = tmp_path / "no_weights"
+    no_weights.mkdir()
+    for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
+        (no_weights / name).write_bytes((tiny_checkpoint(MODEL) / name).read_bytes())
+    no_config = tmp_path / "no_config"
+    no_config.mkdir()
+    for path, error in [(no_weights, "no weights"), (no_config, "no config.json")]:
+        with pytest.raises(Exception, match=error):
+            async with AsyncEngine(EngineConfig(model=str(path), executor_backend="process")):
+                pass
+        assert _children() == before, path
 
 
 @pytest.mark.parametrize("when", ["mid_run", "idle"])

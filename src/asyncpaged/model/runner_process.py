@@ -3,17 +3,25 @@
 In one process the forward's thread and the event loop share the GIL: the forward needs it back
 after every torch op, and while the loop runs Python (recording outputs, waking readers) it
 waits up to the interpreter's switch interval (5 ms) for each one. So the loop's work and the
-forward run in turn, not side by side. Here the runner lives in a spawned process: the loop
+forward run in turn, not side by side. Here the runner lives in a child process: the loop
 pickles each step's plan onto a pipe, awaits the reply's readability without a thread, and runs
 Python while the other process computes.
 
 ::
 
    engine process (event loop thread)               runner process
+   launch (first thing at start) ──────────────────► imports torch, transformers, the runner
+   start: WorkerSpec ────────────────────────────────► builds the ModelRunner (and a draft)
+          ◄──────────────────────────────── RunnerReady
    executor actor: pickle plan ─── pipe ───────────► execute (forward, sampling)
                    await readable ◄──────────────── sampled rows (or the error it raised)
    swap actor:     pickle pairs ─────────────────────► swap_out / swap_in
-   watchdog task:  process exit ─► engine dead
+   watchdog task:  lifeline pipe at EOF ─► engine dead
+
+The child is a fresh interpreter (``subprocess``, POSIX), not a ``multiprocessing`` spawn: it
+imports this module and nothing of the host's, so a script needs no ``if __name__ ==
+"__main__":`` guard and its top level never runs twice. It is launched before the engine reads
+the checkpoint and plans, so its imports (~2 s, mostly torch and transformers) overlap that.
 
 The process runs requests one at a time, in the order they were sent; the engine keeps one
 request on the pipe at a time (a lock), so each reply answers the request sent before it.
@@ -24,15 +32,17 @@ model (speculative decoding) is loaded in the process beside the runner.
 
 from __future__ import annotations
 
+import contextlib
+import json
 import multiprocessing
 import os
 import pickle
 import signal
+import subprocess
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
-from multiprocessing.process import BaseProcess
 from typing import Any
 
 import anyio
@@ -72,65 +82,110 @@ class RunnerReady:
     error: BaseException | None = None
 
 
+# The child's first code: the host's import path, then this module's entry (argv: the pipe's
+# and the lifeline's descriptors, then sys.path as JSON)
+_BOOTSTRAP = (
+    "import json, sys; sys.path[:] = json.loads(sys.argv[3]); "
+    "from asyncpaged.model.runner_process import child_main; "
+    "child_main(int(sys.argv[1]), int(sys.argv[2]))"
+)
+
+
+class RunnerLaunch:
+    """A runner process launched and importing, not yet told what to load.
+
+    Invariant: until :meth:`start` hands the process to a :class:`RunnerProcess`, this owns it;
+    :meth:`abandon` (idempotent) stops it when the engine's start fails before that.
+    """
+
+    def __init__(self) -> None:
+        """Launch the child (a fresh interpreter; it starts importing at once)."""
+        self._conn, child_conn = multiprocessing.Pipe()
+        # The child holds the lifeline's write end until it exits: EOF here is its death
+        self._life, child_life = os.pipe()
+        try:
+            self._popen = subprocess.Popen(
+                [sys.executable, "-c", _BOOTSTRAP, str(child_conn.fileno()), str(child_life),
+                 json.dumps(sys.path)],
+                pass_fds=(child_conn.fileno(), child_life),
+            )  # fmt: skip
+        except BaseException:
+            self._conn.close()
+            os.close(self._life)
+            raise
+        finally:
+            child_conn.close()
+            os.close(child_life)
+        self._taken = False
+
+    @property
+    def pid(self) -> int:
+        return self._popen.pid
+
+    def start(self, spec: WorkerSpec, device: str, draft: DraftSpec | None = None) -> RunnerProcess:
+        """Send what to load and wait until the runner (and ``draft``, speculative decoding's
+        draft model) is loaded (blocking: call it from a worker thread). Raises the load's
+        error, or :class:`WorkerDiedError` if the process exits before it answers; nothing is
+        left running then."""
+        assert not self._taken, "a launch starts once"
+        self._taken = True
+        proc = RunnerProcess(self._popen, self._conn, self._life)
+        try:
+            # The attention backend is selected (and the C++ kernel compiled) here first, so
+            # the process finds it built and cached.
+            select_attention_backend(device, spec.attention_backend)
+            self._conn.send_bytes(pickle.dumps((spec, device, draft)))
+            if not self._conn.poll(START_TIMEOUT_S):
+                raise WorkerDiedError(f"the runner process did not start in {START_TIMEOUT_S} s")
+            ready = pickle.loads(self._conn.recv_bytes())
+        except (EOFError, BrokenPipeError, ConnectionResetError):
+            _stop(self._popen, 5.0)
+            proc.close(graceful=False)
+            raise WorkerDiedError(
+                f"the runner process (pid {self._popen.pid}) exited with code "
+                f"{self._popen.returncode} before its model was loaded (its error is above, on "
+                "stderr)."
+            ) from None
+        except BaseException:
+            proc.close(graceful=False)
+            raise
+        assert isinstance(ready, RunnerReady), f"bad ready reply {ready!r}"
+        if ready.error is not None:
+            proc.close(graceful=True)
+            raise ready.error
+        proc.ready = ready
+        log.info("runner_process_started", pid=ready.pid, kv_cache_bytes=ready.kv_cache_bytes)
+        return proc
+
+    def abandon(self) -> None:
+        """Stop the process if :meth:`start` never took it (the engine's start failed first)."""
+        if not self._taken:
+            self._taken = True
+            RunnerProcess(self._popen, self._conn, self._life).close(graceful=True)
+
+
 class RunnerProcess:
-    """A :class:`ModelRunner` in a spawned process, driven from the event loop.
+    """A :class:`ModelRunner` in a child process, driven from the event loop.
 
     Invariants: at most one request is on the pipe at a time (``_lock``); a request once sent is
     always read to its reply (shielded from cancellation) unless the process has died, so replies
     never answer the wrong request; after :meth:`close` nothing is sent and the process has been
-    joined (terminated if it would not stop).
+    reaped (terminated if it would not stop).
     """
 
-    def __init__(self, proc: BaseProcess, conn: Connection, ready: RunnerReady) -> None:
-        self.ready = ready
-        self._proc = proc
+    def __init__(self, popen: subprocess.Popen[bytes], conn: Connection, life: int) -> None:
+        self.ready = RunnerReady(pid=popen.pid)  # what it loaded, once started
+        self._popen = popen
         self._conn = conn
+        self._life = life  # the lifeline's read end: readable (EOF) once the process is gone
         # fast_acquire: a free pipe is taken without yielding, so the plan leaves at once (a
         # checkpoint here would run the output processor and every reader first)
         self._lock = anyio.Lock(fast_acquire=True)
         self._closed = False
 
-    @classmethod
-    def start(cls, spec: WorkerSpec, device: str, draft: DraftSpec | None = None) -> RunnerProcess:
-        """Spawn the process and wait until its runner (and ``draft``, speculative decoding's
-        draft model) is loaded (blocking: call it from a worker thread). Raises the load's
-        error, or :class:`WorkerDiedError` if the process exits before it answers; nothing is
-        left running then."""
-        # The attention backend is selected (and the C++ kernel compiled) here first, so the
-        # process finds it built and cached.
-        select_attention_backend(device, spec.attention_backend)
-        ctx = multiprocessing.get_context("spawn")
-        conn, child_conn = ctx.Pipe()
-        proc = ctx.Process(target=_main, args=(child_conn, spec, device, draft),
-                           name="asyncpaged-runner", daemon=True)  # fmt: skip
-        proc.start()
-        child_conn.close()
-        try:
-            if not conn.poll(START_TIMEOUT_S):
-                raise WorkerDiedError(f"the runner process did not start in {START_TIMEOUT_S} s")
-            ready = pickle.loads(conn.recv_bytes())
-        except EOFError:
-            proc.join(5.0)
-            _stop(proc, None)
-            raise WorkerDiedError(
-                f"the runner process (pid {proc.pid}) exited with code {proc.exitcode} before "
-                "its model was loaded (its error is above, on stderr). A script must start the "
-                'engine under `if __name__ == "__main__":`: the process is spawned and imports '
-                "the main module."
-            ) from None
-        except BaseException:
-            _stop(proc, None)
-            raise
-        assert isinstance(ready, RunnerReady), f"bad ready reply {ready!r}"
-        if ready.error is not None:
-            _stop(proc, JOIN_TIMEOUT_S)
-            raise ready.error
-        log.info("runner_process_started", pid=ready.pid, kv_cache_bytes=ready.kv_cache_bytes)
-        return cls(proc, conn, ready)
-
     @property
     def pid(self) -> int | None:
-        return self._proc.pid
+        return self._popen.pid
 
     # ---- the runner's calls, awaited on the event loop ----------------------------------------
 
@@ -160,8 +215,8 @@ class RunnerProcess:
                     await anyio.wait_readable(self._conn.fileno())
                     ok, value = pickle.loads(self._conn.recv_bytes())
                 except (EOFError, OSError) as exc:
-                    self._proc.join(0.1)  # it is exiting: reap it for its exit code
-                    raise _died(self._proc) from exc
+                    _reap(self._popen, 0.1)  # it is exiting: reap it for its exit code
+                    raise _died(self._popen) from exc
         if not ok:
             assert isinstance(value, BaseException)
             raise value
@@ -172,49 +227,73 @@ class RunnerProcess:
     async def watch(self, on_death: Callable[[BaseException], None]) -> None:
         """Until cancelled: when the process exits, call ``on_death`` at once (the engine fails
         every waiter), then raise :class:`WorkerDiedError`."""
-        await anyio.wait_readable(self._proc.sentinel)
-        self._proc.join(timeout=0.1)  # it has exited: reap it for its exit code
-        error = _died(self._proc)
-        log.error("runner_process_died", pid=self._proc.pid, exitcode=self._proc.exitcode)
+        await anyio.wait_readable(self._life)
+        _reap(self._popen, 0.1)  # it has exited: reap it for its exit code
+        error = _died(self._popen)
+        log.error("runner_process_died", pid=self._popen.pid, exitcode=self._popen.returncode)
         on_death(error)
         raise error
 
     def close(self, *, graceful: bool) -> None:
-        """Stop the process (idempotent): ask it to leave and join it (``graceful``, nothing on
+        """Stop the process (idempotent): ask it to leave and reap it (``graceful``, nothing on
         the pipe), or terminate it at once (the engine failed, a request may be unanswered)."""
         if self._closed:
             return
         self._closed = True
-        if graceful and self._proc.exitcode is None:
+        if graceful and self._popen.poll() is None:
             try:
                 self._conn.send_bytes(pickle.dumps(None))
             except OSError:
                 graceful = False
-        _stop(self._proc, JOIN_TIMEOUT_S if graceful else None)
+        _stop(self._popen, JOIN_TIMEOUT_S if graceful else None)
         self._conn.close()
-        log.info("runner_process_stopped", graceful=graceful, exitcode=self._proc.exitcode)
+        os.close(self._life)
+        log.info("runner_process_stopped", graceful=graceful, exitcode=self._popen.returncode)
 
 
-def _died(proc: BaseProcess) -> WorkerDiedError:
-    return WorkerDiedError(f"the runner process (pid {proc.pid}) exited with code {proc.exitcode}")
+def _died(popen: subprocess.Popen[bytes]) -> WorkerDiedError:
+    return WorkerDiedError(
+        f"the runner process (pid {popen.pid}) exited with code {popen.returncode}"
+    )
 
 
-def _stop(proc: BaseProcess, join_timeout_s: float | None) -> None:
-    """Join the process (after ``join_timeout_s``, or at once: terminate, then kill)."""
+def _reap(popen: subprocess.Popen[bytes], timeout_s: float) -> None:
+    """Wait up to ``timeout_s`` for the process to exit (its exit code is then set)."""
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        popen.wait(timeout_s)
+
+
+def _stop(popen: subprocess.Popen[bytes], join_timeout_s: float | None) -> None:
+    """Reap the process (after ``join_timeout_s``, or at once: terminate, then kill)."""
     if join_timeout_s is not None:
-        proc.join(join_timeout_s)
-    if proc.exitcode is None:
-        proc.terminate()
-        proc.join(5.0)
-    if proc.exitcode is None:
-        proc.kill()
-        proc.join()
+        _reap(popen, join_timeout_s)
+    if popen.poll() is None:
+        popen.terminate()
+        _reap(popen, 5.0)
+    if popen.poll() is None:
+        popen.kill()
+        popen.wait()
 
 
-def _main(conn: Connection, spec: WorkerSpec, device: str, draft: DraftSpec | None) -> None:
-    """Entry of the spawned process: load the runner, answer, then serve requests until told
-    to stop (``None``) or the engine's end of the pipe closes."""
+def child_main(conn_fd: int, life_fd: int) -> None:
+    """Entry of the runner process (``_BOOTSTRAP``): import what loading needs while the engine
+    plans, read what to load, load the runner, answer, then serve requests until told to stop
+    (``None``) or the engine's end of the pipe closes. ``life_fd``, the lifeline's write end, is
+    never touched: it closes when the process exits, whichever way."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the engine owns this process's lifetime
+    conn = Connection(conn_fd)
+    # What reading a checkpoint's config imports (its class's module pulls in most of it)
+    import transformers.activations
+    import transformers.models  # noqa: F401
+
+    try:
+        spec, device, draft = pickle.loads(conn.recv_bytes())
+    except EOFError:  # the engine's start failed before it sent anything
+        return
+    _serve(conn, spec, device, draft)
+
+
+def _serve(conn: Connection, spec: WorkerSpec, device: str, draft: DraftSpec | None) -> None:
     try:
         runner = _build(spec, device)
         if draft is not None:

@@ -99,7 +99,8 @@ async def _one_run(args: argparse.Namespace, checkpoint: Path) -> dict[str, Any]
     return {"wall_s": wall, "steps": steps,
             "ms_per_step": 1000 * wall / steps, "outside_forward": 1 - compute / wall,
             "steps_per_s": steps / wall, "loop_cpu_ms_per_step": 1000 * loop_cpu / steps,
-            "forward_ms_per_step": 1000 * compute / steps, "tokens_digest": digest}  # fmt: skip
+            "forward_ms_per_step": 1000 * compute / steps, "tokens_digest": digest,
+            "executor_backend": engine.config.executor_backend}  # fmt: skip
 
 
 def cpu_flags() -> str:
@@ -129,13 +130,14 @@ def run(args: argparse.Namespace) -> int:
     print(f"median {median['ms_per_step']:.2f} ms/step (goal <= 4 at 256 sequences), "
           f"{100 * median['outside_forward']:.0f}% outside the forward, "
           f"{median['steps_per_s']:.1f} steps/s; CPU flags: {cpu_flags()}; "
-          f"{args.threads} torch thread(s), executor {args.executor_backend}, device "
+          f"{args.threads} torch thread(s), executor {runs[-1]['executor_backend']}, device "
           f"{args.device}{differ}")  # fmt: skip
     out = Path(args.output)
     out.mkdir(parents=True, exist_ok=True)
     (out / "overhead.json").write_text(json.dumps(
         {"model": MICRO_MODEL, "num_seqs": args.num_seqs, "max_tokens": args.max_tokens,
-         "threads": args.threads, "executor_backend": args.executor_backend, "device": args.device,
+         "threads": args.threads, "executor_backend": runs[-1]["executor_backend"],
+         "device": args.device,
          "cpu_flags": cpu_flags(), "runs": runs, "median": median},
         indent=2))  # fmt: skip
     return 0 if same else 1
@@ -147,7 +149,7 @@ def add_parser(modes: Any) -> None:
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--threads", type=int, default=1, help="torch threads")
-    p.add_argument("--executor-backend", choices=("thread", "process"), default="thread",
+    p.add_argument("--executor-backend", choices=("auto", "thread", "process"), default="auto",
                    help="where the model runner runs (EngineConfig.executor_backend)")  # fmt: skip
     p.add_argument("--device", default="cpu", help="cpu (default) or cuda")
     workload = p.add_mutually_exclusive_group()

@@ -170,7 +170,7 @@ def add_parser(modes: Any) -> None:
     p.add_argument("--throughput-batch", type=int, default=64)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--threads", type=int, default=1, help="torch threads")
-    p.add_argument("--executor-backend", choices=("thread", "process"), default="thread",
+    p.add_argument("--executor-backend", choices=("auto", "thread", "process"), default="auto",
                    help="where the model runner runs (EngineConfig.executor_backend)")  # fmt: skip
     p.add_argument("--output", default="bench-results", help="folder for speculative.json")
     p.set_defaults(func=run)

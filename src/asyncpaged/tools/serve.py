@@ -97,9 +97,9 @@ def add_parser(sub: Any) -> None:
     serve.add_argument("--no-prefix-caching", action="store_true")
     serve.add_argument("--seed", type=int)
     serve.add_argument(
-        "--executor-backend", choices=("thread", "process"), default="process",
-        help="where the model runner runs (default: its own process, so the forward computes "
-        "while the event loop serves; EngineConfig.executor_backend)",
+        "--executor-backend", choices=("auto", "thread", "process"), default="auto",
+        help="where the model runner runs (EngineConfig.executor_backend; auto: its own "
+        "process on a CPU with 2+ cores, so the forward computes while the event loop serves)",
     )  # fmt: skip
     serve.add_argument("--uvicorn-log-level", default="warning")
     serve.set_defaults(func=lambda a: anyio.run(run_serve, a))
