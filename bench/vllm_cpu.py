@@ -152,10 +152,11 @@ def compare(
     options: list[str],
     vllm_python: Path | None,
 ) -> None:
-    """Interleaved rounds: each asyncpaged tree, then vLLM; per-round tok/s, token checks,
-    medians and each tree's ratio to vLLM (``vllm_python`` None: asyncpaged only, ratios to
-    the first tree). ``options``: ``NAME:KEY=VALUE``, an EngineConfig
-    field for the tree (or variant) ``NAME``."""
+    """Interleaved rounds: each asyncpaged tree and vLLM, the order rotated by one place each
+    round (run a multiple of their count for each to hold every place); per-round tok/s, token
+    checks, medians and each tree's ratio to vLLM (``vllm_python`` None: asyncpaged only,
+    ratios to the first tree). ``options``: ``NAME:KEY=VALUE``, an EngineConfig field for the
+    tree (or variant) ``NAME``."""
     want = json.loads((directory / "hf_tokens.json").read_text())
     named = [tuple(t.split("=", 1)) if "=" in t else (t or "installed", t) for t in trees]
     by_tree: dict[str, list[str]] = {}
@@ -165,20 +166,26 @@ def compare(
     rates: dict[str, list[float]] = {name: [] for name, _ in named}
     rates["vllm"] = []
     print(_cpu_flags(), flush=True)
+    runners: list[tuple[str, str | None]] = [(name, src) for name, src in named]
+    if vllm_python is not None:
+        runners.append(("vllm", None))
     with tempfile.TemporaryDirectory() as workdir:
         for r in range(1, rounds + 1):
-            for name, src in named:
-                rate, tokens = _asyncpaged_round(src or None, Path(workdir), by_tree.get(name, []))
-                equal = tokens == want
+            # Each round starts one later in the list: a run's place in the round biases it
+            # (measured: the run right after vLLM's was the slower one in 5 of 6 rounds)
+            k = (r - 1) % len(runners)
+            for name, src in runners[k:] + runners[:k]:
+                if name == "vllm":
+                    assert vllm_python is not None
+                    rate, equal = _vllm_round(directory, vllm_python)
+                else:
+                    rate, tokens = _asyncpaged_round(
+                        src or None, Path(workdir), by_tree.get(name, [])
+                    )
+                    equal = tokens == want
                 rates[name].append(rate)
                 print(f"round {r} {name}: {rate:.1f} tok/s, tokens "
                       f"{'equal transformers' if equal else 'DIFFER'}", flush=True)  # fmt: skip
-            if vllm_python is None:
-                continue
-            rate, equal = _vllm_round(directory, vllm_python)
-            rates["vllm"].append(rate)
-            print(f"round {r} vllm: {rate:.1f} tok/s, tokens "
-                  f"{'equal transformers' if equal else 'DIFFER'}", flush=True)  # fmt: skip
     base_name = "vllm" if vllm_python is not None else named[0][0]
     base = statistics.median(rates[base_name])
     for name, values in rates.items():
