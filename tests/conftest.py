@@ -47,10 +47,10 @@ settings.register_profile(
 settings.register_profile("dev", max_examples=30, stateful_step_count=30, deadline=None)
 settings.load_profile(os.environ.get("ASYNCPAGED_HYPOTHESIS_PROFILE", "ci"))
 
-# Engines run their model in a thread here unless a test asks for the runner's process (the
-# default, "auto", would start a process per engine: ~3 s each over the suite's hundreds of
-# starts). The examples, run as scripts, inherit it. tests/engine/test_runner_process.py covers
-# the process, and "auto" with this variable taken out.
+# "auto" (asyncpaged serve's default) runs the model in a thread here unless a test asks for
+# the runner's process (~3 s more per start). The examples and served apps, run as scripts,
+# inherit it. tests/engine/test_runner_process.py covers the process, and "auto" with this
+# variable taken out.
 os.environ.setdefault("ASYNCPAGED_EXECUTOR_BACKEND", "thread")
 
 

@@ -76,8 +76,9 @@ class EngineConfig:
     # GIL between them; docs/tuning.md). "process" takes no tensor parallelism, KV tiers or
     # per-request logits_processors, and needs POSIX. "auto" (executor_backend_for): "process"
     # on a CPU device with 2+ usable cores where it can, else "thread"; the environment
-    # variable ASYNCPAGED_EXECUTOR_BACKEND=thread|process decides "auto" instead.
-    executor_backend: Literal["auto", "thread", "process"] = "auto"
+    # variable ASYNCPAGED_EXECUTOR_BACKEND=thread|process decides "auto" instead. The default
+    # stays "thread": on the reference workload "process" did not measure faster (tuning.md).
+    executor_backend: Literal["auto", "thread", "process"] = "thread"
     # Structured outputs: append the tokens a grammar forces (a schema's keys, punctuation)
     # without sampling each one; they are computed in the next step like a prefill chunk
     structured_outputs_jump_forward: bool = True

@@ -3,8 +3,7 @@
 Greedy tokens equal transformers' under concurrency and memory pressure (both preemption modes:
 swaps cross the pipe in order with the steps), seeded sampling equals the in-process runner's,
 what the mode cannot take is refused before anything runs, and a runner process that dies
-fails every waiter at once and is reaped. The default ("auto") chooses it on a CPU with two or
-more cores.
+fails every waiter at once and is reaped. "auto" chooses it on a CPU with two or more cores.
 """
 
 from __future__ import annotations
@@ -242,8 +241,8 @@ def test_auto_chooses_the_process_on_a_cpu_with_two_cores(
     """What "auto" resolves to, and why, for each case it tells apart (the test suite's
     conftest sets the environment variable to "thread": it is taken out here)."""
     monkeypatch.delenv(EXECUTOR_BACKEND_ENV, raising=False)
-    base = EngineConfig(model=str(tmp_path))
-    assert base.executor_backend == "auto"
+    assert EngineConfig(model=str(tmp_path)).executor_backend == "thread"  # the default
+    base = EngineConfig(model=str(tmp_path), executor_backend="auto")
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
     assert executor_backend_for(base)[0] == "process"
     for change, why in [
@@ -271,18 +270,20 @@ def test_auto_chooses_the_process_on_a_cpu_with_two_cores(
         executor_backend_for(base)
 
 
-async def test_the_default_config_runs_the_runner_in_its_process(
+async def test_auto_runs_the_runner_in_its_process(
     monkeypatch: pytest.MonkeyPatch, tiny_checkpoint: Callable[[str], Path]
 ) -> None:
-    """With nothing set, an engine on this CPU (2+ cores) runs its runner in a process, says
-    so in ``engine.config``, and its greedy tokens equal transformers'."""
+    """With "auto" and no environment variable, an engine on this CPU (2+ cores) runs its
+    runner in a process, says so in ``engine.config``, and its greedy tokens equal
+    transformers'."""
     if len(os.sched_getaffinity(0)) < 2:
         pytest.skip("one usable core: 'auto' rightly chooses the thread here")
     monkeypatch.delenv(EXECUTOR_BACKEND_ENV, raising=False)
     path = tiny_checkpoint(MODEL)
     prompt = make_prompts(1, seed=3)[0]
     ref = HFReference(path)
-    async with AsyncEngine(EngineConfig(model=str(path), dtype="float32")) as engine:
+    config = EngineConfig(model=str(path), dtype="float32", executor_backend="auto")
+    async with AsyncEngine(config) as engine:
         assert engine.config.executor_backend == "process" and engine.runner is None
         out = await engine.generate(list(prompt), GREEDY)
     assert out.outputs[0].token_ids == ref.generate(prompt, 10)[0]
