@@ -118,10 +118,6 @@ class RunnerLaunch:
             os.close(child_life)
         self._taken = False
 
-    @property
-    def pid(self) -> int:
-        return self._popen.pid
-
     def start(self, spec: WorkerSpec, device: str, draft: DraftSpec | None = None) -> RunnerProcess:
         """Send what to load and wait until the runner (and ``draft``, speculative decoding's
         draft model) is loaded (blocking: call it from a worker thread). Raises the load's
@@ -287,10 +283,12 @@ def child_main(conn_fd: int, life_fd: int) -> None:
     import transformers.models  # noqa: F401
 
     try:
-        spec, device, draft = pickle.loads(conn.recv_bytes())
-    except EOFError:  # the engine's start failed before it sent anything
+        what = pickle.loads(conn.recv_bytes())
+    except EOFError:  # the engine's process is gone
         return
-    _serve(conn, spec, device, draft)
+    if what is None:  # the engine's start failed before the load (RunnerLaunch.abandon)
+        return
+    _serve(conn, *what)
 
 
 def _serve(conn: Connection, spec: WorkerSpec, device: str, draft: DraftSpec | None) -> None:
