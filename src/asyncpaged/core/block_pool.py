@@ -36,6 +36,7 @@ from asyncpaged.core import block_pool_speculative as spec
 from asyncpaged.core import block_pool_swap as swap
 from asyncpaged.core import block_pool_write as write
 from asyncpaged.core.block_table import (
+    LATE_TOKEN,
     AppendResult,
     BlockTable,
     Location,
@@ -81,6 +82,9 @@ class BlockPool:
       holders' slots, and a shared one is copied on the next append) and registers the full
       blocks the kept tokens complete, so a rejected token never enters the prefix cache.
       Until then the sequence can neither grow, fork nor swap out.
+    * A late token (:data:`LATE_TOKEN`, async scheduling) is a table's last token, appended
+      alone; a block it fills is neither hashed nor registered until :meth:`set_late_token`
+      gives it its value. Until then the sequence can neither grow, fork, truncate nor swap.
     * With ``tiers`` (core/kv_tiers.py), every cached block evicted from the device is handed to
       the tier index before it is reused, and a block restored from a tier is a new device block
       registered under its hash at once; the tier copies of a transaction run before its step.
@@ -288,6 +292,7 @@ class BlockPool:
         """
         table = self._device_table(seq_id, "append to")
         _check_tokens(token_ids)
+        self._check_settled(table, "append to")
         spec.check_num_speculative(num_speculative_tokens, len(token_ids))
         spec.check_verified(self._speculative, seq_id, "append to")
         need = counts.num_blocks_to_append(
@@ -325,15 +330,33 @@ class BlockPool:
         device.fill(block, 1)
         table.num_tokens += 1
         if self.enable_prefix_caching:
-            table.partial_token_ids.append(token)
-            if offset + 1 == bs:
+            partial = table.partial_token_ids
+            if partial[-1] == LATE_TOKEN:  # (a partial block: never empty here)
+                self._check_settled(table, "append to")
+            partial.append(token)
+            if offset + 1 == bs and token != LATE_TOKEN:
                 device.register(block, prefix.seal_full_block(table))
         return block * bs + offset
+
+    def set_late_token(self, seq_id: SeqId, token: int) -> None:
+        """The value of the :data:`LATE_TOKEN` last appended to a device sequence (async
+        scheduling: the step that sampled it returned after the next one was planned). A
+        block it filled is hashed and registered in the prefix cache now."""
+        table = self._device_table(seq_id, "set a late token of")
+        if token < 0:
+            raise BlockPoolError(f"token ids must be >= 0, got {token}.")
+        if not self.enable_prefix_caching:
+            return
+        partial = table.partial_token_ids
+        if not partial or partial[-1] != LATE_TOKEN:
+            raise BlockPoolError(f"sequence {seq_id!r} has no late token to set.")
+        write.set_late_token(self.device, table, token)
 
     def fork(self, parent_id: SeqId, child_id: SeqId) -> None:
         """Give ``child_id`` the parent's table, sharing every block (never allocates)."""
         parent = self._device_table(parent_id, "fork")
         spec.check_verified(self._speculative, parent_id, "fork")
+        self._check_settled(parent, "fork")
         if child_id in self._tables:
             raise BlockPoolError(f"cannot fork into {child_id!r}: that sequence already exists.")
         for block in parent.block_ids:
@@ -367,6 +390,7 @@ class BlockPool:
         allocates.
         """
         table = self._device_table(seq_id, "truncate")
+        self._check_settled(table, "truncate")
         spec.check_truncate(table, num_tokens)
         tail = self._speculative.get(seq_id)
         dropped = spec.truncate_table(
@@ -407,6 +431,8 @@ class BlockPool:
 
     def _swap(self, seq_ids: Sequence[SeqId], direction: SwapDirection) -> SwapPlan | None:
         tables = swap.swap_group(self._table, self._speculative, seq_ids, direction)
+        for table in tables:
+            self._check_settled(table, "swap")
         src, dst = self._swap_pools(direction)
         started = swap.start_swap(src, dst, seq_ids, tables, direction, self._ids)
         if started is None:
@@ -493,6 +519,14 @@ class BlockPool:
                                       extra_key, read_cache, caching, chain)  # fmt: skip
         return plan, chain
 
+    def _check_settled(self, table: BlockTable, action: str) -> None:
+        """A sequence waiting for its late token's value cannot change otherwise."""
+        if self.enable_prefix_caching and table.partial_token_ids[-1:] == [LATE_TOKEN]:
+            raise BlockPoolError(
+                f"cannot {action} sequence {table.seq_id!r}: its last token is late "
+                "(set_late_token first)."
+            )
+
     def _table(self, seq_id: SeqId) -> BlockTable:
         table = self._tables.get(seq_id)
         if table is None:
@@ -511,3 +545,5 @@ class BlockPool:
 def _check_tokens(token_ids: Sequence[int]) -> None:
     if len(token_ids) == 0:
         raise BlockPoolError("token_ids must not be empty.")
+    if len(token_ids) > 1 and LATE_TOKEN in token_ids:
+        raise BlockPoolError("a late token is appended alone.")

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 
 from asyncpaged.core.block_pool_counts import AllocationPlan
 from asyncpaged.core.block_pool_prefix import HashChain, restore_from_tiers, seal_full_block
-from asyncpaged.core.block_table import BlockTable, SeqId
+from asyncpaged.core.block_table import LATE_TOKEN, BlockTable, SeqId
 from asyncpaged.core.kv_tiers import TierIndex
 from asyncpaged.core.physical_blocks import PhysicalBlocks
 
@@ -54,7 +54,8 @@ def write_slots(
     """Reserve slots for ``token_ids`` at the end of ``table`` (capacity already checked).
 
     A block that fills up is hashed and registered in the prefix cache at once: the step that
-    writes its last token writes the K/V of every token before any attention reads the cache.
+    writes its last token writes the K/V of every token before any attention reads the cache;
+    one filled by a :data:`LATE_TOKEN` waits for its value (:func:`set_late_token`).
     Tokens from ``num_verified`` on are speculative: a block holding one is hashed into the
     table but not registered (:meth:`BlockPool.truncate` registers it once verified).
     ``chain``: the hashes of the table's prompt when ``token_ids`` are its tokens (read, not
@@ -77,7 +78,7 @@ def write_slots(
         device.fill(block, n)
         if caching:
             table.partial_token_ids.extend(token_ids[i : i + n])
-            if offset + n == bs:
+            if offset + n == bs and table.partial_token_ids[-1] != LATE_TOKEN:
                 block_hash = seal_full_block(table, chain)
                 if pos + n <= cache_end:
                     device.register(block, block_hash)
@@ -114,3 +115,12 @@ def allocate_table(
     table.num_tokens = num_cached
     new_tokens = token_ids[num_cached : plan.num_tokens]
     return table, write_slots(device, table, new_tokens, caching=caching, chain=chain)
+
+
+def set_late_token(device: PhysicalBlocks, table: BlockTable, token: int) -> None:
+    """Give the table's :data:`LATE_TOKEN` (its last token) its value; a block it filled is
+    hashed and registered in the prefix cache now (prefix caching on)."""
+    partial = table.partial_token_ids
+    partial[-1] = token
+    if len(partial) == device.block_size:
+        device.register(table.block_ids[-1], seal_full_block(table))

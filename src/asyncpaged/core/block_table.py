@@ -9,6 +9,10 @@ from asyncpaged.core.prefix_hash import BlockHash
 
 SeqId = int | str
 
+# A token whose value a step still in flight is sampling (async scheduling): appended alone, in
+# place of the real one, whose value the next transaction brings (``BlockPool.set_late_token``).
+LATE_TOKEN = -1
+
 
 class Location(enum.Enum):
     """Where a sequence's KV blocks live.
@@ -35,7 +39,9 @@ class BlockTable:
     Invariants: ``len(block_ids) == ceil(num_tokens / block_size)``; the token at position ``p``
     lives in slot ``p % block_size`` of ``block_ids[p // block_size]``. With prefix caching,
     ``block_hashes[i]`` is the chained hash of full block ``i`` (one per full block) and
-    ``partial_token_ids`` holds the tokens of the partially filled last block.
+    ``partial_token_ids`` holds the tokens of the partially filled last block; a last block
+    filled by a :data:`LATE_TOKEN` stays in ``partial_token_ids`` (full, not yet hashed) until
+    the token's value is set.
     """
 
     seq_id: SeqId

@@ -5,7 +5,14 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
-from asyncpaged.core.block_table import BlockTable, Location, SeqId, SwapDirection, SwapPlan
+from asyncpaged.core.block_table import (
+    LATE_TOKEN,
+    BlockTable,
+    Location,
+    SeqId,
+    SwapDirection,
+    SwapPlan,
+)
 from asyncpaged.core.prefix_hash import ROOT_HASH
 
 if TYPE_CHECKING:
@@ -64,8 +71,13 @@ def _check_hashes(pool: BlockPool, table: BlockTable) -> None:
         assert not table.block_hashes
         assert not table.partial_token_ids
         return
-    assert len(table.block_hashes) == table.num_tokens // bs, f"{table.seq_id!r}: hash count"
-    assert len(table.partial_token_ids) == table.num_tokens % bs
+    partial = table.partial_token_ids
+    # a block filled by a late token stays partial (unhashed) until the token's value is set
+    deferred = len(partial) == bs and partial[-1] == LATE_TOKEN
+    assert LATE_TOKEN not in partial[:-1], f"{table.seq_id!r}: a late token before the last"
+    full = table.num_tokens // bs - deferred
+    assert len(table.block_hashes) == full, f"{table.seq_id!r}: hash count"
+    assert len(partial) == (bs if deferred else table.num_tokens % bs)
     if table.location is Location.DEVICE:
         for block, block_hash in zip(table.block_ids, table.block_hashes, strict=False):
             registered = pool.device.hash_of(block)

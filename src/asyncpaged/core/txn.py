@@ -4,8 +4,8 @@ The scheduler owns the queues and decides what to run; the allocator owns the
 :class:`BlockPool`, applies one :class:`StepTxn` per step atomically, and decides the one thing
 only the pool can answer exactly: how far to preempt. In this order::
 
-    complete_swaps -> forks -> pins -> unpins -> frees -> truncates -> [claim] -> appends
-    (preempting victims as they need) -> swap_ins -> admissions
+    late_tokens -> complete_swaps -> forks -> pins -> unpins -> frees -> truncates
+    -> [claim] -> appends (preempting victims as they need) -> swap_ins -> admissions
 
 Up to the appends everything is *mandatory*: planned against the exact :class:`PoolSnapshot`
 the allocator returned after the previous transaction (nothing else consumes blocks in between),
@@ -73,6 +73,9 @@ class Claim:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class StepTxn:
+    # Async scheduling: (seq id, value) of the late tokens earlier transactions appended
+    # (``BlockPool.set_late_token``), before anything else touches those sequences
+    late_tokens: tuple[tuple[int, int], ...] = ()
     complete_swaps: tuple[int, ...] = ()
     forks: tuple[tuple[int, int], ...] = ()  # (parent, child): never allocates
     pins: tuple[PinOp, ...] = ()  # prefixes whose request computed them (before its frees)
@@ -145,6 +148,8 @@ class TxnResult:
 def apply_txn(pool: BlockPool, txn: StepTxn) -> TxnResult:
     """Apply one transaction to the pool (see the module docstring for order and guarantees)."""
     pool.begin_tier_txn()
+    for seq_id, token in txn.late_tokens:
+        pool.set_late_token(seq_id, token)
     for swap_id in txn.complete_swaps:
         pool.complete_swap(swap_id)
     for parent, child in txn.forks:
