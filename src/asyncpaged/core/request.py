@@ -59,7 +59,10 @@ class Sequence:
     are in (or being written to) the sequence's blocks. A running sequence that finished its
     prompt has ``num_computed_tokens == len(token_ids) - 1``: its last, sampled token is the
     input of its next decode step; or less, after a grammar forced tokens (jump-forward,
-    ``Scheduler.append_forced``): the next step computes them all as a chunk.
+    ``Scheduler.append_forced``): the next step computes them all as a chunk. Async scheduling
+    (``Scheduler.plan(ahead=...)``): a step planned before the last one's token came back
+    computes that token's position too, so ``num_computed_tokens == len(token_ids) + 1``
+    until the token is appended.
     """
 
     seq_id: int

@@ -40,7 +40,7 @@ from collections.abc import Callable, Mapping
 from collections.abc import Sequence as SeqOf
 
 from asyncpaged.core.beam_search import Hypothesis
-from asyncpaged.core.block_table import SwapPlan
+from asyncpaged.core.block_table import LATE_TOKEN, SwapPlan
 from asyncpaged.core.policy import QueuePolicy
 from asyncpaged.core.request import Request, RequestStatus, Sequence
 from asyncpaged.core.scheduler_plan import (
@@ -121,6 +121,11 @@ class Scheduler:
         self._swapped_back: set[int] = set()
         self._pending_pins: list[PinOp] = []
         self._pending_unpins: list[int] = []  # seqs back on device since the last snapshot
+        # Async scheduling: sequences whose last appended slot holds a late token in the pool,
+        # and (seq id, value) of those whose value came back, for the next transaction
+        self._late: set[int] = set()
+        self._pending_late: list[tuple[int, int]] = []
+        self.planned_cut = False  # the last plan, made ahead, stopped short (see plan)
         self._step_ids = itertools.count()
         # the last plan's appends: (request, sequence, proposals appended after its tokens)
         self._planned: list[tuple[Request, Sequence, int]] = []
@@ -186,6 +191,7 @@ class Scheduler:
         return bool(
             self._pending_frees or self._pending_completes or self._pending_forks
             or self._pending_pins or self._pending_unpins or self._pending_truncates
+            or self._pending_late
         )  # fmt: skip
 
     def unpin(self, pool_pin_id: int) -> None:
@@ -194,14 +200,30 @@ class Scheduler:
 
     # ---- planning -------------------------------------------------------------------------
 
-    def plan(self, snap: PoolSnapshot) -> StepTxn:
-        """Decide the next step against the allocator's snapshot."""
+    def can_plan_ahead(self) -> bool:
+        """Whether a step may be planned while one is in flight (:meth:`plan`'s ``ahead``), as
+        far as the queues go: FCFS, and nothing swapped or being swapped (a swap would copy
+        blocks the step in flight may still write)."""
+        return not (self.policy.is_priority or self.swapped or self._swaps)
+
+    def plan(self, snap: PoolSnapshot, ahead: SchedulerOutput | None = None) -> StepTxn:
+        """Decide the next step against the allocator's snapshot.
+
+        ``ahead``: the step in flight, whose sampled tokens are not back yet (async scheduling;
+        only when :meth:`can_plan_ahead`, and every sequence it samples belongs to a
+        single-sequence request with no proposals). Those sequences decode a late token
+        (``LATE_TOKEN``, the runner puts in the token it sampled), unless their length ends
+        them; nothing is preempted, swapped or restarted: the plan stops where the sync rules
+        would do that (:attr:`planned_cut`), and admits nothing then."""
         cfg = self.config
         plan = PlanBudget(
             budget_left=cfg.max_num_batched_tokens,
             seats_left=cfg.max_num_seqs,
             free=snap.num_free_device_blocks,
         )
+        if ahead is not None:
+            assert self.can_plan_ahead()
+            plan.pending = {s.seq_id for s in ahead.seqs if s.samples}
         frees, self._pending_frees = self._pending_frees, []
         completes, self._pending_completes = self._pending_completes, []
         forks, self._pending_forks = self._pending_forks, []
@@ -214,14 +236,22 @@ class Scheduler:
         if self.policy.is_priority:
             claim_for_priority(self, plan)
         appends, sizes = plan_running(self, plan, shared, frees)
+        self.planned_cut = plan.cut
         pressure = plan.short or plan.claim is not None
-        swap_ins, admissions = self._plan_queues(plan, pressure)
+        swap_ins: list[tuple[int, ...]] = []
+        admissions: list[Admission] = []
+        if plan.cut:  # planned ahead, stopped short: nothing comes in, no one goes
+            self._victims = []
+        else:
+            swap_ins, admissions = self._plan_queues(plan, pressure)
+        late, self._pending_late = self._pending_late, []
         truncates, self._pending_truncates = self._pending_truncates, []
         if truncates and frees:  # a sequence freed now (finished, restarted) keeps nothing
             gone = set(frees)
             truncates = [t for t in truncates if t[0] not in gone]
         num_draft = tuple(n for _, _, n in self._planned)
         return StepTxn(
+            late_tokens=tuple(late),
             complete_swaps=tuple(completes),
             forks=tuple(forks),
             pins=tuple(pins),
@@ -333,7 +363,10 @@ class Scheduler:
         # Proposals are computed but not yet the sequence's: update() counts the kept ones.
         seq.num_computed_tokens = start + n - num_draft
         seq.has_blocks = True
-        samples = seq.num_computed_tokens == len(seq.token_ids)
+        if tokens[0] == LATE_TOKEN:  # the token the step in flight samples: one past the end
+            self._late.add(seq.seq_id)
+        # (a late token's row computes one past the end: the step in flight samples its input)
+        samples = seq.num_computed_tokens >= len(seq.token_ids)
         fan_out = samples and len(request.seqs) == 1 and seq.num_generated == 0
         out.append(
             ScheduledSeq(
@@ -397,6 +430,7 @@ class Scheduler:
             self.num_finished += 1
 
     def _release(self, seq: Sequence) -> None:
+        self._late.discard(seq.seq_id)  # (its free drops the late token with the table)
         if seq.has_blocks:
             seq.has_blocks = False
             self._pending_frees.append(seq.seq_id)

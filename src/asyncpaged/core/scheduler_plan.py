@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Set as AbstractSet
 from typing import TYPE_CHECKING
 
+from asyncpaged.core.block_table import LATE_TOKEN
 from asyncpaged.core.request import Request, RequestStatus, Sequence
 from asyncpaged.core.scheduler_types import PlanBudget, SchedulerConfig, insort
 from asyncpaged.core.txn import Admission, AllocateOp
@@ -34,9 +35,15 @@ def plan_running(
     planned = sched._planned = []
     running = sched.running
     i = 0
+    pending = plan.pending
     while i < len(running):
         request = running[i]
-        step = _step_of(sched, request, plan, shared)
+        late = pending is not None and request.seqs[0].seq_id in pending
+        step = (
+            _late_step_of(sched, request, plan, shared)
+            if late
+            else _step_of(sched, request, plan, shared)
+        )
         if step is None:
             break  # token or sequence budget spent
         chunks, drafts, need = step
@@ -44,22 +51,49 @@ def plan_running(
             i += 1  # nothing to compute (beams that reported wait for their siblings)
             continue
         if _outgrows_short_rope(sched.config, request, chunks):
+            if pending is not None:  # (a request in flight keeps its blocks until it returns)
+                plan.cut = True
+                break
             restart_long_rope(sched, request, frees)
             continue  # the next request moved into index i
         if need > plan.free:
+            if pending is not None:  # no preemption with a step in flight: plan the rest later
+                plan.cut = True
+                break
             plan.short = True
         plan.free -= need
         sizes.append(len(chunks))
         for seq, n in chunks:
             start = seq.num_computed_tokens
             draft = drafts.get(seq.seq_id, ()) if drafts else ()
-            tokens = (*seq.token_ids[start : start + n], *draft)
+            tokens = (LATE_TOKEN,) if late else (*seq.token_ids[start : start + n], *draft)
             appends.append((seq.seq_id, tokens))
             planned.append((request, seq, len(draft)))
             plan.budget_left -= len(tokens)
             plan.seats_left -= 1
         i += 1
     return appends, sizes
+
+
+def _late_step_of(
+    sched: Scheduler, request: Request, plan: PlanBudget, shared: AbstractSet[int | str]
+) -> tuple[Chunks, Drafts, int] | None:
+    """Planning ahead (async scheduling): the decode of a sequence whose next token the step in
+    flight is sampling (a single-sequence request, the caller checked), as a late token; no
+    chunk when that token ends the sequence by its length for sure (an end by a stop token
+    is known only then: the row is computed in vain)."""
+    if plan.seats_left < 1 or plan.budget_left < 1:
+        return None
+    seq = request.seqs[0]
+    stop = request.stop
+    num_tokens = len(seq.token_ids) + 1  # with the token in flight
+    if num_tokens - seq.num_prompt_tokens >= stop.max_tokens or (
+        stop.max_model_len is not None and num_tokens >= stop.max_model_len
+    ):
+        return [], {}, 0
+    have = seq.num_computed_tokens  # == len(seq.token_ids): the token in flight comes next
+    bs = sched.config.block_size
+    return [(seq, 1)], {}, -(-(have + 1) // bs) - -(-have // bs) + (seq.seq_id in shared)
 
 
 def _step_of(

@@ -6,6 +6,7 @@ scheduler shares (:func:`insort`: queues stay sorted by :attr:`Request.queue_key
 from __future__ import annotations
 
 import bisect
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 from typing import Literal, NamedTuple
 
@@ -100,6 +101,10 @@ class PlanBudget:
     free: int  # device blocks free for mandatory operations (negative: under pressure)
     short: bool = False  # some request's blocks do not fit: the allocator preempts
     claim: Claim | None = None  # priority policy: a waiting request claims running groups' room
+    # Async scheduling: the sequences whose next token the step in flight samples (their rows
+    # take a late token), or None when no step is in flight
+    pending: AbstractSet[int] | None = None
+    cut: bool = False  # planned ahead, stopped where the sync rules would preempt or restart
 
 
 def insort(queue: list[Request], request: Request) -> None:

@@ -61,8 +61,12 @@ def update_step(
 
 
 def _append_one(sched: Scheduler, request: Request, seq: Sequence, token: int) -> SeqUpdate:
-    """A single-sequence request's sampled token."""
+    """A single-sequence request's sampled token (the value of its late token, if the step
+    after was planned before it came back)."""
     seq.token_ids.append(token)
+    if sched._late and seq.seq_id in sched._late:
+        sched._late.remove(seq.seq_id)
+        sched._pending_late.append((seq.seq_id, token))
     finished = check_stop(request, seq, token)
     update = SeqUpdate(  # positional: the common case's one allocation per step per row
         request.request_id, seq.seq_id, seq.index, (seq.seq_id, 0), (token,),

@@ -1,0 +1,169 @@
+"""Async scheduling in the core: steps planned while the one before is in flight (``plan(ahead=)``)
+against the fake executor of ``test_scheduler_property``, which checks every K/V a sampling row
+reads. A row whose input is a late token gets the token the step before sampled, as the runner
+does; a request's output must equal the same request run alone, whichever steps were planned
+ahead, under memory pressure (preemption then waits for the step in flight), swaps, aborts and
+stop tokens that make a planned-ahead row compute in vain."""
+
+from __future__ import annotations
+
+import itertools
+from collections import deque
+
+import hypothesis.strategies as st
+from hypothesis import event, given
+
+from asyncpaged.core import BlockPool
+from asyncpaged.core.block_table import LATE_TOKEN
+from asyncpaged.core.request import Request, Sequence
+from asyncpaged.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from asyncpaged.core.txn import apply_txn, snapshot
+from tests.core.test_scheduler_property import (
+    BS,
+    FakeWorld,
+    next_token,
+    reference_output,
+    request_specs,
+)
+
+Sampled = dict[int, list[int]]
+
+
+def execute(
+    world: FakeWorld, out: SchedulerOutput, requests: dict[str, Request], late: dict[int, int]
+) -> Sampled:
+    """``FakeWorld.execute`` for single-sequence requests whose rows may take a late token:
+    ``late`` holds what the step executed before this one sampled (the runner's memory)."""
+    world.copy_blocks(world.device, world.device, out.copy_on_write)
+    for plan in (*out.swap_outs, *out.swap_ins):
+        world.swaps[plan.swap_id] = (plan.direction, plan.block_mapping)
+    tokens: dict[int, list[int]] = {}
+    for sch in out.seqs:
+        seq = requests[sch.request_id].seqs[0]
+        assert seq.seq_id == sch.seq_id
+        tokens[sch.seq_id] = list(seq.token_ids)
+        if LATE_TOKEN in sch.token_ids:
+            assert sch.token_ids == (LATE_TOKEN,) and sch.start_pos == len(seq.token_ids)
+            tokens[sch.seq_id].append(late[sch.seq_id])
+        salt = requests[sch.request_id].cache_salt
+        for i, slot in enumerate(sch.slot_mapping):
+            pos = sch.start_pos + i
+            world.device[slot] = (salt, tuple(tokens[sch.seq_id][: pos + 1]))
+    sampled: Sampled = {}
+    for sch in out.seqs:
+        if not sch.samples:
+            continue
+        salt = requests[sch.request_id].cache_salt
+        context = tokens[sch.seq_id]
+        assert sch.start_pos + len(sch.token_ids) == len(context)
+        for pos in range(len(context)):
+            slot = sch.block_table[pos // BS] * BS + pos % BS
+            want = (salt, tuple(context[: pos + 1]))
+            assert world.device.get(slot) == want, f"{sch.request_id} reads bad KV at {pos}"
+        sampled[sch.seq_id] = [next_token(salt, context)]
+    return sampled
+
+
+@given(data=st.data())
+def test_planning_ahead_gives_each_request_its_output_alone(data: st.DataObject) -> None:
+    num_device = data.draw(st.integers(6, 24), label="device blocks")
+    num_host = data.draw(st.integers(0, 16), label="host blocks")
+    config = SchedulerConfig(
+        block_size=BS,
+        num_device_blocks=num_device,
+        max_num_seqs=data.draw(st.integers(1, 8)),
+        max_num_batched_tokens=data.draw(st.integers(4, 48)),
+        preemption_mode=data.draw(st.sampled_from(["recompute", "swap"]), label="mode"),
+        rope_switch_len=data.draw(st.sampled_from([None, None, 9]), label="rope switch"),
+    )
+    pool = BlockPool(
+        num_device, num_host, block_size=BS, enable_prefix_caching=data.draw(st.booleans())
+    )
+    sched = Scheduler(config)
+    snap = snapshot(pool)
+    world = FakeWorld()
+    max_len = (num_device - 1) * BS
+    ids, seq_ids = itertools.count(), itertools.count()
+    every: dict[str, Request] = {}
+    expected: dict[str, list[int]] = {}
+    outputs: dict[str, list[int]] = {}
+    aborted: set[str] = set()
+
+    def add() -> None:
+        prompt, salt, stop = data.draw(request_specs(max_len))
+        rid = f"r{next(ids)}"
+        seq = Sequence(seq_id=next(seq_ids), index=0, token_ids=list(prompt),
+                       num_prompt_tokens=len(prompt))  # fmt: skip
+        request = Request(request_id=rid, arrival=int(rid[1:]), seqs=[seq], stop=stop,
+                          cache_salt=salt)  # fmt: skip
+        sched.add_request(request)
+        every[rid] = request
+        expected[rid] = reference_output(prompt, salt, stop)
+        outputs[rid] = []
+
+    for _ in range(data.draw(st.integers(1, 12), label="initial requests")):
+        add()
+    num_late = data.draw(st.integers(0, 8), label="late requests")
+    in_flight: deque[tuple[SchedulerOutput, Sampled]] = deque()  # executed, not yet updated
+    num_ahead = num_vain = 0
+    stalled = False  # a plan ahead ran nothing: wait for the step in flight (as the actor does)
+    for _ in range(4000):
+        idle = not (sched.has_unfinished or sched.has_swaps_in_flight or in_flight)
+        if idle and not sched.has_pending_txn_work and num_late == 0:
+            break
+        ahead = (
+            bool(in_flight)
+            and len(in_flight) < 2
+            and sched.can_plan_ahead()
+            and not sched.planned_cut
+            and not stalled
+            and data.draw(st.booleans(), label="plan ahead")
+        )
+        if in_flight and not ahead:  # the oldest step's tokens come back
+            out, sampled = in_flight.popleft()
+            stalled = False
+            live = {s.seq_id for r in sched.requests.values() for s in r.seqs}
+            num_vain += sum(1 for s in out.seqs if s.samples and s.seq_id not in live)
+            for upd in sched.update(out, sampled):
+                outputs[upd.request_id].extend(upd.new_token_ids)
+        else:
+            txn = sched.plan(snap, ahead=in_flight[-1][0] if in_flight else None)
+            if in_flight:
+                assert not (txn.victims or txn.swap_ins or txn.forks)
+            result = apply_txn(pool, txn)
+            snap = result.snapshot
+            out = sched.apply(txn, result)
+            num_ahead += bool(in_flight)
+            stalled = bool(in_flight) and not out.seqs
+            late = {k: v[0] for k, v in in_flight[-1][1].items()} if in_flight else {}
+            sampled = execute(world, out, every, late)  # (the swaps it starts, if nothing else)
+            if out.seqs:
+                in_flight.append((out, sampled))
+        pool.check_invariants()
+        for swap_id in sorted(world.swaps):
+            if data.draw(st.booleans(), label="complete swap"):
+                world.complete(swap_id)
+                sched.complete_swap(swap_id)
+        if num_late and data.draw(st.booleans(), label="arrive"):
+            add()
+            num_late -= 1
+        if sched.requests and data.draw(st.integers(0, 15), label="abort?") == 0:
+            rid = data.draw(st.sampled_from(sorted(sched.requests)), label="abort which")
+            sched.abort(rid)
+            aborted.add(rid)
+    else:
+        raise AssertionError("the scheduler stopped making progress")
+    event("planned ahead" if num_ahead else "never ahead")
+    if num_vain:
+        event("a row computed in vain")
+    if sched.statistics().num_preemptions:
+        event("preempted")
+    for rid, want in expected.items():
+        got = outputs[rid]
+        if rid in aborted:
+            assert got == want[: len(got)]
+        else:
+            assert got == want, rid
+    stats = pool.statistics()
+    assert stats.num_seqs == 0
+    assert stats.device.used == stats.device.in_flight == stats.host.used == 0
