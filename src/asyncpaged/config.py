@@ -79,6 +79,15 @@ class EngineConfig:
     # variable ASYNCPAGED_EXECUTOR_BACKEND=thread|process decides "auto" instead. The default
     # stays "thread": on the reference workload "process" did not measure faster (tuning.md).
     executor_backend: Literal["auto", "thread", "process"] = "thread"
+    # Async scheduling (vLLM's async_scheduling): plan step N+1 while step N runs, so the
+    # executor goes from one step to the next without waiting for the loop; a row whose input
+    # is step N's token takes it in the runner. A step is planned ahead only when every
+    # request step N samples is single-sequence, without stop strings, grammar, beams or
+    # prompt logprobs, and plain greedy or with sampling options that no longer change (no
+    # seed, penalties, bad words or logits processors); else the engine waits for step N as
+    # without it. A row planned ahead for a sequence that step N's token ends is computed in
+    # vain. Not with tensor parallelism, the KV tiers, priorities or speculative decoding.
+    async_scheduling: bool = False
     # Structured outputs: append the tokens a grammar forces (a schema's keys, punctuation)
     # without sampling each one; they are computed in the next step like a prefill chunk
     structured_outputs_jump_forward: bool = True
@@ -160,6 +169,11 @@ class EngineConfig:
              "executor_backend='process' does not take the KV tiers (kv_offload_*)."),
             (self.executor_backend != "process" or os.name == "posix",
              "executor_backend='process' needs a POSIX system."),
+            (not self.async_scheduling or (
+                self.tensor_parallel_size == 1 and self.kv_offload_host_bytes == 0
+                and self.scheduling_policy == "fcfs" and self.speculative_config is None),
+             "async_scheduling takes no tensor parallelism, KV tiers (kv_offload_*), "
+             "priority scheduling or speculative_config."),
             (self.attention_backend in ("auto", "torch", "triton", "cpu"),
              f"attention_backend must be 'auto', 'torch', 'triton' or 'cpu', got "
              f"{self.attention_backend!r}."),

@@ -44,6 +44,10 @@ class EngineStatistics:
     step_time_s: float
     compute_time_s: float
     num_jump_forward_tokens: int = 0  # structured outputs: tokens appended without sampling
+    # Async scheduling: steps planned while the one before ran, and their rows computed in
+    # vain (the step before ended the sequence with a stop token)
+    num_steps_planned_ahead: int = 0
+    num_rows_in_vain: int = 0
     # Prefix-cache hit tokens by tier (they sum to prefix_cache_hit_tokens) and KV-tier copies
     prefix_cache_device_hit_tokens: int = 0
     prefix_cache_host_hit_tokens: int = 0
@@ -89,6 +93,8 @@ def collect_statistics(actor: SchedulerActor, intake: IntakeActor) -> EngineStat
         step_time_s=actor.step_time_s,
         compute_time_s=actor.compute_time_s,
         num_jump_forward_tokens=actor.num_jump_forward_tokens,
+        num_steps_planned_ahead=actor.num_steps_ahead,
+        num_rows_in_vain=actor.num_rows_in_vain,
         prefix_cache_device_hit_tokens=pool.prefix_hit_tokens
         - pool.prefix_host_hit_tokens
         - pool.prefix_disk_hit_tokens,

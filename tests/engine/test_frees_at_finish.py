@@ -4,8 +4,10 @@ Right after the last ``await generate()`` returns (no ``wait_idle``, no sleep), 
 must show every device block free or cached: the scheduler actor frees what finished in the
 transaction planned right after the step, and records (and shows) outputs only after it. A
 stop string is found while detokenizing, so those requests are detokenized before the next
-plan and held from their readers until the transaction is done. Both preemption modes, and
-both kinds of readers (``await`` and DELTA streams). TP=2 is checked in
+plan and held from their readers until the transaction is done. Both preemption modes, both
+kinds of readers (``await`` and DELTA streams), with and without async scheduling (a request
+finished while the next step runs is freed in a transaction of its own when that step could
+not be planned ahead). TP=2 is checked in
 tests/distributed/test_tensor_parallel.py.
 """
 
@@ -33,8 +35,9 @@ def anyio_backend() -> str:
 
 @pytest.mark.parametrize("mode", ["swap", "recompute"])
 @pytest.mark.parametrize("kind", [RequestOutputKind.FINAL_ONLY, RequestOutputKind.DELTA])
+@pytest.mark.parametrize("ahead", [False, True], ids=["sync", "async_scheduling"])
 async def test_every_block_is_free_when_the_last_request_returns(
-    mode: str, kind: RequestOutputKind, tiny_checkpoint: Callable[[str], Path]
+    mode: str, kind: RequestOutputKind, ahead: bool, tiny_checkpoint: Callable[[str], Path]
 ) -> None:
     path = tiny_checkpoint(MODEL)
     prompts = make_prompts(12, seed=4)
@@ -44,7 +47,8 @@ async def test_every_block_is_free_when_the_last_request_returns(
                               stop=stop)  # fmt: skip
 
     with anyio.fail_after(120):
-        async with running_engine(path, num_device_blocks=10, preemption_mode=mode) as engine:
+        async with running_engine(path, num_device_blocks=10, preemption_mode=mode,
+                                  async_scheduling=ahead) as engine:  # fmt: skip
             # A stop string the first prompt's greedy text is known to contain.
             text = (await engine.generate(list(prompts[0]), greedy())).outputs[0].text
             await engine.wait_idle()

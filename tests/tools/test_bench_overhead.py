@@ -12,13 +12,14 @@ from asyncpaged.tools.bench_overhead import run
 
 
 @pytest.mark.parametrize(
-    ("mode", "executor"),
-    [("greedy", "thread"), ("sampled", "thread"), ("penalized", "thread"), ("greedy", "process")],
-)
-def test_bench_overhead_small_run(tmp_path: Path, mode: str, executor: str) -> None:
+    ("mode", "executor", "ahead"),
+    [("greedy", "thread", False), ("sampled", "thread", False), ("penalized", "thread", False),
+     ("greedy", "process", False), ("greedy", "thread", True), ("greedy", "process", True)],
+)  # fmt: skip
+def test_bench_overhead_small_run(tmp_path: Path, mode: str, executor: str, ahead: bool) -> None:
     args = argparse.Namespace(num_seqs=16, max_tokens=12, repeats=2, threads=1,
                               sampled=mode == "sampled", penalized=mode == "penalized",
-                              executor_backend=executor, device="cpu",
+                              executor_backend=executor, device="cpu", async_scheduling=ahead,
                               model_dir=str(tmp_path / "model"),
                               output=str(tmp_path))  # fmt: skip
     assert run(args) == 0  # the two runs' tokens agree (sampled: seeded per request)
@@ -32,3 +33,4 @@ def test_bench_overhead_small_run(tmp_path: Path, mode: str, executor: str) -> N
         assert r["ms_per_step"] > 0.0
         assert 0.0 < r["loop_cpu_ms_per_step"] <= r["ms_per_step"] * 1.05
         assert 0.0 < r["forward_ms_per_step"] < r["ms_per_step"]
+        assert (r["steps_planned_ahead"] > r["steps"] // 2) == ahead

@@ -1,8 +1,9 @@
-"""The executor actor: runs each step's forward on its own thread."""
+"""The executor actor: runs each step's forward on its own thread (or in the runner's process)."""
 
 from __future__ import annotations
 
 import time
+from typing import Any
 
 import anyio
 from anyio.abc import TaskStatus
@@ -10,19 +11,22 @@ from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStre
 
 from asyncpaged.actors.worker_thread import WorkerThread
 from asyncpaged.messages import ExecuteStep, SchedulerInbox, StepDone
-from asyncpaged.model.runner import StepRunner
+from asyncpaged.model.runner import StepResult, StepRunner
 from asyncpaged.model.runner_process import RunnerProcess
 
 
 class ExecutorActor:
-    """Owns the model and the device KV cache; one step at a time.
+    """Owns the model and the device KV cache; steps run one at a time, in the order sent.
 
-    The forward runs on the actor's own long-lived thread (:class:`WorkerThread`) so the event
-    loop stays free and the activations stay in one allocator arena. A cancelled engine waits
-    for the running forward to end rather than abandoning the thread, which would keep writing
-    the KV cache. ``runner`` is the ``ModelRunner`` itself, or under
-    tensor parallelism the rank-0 runner that also broadcasts each step to the other ranks; a
-    :class:`RunnerProcess` (the runner in its own process) is awaited on the loop, no thread.
+    A step starts as soon as it arrives: queued on the actor's own long-lived thread
+    (:class:`WorkerThread`), or sent down the pipe of a :class:`RunnerProcess` (no thread),
+    even while the step before still runs (async scheduling sends the next step early), so the
+    runner goes from one step to the next without waiting for the event loop. Each step's
+    completion is reported in order (``StepDone``), by a task of its own. The thread keeps the
+    activations in one allocator arena; a cancelled engine waits for the running forward to
+    end rather than abandoning it (it would keep writing the KV cache). ``runner`` is the
+    ``ModelRunner`` itself, or under tensor parallelism the rank-0 runner that also broadcasts
+    each step to the other ranks.
     """
 
     def __init__(
@@ -35,23 +39,32 @@ class ExecutorActor:
         self._inbox = inbox
         self._events = events
         self._thread = WorkerThread("asyncpaged-executor")
+        self._last_done = 0.0  # when the last step ended (a step sent early starts then)
 
     async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
         task_status.started()
         try:
-            async with self._inbox, self._events:
+            async with self._inbox, self._events, anyio.create_task_group() as steps:
                 async for msg in self._inbox:
-                    await self._step(msg)
+                    sent = time.perf_counter()
+                    if isinstance(self.runner, RunnerProcess):
+                        ticket: Any = await self.runner.send_execute(msg.plan)
+                    else:
+                        ticket = self._thread.submit(self.runner.execute, msg.plan)
+                    steps.start_soon(self._complete, msg, ticket, sent)
         finally:
             self._thread.close()
 
-    async def _step(self, msg: ExecuteStep) -> None:
-        start = time.perf_counter()
+    async def _complete(self, msg: ExecuteStep, ticket: Any, sent: float) -> None:
+        """Await a step started by :meth:`run` and report it (steps end in the order sent)."""
+        result: StepResult
         if isinstance(self.runner, RunnerProcess):
-            result = await self.runner.execute(msg.plan)
+            result = await self.runner.result(ticket)
         else:
-            result = await self._thread.run(self.runner.execute, msg.plan)
-        duration = time.perf_counter() - start
-        await self._events.send(
+            result = await self._thread.wait(ticket)
+        done = time.perf_counter()
+        duration = done - max(sent, self._last_done)  # from when it could start
+        self._last_done = done
+        self._events.send_nowait(
             StepDone(step_id=msg.output.step_id, result=result, duration_s=duration)
         )

@@ -111,10 +111,12 @@ class SchedulerActor:
         grammars: GrammarBackend | None = None,
         *,
         draft_proposals: DraftProposals | None = None,
+        async_scheduling: bool = False,
     ) -> None:
         """``draft_proposals``: the draft model's proposals (speculative method
         "draft_model"), refilled from every step's result for the core's proposer;
-        ``tokenizer``: the loop's, for bad words."""
+        ``tokenizer``: the loop's, for bad words; ``async_scheduling``: plan a step while the
+        one before runs, where its requests allow (:meth:`_plans_ahead`)."""
         self.scheduler = scheduler
         self._draft_proposals = draft_proposals
         self._grammars = grammars
@@ -129,7 +131,10 @@ class SchedulerActor:
         self._executor = executor
         self._swaps = swaps
         self._eos = eos_token_ids
-        self._in_flight: SchedulerOutput | None = None
+        self._async = async_scheduling
+        # Steps sent and not yet done, oldest first: one, or two when the second was planned
+        # ahead (async scheduling)
+        self._in_flight: deque[SchedulerOutput] = deque()
         self._tables = TableDeltas()  # the block tables the executor's runner holds
         self._histories = HistoryDeltas()  # the penalty histories it holds
         self._planning = False  # a transaction is at the allocator
@@ -139,6 +144,8 @@ class SchedulerActor:
         self.step_time_s = 0.0
         self.compute_time_s = 0.0
         self.num_jump_forward_tokens = 0  # tokens a grammar forced, appended without sampling
+        self.num_steps_ahead = 0  # steps planned while the one before ran (async scheduling)
+        self.num_rows_in_vain = 0  # their rows whose sequence the step before ended
         # engine.pin_prefix waiters (WatchPin): pin id -> (event, what the pool pinned)
         self._pins: PinWaiters = {}
         # Requests submitted and not yet added here nor released by the intake (refused,
@@ -214,8 +221,13 @@ class SchedulerActor:
                 if self._stop_tokens:
                     await self._check_stops()
                 stepped = False
-                if self._in_flight is None and self._has_work():
-                    stepped = await self._step()
+                if not self._in_flight:
+                    if self._has_work():
+                        stepped = await self._step()
+                elif self._plans_ahead():
+                    stepped = await self._step(self._in_flight[0])
+                elif self._async and self.scheduler.has_pending_txn_work:
+                    await self._settle()  # a finished request's blocks return now
                 self._deliver()  # the last step's outputs, while the next one runs
                 self._idle.notify()
                 if not stepped:
@@ -241,9 +253,37 @@ class SchedulerActor:
         self._swaps.send_nowait(CopyTierBlocks(ops=ops, done=done))
         await done.wait()
 
-    async def _step(self) -> bool:
-        """Plan and start one step; False if it ran nothing (then wait for news)."""
-        txn = self.scheduler.plan(self.snapshot)
+    def _plans_ahead(self) -> bool:
+        """Async scheduling: whether to plan the next step now, while the one in flight runs:
+        the core allows it (:meth:`Scheduler.can_plan_ahead`, and the last plan was not cut
+        short), there is work, and every request the step in flight samples for may decode a
+        token it has not seen (``Tracked.ahead``, and its sampling options fixed or none)."""
+        if not self._async or len(self._in_flight) != 1 or not self._has_work():
+            return False
+        sched = self.scheduler
+        if sched.planned_cut or not sched.can_plan_ahead():
+            return False
+        tracked = self._tracked
+        for s in self._in_flight[0].seqs:
+            t = tracked.get(s.request_id) if s.samples else None
+            if t is not None and not (t.ahead and (t.info.plain or 0 in t.fixed_options)):
+                return False
+        return True
+
+    async def _settle(self) -> None:
+        """A transaction of the pending frees, late tokens, pins and swap confirmations alone,
+        while a step runs that the next cannot be planned ahead of."""
+        self._planning = True
+        await self._txns.send(self.scheduler.plan_settle())
+        result = await self._results.receive()
+        self._planning = False
+        self.snapshot = result.snapshot
+        hand_out_pins(result.pinned, self._pins, self.scheduler, self._log)
+
+    async def _step(self, ahead: SchedulerOutput | None = None) -> bool:
+        """Plan and start one step (``ahead`` of the step in flight: see
+        :meth:`Scheduler.plan`); False if it ran nothing (then wait for news)."""
+        txn = self.scheduler.plan(self.snapshot, ahead)
         self._planning = True
         await self._txns.send(txn)
         result = await self._results.receive()
@@ -271,7 +311,8 @@ class SchedulerActor:
             histories=self._histories,
         )
         self._scheduled.extend(scheduled)
-        self._in_flight = out
+        self._in_flight.append(out)
+        self.num_steps_ahead += ahead is not None
         # Without a checkpoint (the executor's inbox is empty: the last step is done), so the
         # executor is the first task to run and starts the step before the outputs are recorded.
         self._executor.send_nowait(
@@ -288,8 +329,14 @@ class SchedulerActor:
             case AddRequest(request=request, info=info):
                 self.num_incoming -= 1
                 rid = request.request_id
-                known = None if info.params.prompt_logprobs is None else 1
-                self._tracked[rid] = Tracked(info=info, prompt_known=known)
+                params = info.params
+                known = None if params.prompt_logprobs is None else 1
+                ahead = (
+                    self._async and not params.stop and info.grammar is None
+                    and params.num_sequences == 1 and params.prompt_logprobs is None
+                    and request.beam is None and not request.num_speculative_tokens
+                )  # fmt: skip
+                self._tracked[rid] = Tracked(info=info, prompt_known=known, ahead=ahead)
                 self.scheduler.add_request(request)
                 self._log.debug("request_added", request_id=rid)
             case AbortRequest(request_id=rid, serial=serial):
@@ -300,13 +347,16 @@ class SchedulerActor:
                     self._end(rid, None)
                     self._log.info("request_aborted", request_id=rid)
             case StepDone(step_id=step_id, result=result, duration_s=duration):
-                out = self._in_flight
-                assert out is not None
+                out = self._in_flight.popleft()
                 assert out.step_id == step_id
-                self._in_flight = None
                 self.num_steps += 1
                 self.step_time_s += duration
                 self.compute_time_s += result.compute_s
+                if self._async:
+                    requests = self.scheduler.requests
+                    self.num_rows_in_vain += sum(
+                        1 for s in out.seqs if s.samples and s.request_id not in requests
+                    )
                 self._prompt_logprobs.extend(prompt_logprob_progress(
                     out, result.prompt_logprobs, self.scheduler, self._tracked
                 ))  # fmt: skip

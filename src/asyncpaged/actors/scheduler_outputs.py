@@ -27,15 +27,18 @@ class Tracked:
     """The scheduler actor's own record of a live request (never shared): what the intake
     fixed (``info``), its grammar matchers by completion index (made on its first step), its
     prompt logprobs known so far (position 0 included; None: not asked), the cached-token
-    count last reported to the output processor (None: never scheduled yet), and the sampling
+    count last reported to the output processor (None: never scheduled yet), the sampling
     options of its completions whose options no longer change from step to step (see
-    ``scheduler_steps``), by completion index."""
+    ``scheduler_steps``), by completion index, and whether its decodes may be planned ahead."""
 
     info: RequestInfo
     matchers: dict[int, Any] = field(default_factory=dict)
     prompt_known: int | None = None
     reported_cached: int | None = None
     fixed_options: dict[int, SamplingOptions] = field(default_factory=dict)
+    # Async scheduling may plan its decodes ahead (single-sequence, no stop strings, grammar,
+    # beams, prompt logprobs or proposals; its options must also be fixed or none)
+    ahead: bool = False
 
 
 def tokens_by_seq(

@@ -11,6 +11,7 @@ and keeps thread-local state (the current CUDA device and stream, OpenMP's team)
 
 from __future__ import annotations
 
+import asyncio
 import queue
 import threading
 from collections.abc import Callable
@@ -53,6 +54,12 @@ class WorkerThread:
     async def run(self, fn: Callable[..., Any], *args: Any) -> Any:
         """``fn(*args)`` on the thread; its result, or its exception raised here. Raises
         :class:`WorkerThreadClosedError` once the thread is closed (before anything is queued)."""
+        return await self.wait(self.submit(fn, *args))
+
+    def submit(self, fn: Callable[..., Any], *args: Any) -> _Call:
+        """Queue ``fn(*args)`` now, behind the calls already queued (the thread runs them in
+        order, one after the other, without waiting for the event loop); :meth:`wait` for it.
+        Raises :class:`WorkerThreadClosedError` once the thread is closed."""
         if self._closed:
             raise WorkerThreadClosedError(f"{self.name}: the worker thread is closed")
         if self._thread is None:
@@ -60,6 +67,11 @@ class WorkerThread:
             self._thread.start()
         call = _Call(fn, args, anyio.lowlevel.current_token())
         self._jobs.put(call.run)
+        return call
+
+    async def wait(self, call: _Call) -> Any:
+        """The result of a submitted call (or its exception, raised here). Cancelled, it takes
+        back a call not yet started, or waits for a started one to end."""
         try:
             await call.done.wait()
         except anyio.get_cancelled_exc_class():
@@ -117,7 +129,20 @@ class _Call:
             self._value, self._ok = self._fn(*self._args), True
         except BaseException as exc:  # delivered to the caller, which decides
             self._value = exc
-        try:
-            anyio.from_thread.run_sync(self.done.set, token=self._token)
-        except RuntimeError:  # the event loop is gone: nobody is waiting any more
-            _log.debug("worker_thread_orphaned")
+        _set_soon(self._token, self.done.set)
+
+
+def _set_soon(token: anyio.lowlevel.EventLoopToken, fn: Callable[[], None]) -> None:
+    """Run ``fn`` on the token's event loop soon, without waiting for it (the thread goes on
+    to its next call while the loop is busy): asyncio's ``call_soon_threadsafe``, trio's
+    ``run_sync_soon``, else anyio's blocking ``from_thread.run_sync``."""
+    native: Any = token.native_token
+    try:
+        if isinstance(native, asyncio.AbstractEventLoop):
+            native.call_soon_threadsafe(fn)
+        elif hasattr(native, "run_sync_soon"):  # trio's TrioToken
+            native.run_sync_soon(fn)
+        else:
+            anyio.from_thread.run_sync(fn, token=token)
+    except Exception:  # the event loop is gone: nobody is waiting any more
+        _log.debug("worker_thread_orphaned")

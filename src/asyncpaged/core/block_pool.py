@@ -292,6 +292,8 @@ class BlockPool:
         """
         table = self._device_table(seq_id, "append to")
         _check_tokens(token_ids)
+        if len(token_ids) > 1 and LATE_TOKEN in token_ids:
+            raise BlockPoolError("a late token is appended alone.")
         self._check_settled(table, "append to")
         spec.check_num_speculative(num_speculative_tokens, len(token_ids))
         spec.check_verified(self._speculative, seq_id, "append to")
@@ -545,5 +547,3 @@ class BlockPool:
 def _check_tokens(token_ids: Sequence[int]) -> None:
     if len(token_ids) == 0:
         raise BlockPoolError("token_ids must not be empty.")
-    if len(token_ids) > 1 and LATE_TOKEN in token_ids:
-        raise BlockPoolError("a late token is appended alone.")

@@ -270,6 +270,21 @@ class Scheduler:
             claim=plan.claim,
         )
 
+    def plan_settle(self) -> StepTxn:
+        """A transaction of the pending frees, late tokens' values, pins, unpins and swap
+        confirmations alone (no step): with a step in flight that the next cannot be planned
+        ahead of, a finished request's blocks return to the pool at once."""
+        txn = StepTxn(
+            late_tokens=tuple(self._pending_late),
+            complete_swaps=tuple(self._pending_completes),
+            pins=tuple(self._pending_pins),
+            unpins=tuple(self._pending_unpins),
+            frees=tuple(self._pending_frees),
+        )
+        self._pending_late, self._pending_completes, self._pending_pins = [], [], []
+        self._pending_unpins, self._pending_frees = [], []
+        return txn
+
     def _plan_queues(
         self, plan: PlanBudget, pressure: bool
     ) -> tuple[list[tuple[int, ...]], list[Admission]]:

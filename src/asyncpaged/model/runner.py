@@ -30,6 +30,7 @@ import numpy as np
 import torch
 
 from asyncpaged._log import get_logger
+from asyncpaged.core.block_table import LATE_TOKEN
 from asyncpaged.model.attention import AttentionBackend, AttentionMetadata
 from asyncpaged.model.attention_select import AttentionChoice, select_attention_backend
 from asyncpaged.model.base import SINGLE_SHARD, CausalLM, TensorShard
@@ -190,6 +191,7 @@ class ModelRunner:
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
         self._tables = BlockTables()  # the block tables of the last step's sequences
         self._histories = PenaltyHistories()  # penalty histories of the last step's rows
+        self._last_sampled: tuple[SampledToken, ...] = ()  # what the last step sampled
         # Draft-model speculation (``attach_draft``): its cache mirrors this one's block ids.
         self.draft: DraftModel | None = None
 
@@ -233,7 +235,8 @@ class ModelRunner:
         if bad.any():
             first = int(np.flatnonzero(bad)[0])
             self._refuse(seqs[first], int(num_blocks[first]))
-        if int(qlens.max()) == 1:  # all decodes: one token each
+        decodes = int(qlens.max()) == 1
+        if decodes:  # all decodes: one token each
             ids = np.fromiter((s.token_ids[0] for s in seqs), np.int64, n)
             slots = np.fromiter((s.slot_mapping[0] for s in seqs), np.int64, n)
             positions = starts
@@ -245,6 +248,8 @@ class ModelRunner:
                 np.cumsum(qlens) - qlens, qlens
             )
             positions = np.repeat(starts, qlens) + offsets
+        if int(ids.min()) < 0:
+            self._fill_late(ids, seqs, None if decodes else np.cumsum(qlens))
         rope_lens = None  # the context lengths themselves
         if any(s.min_rope_len for s in seqs):
             rope_lens = np.maximum(context, [s.min_rope_len for s in seqs])
@@ -260,6 +265,20 @@ class ModelRunner:
         input_tensor = torch.from_numpy(ids).to(self.device)
         position_tensor = torch.from_numpy(positions).to(self.device)
         return metadata, input_tensor, position_tensor
+
+    def _fill_late(
+        self, ids: np.ndarray, seqs: tuple[SequenceStep, ...], ends: np.ndarray | None
+    ) -> None:
+        """Async scheduling: a row planned before the last step returned has a late token
+        (``LATE_TOKEN``) for input, the token the last step sampled for its sequence.
+        ``ends``: each sequence's end in ``ids`` (None: one token each)."""
+        positions = np.flatnonzero(ids == LATE_TOKEN)
+        rows = positions if ends is None else np.searchsorted(ends, positions, side="right")
+        last = {t.seq_id: t.token_id for t in self._last_sampled}
+        for pos, row in zip(positions.tolist(), rows.tolist(), strict=True):
+            seq_id = seqs[row].seq_id
+            assert seq_id in last, f"sequence {seq_id}: a late token, but no token sampled last"
+            ids[pos] = last[seq_id]
 
     def _refuse(self, seq: SequenceStep, num_blocks: int) -> None:
         """A malformed sequence step (a scheduler bug): fail loudly, naming what is wrong."""
@@ -301,7 +320,9 @@ class ModelRunner:
         seen = self._histories.update(plan.seqs)
         inputs = self._inputs(plan)
         result = self._target_step(plan, *inputs, seen=seen)
-        return result if draft is None else draft.step(plan, inputs, result)
+        result = result if draft is None else draft.step(plan, inputs, result)
+        self._last_sampled = result.sampled  # the inputs of the next step's late tokens
+        return result
 
     def _target_step(
         self,

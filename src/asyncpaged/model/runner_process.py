@@ -23,8 +23,9 @@ imports this module and nothing of the host's, so a script needs no ``if __name_
 "__main__":`` guard and its top level never runs twice. It is launched before the engine reads
 the checkpoint and plans, so its imports (~2 s, mostly torch and transformers) overlap that.
 
-The process runs requests one at a time, in the order they were sent; the engine keeps one
-request on the pipe at a time (a lock), so each reply answers the request sent before it.
+The process runs requests one at a time, in the order they were sent; the engine may send a
+step while the one before runs (async scheduling plans it ahead), and reads the replies in the
+order it sent the requests (tickets).
 Everything that crosses is pickled: the plan's sampling options included, so per-request
 ``logits_processors`` (arbitrary callables, often stateful) are refused in this mode. A draft
 model (speculative decoding) is loaded in the process beside the runner.
@@ -70,6 +71,9 @@ _as_tuple_of = tuple.__new__
 
 START_TIMEOUT_S = 600.0  # loading a large checkpoint may take minutes
 JOIN_TIMEOUT_S = 10.0  # a process told to stop exits within this, or is terminated
+# A request larger than this waits until every reply is read (the pipe's buffer, 208 KiB by
+# default, then holds at most a few smaller requests: a step of 256 decodes pickles to ~10 kB)
+PIPELINE_BYTES = 32 * 1024
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -163,9 +167,16 @@ class RunnerLaunch:
 class RunnerProcess:
     """A :class:`ModelRunner` in a child process, driven from the event loop.
 
-    Invariants: at most one request is on the pipe at a time (``_lock``); a request once sent is
-    always read to its reply (shielded from cancellation) unless the process has died, so replies
-    never answer the wrong request; after :meth:`close` nothing is sent and the process has been
+    Requests are pipelined: :meth:`send_execute` sends a step at once, even while earlier ones
+    run (the process runs them in order, so it goes from one step to the next without waiting
+    for the loop), and :meth:`result` reads its reply when its turn comes.
+
+    Invariants: requests leave in ticket order and replies are read in the same order, each by
+    the holder of its ticket (``_next_read``); a request once sent is always read to its reply
+    (shielded from cancellation) unless the process has died, so replies never answer the
+    wrong request; a request over ``PIPELINE_BYTES`` is sent only when no reply is unread, so
+    the unread requests never fill the pipe (a write blocking while the process blocks on its
+    reply would deadlock); after :meth:`close` nothing is sent and the process has been
     reaped (terminated if it would not stop).
     """
 
@@ -174,9 +185,10 @@ class RunnerProcess:
         self._popen = popen
         self._conn = conn
         self._life = life  # the lifeline's read end: readable (EOF) once the process is gone
-        # fast_acquire: a free pipe is taken without yielding, so the plan leaves at once (a
-        # checkpoint here would run the output processor and every reader first)
-        self._lock = anyio.Lock(fast_acquire=True)
+        self._sent = 0  # tickets handed out (requests sent)
+        self._next_read = 0  # the ticket whose reply is read next
+        self._turns: dict[int, anyio.Event] = {}  # tickets waiting for their turn to read
+        self._drained: anyio.Event | None = None  # set when no reply is left unread
         self._closed = False
 
     @property
@@ -186,33 +198,65 @@ class RunnerProcess:
     # ---- the runner's calls, awaited on the event loop ----------------------------------------
 
     async def execute(self, plan: StepPlan) -> StepResult:
-        wire = await self._call("execute", (tuple([tuple(s) for s in plan.seqs]), plan.copy_pairs))
+        return await self.result(await self.send_execute(plan))
+
+    async def send_execute(self, plan: StepPlan) -> int:
+        """Send a step now (no checkpoint unless it must wait for the pipe); its ticket."""
+        return await self._send("execute", (tuple([tuple(s) for s in plan.seqs]), plan.copy_pairs))
+
+    async def result(self, ticket: int) -> StepResult:
+        """The result of the step sent with ``ticket`` (after every earlier reply is read)."""
+        wire = await self._receive(ticket)
         assert isinstance(wire, tuple)
         rows, compute_s, prompt_logprobs = wire
         sampled = tuple([_as_tuple_of(SampledToken, row) for row in rows])
         return StepResult(sampled=sampled, compute_s=compute_s, prompt_logprobs=prompt_logprobs)
 
     async def swap_out(self, pairs: tuple[tuple[int, int], ...]) -> None:
-        await self._call("swap_out", pairs)
+        await self._receive(await self._send("swap_out", pairs))
 
     async def swap_in(self, pairs: tuple[tuple[int, int], ...]) -> None:
-        await self._call("swap_in", pairs)
+        await self._receive(await self._send("swap_in", pairs))
 
-    async def _call(self, method: str, arg: object) -> object:
-        """Send one request and await its reply; raises the error the process's runner raised,
-        or :class:`WorkerDiedError` if the process is gone."""
+    async def _send(self, method: str, arg: object) -> int:
+        """Send one request; its ticket. Raises :class:`WorkerDiedError` if the process is
+        stopped or gone."""
         data = pickle.dumps((method, arg), protocol=pickle.HIGHEST_PROTOCOL)
-        async with self._lock:
-            if self._closed:
-                raise WorkerDiedError("the runner process was stopped")
-            with anyio.CancelScope(shield=True):  # a sent request is read to its reply
-                try:
-                    self._conn.send_bytes(data)
-                    await anyio.wait_readable(self._conn.fileno())
-                    ok, value = pickle.loads(self._conn.recv_bytes())
-                except (EOFError, OSError) as exc:
-                    _reap(self._popen, 0.1)  # it is exiting: reap it for its exit code
-                    raise _died(self._popen) from exc
+        while len(data) > PIPELINE_BYTES and self._next_read < self._sent:
+            if self._drained is None:
+                self._drained = anyio.Event()
+            await self._drained.wait()
+        if self._closed:
+            raise WorkerDiedError("the runner process was stopped")
+        try:
+            self._conn.send_bytes(data)
+        except OSError as exc:
+            _reap(self._popen, 0.1)  # it is exiting: reap it for its exit code
+            raise _died(self._popen) from exc
+        self._sent += 1
+        return self._sent - 1
+
+    async def _receive(self, ticket: int) -> object:
+        """Read the reply of ``ticket`` in its turn; raises the error the process's runner
+        raised, or :class:`WorkerDiedError` if the process is gone."""
+        with anyio.CancelScope(shield=True):  # a sent request is read to its reply
+            if ticket != self._next_read:
+                turn = self._turns[ticket] = anyio.Event()
+                await turn.wait()
+            try:
+                await anyio.wait_readable(self._conn.fileno())
+                ok, value = pickle.loads(self._conn.recv_bytes())
+            except (EOFError, OSError) as exc:
+                _reap(self._popen, 0.1)  # it is exiting: reap it for its exit code
+                raise _died(self._popen) from exc
+            finally:
+                self._next_read += 1
+                nxt = self._turns.pop(self._next_read, None)
+                if nxt is not None:
+                    nxt.set()
+                if self._next_read == self._sent and self._drained is not None:
+                    self._drained.set()
+                    self._drained = None
         if not ok:
             assert isinstance(value, BaseException)
             raise value

@@ -60,7 +60,7 @@ async def _one_run(args: argparse.Namespace, checkpoint: Path) -> dict[str, Any]
     config = EngineConfig(
         model=str(checkpoint), max_num_seqs=args.num_seqs, max_num_batched_tokens=2048,
         seed=0, enable_prefix_caching=False, executor_backend=args.executor_backend,
-        device=args.device,
+        device=args.device, async_scheduling=args.async_scheduling,
     )  # fmt: skip
     params = SamplingParams(
         temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True,
@@ -94,13 +94,15 @@ async def _one_run(args: argparse.Namespace, checkpoint: Path) -> dict[str, Any]
         loop_cpu = time.thread_time() - loop_cpu
         after = engine.statistics()
     steps = after.num_steps - before.num_steps
+    ahead = after.num_steps_planned_ahead - before.num_steps_planned_ahead
     compute = after.compute_time_s - before.compute_time_s
     digest = hashlib.sha256(json.dumps(tokens).encode()).hexdigest()[:16]
     return {"wall_s": wall, "steps": steps,
             "ms_per_step": 1000 * wall / steps, "outside_forward": 1 - compute / wall,
             "steps_per_s": steps / wall, "loop_cpu_ms_per_step": 1000 * loop_cpu / steps,
             "forward_ms_per_step": 1000 * compute / steps, "tokens_digest": digest,
-            "executor_backend": engine.config.executor_backend}  # fmt: skip
+            "executor_backend": engine.config.executor_backend,
+            "steps_planned_ahead": ahead}  # fmt: skip
 
 
 def cpu_flags() -> str:
@@ -130,13 +132,16 @@ def run(args: argparse.Namespace) -> int:
     print(f"median {median['ms_per_step']:.2f} ms/step (goal <= 4 at 256 sequences), "
           f"{100 * median['outside_forward']:.0f}% outside the forward, "
           f"{median['steps_per_s']:.1f} steps/s; CPU flags: {cpu_flags()}; "
-          f"{args.threads} torch thread(s), executor {runs[-1]['executor_backend']}, device "
+          f"{args.threads} torch thread(s), executor {runs[-1]['executor_backend']}, async "
+          f"scheduling {'on' if args.async_scheduling else 'off'} "
+          f"({runs[-1]['steps_planned_ahead']} steps planned ahead), device "
           f"{args.device}{differ}")  # fmt: skip
     out = Path(args.output)
     out.mkdir(parents=True, exist_ok=True)
     (out / "overhead.json").write_text(json.dumps(
         {"model": MICRO_MODEL, "num_seqs": args.num_seqs, "max_tokens": args.max_tokens,
          "threads": args.threads, "executor_backend": runs[-1]["executor_backend"],
+         "async_scheduling": args.async_scheduling,
          "device": args.device,
          "cpu_flags": cpu_flags(), "runs": runs, "median": median},
         indent=2))  # fmt: skip
@@ -152,6 +157,8 @@ def add_parser(modes: Any) -> None:
     p.add_argument("--executor-backend", choices=("auto", "thread", "process"), default="auto",
                    help="where the model runner runs (EngineConfig.executor_backend)")  # fmt: skip
     p.add_argument("--device", default="cpu", help="cpu (default) or cuda")
+    p.add_argument("--async-scheduling", action="store_true",
+                   help="plan a step while the one before runs (async_scheduling)")  # fmt: skip
     workload = p.add_mutually_exclusive_group()
     workload.add_argument(
         "--sampled",

@@ -31,7 +31,7 @@ def bench_pool(num_blocks: int, *, num_ops: int = 20000, block_size: int = 16) -
     fill = list(range(64 * block_size))
     i = 0
     while pool.statistics().num_held_device_blocks + 64 <= num_blocks // 2:
-        fill[0] = -i - 1  # distinct first block: no prefix sharing during the fill
+        fill[0] = 1_000_000 + i  # distinct first block: no prefix sharing during the fill
         pool.allocate(f"fill{i}", fill)
         i += 1
     for j in range(0, i, 3):  # free every third: holes all over the pool

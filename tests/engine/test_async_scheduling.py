@@ -1,0 +1,242 @@
+"""Async scheduling (``EngineConfig(async_scheduling=True)``): a step planned while the one
+before runs, its decodes fed the tokens that step samples, inside the runner.
+
+Greedy tokens equal transformers' with the runner on the thread and in its process, under
+memory pressure in both preemption modes (preemption waits for the step in flight); a stop
+token that ends a sequence leaves the row planned ahead for it computed in vain and nothing
+else; requests that cannot be planned ahead (stop strings, seeds, penalties, n > 1) run beside
+those that can and get what the engine without it gives; blocks are free when the last request
+returns; what it cannot combine with is refused."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import anyio
+import pytest
+import torch
+
+from asyncpaged import EngineConfig, RequestOutputKind, SamplingParams, SpeculativeConfig
+from asyncpaged.core.block_table import LATE_TOKEN
+from asyncpaged.model import runner_process
+from asyncpaged.model.runner import ModelRunner, SequenceStep, StepPlan
+from tests.engine.conftest import running_engine
+from tests.engine.test_engine import generate_all, make_prompts
+from tests.model.reference import HFReference
+
+MODEL = "llama-gqa"
+GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+
+pytestmark = pytest.mark.anyio
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+@pytest.mark.parametrize(
+    ("backend", "mode"), [("thread", "recompute"), ("thread", "swap"), ("process", "swap")]
+)
+async def test_greedy_matches_transformers_under_memory_pressure(
+    backend: str,
+    mode: str,
+    tiny_checkpoint: Callable[[str], Path],
+    hf_reference: Callable[[str], HFReference],
+) -> None:
+    path, ref = tiny_checkpoint(MODEL), hf_reference(MODEL)
+    prompts = make_prompts(24, seed=1)
+    with anyio.fail_after(180):
+        async with running_engine(path, num_device_blocks=10, preemption_mode=mode,
+                                  executor_backend=backend,
+                                  async_scheduling=True) as engine:  # fmt: skip
+            outs = await generate_all(engine, prompts, GREEDY)
+            stats = engine.statistics()
+    for prompt, out in zip(prompts, outs, strict=True):
+        assert out.outputs[0].token_ids == ref.generate(prompt, 10)[0], prompt
+    assert stats.num_preemptions > 0
+    assert stats.num_steps_planned_ahead > stats.num_steps // 3, stats
+    assert stats.num_rows_in_vain == 0  # ignore_eos, and max_tokens is known ahead
+
+
+@pytest.mark.parametrize("backend", ["thread", "process"])
+async def test_a_stop_token_leaves_the_row_planned_ahead_computed_in_vain(
+    backend: str,
+    tiny_checkpoint: Callable[[str], Path],
+    hf_reference: Callable[[str], HFReference],
+) -> None:
+    """Each request stops on its own 4th greedy token (a stop token id): the step planned
+    before that token came back computed one more row for it, which changes nothing."""
+    path, ref = tiny_checkpoint(MODEL), hf_reference(MODEL)
+    prompts = make_prompts(16, seed=2)
+    wants = [ref.generate(p, 12)[0] for p in prompts]
+
+    def params(i: int) -> SamplingParams:
+        stop = wants[i][3]
+        return SamplingParams(temperature=0.0, max_tokens=12, stop_token_ids=[stop])
+
+    with anyio.fail_after(180):
+        async with running_engine(path, num_device_blocks=64, executor_backend=backend,
+                                  async_scheduling=True) as engine:  # fmt: skip
+            outs = await generate_all(engine, prompts, params)
+            stats = engine.statistics()
+    for want, out in zip(wants, outs, strict=True):
+        cut = want.index(want[3]) + 1  # the first occurrence of the stop token ends it
+        assert out.outputs[0].token_ids == want[:cut]
+        assert out.outputs[0].finish_reason == "stop"
+    assert stats.num_rows_in_vain > 0, stats
+
+
+async def test_requests_that_cannot_go_ahead_run_beside_those_that_can(
+    tiny_checkpoint: Callable[[str], Path],
+) -> None:
+    """Stop strings, seeded sampling with penalties, n = 2 and unseeded sampling (its options
+    fixed) among plain greedy requests: every output equals the engine's without async
+    scheduling (seeded and greedy ones; the unseeded ones only finish, their draws depend on
+    the order)."""
+    path = tiny_checkpoint(MODEL)
+    prompts = make_prompts(20, seed=3)
+
+    def params(i: int) -> SamplingParams:
+        kind = i % 5
+        if kind == 1:
+            return SamplingParams(temperature=0.0, max_tokens=12, stop=[" the", "e"])
+        if kind == 2:
+            return SamplingParams(temperature=0.8, top_p=0.9, max_tokens=12, seed=i,
+                                  repetition_penalty=1.2, ignore_eos=True)  # fmt: skip
+        if kind == 3:
+            return SamplingParams(temperature=0.8, max_tokens=12, n=2, seed=i, ignore_eos=True)
+        if kind == 4:
+            return SamplingParams(temperature=0.8, max_tokens=12, ignore_eos=True)
+        return SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+
+    results = {}
+    for ahead in (False, True):
+        with anyio.fail_after(180):
+            async with running_engine(path, num_device_blocks=64,
+                                      async_scheduling=ahead) as engine:  # fmt: skip
+                outs = await generate_all(engine, prompts, params)
+                stats = engine.statistics()
+        results[ahead] = [[c.token_ids for c in o.outputs] for o in outs]
+        if ahead:
+            assert stats.num_steps_planned_ahead > 0
+    for i, (old, new) in enumerate(zip(results[False], results[True], strict=True)):
+        if i % 5 == 4:
+            assert [len(t) for t in new] == [12]
+        else:
+            assert new == old, i
+
+
+@pytest.mark.parametrize("backend", ["thread", "process"])
+async def test_large_steps_wait_for_the_pipe_and_aborts_free_their_blocks(
+    backend: str,
+    monkeypatch: pytest.MonkeyPatch,
+    tiny_checkpoint: Callable[[str], Path],
+    hf_reference: Callable[[str], HFReference],
+) -> None:
+    """Every step pickles past a tiny ``PIPELINE_BYTES``, so each waits until no reply is
+    unread; requests aborted while steps run ahead free their blocks."""
+    monkeypatch.setattr(runner_process, "PIPELINE_BYTES", 64)
+    path, ref = tiny_checkpoint(MODEL), hf_reference(MODEL)
+    prompts = make_prompts(8, seed=6)
+    long = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
+    with anyio.fail_after(180):
+        async with running_engine(path, num_device_blocks=64, executor_backend=backend,
+                                  async_scheduling=True) as engine:  # fmt: skip
+
+            async def abort_soon(prompt: tuple[int, ...]) -> None:
+                async for out in engine.generate(list(prompt), long):
+                    if len(out.outputs[0].token_ids) >= 3:
+                        break  # the stream is closed: its request is aborted
+
+            async with anyio.create_task_group() as tg:
+                for i in range(4):
+                    tg.start_soon(abort_soon, prompts[i])
+                outs = await generate_all(engine, prompts[4:], GREEDY)
+            stats = engine.statistics()
+    assert stats.num_aborted == 4 and stats.num_steps_planned_ahead > 0, stats
+    for prompt, out in zip(prompts[4:], outs, strict=True):
+        assert out.outputs[0].token_ids == ref.generate(prompt, 10)[0]
+
+
+def test_async_scheduling_refuses_what_it_cannot_combine_with() -> None:
+    for bad in (
+        {"tensor_parallel_size": 2},
+        {"kv_offload_host_bytes": 1 << 20},
+        {"scheduling_policy": "priority"},
+        {"speculative_config": SpeculativeConfig(method="ngram", num_speculative_tokens=2)},
+    ):
+        with pytest.raises(ValueError, match="async_scheduling"):
+            EngineConfig(model="m", async_scheduling=True, **bad)  # type: ignore[arg-type]
+
+
+def test_a_late_token_takes_what_the_last_step_sampled(
+    tiny_checkpoint: Callable[[str], Path],
+) -> None:
+    """The runner puts the token it sampled last for a sequence where a row has a late token:
+    the same logits, K/V and tokens as the row with the real token, in a mixed step too."""
+    path = tiny_checkpoint(MODEL)
+    runners = [ModelRunner(path, torch.float32, num_blocks=8, block_size=16, kv_fill_value=0.5)
+               for _ in range(2)]  # fmt: skip
+    prompt = (5, 9, 33, 2, 17, 8)
+    other = (40, 41, 42)
+    first = StepPlan(seqs=(SequenceStep(1, prompt, 0, tuple(range(6)), (0,), True),))
+    sampled = [r.execute(first).sampled[0].token_id for r in runners]
+    assert sampled[0] == sampled[1]
+    token = sampled[0]
+    results = []
+    for runner, given in zip(runners, (token, LATE_TOKEN), strict=True):
+        step = StepPlan(seqs=(
+            SequenceStep(2, other, 0, (16, 17, 18), (1,), True),  # a prefill beside it
+            SequenceStep(1, (given,), 6, (6,), (), True, table_start=1),
+        ))  # fmt: skip
+        results.append([t.token_id for t in runner.execute(step).sampled])
+    assert results[0] == results[1]
+    for layer in range(runners[0].model.num_layers):
+        for a, b in zip(runners[0].kv_cache.layer(layer), runners[1].kv_cache.layer(layer),
+                        strict=True):  # fmt: skip
+            assert torch.equal(a, b)
+
+
+async def test_a_request_is_freed_before_its_final_output_while_steps_run_ahead(
+    tiny_checkpoint: Callable[[str], Path], hf_reference: Callable[[str], HFReference]
+) -> None:
+    """Requests ending on a stop token beside requests that cannot be planned ahead (stop
+    strings) arriving over time, prompts prefilled in chunks: when a request's final output
+    reaches its reader, the pool holds no block of it (a finish while a step runs that the
+    next cannot be planned ahead of is freed by a transaction of its own)."""
+    path, ref = tiny_checkpoint(MODEL), hf_reference(MODEL)
+    prompts = make_prompts(24, seed=8, max_len=60)
+    wants = [ref.generate(p, 8)[0] for p in prompts]
+    held: list[str] = []
+
+    def params(i: int) -> SamplingParams:
+        kind = RequestOutputKind.DELTA
+        if i % 3 == 0:  # a stop string (never matched): a step it samples in is not passed
+            return SamplingParams(temperature=0.0, max_tokens=2, stop=["\x00"], ignore_eos=True,
+                                  output_kind=kind)  # fmt: skip
+        stop = wants[i][2 + i % 5]  # ends on a stop token, some steps apart
+        return SamplingParams(temperature=0.0, max_tokens=8, stop_token_ids=[stop],
+                              output_kind=kind)  # fmt: skip
+
+    with anyio.fail_after(180):
+        async with running_engine(path, num_device_blocks=64, max_num_batched_tokens=24,
+                                  async_scheduling=True) as engine:  # fmt: skip
+            pool, core = engine._allocator.pool, engine._scheduler.scheduler
+
+            async def one(i: int) -> None:
+                await anyio.sleep(0.005 * i)
+                seq_id = None
+                async for out in engine.generate(list(prompts[i]), params(i)):
+                    if seq_id is None:  # live until its final output at least
+                        seq_id = core.requests[out.request_id].seqs[0].seq_id
+                    if out.finished and pool.has_seq(seq_id):
+                        held.append(out.request_id)
+
+            async with anyio.create_task_group() as tg:
+                for i in range(len(prompts)):
+                    tg.start_soon(one, i)
+            stats = engine.statistics()
+    assert not held, f"requests still holding blocks at their final output: {held}"
+    assert stats.num_steps_planned_ahead > 0 and stats.num_rows_in_vain > 0, stats
