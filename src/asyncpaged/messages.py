@@ -13,7 +13,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import anyio
 
@@ -96,10 +96,10 @@ class AbortRequest:
     serial: int
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
-class TokenOutput:
+class TokenOutput(NamedTuple):
     """One completion's new tokens from one step (the core's update, with the grammar's
-    forced tokens) and the draw that produced them (its logprobs, if asked)."""
+    forced tokens) and the draw that produced them (its logprobs, if asked). A named tuple:
+    one per row per step."""
 
     update: SeqUpdate
     sampled: SampledToken

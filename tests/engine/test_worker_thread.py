@@ -122,3 +122,26 @@ async def test_a_closed_worker_takes_no_call() -> None:
     worker.close()
     with pytest.raises(RuntimeError, match="closed"):
         await worker.run(lambda: None)
+
+
+async def test_submitted_calls_run_back_to_back_while_the_loop_is_busy() -> None:
+    """``submit`` queues at once; the thread goes on to the next call without waiting for the
+    event loop to take the last result (async scheduling queues a step behind the running
+    one), under asyncio and trio alike."""
+    worker = WorkerThread("test-worker")
+    times: dict[str, float] = {}
+
+    def first() -> str:
+        time.sleep(0.05)
+        times["first_end"] = time.perf_counter()
+        return "a"
+
+    def second() -> str:
+        times["second_start"] = time.perf_counter()
+        return "b"
+
+    calls = [worker.submit(first), worker.submit(second)]
+    time.sleep(0.4)  # the loop is busy (blocked) while both run
+    assert [await worker.wait(c) for c in calls] == ["a", "b"]
+    worker.close()
+    assert times["second_start"] - times["first_end"] < 0.2

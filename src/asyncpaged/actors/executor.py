@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import time
 from typing import Any
 
@@ -14,6 +15,8 @@ from asyncpaged.messages import ExecuteStep, SchedulerInbox, StepDone
 from asyncpaged.model.runner import StepResult, StepRunner
 from asyncpaged.model.runner_process import RunnerProcess
 
+_Started = tuple[ExecuteStep, Any, float]  # a step, its ticket, when it was sent
+
 
 class ExecutorActor:
     """Owns the model and the device KV cache; steps run one at a time, in the order sent.
@@ -21,8 +24,8 @@ class ExecutorActor:
     A step starts as soon as it arrives: queued on the actor's own long-lived thread
     (:class:`WorkerThread`), or sent down the pipe of a :class:`RunnerProcess` (no thread),
     even while the step before still runs (async scheduling sends the next step early), so the
-    runner goes from one step to the next without waiting for the event loop. Each step's
-    completion is reported in order (``StepDone``), by a task of its own. The thread keeps the
+    runner goes from one step to the next without waiting for the event loop. A second task
+    awaits the started steps in order and reports each (``StepDone``). The thread keeps the
     activations in one allocator arena; a cancelled engine waits for the running forward to
     end rather than abandoning it (it would keep writing the KV cache). ``runner`` is the
     ``ModelRunner`` itself, or under tensor parallelism the rank-0 runner that also broadcasts
@@ -43,28 +46,33 @@ class ExecutorActor:
 
     async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
         task_status.started()
+        started, to_report = anyio.create_memory_object_stream[_Started](math.inf)
         try:
-            async with self._inbox, self._events, anyio.create_task_group() as steps:
-                async for msg in self._inbox:
-                    sent = time.perf_counter()
-                    if isinstance(self.runner, RunnerProcess):
-                        ticket: Any = await self.runner.send_execute(msg.plan)
-                    else:
-                        ticket = self._thread.submit(self.runner.execute, msg.plan)
-                    steps.start_soon(self._complete, msg, ticket, sent)
+            async with self._inbox, self._events, anyio.create_task_group() as tg:
+                tg.start_soon(self._report, to_report)
+                async with started:
+                    async for msg in self._inbox:
+                        sent = time.perf_counter()
+                        if isinstance(self.runner, RunnerProcess):
+                            ticket: Any = await self.runner.send_execute(msg.plan)
+                        else:
+                            ticket = self._thread.submit(self.runner.execute, msg.plan)
+                        started.send_nowait((msg, ticket, sent))
         finally:
             self._thread.close()
 
-    async def _complete(self, msg: ExecuteStep, ticket: Any, sent: float) -> None:
-        """Await a step started by :meth:`run` and report it (steps end in the order sent)."""
-        result: StepResult
-        if isinstance(self.runner, RunnerProcess):
-            result = await self.runner.result(ticket)
-        else:
-            result = await self._thread.wait(ticket)
-        done = time.perf_counter()
-        duration = done - max(sent, self._last_done)  # from when it could start
-        self._last_done = done
-        self._events.send_nowait(
-            StepDone(step_id=msg.output.step_id, result=result, duration_s=duration)
-        )
+    async def _report(self, to_report: MemoryObjectReceiveStream[_Started]) -> None:
+        """Await each step :meth:`run` started, in order, and report it."""
+        async with to_report:
+            async for msg, ticket, sent in to_report:
+                result: StepResult
+                if isinstance(self.runner, RunnerProcess):
+                    result = await self.runner.result(ticket)
+                else:
+                    result = await self._thread.wait(ticket)
+                done = time.perf_counter()
+                duration = done - max(sent, self._last_done)  # from when it could start
+                self._last_done = done
+                self._events.send_nowait(
+                    StepDone(step_id=msg.output.step_id, result=result, duration_s=duration)
+                )

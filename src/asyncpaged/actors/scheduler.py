@@ -41,6 +41,7 @@ from asyncpaged.core.scheduler import (
     SchedulerOutput,
     SchedulerStatistics,
 )
+from asyncpaged.core.scheduler_types import new_tuple
 from asyncpaged.core.txn import PoolSnapshot, StepTxn, TxnResult
 from asyncpaged.messages import (
     AbortRequest,
@@ -226,7 +227,7 @@ class SchedulerActor:
                         stepped = await self._step()
                 elif self._plans_ahead():
                     stepped = await self._step(self._in_flight[0])
-                elif self._async and self.scheduler.has_pending_txn_work:
+                elif self._async and self.scheduler.has_settle_work:
                     await self._settle()  # a finished request's blocks return now
                 self._deliver()  # the last step's outputs, while the next one runs
                 self._idle.notify()
@@ -411,7 +412,7 @@ class SchedulerActor:
                 upd, num_forced = jump_forward(tracked.info, tracked.matchers, upd,
                                                self.scheduler, self._grammars)  # fmt: skip
                 self.num_jump_forward_tokens += num_forced
-            token = TokenOutput(update=upd, sampled=by_row[upd.row])
+            token = new_tuple(TokenOutput, (upd, by_row[upd.row]))
             if tracked.info.params.stop:
                 self._stop_tokens.append(token)
             else:

@@ -17,6 +17,7 @@ from asyncpaged.actors.scheduler_sampling import BadWordsCache, sampling_options
 from asyncpaged.core.request import Request
 from asyncpaged.core.request import Sequence as Seq
 from asyncpaged.core.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
+from asyncpaged.core.scheduler_types import new_tuple
 from asyncpaged.messages import Scheduled
 from asyncpaged.model.block_tables import TableDeltas
 from asyncpaged.model.penalty_histories import HistoryDeltas
@@ -65,10 +66,10 @@ def build_sequence_steps(
         )
         table = tables.delta(s.seq_id, s.block_table)
         if t.info.plain and t.info.grammar is None and s.num_samples == 1:
-            steps.append(SequenceStep(s.seq_id, s.token_ids, s.start_pos, s.slot_mapping,
-                                      table[1], s.samples, min_rope_len=s.min_rope_len,
-                                      num_draft=s.num_draft, draft_k=draft_k,
-                                      table_start=table[0]))  # fmt: skip
+            steps.append(new_tuple(SequenceStep, (
+                s.seq_id, s.token_ids, s.start_pos, s.slot_mapping, table[1], s.samples, False,
+                None, (), s.min_rope_len, (), 0, 0, s.num_draft, (), draft_k, table[0],
+            )))  # fmt: skip
             continue
         steps.append(
             _sampled_step(s, request, t, bitmasks, eos_token_ids, bad_words, draft_k, table, kept)
@@ -216,3 +217,10 @@ def seq_of(request: Request, seq_id: int) -> Seq:
     if len(request.seqs) == 1:
         return request.seqs[0]
     return next(q for q in request.seqs if q.seq_id == seq_id)
+
+
+assert SequenceStep._fields == (
+    "seq_id", "token_ids", "num_computed_tokens", "slot_mapping", "block_table", "do_sample",
+    "want_logprob", "sampling", "fanout", "min_rope_len", "prompt_targets", "prompt_row_offset",
+    "num_prompt_logprobs", "num_draft", "verify_options", "draft_k", "table_start",
+), "build_sequence_steps builds a plain row's SequenceStep in this order"  # fmt: skip

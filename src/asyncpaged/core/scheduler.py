@@ -59,6 +59,7 @@ from asyncpaged.core.scheduler_types import (
     SchedulerStatistics,
     SeqUpdate,
     insort,
+    new_tuple,
 )
 from asyncpaged.core.scheduler_update import append_forced, update_step
 from asyncpaged.core.txn import Admission, PinOp, PoolSnapshot, StepTxn, TxnResult
@@ -192,6 +193,14 @@ class Scheduler:
             self._pending_frees or self._pending_completes or self._pending_forks
             or self._pending_pins or self._pending_unpins or self._pending_truncates
             or self._pending_late
+        )  # fmt: skip
+
+    @property
+    def has_settle_work(self) -> bool:
+        """:meth:`plan_settle` has something to send (frees, late tokens, pins, swap ends)."""
+        return bool(
+            self._pending_frees or self._pending_late or self._pending_pins
+            or self._pending_unpins or self._pending_completes
         )  # fmt: skip
 
     def unpin(self, pool_pin_id: int) -> None:
@@ -383,20 +392,12 @@ class Scheduler:
         # (a late token's row computes one past the end: the step in flight samples its input)
         samples = seq.num_computed_tokens >= len(seq.token_ids)
         fan_out = samples and len(request.seqs) == 1 and seq.num_generated == 0
-        out.append(
-            ScheduledSeq(
-                request_id=request.request_id,
-                seq_id=seq.seq_id,
-                token_ids=tokens,
-                start_pos=start,
-                slot_mapping=slots,
-                block_table=table,
-                samples=samples,
-                num_samples=request.num_samples if fan_out else 1,
-                min_rope_len=self._min_rope_len if request.long_rope else 0,
-                num_draft=num_draft,
-            )
-        )
+        row = (
+            request.request_id, seq.seq_id, tokens, start, slots, table, samples,
+            request.num_samples if fan_out else 1,
+            self._min_rope_len if request.long_rope else 0, num_draft,
+        )  # fmt: skip
+        out.append(new_tuple(ScheduledSeq, row))
         return n
 
     def _swap_owner(self, plan: SwapPlan) -> Request:

@@ -39,6 +39,12 @@ class SchedulerConfig:
     spec_disable_by_batch_size: int | None = None
 
 
+# Hot paths build the named tuples below with tuple.__new__ and every field in order (a named
+# tuple's own constructor is a Python function call per row); the guards at the end of this
+# module fail the import if their fields change.
+new_tuple = tuple.__new__
+
+
 class ScheduledSeq(NamedTuple):
     """One sequence's part of a step: K/V of ``token_ids`` (positions from ``start_pos``) go to
     ``slot_mapping``; if ``samples``, the logits of the last of them are sampled."""
@@ -114,3 +120,12 @@ def insort(queue: list[Request], request: Request) -> None:
 
 def _queue_key(request: Request) -> tuple[int, int]:
     return request.queue_key
+
+
+assert ScheduledSeq._fields == (
+    "request_id", "seq_id", "token_ids", "start_pos", "slot_mapping", "block_table", "samples",
+    "num_samples", "min_rope_len", "num_draft",
+), "Scheduler._schedule builds ScheduledSeq in this order"  # fmt: skip
+assert SeqUpdate._fields == (
+    "request_id", "seq_id", "completion", "row", "new_token_ids", "finish_reason", "stop_reason",
+), "scheduler_update._append_one builds SeqUpdate in this order"  # fmt: skip

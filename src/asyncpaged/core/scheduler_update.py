@@ -14,7 +14,7 @@ from collections.abc import Sequence as SeqOf
 from typing import TYPE_CHECKING
 
 from asyncpaged.core.request import Request, Sequence
-from asyncpaged.core.scheduler_types import SchedulerOutput, SeqUpdate
+from asyncpaged.core.scheduler_types import SchedulerOutput, SeqUpdate, new_tuple
 
 if TYPE_CHECKING:
     from asyncpaged.core.scheduler import Scheduler
@@ -68,10 +68,10 @@ def _append_one(sched: Scheduler, request: Request, seq: Sequence, token: int) -
         sched._late.remove(seq.seq_id)
         sched._pending_late.append((seq.seq_id, token))
     finished = check_stop(request, seq, token)
-    update = SeqUpdate(  # positional: the common case's one allocation per step per row
+    update = new_tuple(SeqUpdate, (  # the common case's one allocation per step per row
         request.request_id, seq.seq_id, seq.index, (seq.seq_id, 0), (token,),
         seq.finish_reason, seq.stop_reason,
-    )  # fmt: skip
+    ))  # fmt: skip
     if finished:
         sched._release(seq)
         sched._finish(request)
