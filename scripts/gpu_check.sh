@@ -8,7 +8,7 @@
 #    (cProfile of the event loop's and the forward's threads, the GPU's kernels)
 # 4. paged decode attention benchmark: GB/s and the ratio to contiguous SDPA
 # 5. `bench overhead` on CUDA (issue 22: host time per step at 256 sequences), the runner in a
-#    thread and in its own process
+#    thread and in its own process, each with async scheduling off and on
 # Budget: under 10 minutes (about 5 on an H200); each stage has its own timeout.
 # Python: $PYTHON, else .venv if its torch sees CUDA, else python3. A package that Python lacks
 # (structlog, say) is installed from wheels in .whl/ when that folder exists.
@@ -93,15 +93,17 @@ else
   echo "benchmark: FAIL (see bench_decode.log)" | tee -a "$RESULTS/summary.txt"
 fi
 
-log "5. engine overhead per step on CUDA, 256 sequences (issue 22): runner in a thread / a process"
-for backend in thread process; do
-  if timeout 150 "$PY" -m asyncpaged bench overhead --device cuda --repeats 2 \
-      --executor-backend "$backend" --output "$RESULTS/overhead_$backend" 2>&1 \
-      | tee "$RESULTS/overhead_$backend.log"; then
-    grep -E '^median' "$RESULTS/overhead_$backend.log" >> "$RESULTS/summary.txt" || true
+log "5. engine overhead per step on CUDA, 256 sequences (issue 22): runner in a thread / a process,"
+log "   async scheduling off / on"
+for run in thread:off thread:on process:off process:on; do
+  backend="${run%%:*}" ahead="${run##*:}" name="overhead_${run/:/_async_}"
+  if timeout 75 "$PY" -m asyncpaged bench overhead --device cuda --repeats 2 \
+      --executor-backend "$backend" --async-scheduling "$ahead" --output "$RESULTS/$name" 2>&1 \
+      | tee "$RESULTS/$name.log"; then
+    grep -E '^median' "$RESULTS/$name.log" >> "$RESULTS/summary.txt" || true
   else
     status=1
-    echo "bench overhead ($backend): FAIL (see overhead_$backend.log)" | tee -a "$RESULTS/summary.txt"
+    echo "bench overhead ($run): FAIL (see $name.log)" | tee -a "$RESULTS/summary.txt"
   fi
 done
 

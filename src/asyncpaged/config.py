@@ -76,9 +76,10 @@ class EngineConfig:
     # GIL between them; docs/tuning.md). "process" takes no tensor parallelism, KV tiers or
     # per-request logits_processors, and needs POSIX. "auto" (executor_backend_for): "process"
     # on a CPU device with 2+ usable cores where it can, else "thread"; the environment
-    # variable ASYNCPAGED_EXECUTOR_BACKEND=thread|process decides "auto" instead. The default
-    # stays "thread": on the reference workload "process" did not measure faster (tuning.md).
-    executor_backend: Literal["auto", "thread", "process"] = "thread"
+    # variable ASYNCPAGED_EXECUTOR_BACKEND=thread|process decides "auto" instead. "auto" is the
+    # default: with async scheduling the process measured faster on both CPU workloads
+    # (tuning.md, "Async scheduling"); choose "thread" for per-request logits_processors.
+    executor_backend: Literal["auto", "thread", "process"] = "auto"
     # Async scheduling (vLLM's async_scheduling): plan step N+1 while step N runs, so the
     # executor goes from one step to the next without waiting for the loop; a row whose input
     # is step N's token takes it in the runner. A step is planned ahead only when every
@@ -87,7 +88,10 @@ class EngineConfig:
     # seed, penalties, bad words or logits processors); else the engine waits for step N as
     # without it. A row planned ahead for a sequence that step N's token ends is computed in
     # vain. Not with tensor parallelism, the KV tiers, priorities or speculative decoding.
-    async_scheduling: bool = False
+    # "auto" (async_scheduling_for): on with the runner in its own process where nothing of
+    # that is configured (it measured faster there), off with the thread (no gain measured:
+    # the forward and the loop share the GIL) and on accelerators (not measured yet).
+    async_scheduling: bool | Literal["auto"] = "auto"
     # Structured outputs: append the tokens a grammar forces (a schema's keys, punctuation)
     # without sampling each one; they are computed in the next step like a prefill chunk
     structured_outputs_jump_forward: bool = True
@@ -169,7 +173,9 @@ class EngineConfig:
              "executor_backend='process' does not take the KV tiers (kv_offload_*)."),
             (self.executor_backend != "process" or os.name == "posix",
              "executor_backend='process' needs a POSIX system."),
-            (not self.async_scheduling or (
+            (self.async_scheduling in (True, False, "auto"),
+             f"async_scheduling must be True, False or 'auto', got {self.async_scheduling!r}."),
+            (self.async_scheduling is not True or (
                 self.tensor_parallel_size == 1 and self.kv_offload_host_bytes == 0
                 and self.scheduling_policy == "fcfs" and self.speculative_config is None),
              "async_scheduling takes no tensor parallelism, KV tiers (kv_offload_*), "
@@ -262,3 +268,24 @@ def num_blocks_for(config: EngineConfig, shape: KVShape) -> tuple[int, int]:
 
 def blocks_for_tokens(num_tokens: int, block_size: int) -> int:
     return math.ceil(num_tokens / block_size)
+
+
+def async_scheduling_for(config: EngineConfig) -> tuple[bool, str]:
+    """Whether ``config`` plans steps ahead, and why: its ``async_scheduling`` unless "auto",
+    which needs ``executor_backend`` settled (:func:`executor_backend_for`)."""
+    chosen = config.async_scheduling
+    if chosen != "auto":
+        return bool(chosen), "configured"
+    for cannot, what in (
+        (config.tensor_parallel_size > 1, "tensor parallelism"),
+        (config.kv_offload_host_bytes > 0, "the KV tiers"),
+        (config.scheduling_policy != "fcfs", "priority scheduling"),
+        (config.speculative_config is not None, "speculative decoding"),
+    ):
+        if cannot:
+            return False, f"not with {what}"
+    if config.executor_backend != "process":
+        return False, "the runner's thread shares the GIL with the loop: no gain measured"
+    if not config.device.startswith("cpu"):
+        return False, f"not measured on {config.device!r} yet"
+    return True, "the runner's process goes from step to step without waiting for the loop"

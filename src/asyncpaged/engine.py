@@ -21,7 +21,7 @@ import anyio
 from asyncpaged._gc import freeze_after_start, unfreeze_at_close
 from asyncpaged._log import get_logger
 from asyncpaged.actors.output_processor import OutputProcessor
-from asyncpaged.config import EngineConfig, executor_backend_for
+from asyncpaged.config import EngineConfig, async_scheduling_for, executor_backend_for
 from asyncpaged.core.block_map import BlockMap, build_block_map
 from asyncpaged.core.block_pool import BlockPool
 from asyncpaged.core.policy import check_priority
@@ -122,6 +122,10 @@ class AsyncEngine:
         if backend != self.config.executor_backend:  # "auto", settled for every part to read
             log.info("executor_backend_chosen", executor_backend=backend, reason=why)
             self.config = dataclasses.replace(self.config, executor_backend=backend)
+        ahead, why = async_scheduling_for(self.config)
+        if ahead != self.config.async_scheduling:  # "auto", settled likewise
+            log.info("async_scheduling_chosen", async_scheduling=ahead, reason=why)
+            self.config = dataclasses.replace(self.config, async_scheduling=ahead)
         cfg = self.config
         # resolve_model_path is looked up here, at the call (the model's and the draft's)
         model = await load_model(cfg, resolve_model_path)

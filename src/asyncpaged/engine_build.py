@@ -408,7 +408,7 @@ def build_actors(
     sched_actor = SchedulerActor(
         scheduler, allocator.snapshot(), sched_recv, txn_send, res_recv,
         exec_send, swap_send, out_send.clone(), stops_recv, eos, tokenizer, grammars,
-        draft_proposals=draft_proposals, async_scheduling=cfg.async_scheduling,
+        draft_proposals=draft_proposals, async_scheduling=cfg.async_scheduling is True,
     )  # fmt: skip
     intake = IntakeActor(
         intake_tokenizer, limits.check_ids, limits.stop_criteria, intake_recv,

@@ -12,12 +12,14 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import anyio
 import pytest
 import torch
 
 from asyncpaged import EngineConfig, RequestOutputKind, SamplingParams, SpeculativeConfig
+from asyncpaged.config import async_scheduling_for
 from asyncpaged.core.block_table import LATE_TOKEN
 from asyncpaged.model import runner_process
 from asyncpaged.model.runner import ModelRunner, SequenceStep, StepPlan
@@ -240,3 +242,21 @@ async def test_a_request_is_freed_before_its_final_output_while_steps_run_ahead(
             stats = engine.statistics()
     assert not held, f"requests still holding blocks at their final output: {held}"
     assert stats.num_steps_planned_ahead > 0 and stats.num_rows_in_vain > 0, stats
+
+
+def test_auto_plans_ahead_with_the_runner_in_its_process_only() -> None:
+    def settle(**kw: Any) -> tuple[bool, str]:
+        return async_scheduling_for(EngineConfig(model="m", **kw))
+
+    assert settle(executor_backend="process")[0] is True
+    assert settle(executor_backend="thread")[0] is False
+    assert settle(executor_backend="process", device="cuda")[0] is False
+    assert settle(executor_backend="process", scheduling_policy="priority") == (
+        False, "not with priority scheduling",
+    )  # fmt: skip
+    spec = SpeculativeConfig(method="ngram", num_speculative_tokens=2)
+    assert settle(executor_backend="process", speculative_config=spec)[0] is False
+    assert settle(executor_backend="thread", async_scheduling=True) == (True, "configured")
+    assert settle(executor_backend="process", async_scheduling=False) == (False, "configured")
+    with pytest.raises(ValueError, match="async_scheduling must be"):
+        EngineConfig(model="m", async_scheduling="yes")  # type: ignore[arg-type]

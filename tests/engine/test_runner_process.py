@@ -61,6 +61,7 @@ async def test_greedy_matches_transformers_under_memory_pressure(
         async with running_engine(path, num_device_blocks=8, preemption_mode=mode,
                                   executor_backend="process") as engine:  # fmt: skip
             assert engine.runner is None  # no model in this process
+            assert engine.config.async_scheduling is True  # "auto" plans ahead here
             assert isinstance(engine._executor.runner, RunnerProcess)
             child = engine._executor.runner.pid
             assert child is not None and child != os.getpid()
@@ -241,8 +242,8 @@ def test_auto_chooses_the_process_on_a_cpu_with_two_cores(
     """What "auto" resolves to, and why, for each case it tells apart (the test suite's
     conftest sets the environment variable to "thread": it is taken out here)."""
     monkeypatch.delenv(EXECUTOR_BACKEND_ENV, raising=False)
-    assert EngineConfig(model=str(tmp_path)).executor_backend == "thread"  # the default
-    base = EngineConfig(model=str(tmp_path), executor_backend="auto")
+    base = EngineConfig(model=str(tmp_path))
+    assert base.executor_backend == "auto"  # the default
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
     assert executor_backend_for(base)[0] == "process"
     for change, why in [

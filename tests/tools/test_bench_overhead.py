@@ -19,7 +19,8 @@ from asyncpaged.tools.bench_overhead import run
 def test_bench_overhead_small_run(tmp_path: Path, mode: str, executor: str, ahead: bool) -> None:
     args = argparse.Namespace(num_seqs=16, max_tokens=12, repeats=2, threads=1,
                               sampled=mode == "sampled", penalized=mode == "penalized",
-                              executor_backend=executor, device="cpu", async_scheduling=ahead,
+                              executor_backend=executor, device="cpu",
+                              async_scheduling="on" if ahead else "off",
                               model_dir=str(tmp_path / "model"),
                               output=str(tmp_path))  # fmt: skip
     assert run(args) == 0  # the two runs' tokens agree (sampled: seeded per request)

@@ -26,7 +26,7 @@ import json
 import statistics
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import anyio
 
@@ -50,6 +50,9 @@ def build_micro_checkpoint(directory: Path) -> Path:
     return build_checkpoint(workload, directory)
 
 
+_AHEAD: dict[str, bool | Literal["auto"]] = {"auto": "auto", "on": True, "off": False}
+
+
 def _prompts(num_seqs: int, vocab: int) -> list[list[int]]:
     return [[4 + (7 * i + 13 * j) % (vocab - 4) for j in range(8)] for i in range(num_seqs)]
 
@@ -60,7 +63,7 @@ async def _one_run(args: argparse.Namespace, checkpoint: Path) -> dict[str, Any]
     config = EngineConfig(
         model=str(checkpoint), max_num_seqs=args.num_seqs, max_num_batched_tokens=2048,
         seed=0, enable_prefix_caching=False, executor_backend=args.executor_backend,
-        device=args.device, async_scheduling=args.async_scheduling,
+        device=args.device, async_scheduling=_AHEAD[args.async_scheduling],
     )  # fmt: skip
     params = SamplingParams(
         temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True,
@@ -102,6 +105,7 @@ async def _one_run(args: argparse.Namespace, checkpoint: Path) -> dict[str, Any]
             "steps_per_s": steps / wall, "loop_cpu_ms_per_step": 1000 * loop_cpu / steps,
             "forward_ms_per_step": 1000 * compute / steps, "tokens_digest": digest,
             "executor_backend": engine.config.executor_backend,
+            "async_scheduling": engine.config.async_scheduling,
             "steps_planned_ahead": ahead}  # fmt: skip
 
 
@@ -133,7 +137,7 @@ def run(args: argparse.Namespace) -> int:
           f"{100 * median['outside_forward']:.0f}% outside the forward, "
           f"{median['steps_per_s']:.1f} steps/s; CPU flags: {cpu_flags()}; "
           f"{args.threads} torch thread(s), executor {runs[-1]['executor_backend']}, async "
-          f"scheduling {'on' if args.async_scheduling else 'off'} "
+          f"scheduling {'on' if runs[-1]['async_scheduling'] else 'off'} "
           f"({runs[-1]['steps_planned_ahead']} steps planned ahead), device "
           f"{args.device}{differ}")  # fmt: skip
     out = Path(args.output)
@@ -141,7 +145,7 @@ def run(args: argparse.Namespace) -> int:
     (out / "overhead.json").write_text(json.dumps(
         {"model": MICRO_MODEL, "num_seqs": args.num_seqs, "max_tokens": args.max_tokens,
          "threads": args.threads, "executor_backend": runs[-1]["executor_backend"],
-         "async_scheduling": args.async_scheduling,
+         "async_scheduling": runs[-1]["async_scheduling"],
          "device": args.device,
          "cpu_flags": cpu_flags(), "runs": runs, "median": median},
         indent=2))  # fmt: skip
@@ -157,7 +161,7 @@ def add_parser(modes: Any) -> None:
     p.add_argument("--executor-backend", choices=("auto", "thread", "process"), default="auto",
                    help="where the model runner runs (EngineConfig.executor_backend)")  # fmt: skip
     p.add_argument("--device", default="cpu", help="cpu (default) or cuda")
-    p.add_argument("--async-scheduling", action="store_true",
+    p.add_argument("--async-scheduling", choices=tuple(_AHEAD), default="auto",
                    help="plan a step while the one before runs (async_scheduling)")  # fmt: skip
     workload = p.add_mutually_exclusive_group()
     workload.add_argument(
