@@ -143,9 +143,10 @@ def check_submission(
     limits.check_logprobs(params)
     if params.logits_processors and cfg.executor_backend == "process":
         raise InvalidRequestError(
-            "logits_processors run where the model runs: with executor_backend='process' that "
-            "is another process, which a callable (and its state) cannot follow; use "
-            "executor_backend='thread'."
+            "logits_processors run where the model runs: with executor_backend='process' (what "
+            "the default, 'auto', takes on a CPU with two or more cores) that is another "
+            "process, which a callable (and its state) cannot follow; use "
+            "EngineConfig(executor_backend='thread')."
         )
     if params.structured_outputs is not None and not structured_outputs_available():
         raise InvalidRequestError(STRUCTURED_EXTRA_HINT)

@@ -28,8 +28,8 @@ def test_bench_overhead_small_run(tmp_path: Path, mode: str, executor: str, ahea
     assert report["model"]["num_hidden_layers"] == 1
     for r in report["runs"]:
         # One step per token once every sequence is admitted (intake may spread the 16 over the
-        # first steps).
-        assert 12 <= r["steps"] <= 12 + 3
+        # first steps; more of them with async scheduling, whose steps follow closer).
+        assert 12 <= r["steps"] <= 12 + (7 if ahead else 3)
         assert 0.0 < r["outside_forward"] < 1.0
         assert r["ms_per_step"] > 0.0
         assert 0.0 < r["loop_cpu_ms_per_step"] <= r["ms_per_step"] * 1.05

@@ -314,8 +314,9 @@ class SchedulerActor:
         self._scheduled.extend(scheduled)
         self._in_flight.append(out)
         self.num_steps_ahead += ahead is not None
-        # Without a checkpoint (the executor's inbox is empty: the last step is done), so the
-        # executor is the first task to run and starts the step before the outputs are recorded.
+        # Without a checkpoint (the executor's inbox has room: it takes each step as it comes,
+        # and at most two are in flight), so the executor is the first task to run and starts
+        # the step (or queues it behind the running one) before the outputs are recorded.
         self._executor.send_nowait(
             ExecuteStep(output=out, plan=StepPlan(seqs=tuple(steps), copy_pairs=out.copy_on_write))
         )
