@@ -21,6 +21,7 @@ from asyncpaged.core.txn import apply_txn, snapshot
 from tests.core.test_scheduler_property import (
     BS,
     FakeWorld,
+    between_steps,
     next_token,
     reference_output,
     request_specs,
@@ -140,17 +141,7 @@ def test_planning_ahead_gives_each_request_its_output_alone(data: st.DataObject)
             if out.seqs:
                 in_flight.append((out, sampled))
         pool.check_invariants()
-        for swap_id in sorted(world.swaps):
-            if data.draw(st.booleans(), label="complete swap"):
-                world.complete(swap_id)
-                sched.complete_swap(swap_id)
-        if num_late and data.draw(st.booleans(), label="arrive"):
-            add()
-            num_late -= 1
-        if sched.requests and data.draw(st.integers(0, 15), label="abort?") == 0:
-            rid = data.draw(st.sampled_from(sorted(sched.requests)), label="abort which")
-            sched.abort(rid)
-            aborted.add(rid)
+        num_late = between_steps(data, world, sched, add, num_late, aborted, abort_one_in=16)
     else:
         raise AssertionError("the scheduler stopped making progress")
     event("planned ahead" if num_ahead else "never ahead")

@@ -14,6 +14,7 @@ from __future__ import annotations
 import hashlib
 import itertools
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import hypothesis.strategies as st
@@ -146,6 +147,33 @@ class FakeWorld:
             self.copy_blocks(self.host, self.device, pairs)
 
 
+def between_steps(
+    data: st.DataObject,
+    world: FakeWorld,
+    sched: Scheduler,
+    add: Callable[[], None],
+    num_late: int,
+    aborted: set[str],
+    *,
+    abort_one_in: int,
+) -> int:
+    """What happens between two steps, at random: swaps land (each in flight, or not yet), a
+    late request arrives (``add``), a request is aborted (one time in ``abort_one_in``);
+    returns how many late requests are still to come."""
+    for swap_id in sorted(world.swaps):
+        if data.draw(st.booleans(), label="complete swap"):
+            world.complete(swap_id)
+            sched.complete_swap(swap_id)
+    if num_late and data.draw(st.booleans(), label="arrive"):
+        add()
+        num_late -= 1
+    if sched.requests and data.draw(st.integers(0, abort_one_in - 1), label="abort?") == 0:
+        rid = data.draw(st.sampled_from(sorted(sched.requests)), label="abort which")
+        sched.abort(rid)
+        aborted.add(rid)
+    return num_late
+
+
 BASE = [1, 2, 3, 0, 1, 2, 3, 0, 2, 2, 1, 1, 0, 0, 3, 3, 1, 2, 3, 0]
 
 
@@ -265,18 +293,7 @@ def test_scheduler_outputs_equal_running_each_request_alone(data: st.DataObject)
             got_beams[rid] = hypotheses
         sched.finished_beams.clear()
         pool.check_invariants()
-        # Swaps land at random later steps; requests arrive and get aborted at random.
-        for swap_id in sorted(world.swaps):
-            if data.draw(st.booleans(), label="complete swap"):
-                world.complete(swap_id)
-                sched.complete_swap(swap_id)
-        if num_late and data.draw(st.booleans(), label="arrive"):
-            add()
-            num_late -= 1
-        if sched.requests and data.draw(st.integers(0, 9), label="abort?") == 0:
-            rid = data.draw(st.sampled_from(sorted(sched.requests)), label="abort which")
-            sched.abort(rid)
-            aborted.add(rid)
+        num_late = between_steps(data, world, sched, add, num_late, aborted, abort_one_in=10)
     else:
         raise AssertionError("the scheduler stopped making progress")
     event("preempted" if saw_preemption else "no preemption")
