@@ -83,11 +83,12 @@ class EngineConfig:
     # Async scheduling (vLLM's async_scheduling): plan step N+1 while step N runs, so the
     # executor goes from one step to the next without waiting for the loop; a row whose input
     # is step N's token takes it in the runner. A step is planned ahead only when every
-    # request step N samples is single-sequence, without stop strings, grammar, beams or
-    # prompt logprobs, and plain greedy or with sampling options that no longer change (no
-    # seed, penalties, bad words or logits processors); else the engine waits for step N as
-    # without it. A row planned ahead for a sequence that step N's token ends is computed in
-    # vain. Not with tensor parallelism, the KV tiers, priorities or speculative decoding.
+    # request step N samples is single-sequence, without grammar, beams or prompt logprobs,
+    # and plain greedy or with sampling options that no longer change (no seed, penalties,
+    # bad words or logits processors); else the engine waits for step N as without it. A row
+    # planned ahead for a sequence that step N's token ends (a stop token, EOS or a stop
+    # string) is computed in vain. Not with tensor parallelism, the KV tiers, priorities or
+    # speculative decoding.
     # "auto" (async_scheduling_for): on with the runner in its own process where nothing of
     # that is configured (it measured faster there), off with the thread (no gain measured:
     # the forward and the loop share the GIL) and on accelerators (not measured yet).

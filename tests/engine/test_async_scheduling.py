@@ -93,10 +93,10 @@ async def test_a_stop_token_leaves_the_row_planned_ahead_computed_in_vain(
 async def test_requests_that_cannot_go_ahead_run_beside_those_that_can(
     tiny_checkpoint: Callable[[str], Path],
 ) -> None:
-    """Stop strings, seeded sampling with penalties, n = 2 and unseeded sampling (its options
-    fixed) among plain greedy requests: every output equals the engine's without async
-    scheduling (seeded and greedy ones; the unseeded ones only finish, their draws depend on
-    the order)."""
+    """Stop strings, seeded sampling with penalties and n = 2 (the last two never planned
+    ahead) and unseeded sampling (its options fixed) among plain greedy requests: every output
+    equals the engine's without async scheduling (seeded and greedy ones; the unseeded ones
+    only finish, their draws depend on the order)."""
     path = tiny_checkpoint(MODEL)
     prompts = make_prompts(20, seed=3)
 
@@ -128,6 +128,36 @@ async def test_requests_that_cannot_go_ahead_run_beside_those_that_can(
             assert [len(t) for t in new] == [12]
         else:
             assert new == old, i
+
+
+@pytest.mark.parametrize("backend", ["thread", "process"])
+async def test_stop_strings_are_planned_ahead_and_end_where_they_match(
+    backend: str, tiny_checkpoint: Callable[[str], Path]
+) -> None:
+    """Greedy requests with stop strings go ahead like the others: where a string matches, the
+    step planned meanwhile computed one row in vain, and the text, tokens and stop reasons equal
+    the engine's without async scheduling."""
+    path = tiny_checkpoint(MODEL)
+    prompts = make_prompts(16, seed=11)
+
+    def params(i: int) -> SamplingParams:
+        stop = [" the", "e", "s"] if i % 4 else None  # matched early in most texts
+        return SamplingParams(temperature=0.0, max_tokens=16, stop=stop, ignore_eos=True)
+
+    results = {}
+    for ahead in (False, True):
+        with anyio.fail_after(180):
+            async with running_engine(path, num_device_blocks=64, executor_backend=backend,
+                                      async_scheduling=ahead) as engine:  # fmt: skip
+                outs = await generate_all(engine, prompts, params)
+                stats = engine.statistics()
+        results[ahead] = [(c.token_ids, c.text, c.finish_reason, c.stop_reason)
+                          for o in outs for c in o.outputs]  # fmt: skip
+        if ahead:
+            assert stats.num_steps_planned_ahead > stats.num_steps // 2, stats
+            assert stats.num_rows_in_vain > 0, stats
+    assert results[True] == results[False]
+    assert sum(1 for *_, stop in results[True] if stop is not None) >= 4
 
 
 @pytest.mark.parametrize("backend", ["thread", "process"])
@@ -204,8 +234,8 @@ def test_a_late_token_takes_what_the_last_step_sampled(
 async def test_a_request_is_freed_before_its_final_output_while_steps_run_ahead(
     tiny_checkpoint: Callable[[str], Path], hf_reference: Callable[[str], HFReference]
 ) -> None:
-    """Requests ending on a stop token beside requests that cannot be planned ahead (stop
-    strings) arriving over time, prompts prefilled in chunks: when a request's final output
+    """Requests ending on a stop token beside requests that cannot be planned ahead (seeded)
+    arriving over time, prompts prefilled in chunks: when a request's final output
     reaches its reader, the pool holds no block of it (a finish while a step runs that the
     next cannot be planned ahead of is freed by a transaction of its own)."""
     path, ref = tiny_checkpoint(MODEL), hf_reference(MODEL)
@@ -215,8 +245,8 @@ async def test_a_request_is_freed_before_its_final_output_while_steps_run_ahead(
 
     def params(i: int) -> SamplingParams:
         kind = RequestOutputKind.DELTA
-        if i % 3 == 0:  # a stop string (never matched): a step it samples in is not passed
-            return SamplingParams(temperature=0.0, max_tokens=2, stop=["\x00"], ignore_eos=True,
+        if i % 3 == 0:  # seeded: a step it samples in cannot be planned ahead of
+            return SamplingParams(temperature=0.8, max_tokens=2, seed=i, ignore_eos=True,
                                   output_kind=kind)  # fmt: skip
         stop = wants[i][2 + i % 5]  # ends on a stop token, some steps apart
         return SamplingParams(temperature=0.0, max_tokens=8, stop_token_ids=[stop],

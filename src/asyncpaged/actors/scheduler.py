@@ -334,7 +334,7 @@ class SchedulerActor:
                 params = info.params
                 known = None if params.prompt_logprobs is None else 1
                 ahead = (
-                    self._async and not params.stop and info.grammar is None
+                    self._async and info.grammar is None
                     and params.num_sequences == 1 and params.prompt_logprobs is None
                     and request.beam is None and not request.num_speculative_tokens
                 )  # fmt: skip

@@ -36,7 +36,7 @@ class Tracked:
     prompt_known: int | None = None
     reported_cached: int | None = None
     fixed_options: dict[int, SamplingOptions] = field(default_factory=dict)
-    # Async scheduling may plan its decodes ahead (single-sequence, no stop strings, grammar,
+    # Async scheduling may plan its decodes ahead (single-sequence, no grammar,
     # beams, prompt logprobs or proposals; its options must also be fixed or none)
     ahead: bool = False
 
