@@ -94,7 +94,7 @@ def collect_statistics(actor: SchedulerActor, intake: IntakeActor) -> EngineStat
         compute_time_s=actor.compute_time_s,
         num_jump_forward_tokens=actor.num_jump_forward_tokens,
         num_steps_planned_ahead=actor.num_steps_ahead,
-        num_rows_in_vain=actor.num_rows_in_vain,
+        num_rows_in_vain=actor.scheduler.num_rows_in_vain,
         prefix_cache_device_hit_tokens=pool.prefix_hit_tokens
         - pool.prefix_host_hit_tokens
         - pool.prefix_disk_hit_tokens,

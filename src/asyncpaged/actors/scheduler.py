@@ -146,7 +146,6 @@ class SchedulerActor:
         self.compute_time_s = 0.0
         self.num_jump_forward_tokens = 0  # tokens a grammar forced, appended without sampling
         self.num_steps_ahead = 0  # steps planned while the one before ran (async scheduling)
-        self.num_rows_in_vain = 0  # their rows whose sequence the step before ended
         # engine.pin_prefix waiters (WatchPin): pin id -> (event, what the pool pinned)
         self._pins: PinWaiters = {}
         # Requests submitted and not yet added here nor released by the intake (refused,
@@ -354,11 +353,6 @@ class SchedulerActor:
                 self.num_steps += 1
                 self.step_time_s += duration
                 self.compute_time_s += result.compute_s
-                if self._async:
-                    requests = self.scheduler.requests
-                    self.num_rows_in_vain += sum(
-                        1 for s in out.seqs if s.samples and s.request_id not in requests
-                    )
                 self._prompt_logprobs.extend(prompt_logprob_progress(
                     out, result.prompt_logprobs, self.scheduler, self._tracked
                 ))  # fmt: skip

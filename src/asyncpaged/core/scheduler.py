@@ -127,6 +127,7 @@ class Scheduler:
         self._late: set[int] = set()
         self._pending_late: list[tuple[int, int]] = []
         self.planned_cut = False  # the last plan, made ahead, stopped short (see plan)
+        self.num_rows_in_vain = 0  # late-token rows whose request had ended when they returned
         self._step_ids = itertools.count()
         # the last plan's appends: (request, sequence, proposals appended after its tokens)
         self._planned: list[tuple[Request, Sequence, int]] = []
@@ -189,11 +190,7 @@ class Scheduler:
     @property
     def has_pending_txn_work(self) -> bool:
         """Frees or swap confirmations wait for the next transaction."""
-        return bool(
-            self._pending_frees or self._pending_completes or self._pending_forks
-            or self._pending_pins or self._pending_unpins or self._pending_truncates
-            or self._pending_late
-        )  # fmt: skip
+        return self.has_settle_work or bool(self._pending_forks or self._pending_truncates)
 
     @property
     def has_settle_work(self) -> bool:

@@ -91,9 +91,8 @@ def _late_step_of(
         stop.max_model_len is not None and num_tokens >= stop.max_model_len
     ):
         return [], {}, 0
-    have = seq.num_computed_tokens  # == len(seq.token_ids): the token in flight comes next
-    bs = sched.config.block_size
-    return [(seq, 1)], {}, -(-(have + 1) // bs) - -(-have // bs) + (seq.seq_id in shared)
+    # (num_computed_tokens == len(token_ids): the token in flight comes next)
+    return [(seq, 1)], {}, blocks_to_append(seq, 1, seq.seq_id in shared, sched.config.block_size)
 
 
 def _step_of(

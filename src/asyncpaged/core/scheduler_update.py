@@ -13,6 +13,7 @@ from collections.abc import Mapping
 from collections.abc import Sequence as SeqOf
 from typing import TYPE_CHECKING
 
+from asyncpaged.core.block_table import LATE_TOKEN
 from asyncpaged.core.request import Request, Sequence
 from asyncpaged.core.scheduler_types import SchedulerOutput, SeqUpdate, new_tuple
 
@@ -32,7 +33,11 @@ def update_step(
     for scheduled in output.seqs:
         request = sched.requests.get(scheduled.request_id)
         if request is None or not scheduled.samples:
-            continue  # aborted meanwhile, or a prefill chunk short of the prompt's end
+            # aborted meanwhile, or a prefill chunk short of the prompt's end; a late token's
+            # row whose request the step before ended (or an abort) was computed in vain
+            if request is None and scheduled.token_ids[0] == LATE_TOKEN:
+                sched.num_rows_in_vain += 1
+            continue
         seq = request.seqs[0]
         if seq.seq_id != scheduled.seq_id:
             seq = next(s for s in request.seqs if s.seq_id == scheduled.seq_id)

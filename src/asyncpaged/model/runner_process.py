@@ -197,9 +197,6 @@ class RunnerProcess:
 
     # ---- the runner's calls, awaited on the event loop ----------------------------------------
 
-    async def execute(self, plan: StepPlan) -> StepResult:
-        return await self.result(await self.send_execute(plan))
-
     async def send_execute(self, plan: StepPlan) -> int:
         """Send a step now (no checkpoint unless it must wait for the pipe); its ticket."""
         return await self._send("execute", (tuple([tuple(s) for s in plan.seqs]), plan.copy_pairs))
