@@ -168,13 +168,14 @@ class IncrementalDetokenizer:
         self._prefix_offset = 0
         self._read_offset = len(context)
         self._prefix_text: str | None = prefix_text  # None: not decoded since the offsets moved
-        # The same window algorithm in Rust (one call per id), where the backend is plain.
+        # The same window algorithm in Rust (one call per id), where the backend is plain;
+        # made when an id needs it (a whole token after a whole window takes the table below).
         self._stream: Any = None
-        if self._backend is not None and _DecodeStream is not None:
-            with contextlib.suppress(TypeError):  # a DecodeStream that takes no ids: none
-                self._stream = _DecodeStream(
-                    ids=list(context), skip_special_tokens=params.skip_special_tokens
-                )
+        self._streaming = self._backend is not None and _DecodeStream is not None
+        if self._streaming:
+            self._streaming = self._new_stream() is not None
+        # Byte-level tokens whose bytes are whole characters: their text, memoized per tokenizer
+        self._whole = _whole_token_texts(self._backend)
         self._text = ""
         self._num_released = 0
         self._output_token_ids: list[int] = []
@@ -216,15 +217,16 @@ class IncrementalDetokenizer:
         sequence is finished as by :meth:`finish`. Must not be called once finished.
         """
         assert not self._finished, "update() on a finished IncrementalDetokenizer"
+        last = len(new_token_ids) - 1 if stop_terminated else -1
+        has_stops = bool(self._params.stop)
         for i, token_id in enumerate(new_token_ids):
-            is_stop_token = stop_terminated and i == len(new_token_ids) - 1
             self._output_token_ids.append(token_id)
-            if is_stop_token and not self._params.include_stop_str_in_output:
-                break
-            if self._in_vocab(token_id):
+            if i == last and not self._params.include_stop_str_in_output:
+                break  # the stop token adds no text
+            if 0 <= token_id < self._vocab_size:
                 self._ids.append(token_id)
                 self._advance()
-            if self._check_stop_strings():
+            if has_stops and self._check_stop_strings():
                 return self._release()
         if stop_terminated:
             return self.finish()
@@ -292,19 +294,61 @@ class IncrementalDetokenizer:
         assert isinstance(text, str), f"tokenizer.decode returned {type(text).__name__}"
         return text
 
+    def _whole_text(self, token_id: int) -> str:
+        """``token_id``'s text if its bytes are whole characters (it then adds exactly that
+        text after any window that ends a character), else ""."""
+        _, added, _ = _WHOLE_TOKEN_TEXTS[id(self._backend)]
+        if token_id in added:  # special (skipped or not) or added: not byte-level text
+            return ""
+        text = self._decode([token_id])
+        # Invalid or partial UTF-8 decodes to U+FFFD (a token spelling U+FFFD itself is left
+        # to the window path); "" is no token, or one that adds nothing.
+        return "" if _REPLACEMENT_CHAR in text else text
+
     def _window_prefix_text(self) -> str:
         if self._prefix_text is None:
             self._prefix_text = self._decode(self._ids[self._prefix_offset : self._read_offset])
         return self._prefix_text
 
+    def _new_stream(self) -> Any:
+        """A DecodeStream at the current offsets (``ids[prefix_offset:read_offset]`` decoded,
+        nothing pending), or None where this ``tokenizers`` takes no ids."""
+        with contextlib.suppress(TypeError):
+            self._stream = _DecodeStream(
+                ids=self._ids[self._prefix_offset : self._read_offset],
+                skip_special_tokens=self._params.skip_special_tokens,
+            )
+        return self._stream
+
     def _advance(self) -> None:
         """Move the text of ``ids[read_offset:]`` into ``_text`` if it is complete (the last id
         was just appended to ``_ids``)."""
-        if self._stream is not None:
+        whole = self._whole
+        if whole is not None and self._read_offset == len(self._ids) - 1:
+            # Nothing pending: the window's bytes end a character, so a token whose bytes are
+            # whole characters adds exactly its own text (byte-level decoding concatenates
+            # bytes). The Rust stream, stepped past, is made again when an id needs it.
+            token_id = self._ids[-1]
+            text = whole.get(token_id)
+            if text is None:
+                text = whole[token_id] = self._whole_text(token_id)
+            if text:
+                self._text += text
+                self._prefix_offset = self._read_offset
+                self._read_offset += 1
+                self._prefix_text = None
+                self._stream = None
+                return
+        if self._streaming:
+            stream = self._stream
+            if stream is None:  # a whole token stepped past it: nothing is pending
+                assert self._read_offset == len(self._ids) - 1
+                stream = self._new_stream()
             try:
-                chunk = self._stream.step(self._backend, self._ids[-1])
+                chunk = stream.step(self._backend, self._ids[-1])
             except Exception:  # e.g. a window whose text does not extend its prefix text
                 self._stream = None  # its state is off by this id now: the Python path goes on
+                self._streaming = False
             else:
                 if chunk is not None:
                     self._text += chunk
@@ -373,6 +417,26 @@ def _single_token_texts(tokenizer: Any, skip_special_tokens: bool) -> dict[int, 
             _SINGLE_TOKEN_TEXTS.clear()
         entry = _SINGLE_TOKEN_TEXTS[key] = (tokenizer, {})
     return entry[1]
+
+
+_WHOLE_TOKEN_TEXTS: dict[int, tuple[Any, frozenset[int], dict[int, str]]] = {}
+
+
+def _whole_token_texts(backend: Any) -> dict[int, str] | None:
+    """The memo of whole-token texts for a plain fast tokenizer whose decoder is byte-level
+    alone (GPT-2, Llama 3, Qwen): token id -> its text where its bytes are whole UTF-8
+    characters, "" where not (or an added token, or no token). None for any other decoder:
+    SentencePiece's leading-space strip, byte fallback and WordPiece's joins make a token's
+    text depend on what precedes it."""
+    if backend is None or not isinstance(backend.decoder, tokenizers.decoders.ByteLevel):
+        return None
+    entry = _WHOLE_TOKEN_TEXTS.get(id(backend))
+    if entry is None or entry[0] is not backend:
+        if len(_WHOLE_TOKEN_TEXTS) >= 64:  # tokenizers come and go in tests: stay bounded
+            _WHOLE_TOKEN_TEXTS.clear()
+        added = frozenset(backend.get_added_tokens_decoder())
+        entry = _WHOLE_TOKEN_TEXTS[id(backend)] = (backend, added, {})
+    return entry[2]
 
 
 def _plain_fast_backend(tokenizer: Any, decode_kwargs: dict[str, bool]) -> Any:

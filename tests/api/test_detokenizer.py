@@ -648,10 +648,11 @@ FAST_TOKENIZERS = {
 def test_the_rust_decode_stream_gives_the_python_windows_text(
     data: st.DataObject, name: str, skip: bool, chunks: list[int]
 ) -> None:
-    """A plain fast tokenizer's ids go through ``tokenizers``' DecodeStream; its deltas, the
-    final text and the stop-string cuts equal those of the Python window algorithm it stands in
-    for, on random ids (split characters, byte-fallback runs, special and out-of-vocabulary
-    ids) after a random prompt."""
+    """A plain fast tokenizer's ids go through ``tokenizers``' DecodeStream, and a byte-level
+    one's whole-character tokens through the table of their texts; the deltas, the final text
+    and the stop-string cuts of either equal those of the Python window algorithm they stand
+    in for, on random ids (split characters, byte-fallback runs, special, added and
+    out-of-vocabulary ids) after a random prompt."""
     tokenizer = FAST_TOKENIZERS[name]()
     high = len(tokenizer) + 2  # a few ids past the vocabulary
     prompt = data.draw(st.lists(st.integers(0, high), max_size=10), label="prompt")
@@ -659,8 +660,32 @@ def test_the_rust_decode_stream_gives_the_python_windows_text(
     stop = data.draw(st.lists(st.sampled_from(["o", "lo w", ".", "a"]), max_size=2), label="stop")
     params = SamplingParams(skip_special_tokens=skip, stop=stop or None)
     fast = IncrementalDetokenizer(tokenizer, prompt, params)
-    assert fast._stream is not None, "a plain fast tokenizer streams through Rust"
+    assert fast._streaming, "a plain fast tokenizer streams through Rust"
+    assert (fast._whole is not None) == (name == "fast_bpe"), "the table is byte-level's only"
+    stream_only = IncrementalDetokenizer(tokenizer, prompt, params)
+    stream_only._whole = None
     slow = IncrementalDetokenizer(tokenizer, prompt, params)
-    slow._stream = None
-    assert _stream(fast, ids, chunks) == _stream(slow, ids, chunks)
+    slow._streaming, slow._stream, slow._whole = False, None, None
+    expected = _stream(slow, ids, chunks)
+    assert _stream(fast, ids, chunks) == expected
+    assert _stream(stream_only, ids, chunks) == expected
     assert fast.output_text == slow.output_text and fast.stop_reason == slow.stop_reason
+
+
+def test_whole_tokens_around_a_split_character() -> None:
+    """Whole tokens take the table; a character split over tokens after them makes the Rust
+    stream again at the table's offsets, and the text is the tokenizer's."""
+    tokenizer = byte_bpe()
+    detok = IncrementalDetokenizer(tokenizer, [], SamplingParams(skip_special_tokens=False))
+    split = tokenizer.convert_tokens_to_ids([_piece(bytes([b])) for b in "你".encode()])
+    pieces = [_encode(tokenizer, "ab"), list(split), _encode(tokenizer, "b.")]
+    whole = [i for i in pieces[0] + pieces[2] if detok._whole_text(i)]
+    assert whole, "the corpus's ASCII tokens are whole characters"
+    assert detok._whole_text(pieces[1][0]) == "", "a lead byte alone is not"
+    ids = [i for p in pieces for i in p] + [tokenizer.eos_token_id]
+    deltas = _stream(detok, ids)
+    assert "".join(deltas) == _decode(tokenizer, ids, skip_special_tokens=False)
+    assert "".join(deltas) == "ab你b.<|endoftext|>"
+    # The table is shared by both skip settings: special tokens stay out of it.
+    skipping = IncrementalDetokenizer(tokenizer, [], SamplingParams(skip_special_tokens=True))
+    assert "".join(_stream(skipping, ids)) == "ab你b."
