@@ -26,6 +26,11 @@ into text deltas that are safe to stream:
   id on the Python windows take over, from the same offsets. A differential test checks that
   both give the same deltas, text and stop cuts.
 
+  With a byte-level decoder alone (GPT-2, Llama 3, Qwen) decoding concatenates the tokens'
+  bytes, so while nothing is pending a token whose bytes are whole characters adds exactly its
+  own text: a memo per tokenizer serves it without a decode (0.7 us per token, the stream
+  1.35), and the Rust stream is made again at the offsets when an id needs the window.
+
 * **No text that is later cut.** While a stop string could still be completed, the last
   ``SamplingParams.output_text_buffer_length`` characters (longest stop string - 1) are held
   back; a stop string found later starts no earlier than the held-back text.
