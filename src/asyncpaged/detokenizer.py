@@ -26,10 +26,11 @@ into text deltas that are safe to stream:
   id on the Python windows take over, from the same offsets. A differential test checks that
   both give the same deltas, text and stop cuts.
 
-  With a byte-level decoder alone (GPT-2, Llama 3, Qwen) decoding concatenates the tokens'
-  bytes, so while nothing is pending a token whose bytes are whole characters adds exactly its
-  own text: a memo per tokenizer serves it without a decode (0.7 us per token, the stream
-  1.35), and the Rust stream is made again at the offsets when an id needs the window.
+  Where the decoder treats each token alone (byte-level: GPT-2, Llama 3, Qwen, whose tokens'
+  bytes concatenate; WordPiece; none) a token adds a text of its own after the window (a
+  byte-level token of whole UTF-8 characters, while nothing is pending; a joiner's token after
+  one that is not skipped): a memo per tokenizer serves it without a decode (0.7 us per token,
+  the stream 1.35), and the Rust stream is made again at the offsets when an id needs it.
 
 * **No text that is later cut.** While a stop string could still be completed, the last
   ``SamplingParams.output_text_buffer_length`` characters (longest stop string - 1) are held
@@ -174,13 +175,16 @@ class IncrementalDetokenizer:
         self._read_offset = len(context)
         self._prefix_text: str | None = prefix_text  # None: not decoded since the offsets moved
         # The same window algorithm in Rust (one call per id), where the backend is plain;
-        # made when an id needs it (a whole token after a whole window takes the table below).
+        # made when an id needs it (a token with a text of its own takes the table below).
         self._stream: Any = None
         self._streaming = self._backend is not None and _DecodeStream is not None
         if self._streaming:
             self._streaming = self._new_stream() is not None
-        # Byte-level tokens whose bytes are whole characters: their text, memoized per tokenizer
-        self._whole = _whole_token_texts(self._backend)
+        # Tokens whose text after a window is their own (memoized per tokenizer), if any
+        self._whole = _WholeTokens.of(self._backend)
+        # The window ids[prefix_offset:read_offset] holds a token not skipped (a joiner's
+        # next token is not the first then)
+        self._after_text = bool(prefix_text)
         self._text = ""
         self._num_released = 0
         self._output_token_ids: list[int] = []
@@ -299,17 +303,6 @@ class IncrementalDetokenizer:
         assert isinstance(text, str), f"tokenizer.decode returned {type(text).__name__}"
         return text
 
-    def _whole_text(self, token_id: int) -> str:
-        """``token_id``'s text if its bytes are whole characters (it then adds exactly that
-        text after any window that ends a character), else ""."""
-        _, added, _ = _WHOLE_TOKEN_TEXTS[id(self._backend)]
-        if token_id in added:  # special (skipped or not) or added: not byte-level text
-            return ""
-        text = self._decode([token_id])
-        # Invalid or partial UTF-8 decodes to U+FFFD (a token spelling U+FFFD itself is left
-        # to the window path); "" is no token, or one that adds nothing.
-        return "" if _REPLACEMENT_CHAR in text else text
-
     def _window_prefix_text(self) -> str:
         if self._prefix_text is None:
             self._prefix_text = self._decode(self._ids[self._prefix_offset : self._read_offset])
@@ -329,14 +322,14 @@ class IncrementalDetokenizer:
         """Move the text of ``ids[read_offset:]`` into ``_text`` if it is complete (the last id
         was just appended to ``_ids``)."""
         whole = self._whole
-        if whole is not None and self._read_offset == len(self._ids) - 1:
-            # Nothing pending: the window's bytes end a character, so a token whose bytes are
-            # whole characters adds exactly its own text (byte-level decoding concatenates
-            # bytes). The Rust stream, stepped past, is made again when an id needs it.
-            token_id = self._ids[-1]
-            text = whole.get(token_id)
-            if text is None:
-                text = whole[token_id] = self._whole_text(token_id)
+        if (
+            whole is not None and self._read_offset == len(self._ids) - 1
+            and (self._after_text or not whole.joins)
+        ):  # fmt: skip
+            # Nothing pending (a byte-level window ends a character): a token with a text of
+            # its own adds exactly that (_WholeTokens). The Rust stream, stepped past, is
+            # made again when an id needs the window.
+            text = whole.texts.get(self._ids[-1]) or whole.text(self._ids[-1])
             if text:
                 self._text += text
                 self._prefix_offset = self._read_offset
@@ -360,6 +353,7 @@ class IncrementalDetokenizer:
                     self._prefix_offset = self._read_offset
                     self._read_offset = len(self._ids)
                     self._prefix_text = None
+                    self._after_text = True  # the chunk's ids: one is not skipped
                 return
         new_text = self._decode(self._ids[self._prefix_offset :])
         prefix_text = self._window_prefix_text()
@@ -370,6 +364,7 @@ class IncrementalDetokenizer:
         self._prefix_offset = self._read_offset
         self._read_offset = len(self._ids)
         self._prefix_text = self._decode(self._ids[self._prefix_offset : self._read_offset])
+        self._after_text = True  # the new text's ids: one is not skipped
 
     def _check_stop_strings(self) -> bool:
         """Find a stop string ending after ``_stop_search_from``; if found, cut the text, finish
@@ -424,24 +419,66 @@ def _single_token_texts(tokenizer: Any, skip_special_tokens: bool) -> dict[int, 
     return entry[1]
 
 
-_WHOLE_TOKEN_TEXTS: dict[int, tuple[Any, frozenset[int], dict[int, str]]] = {}
+class _WholeTokens:
+    """Tokens whose text after a window is their own, for a plain fast tokenizer whose decoder
+    treats each token alone: byte-level (GPT-2, Llama 3, Qwen; the tokens' bytes concatenate,
+    so a token of whole UTF-8 characters adds exactly its text after a window that ends a
+    character), WordPiece (each token but the first gets its space or loses its "##" prefix,
+    and its cleanup runs per token) and none (tokens joined with spaces). Joiners' tokens
+    (``joins``) add that text only where the window holds a token that is not skipped.
+    SentencePiece's leading-space strip, byte fallback and the other decoders make a token's
+    text depend on the tokens around it: no table.
+
+    ``texts`` memoizes token id -> its text ("" where it has none of its own: not whole
+    characters, an added or special token, no token). One per tokenizer, shared by every
+    sequence whatever its ``skip_special_tokens`` (the added tokens it affects stay out)."""
+
+    __slots__ = ("_backend", "_decoder", "added", "joins", "texts")
+
+    def __init__(self, backend: Any) -> None:
+        self._backend = backend
+        self._decoder = backend.decoder
+        self.added = frozenset(backend.get_added_tokens_decoder())
+        self.joins = not isinstance(self._decoder, tokenizers.decoders.ByteLevel)
+        self.texts: dict[int, str] = {}
+
+    @staticmethod
+    def of(backend: Any) -> _WholeTokens | None:
+        if backend is None:
+            return None
+        decoder = backend.decoder
+        if not (decoder is None or isinstance(decoder, _LOCAL_DECODERS)):
+            return None
+        entry = _WHOLE_TOKENS.get(id(backend))
+        if entry is None or entry._backend is not backend:
+            if len(_WHOLE_TOKENS) >= 64:  # tokenizers come and go in tests: stay bounded
+                _WHOLE_TOKENS.clear()
+            entry = _WHOLE_TOKENS[id(backend)] = _WholeTokens(backend)
+        return entry
+
+    def text(self, token_id: int) -> str:
+        """The token's own text (memoized), or ""."""
+        text = self.texts.get(token_id)
+        if text is None:
+            text = self.texts[token_id] = self._text(token_id)
+        return text
+
+    def _text(self, token_id: int) -> str:
+        token = self._backend.id_to_token(token_id)
+        if token is None or token_id in self.added:
+            return ""
+        if self._decoder is None:
+            return " " + str(token)
+        if self.joins:  # after a first token that adds nothing of its own
+            return str(self._decoder.decode(["", token]))
+        text = str(self._decoder.decode([token]))
+        # Partial or invalid UTF-8 decodes to U+FFFD (a token spelling U+FFFD itself is left
+        # to the window path too).
+        return "" if _REPLACEMENT_CHAR in text else text
 
 
-def _whole_token_texts(backend: Any) -> dict[int, str] | None:
-    """The memo of whole-token texts for a plain fast tokenizer whose decoder is byte-level
-    alone (GPT-2, Llama 3, Qwen): token id -> its text where its bytes are whole UTF-8
-    characters, "" where not (or an added token, or no token). None for any other decoder:
-    SentencePiece's leading-space strip, byte fallback and WordPiece's joins make a token's
-    text depend on what precedes it."""
-    if backend is None or not isinstance(backend.decoder, tokenizers.decoders.ByteLevel):
-        return None
-    entry = _WHOLE_TOKEN_TEXTS.get(id(backend))
-    if entry is None or entry[0] is not backend:
-        if len(_WHOLE_TOKEN_TEXTS) >= 64:  # tokenizers come and go in tests: stay bounded
-            _WHOLE_TOKEN_TEXTS.clear()
-        added = frozenset(backend.get_added_tokens_decoder())
-        entry = _WHOLE_TOKEN_TEXTS[id(backend)] = (backend, added, {})
-    return entry[2]
+_LOCAL_DECODERS = (tokenizers.decoders.ByteLevel, tokenizers.decoders.WordPiece)
+_WHOLE_TOKENS: dict[int, _WholeTokens] = {}
 
 
 def _plain_fast_backend(tokenizer: Any, decode_kwargs: dict[str, bool]) -> Any:

@@ -168,6 +168,19 @@ def sentencepiece_like() -> PreTrainedTokenizerFast:
     )
 
 
+@functools.cache
+def wordpiece_like() -> PreTrainedTokenizerFast:
+    """BERT-style decoding: "##" pieces attach, other tokens get a space, and the decoder's
+    cleanup (" ." -> ".", " n't" -> "n't", " ' " -> "'") runs on each token."""
+    words = [*WORDS, "##s", "##ing", "'", "n't", "do", "not", "?", "##", "'s"]
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.decoder = decoders.WordPiece(prefix="##", cleanup=True)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>", unk_token="[UNK]")
+    fast.add_tokens(["<sep>"])  # an added, non-special token
+    return fast
+
+
 BYTE_TOKENIZERS = {"fast_bpe": byte_bpe, "slow_bytes": byte_slow}
 
 
@@ -635,6 +648,7 @@ def test_stock_fast_tokenizers_decode_through_their_backend_with_the_same_text()
 FAST_TOKENIZERS = {
     "fast_bpe": byte_bpe,
     "word_level": word_level,
+    "wordpiece": wordpiece_like,
     "sentencepiece": sentencepiece_like,
 }
 
@@ -661,14 +675,17 @@ def test_the_rust_decode_stream_gives_the_python_windows_text(
     params = SamplingParams(skip_special_tokens=skip, stop=stop or None)
     fast = IncrementalDetokenizer(tokenizer, prompt, params)
     assert fast._streaming, "a plain fast tokenizer streams through Rust"
-    assert (fast._whole is not None) == (name == "fast_bpe"), "the table is byte-level's only"
+    assert (fast._whole is None) == (name == "sentencepiece"), "tokens alone where local"
     stream_only = IncrementalDetokenizer(tokenizer, prompt, params)
     stream_only._whole = None
+    windows_and_table = IncrementalDetokenizer(tokenizer, prompt, params)
+    windows_and_table._streaming, windows_and_table._stream = False, None
     slow = IncrementalDetokenizer(tokenizer, prompt, params)
     slow._streaming, slow._stream, slow._whole = False, None, None
     expected = _stream(slow, ids, chunks)
     assert _stream(fast, ids, chunks) == expected
     assert _stream(stream_only, ids, chunks) == expected
+    assert _stream(windows_and_table, ids, chunks) == expected
     assert fast.output_text == slow.output_text and fast.stop_reason == slow.stop_reason
 
 
@@ -679,9 +696,10 @@ def test_whole_tokens_around_a_split_character() -> None:
     detok = IncrementalDetokenizer(tokenizer, [], SamplingParams(skip_special_tokens=False))
     split = tokenizer.convert_tokens_to_ids([_piece(bytes([b])) for b in "你".encode()])
     pieces = [_encode(tokenizer, "ab"), list(split), _encode(tokenizer, "b.")]
-    whole = [i for i in pieces[0] + pieces[2] if detok._whole_text(i)]
+    assert detok._whole is not None
+    whole = [i for i in pieces[0] + pieces[2] if detok._whole.text(i)]
     assert whole, "the corpus's ASCII tokens are whole characters"
-    assert detok._whole_text(pieces[1][0]) == "", "a lead byte alone is not"
+    assert detok._whole.text(pieces[1][0]) == "", "a lead byte alone is not"
     ids = [i for p in pieces for i in p] + [tokenizer.eos_token_id]
     deltas = _stream(detok, ids)
     assert "".join(deltas) == _decode(tokenizer, ids, skip_special_tokens=False)
