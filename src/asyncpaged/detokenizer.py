@@ -178,8 +178,6 @@ class IncrementalDetokenizer:
         # made when an id needs it (a token with a text of its own takes the table below).
         self._stream: Any = None
         self._streaming = self._backend is not None and _DecodeStream is not None
-        if self._streaming:
-            self._streaming = self._new_stream() is not None
         # Tokens whose text after a window is their own (memoized per tokenizer), if any
         self._whole = _WholeTokens.of(self._backend)
         # The window ids[prefix_offset:read_offset] holds a token not skipped (a joiner's
@@ -337,11 +335,12 @@ class IncrementalDetokenizer:
                 self._prefix_text = None
                 self._stream = None
                 return
-        if self._streaming:
-            stream = self._stream
-            if stream is None:  # a whole token stepped past it: nothing is pending
-                assert self._read_offset == len(self._ids) - 1
-                stream = self._new_stream()
+        stream = self._stream
+        if stream is None and self._streaming:  # first made, or a token stepped past it
+            assert self._read_offset == len(self._ids) - 1, "made with nothing pending"
+            stream = self._new_stream()
+            self._streaming = stream is not None
+        if stream is not None:
             try:
                 chunk = stream.step(self._backend, self._ids[-1])
             except Exception:  # e.g. a window whose text does not extend its prefix text
