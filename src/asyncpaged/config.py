@@ -87,8 +87,9 @@ class EngineConfig:
     # and plain greedy or with sampling options that no longer change (no seed, penalties,
     # bad words or logits processors); else the engine waits for step N as without it. A row
     # planned ahead for a sequence that step N's token ends (a stop token, EOS or a stop
-    # string) is computed in vain. Not with tensor parallelism, the KV tiers, priorities or
-    # speculative decoding.
+    # string) is computed in vain. A plan ahead preempts nothing (a priority claim included):
+    # it waits for step N instead. Not with tensor parallelism, the KV tiers or speculative
+    # decoding.
     # "auto" (async_scheduling_for): on with the runner in its own process where nothing of
     # that is configured (it measured faster there), off with the thread (no gain measured:
     # the forward and the loop share the GIL) and on accelerators (not measured yet).
@@ -178,9 +179,9 @@ class EngineConfig:
              f"async_scheduling must be True, False or 'auto', got {self.async_scheduling!r}."),
             (self.async_scheduling is not True or (
                 self.tensor_parallel_size == 1 and self.kv_offload_host_bytes == 0
-                and self.scheduling_policy == "fcfs" and self.speculative_config is None),
-             "async_scheduling takes no tensor parallelism, KV tiers (kv_offload_*), "
-             "priority scheduling or speculative_config."),
+                and self.speculative_config is None),
+             "async_scheduling takes no tensor parallelism, KV tiers (kv_offload_*) or "
+             "speculative_config."),
             (self.attention_backend in ("auto", "torch", "triton", "cpu"),
              f"attention_backend must be 'auto', 'torch', 'triton' or 'cpu', got "
              f"{self.attention_backend!r}."),
@@ -280,7 +281,6 @@ def async_scheduling_for(config: EngineConfig) -> tuple[bool, str]:
     for cannot, what in (
         (config.tensor_parallel_size > 1, "tensor parallelism"),
         (config.kv_offload_host_bytes > 0, "the KV tiers"),
-        (config.scheduling_policy != "fcfs", "priority scheduling"),
         (config.speculative_config is not None, "speculative decoding"),
     ):
         if cannot:

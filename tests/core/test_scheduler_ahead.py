@@ -2,8 +2,8 @@
 against the fake executor of ``test_scheduler_property``, which checks every K/V a sampling row
 reads. A row whose input is a late token gets the token the step before sampled, as the runner
 does; a request's output must equal the same request run alone, whichever steps were planned
-ahead, under memory pressure (preemption then waits for the step in flight), swaps, aborts and
-stop tokens that make a planned-ahead row compute in vain."""
+ahead, under memory pressure (preemption then waits for the step in flight), priorities (a
+claim waits too), swaps, aborts and stop tokens that make a planned-ahead row compute in vain."""
 
 from __future__ import annotations
 
@@ -76,11 +76,14 @@ def test_planning_ahead_gives_each_request_its_output_alone(data: st.DataObject)
         max_num_batched_tokens=data.draw(st.integers(4, 48)),
         preemption_mode=data.draw(st.sampled_from(["recompute", "swap"]), label="mode"),
         rope_switch_len=data.draw(st.sampled_from([None, None, 9]), label="rope switch"),
+        scheduling_policy=data.draw(st.sampled_from(["fcfs", "priority"]), label="policy"),
+        priority_aging_steps=data.draw(st.integers(1, 8), label="aging"),
     )
     pool = BlockPool(
         num_device, num_host, block_size=BS, enable_prefix_caching=data.draw(st.booleans())
     )
     sched = Scheduler(config)
+    priority_policy = config.scheduling_policy == "priority"
     snap = snapshot(pool)
     world = FakeWorld()
     max_len = (num_device - 1) * BS
@@ -95,8 +98,9 @@ def test_planning_ahead_gives_each_request_its_output_alone(data: st.DataObject)
         rid = f"r{next(ids)}"
         seq = Sequence(seq_id=next(seq_ids), index=0, token_ids=list(prompt),
                        num_prompt_tokens=len(prompt))  # fmt: skip
+        priority = data.draw(st.integers(-2, 2), label="priority") if priority_policy else 0
         request = Request(request_id=rid, arrival=int(rid[1:]), seqs=[seq], stop=stop,
-                          cache_salt=salt)  # fmt: skip
+                          cache_salt=salt, priority=priority)  # fmt: skip
         sched.add_request(request)
         every[rid] = request
         expected[rid] = reference_output(prompt, salt, stop)
@@ -130,7 +134,7 @@ def test_planning_ahead_gives_each_request_its_output_alone(data: st.DataObject)
         else:
             txn = sched.plan(snap, ahead=in_flight[-1][0] if in_flight else None)
             if in_flight:
-                assert not (txn.victims or txn.swap_ins or txn.forks)
+                assert not (txn.victims or txn.swap_ins or txn.forks or txn.claim)
             result = apply_txn(pool, txn)
             snap = result.snapshot
             out = sched.apply(txn, result)
@@ -148,7 +152,7 @@ def test_planning_ahead_gives_each_request_its_output_alone(data: st.DataObject)
     if num_vain:
         event("a row computed in vain")
     if sched.statistics().num_preemptions:
-        event("preempted")
+        event(f"preempted ({config.scheduling_policy})")
     for rid, want in expected.items():
         got = outputs[rid]
         if rid in aborted:

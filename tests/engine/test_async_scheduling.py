@@ -62,6 +62,33 @@ async def test_greedy_matches_transformers_under_memory_pressure(
     assert stats.num_rows_in_vain == 0  # ignore_eos, and max_tokens is known ahead
 
 
+async def test_priorities_preempt_once_the_step_in_flight_is_back(
+    tiny_checkpoint: Callable[[str], Path],
+    hf_reference: Callable[[str], HFReference],
+) -> None:
+    """Priority scheduling with steps planned ahead: a plan ahead leaves a claim for the next
+    plan (after the step in flight), and every request's greedy tokens equal transformers'."""
+    path, ref = tiny_checkpoint(MODEL), hf_reference(MODEL)
+    prompts = make_prompts(24, seed=3)
+    outs: list[Any] = [None] * len(prompts)
+    with anyio.fail_after(180):
+        async with running_engine(path, num_device_blocks=10, max_num_seqs=4,
+                                  scheduling_policy="priority",
+                                  async_scheduling=True) as engine:  # fmt: skip
+
+            async def one(i: int) -> None:
+                await anyio.sleep(0.002 * i)  # later ones arrive while others run
+                outs[i] = await engine.generate(list(prompts[i]), GREEDY, priority=-i % 5)
+
+            async with anyio.create_task_group() as tg:
+                for i in range(len(prompts)):
+                    tg.start_soon(one, i)
+            stats = engine.statistics()
+    for prompt, out in zip(prompts, outs, strict=True):
+        assert out.outputs[0].token_ids == ref.generate(prompt, 10)[0], prompt
+    assert stats.num_preemptions > 0 and stats.num_steps_planned_ahead > 0, stats
+
+
 @pytest.mark.parametrize("backend", ["thread", "process"])
 async def test_a_stop_token_leaves_the_row_planned_ahead_computed_in_vain(
     backend: str,
@@ -196,7 +223,6 @@ def test_async_scheduling_refuses_what_it_cannot_combine_with() -> None:
     for bad in (
         {"tensor_parallel_size": 2},
         {"kv_offload_host_bytes": 1 << 20},
-        {"scheduling_policy": "priority"},
         {"speculative_config": SpeculativeConfig(method="ngram", num_speculative_tokens=2)},
     ):
         with pytest.raises(ValueError, match="async_scheduling"):
@@ -281,9 +307,7 @@ def test_auto_plans_ahead_with_the_runner_in_its_process_only() -> None:
     assert settle(executor_backend="process")[0] is True
     assert settle(executor_backend="thread")[0] is False
     assert settle(executor_backend="process", device="cuda")[0] is False
-    assert settle(executor_backend="process", scheduling_policy="priority") == (
-        False, "not with priority scheduling",
-    )  # fmt: skip
+    assert settle(executor_backend="process", scheduling_policy="priority")[0] is True
     spec = SpeculativeConfig(method="ngram", num_speculative_tokens=2)
     assert settle(executor_backend="process", speculative_config=spec)[0] is False
     assert settle(executor_backend="thread", async_scheduling=True) == (True, "configured")

@@ -69,6 +69,8 @@ def failed_requests(
     """Rows whose logits processor raised: each such request is aborted in the core (its
     blocks are freed by the next transaction) and fails alone; returns them with the error
     their waiters get."""
+    if not failed:
+        return []
     owner = {s.seq_id: s.request_id for s in out.seqs}
     ended = []
     for token in failed:

@@ -208,9 +208,9 @@ class Scheduler:
 
     def can_plan_ahead(self) -> bool:
         """Whether a step may be planned while one is in flight (:meth:`plan`'s ``ahead``), as
-        far as the queues go: FCFS, and nothing swapped or being swapped (a swap would copy
-        blocks the step in flight may still write)."""
-        return not (self.policy.is_priority or self.swapped or self._swaps)
+        far as the queues go: nothing swapped or being swapped (a swap would copy blocks the
+        step in flight may still write)."""
+        return not (self.swapped or self._swaps)
 
     def plan(self, snap: PoolSnapshot, ahead: SchedulerOutput | None = None) -> StepTxn:
         """Decide the next step against the allocator's snapshot.
@@ -241,6 +241,8 @@ class Scheduler:
         self._swapped_back = set()
         if self.policy.is_priority:
             claim_for_priority(self, plan)
+            if ahead is not None and plan.claim is not None:
+                plan.claim, plan.cut = None, True  # the claim preempts once the step is back
         appends, sizes = plan_running(self, plan, shared, frees)
         self.planned_cut = plan.cut
         pressure = plan.short or plan.claim is not None
