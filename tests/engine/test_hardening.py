@@ -154,21 +154,25 @@ def test_aborts_are_honoured_in_every_stage(
             for stream in (s1, s2):
                 out = await finish(stream)
                 assert out.outputs[0].finish_reason == "abort" and not out.outputs[0].token_ids
-            # Waiting (two seats: the victim and a runner hold them), then running.
+            # Running, then waiting: both seats held by requests of 150 tokens (the victim may
+            # still hold one; the blocker then takes its seat when it ends), whatever the
+            # victim's progress.
             runner = engine.generate([9, 10, 11], params, request_id="running")
+            blocker = engine.generate([14, 15], params, request_id="blocker")
+            await _status(engine, "running", RequestStatus.RUNNING)
+            await _status(engine, "blocker", RequestStatus.RUNNING)
             waiter = engine.generate([12, 13], params, request_id="waiting")
             await _status(engine, "waiting", RequestStatus.WAITING)
-            await _status(engine, "running", RequestStatus.RUNNING)
-            await engine.abort("waiting")
-            await engine.abort("running")
-            for stream in (waiter, runner):
+            for rid in ("waiting", "running", "blocker"):
+                await engine.abort(rid)
+            for stream in (waiter, runner, blocker):
                 out = await finish(stream)
                 assert out.outputs[0].finish_reason == "abort"
                 assert len(out.outputs[0].token_ids) < 150
             assert (await finish(victim)).outputs[0].token_ids == want
             with anyio.fail_after(10):
                 await engine.wait_idle()
-            assert engine.statistics().num_aborted == 5
+            assert engine.statistics().num_aborted == 6
 
     run(backend, main)
 
