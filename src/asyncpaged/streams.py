@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import time
-from collections.abc import Callable, Generator
+from collections.abc import Awaitable, Callable, Generator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -57,7 +57,9 @@ class _Wakeup:
             self._event = None
             event.set()
 
-    async def wait(self) -> None:
+    def wait(self) -> Awaitable[None]:
+        """What to await: the future itself (no coroutine frame of its own to make and resume
+        once a step per reader), or the event's wait."""
         loop = self._loop
         if loop is None:
             try:
@@ -67,10 +69,9 @@ class _Wakeup:
         if loop:
             assert isinstance(loop, asyncio.AbstractEventLoop)
             future = self._future = loop.create_future()
-            await future
-        else:
-            event = self._event = anyio.Event()
-            await event.wait()
+            return future
+        event = self._event = anyio.Event()
+        return event.wait()
 
 
 @dataclass(slots=True, eq=False)
@@ -309,20 +310,23 @@ class RequestState:
         self._event.set()
 
     def _has_news(self, kind: RequestOutputKind) -> bool:
-        if self.ranks_by_logprob or self.beam:
-            kind = RequestOutputKind.FINAL_ONLY
         if self.error is not None or self.rejection is not None:
             return True
         if self._held:
             return False
+        completions = self.completions
+        if len(completions) == 1:  # (best_of > n has several; a beam search fills its own in
+            # at the end only, so it has no news before)
+            c = completions[0]
+            if c.finish_reason is not None:
+                return True
+            if kind is RequestOutputKind.FINAL_ONLY:
+                return False
+            return c.read_tokens < len(c.token_ids) or c.read_text < len(c.text)
         if self.finished:
             return True
-        if kind is RequestOutputKind.FINAL_ONLY:
+        if kind is RequestOutputKind.FINAL_ONLY or self.ranks_by_logprob or self.beam:
             return False
-        completions = self.completions
-        if len(completions) == 1:
-            c = completions[0]
-            return c.read_tokens < len(c.token_ids) or c.read_text < len(c.text)
         return any(c.read_tokens < len(c.token_ids) or c.read_text < len(c.text)
                    for c in completions)  # fmt: skip
 
@@ -420,7 +424,11 @@ class RequestStream:
     async def __anext__(self) -> RequestOutput:
         if self._done:
             raise StopAsyncIteration
-        await self._guarded_wait(self._kind)
+        try:  # (not through _guarded_wait: a reader resumes through here once a step)
+            await self._state.wait(self._kind)
+        except BaseException as exc:
+            self._wait_failed(exc)
+            raise
         out = self._state.snapshot(self._kind)
         self._done = out.finished
         return out
@@ -434,10 +442,15 @@ class RequestStream:
     async def _guarded_wait(self, kind: RequestOutputKind) -> None:
         try:
             await self._state.wait(kind)
-        except anyio.get_cancelled_exc_class():
+        except BaseException as exc:
+            self._wait_failed(exc)
+            raise
+
+    def _wait_failed(self, exc: BaseException) -> None:
+        """The reader's wait raised: cancelled (abort the request unless it ended), or the
+        request was refused or failed (nothing is left to abort)."""
+        if isinstance(exc, anyio.get_cancelled_exc_class()):
             if not self._state.finished and self._state.rejection is None:
                 self._abort(self._state)
-            raise
-        except BaseException:
-            self._done = True  # refused or failed: nothing is left to abort
-            raise
+        else:
+            self._done = True

@@ -140,7 +140,8 @@ class OutputProcessor:
             matched = record_tokens(state, upd, token.sampled, tokenizer)
             if matched is not None:
                 matches.append((upd.request_id, upd.seq_id, matched))
-            if state.finished:
+            # (only an end of this completion, or a stop string in its text, ends the request)
+            if (upd.finish_reason is not None or matched is not None) and state.finished:
                 self._finished(upd.request_id, state)
         for rid, hypotheses in msg.beams:
             state = live[rid]

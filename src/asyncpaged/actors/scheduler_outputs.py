@@ -41,12 +41,27 @@ class Tracked:
     ahead: bool = False
 
 
-def tokens_by_seq(
-    sampled: Iterable[SampledToken],
-) -> tuple[Rows, dict[int, list[int]], dict[int, tuple[tuple[int, float], ...]]]:
+Tops = dict[int, tuple[tuple[int, float], ...]]
+
+
+def tokens_by_seq(sampled: Sequence[SampledToken]) -> tuple[Rows, dict[int, Sequence[int]], Tops]:
     """The step's rows by (seq id, sample index); each sequence's new tokens, in row order
     (speculative: the kept proposals, then the target's token); each sequence's first row's
     top logprobs."""
+    by_row: Rows = {}
+    tokens: dict[int, Sequence[int]] = {}
+    top: Tops = {}
+    for t in sampled:  # the common step: a row per sequence, one token each, in one pass
+        if t.sample_index or t.accepted:
+            return _tokens_by_seq(sampled)
+        by_row[(t.seq_id, 0)] = t
+        tokens[t.seq_id] = (t.token_id,)
+        top[t.seq_id] = t.top_logprobs
+    return by_row, tokens, top
+
+
+def _tokens_by_seq(sampled: Sequence[SampledToken]) -> tuple[Rows, dict[int, Sequence[int]], Tops]:
+    """:func:`tokens_by_seq` for steps with fan-out or speculative rows."""
     by_row = {(t.seq_id, t.sample_index): t for t in sampled}
     # Fan-out rows in sample-index order per sequence (others: one row per sequence).
     fanned = any(index for _, index in by_row)
@@ -60,7 +75,7 @@ def tokens_by_seq(
         else:
             tokens.setdefault(seq_id, []).append(t.token_id)
     top = {t.seq_id: t.top_logprobs for t in by_row.values() if t.sample_index == 0}
-    return by_row, tokens, top
+    return by_row, dict(tokens), top
 
 
 def failed_requests(
