@@ -84,7 +84,7 @@ class EngineConfig:
     # executor goes from one step to the next without waiting for the loop; a row whose input
     # is step N's token takes it in the runner. A step is planned ahead only when every
     # request step N samples is single-sequence, without grammar, beams or prompt logprobs,
-    # and plain greedy or with sampling options that no longer change (no seed, penalties,
+    # and plain greedy or with sampling options that no longer change (no penalties,
     # bad words or logits processors); else the engine waits for step N as without it. A row
     # planned ahead for a sequence that step N's token ends (a stop token, EOS or a stop
     # string) is computed in vain. A plan ahead preempts nothing (a priority claim included):

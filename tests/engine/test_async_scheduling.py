@@ -188,6 +188,34 @@ async def test_stop_strings_are_planned_ahead_and_end_where_they_match(
 
 
 @pytest.mark.parametrize("backend", ["thread", "process"])
+async def test_seeded_sampling_is_planned_ahead_with_the_same_tokens(
+    backend: str, tiny_checkpoint: Callable[[str], Path]
+) -> None:
+    """Seeded sampled requests go ahead (their options are fixed: the runner derives each
+    draw's generator key from the row's position) and draw exactly the tokens of the engine
+    without async scheduling, preemption by recompute included."""
+    path = tiny_checkpoint(MODEL)
+    prompts = make_prompts(24, seed=6)
+
+    def params(i: int) -> SamplingParams:
+        return SamplingParams(temperature=0.8, top_p=0.9, max_tokens=12, seed=100 + i,
+                              ignore_eos=True)  # fmt: skip
+
+    results = {}
+    for ahead in (False, True):
+        with anyio.fail_after(180):
+            async with running_engine(path, num_device_blocks=10, executor_backend=backend,
+                                      async_scheduling=ahead) as engine:  # fmt: skip
+                outs = await generate_all(engine, prompts, params)
+                stats = engine.statistics()
+        results[ahead] = [o.outputs[0].token_ids for o in outs]
+        assert stats.num_preemptions > 0, stats
+        if ahead:
+            assert stats.num_steps_planned_ahead > stats.num_steps // 3, stats
+    assert results[True] == results[False]
+
+
+@pytest.mark.parametrize("backend", ["thread", "process"])
 async def test_large_steps_wait_for_the_pipe_and_aborts_free_their_blocks(
     backend: str,
     monkeypatch: pytest.MonkeyPatch,

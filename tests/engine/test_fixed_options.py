@@ -1,8 +1,9 @@
-"""A sampled completion whose sampling options can no longer change (no seed, penalties, bad
-words, grammar or logits processors, past its min-tokens mask) sends the very same options
-object in every later step instead of building it again (``scheduler_steps``); the others are
-built per step: a seeded row's generator key moves with each token, and a row under its
-min-tokens mask gets the mask until it ends."""
+"""A sampled completion whose sampling options can no longer change (no penalties, bad words,
+grammar or logits processors, past its min-tokens mask) sends the very same options object in
+every later step instead of building it again (``scheduler_steps``); a row under its
+min-tokens mask gets the mask, built per step, until it ends. A seeded row's options are
+fixed too: the runner derives each draw's generator key from the row's position, the key the
+scheduler used to send."""
 
 from __future__ import annotations
 
@@ -13,7 +14,8 @@ import anyio
 import pytest
 
 from asyncpaged import SamplingParams
-from asyncpaged.model.sampler import SamplingOptions
+from asyncpaged.model.sampler import SamplingOptions, derive_generator_key
+from asyncpaged.model.step import with_generator_keys
 from tests.engine.conftest import running_engine
 from tests.engine.test_engine import generate_all, make_prompts
 from tests.engine.test_persistent_tables import Recorder
@@ -47,22 +49,27 @@ async def test_fixed_options_are_sent_once_built_and_the_others_per_step(
             outs = await generate_all(engine, prompts, lambda i: params[i])
     assert all(len(o.outputs[0].token_ids) == NEW_TOKENS for o in outs)
     by_prompt: dict[int, list[SamplingOptions]] = {}
+    keys: list[int] = []  # the seeded row's generator keys, as the runner derives them
     prompt_of: dict[int, int] = {}  # seq id -> prompt, from its first (prefill) row
     for plan in recorder.plans:
-        for s in plan.seqs:
+        for s, keyed in zip(plan.seqs, with_generator_keys(plan).seqs, strict=True):
             if s.seq_id not in prompt_of:
                 assert s.num_computed_tokens == 0
                 prompt_of[s.seq_id] = prompts.index(tuple(s.token_ids))
             if s.do_sample:
-                assert s.sampling is not None
+                assert s.sampling is not None and keyed.sampling is not None
                 by_prompt.setdefault(prompt_of[s.seq_id], []).append(s.sampling)
+                if prompt_of[s.seq_id] == 1:
+                    keys.append(keyed.sampling.generator_key)
     assert [len(by_prompt[i]) for i in range(3)] == [NEW_TOKENS] * 3
     masked, fixed = by_prompt[0][:MIN_TOKENS], by_prompt[0][MIN_TOKENS:]
     assert all(o.min_tokens_mask_ids == (3,) for o in masked)
     assert len({id(o) for o in masked}) == MIN_TOKENS  # built per step while masked
     assert all(o is fixed[0] for o in fixed) and fixed[0].min_tokens_mask_ids == ()
     assert (fixed[0].temperature, fixed[0].top_p) == (0.9, 0.8)
-    seeded = by_prompt[1]  # a new generator key with every token
-    assert len({o.generator_key for o in seeded}) == NEW_TOKENS
+    seeded = by_prompt[1]  # one object, its generator key derived from each row's position
+    assert all(o is seeded[0] for o in seeded)
+    assert seeded[0].key_from_position == (0, len(prompts[1]))
+    assert keys == [derive_generator_key(5, 0, k) for k in range(NEW_TOKENS)]
     assert all(o is by_prompt[2][0] for o in by_prompt[2])
     assert by_prompt[2][0].num_logprobs == 2

@@ -66,12 +66,16 @@ def sampling_options(
     prompt: tuple[int, ...] | None = None,
     history: HistoryDeltas | None = None,
     seq_id: int = -1,
+    *,
+    positional_key: bool = False,
 ) -> SamplingOptions | None:
     """The executor's per-row sampling options; None for plain greedy (the fast path).
     ``prompt``: ``token_ids[:num_prompt]`` as a tuple, when the caller keeps one (the
     penalties read the prompt every step; see ``scheduler_steps``). ``history``: the row may
     keep its penalty history in the runner (``penalty_histories``), as sequence ``seq_id``;
-    it then sends only the output tokens the runner does not hold yet."""
+    it then sends only the output tokens the runner does not hold yet. ``positional_key``: a
+    seeded row's generator key is left to the runner, which derives the same one from the row's
+    position (``SamplingOptions.key_from_position``), so the options do not change per token."""
     if token_bitmask is None and params.is_plain_greedy:
         return None
     num_generated = len(token_ids) - num_prompt
@@ -129,8 +133,11 @@ def sampling_options(
         history_seq=history_seq,
         history_start=output_start,
         generator_key=derive_generator_key(params.seed, index, num_generated)
-        if params.seed is not None
+        if params.seed is not None and not positional_key
         else 0,
+        key_from_position=(index, num_prompt)
+        if params.seed is not None and positional_key
+        else None,
         logit_bias=params.logit_bias,
         allowed_token_ids=params.allowed_token_ids,
         banned_token_ids=banned,

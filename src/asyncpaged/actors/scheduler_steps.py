@@ -110,7 +110,7 @@ def _sampled_step(
         made = sampling_options(
             params, seq.token_ids, seq.num_prompt_tokens, index, eos_token_ids,
             bad_words.ids(params.bad_words), bitmasks.get((seq.seq_id, index)),
-            info.prompt_token_ids, history, seq.seq_id,
+            info.prompt_token_ids, history, seq.seq_id, positional_key=True,
         )  # fmt: skip
         if made is not None and _options_fixed(params, info.grammar is not None, seq):
             t.fixed_options[index] = made
@@ -147,12 +147,12 @@ def _sampled_step(
 
 def _options_fixed(params: SamplingParams, has_grammar: bool, seq: Seq) -> bool:
     """Whether a completion's sampling options stay what they are now at every later step:
-    no seed (its generator key moves with each token), penalties or logits processors (they
-    carry the history), bad words (the banned tokens follow the output), grammar (a bitmask
-    per step), and past its min-tokens mask (which never comes back)."""
+    no penalties or logits processors (they carry the history), bad words (the banned tokens
+    follow the output), grammar (a bitmask per step), and past its min-tokens mask (which
+    never comes back). A seed is no obstacle: the runner derives each draw's generator key
+    from the row's position (``key_from_position``)."""
     return (
-        params.seed is None
-        and params.presence_penalty == 0.0
+        params.presence_penalty == 0.0
         and params.frequency_penalty == 0.0
         and params.repetition_penalty == 1.0
         and not params.logits_processors

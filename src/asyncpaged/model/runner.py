@@ -60,6 +60,7 @@ from asyncpaged.model.step import (
     greedy_verdicts,
     plain_greedy,
     sampled_tokens,
+    with_generator_keys,
 )
 from asyncpaged.spec_decode.rejection import verify
 from asyncpaged.structured_outputs import grammar_mask_bias
@@ -317,6 +318,7 @@ class ModelRunner:
             draft.copy_blocks(plan.copy_pairs)
         if not plan.seqs:
             return StepResult(sampled=())
+        plan = with_generator_keys(plan)
         seen = self._histories.update(plan.seqs)
         inputs = self._inputs(plan)
         result = self._target_step(plan, *inputs, seen=seen)

@@ -90,10 +90,12 @@ class SamplingOptions:
     (``penalty_histories``) and ``output_token_ids`` holds only the output tokens after the
     first ``history_start``, which it already has.
     ``generator_key`` seeds this row's generator when ``seed`` is set (see
-    ``derive_generator_key``); it is ignored otherwise. Logit controls (vLLM's): only
-    ``allowed_token_ids`` keep their logits (None: all), ``logit_bias`` (token id, bias) pairs
-    are added, ``banned_token_ids`` (the bad words' next tokens this step) get -inf; all before
-    the penalties, none in the raw logprobs.
+    ``derive_generator_key``); it is ignored otherwise. With ``key_from_position`` (the
+    sequence's index in its request, its prompt length) the runner derives it from the row's
+    position instead (``with_generator_keys``), so the options stay the same from step to step.
+    Logit controls (vLLM's): only ``allowed_token_ids`` keep their logits (None: all),
+    ``logit_bias`` (token id, bias) pairs are added, ``banned_token_ids`` (the bad words' next
+    tokens this step) get -inf; all before the penalties, none in the raw logprobs.
     """
 
     temperature: float = 1.0
@@ -111,6 +113,7 @@ class SamplingOptions:
     history_seq: int | None = None
     history_start: int = 0
     generator_key: int = 0
+    key_from_position: tuple[int, int] | None = None
     logit_bias: tuple[tuple[int, float], ...] = ()
     allowed_token_ids: tuple[int, ...] | None = None
     banned_token_ids: tuple[int, ...] = ()

@@ -5,11 +5,12 @@ turn the sampler's tensors into result rows."""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import NamedTuple, Protocol
 
 from asyncpaged.model.prompt_logprobs import PromptLogprobRows
-from asyncpaged.model.sampler import SamplerOutput, SamplingOptions
+from asyncpaged.model.sampler import SamplerOutput, SamplingOptions, derive_generator_key
 
 
 class SequenceStep(NamedTuple):
@@ -69,6 +70,36 @@ class StepPlan:
 
     seqs: tuple[SequenceStep, ...]
     copy_pairs: tuple[tuple[int, int], ...] = ()
+
+
+def with_generator_keys(plan: StepPlan) -> StepPlan:
+    """``plan`` with the generator key of every seeded draw whose options take it from the
+    row's position (``SamplingOptions.key_from_position``) filled in: the draw after the row
+    is the sequence's ``num_computed_tokens + len(token_ids) - prompt length``-th generated
+    token's (the key ``derive_generator_key`` gives the scheduler for it)."""
+
+    def positional(o: SamplingOptions | None) -> bool:
+        return o is not None and o.key_from_position is not None
+
+    if not any(positional(s.sampling) or any(map(positional, s.fanout)) for s in plan.seqs):
+        return plan
+
+    def keyed(o: SamplingOptions | None, num_context: int) -> SamplingOptions | None:
+        if o is None or o.key_from_position is None or o.seed is None:
+            return o
+        index, num_prompt = o.key_from_position
+        key = derive_generator_key(o.seed, index, num_context - num_prompt)
+        return dataclasses.replace(o, generator_key=key, key_from_position=None)
+
+    seqs = []
+    for s in plan.seqs:
+        n = s.num_computed_tokens + len(s.token_ids)
+        if positional(s.sampling) or any(map(positional, s.fanout)):
+            fanout = tuple(keyed(o, n) for o in s.fanout)
+            seqs.append(s._replace(sampling=keyed(s.sampling, n), fanout=fanout))
+        else:
+            seqs.append(s)
+    return dataclasses.replace(plan, seqs=tuple(seqs))
 
 
 class SampledToken(NamedTuple):
