@@ -288,8 +288,8 @@ def test_a_late_token_takes_what_the_last_step_sampled(
 async def test_a_request_is_freed_before_its_final_output_while_steps_run_ahead(
     tiny_checkpoint: Callable[[str], Path], hf_reference: Callable[[str], HFReference]
 ) -> None:
-    """Requests ending on a stop token beside requests that cannot be planned ahead (seeded)
-    arriving over time, prompts prefilled in chunks: when a request's final output
+    """Requests ending on a stop token beside requests that cannot be planned ahead
+    (penalized) arriving over time, prompts prefilled in chunks: when a request's final output
     reaches its reader, the pool holds no block of it (a finish while a step runs that the
     next cannot be planned ahead of is freed by a transaction of its own)."""
     path, ref = tiny_checkpoint(MODEL), hf_reference(MODEL)
@@ -299,9 +299,9 @@ async def test_a_request_is_freed_before_its_final_output_while_steps_run_ahead(
 
     def params(i: int) -> SamplingParams:
         kind = RequestOutputKind.DELTA
-        if i % 3 == 0:  # seeded: a step it samples in cannot be planned ahead of
+        if i % 3 == 0:  # penalized: a step it samples in cannot be planned ahead of
             return SamplingParams(temperature=0.8, max_tokens=2, seed=i, ignore_eos=True,
-                                  output_kind=kind)  # fmt: skip
+                                  repetition_penalty=1.1, output_kind=kind)  # fmt: skip
         stop = wants[i][2 + i % 5]  # ends on a stop token, some steps apart
         return SamplingParams(temperature=0.0, max_tokens=8, stop_token_ids=[stop],
                               output_kind=kind)  # fmt: skip

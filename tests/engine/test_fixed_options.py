@@ -1,12 +1,13 @@
 """A sampled completion whose sampling options can no longer change (no penalties, bad words,
-grammar or logits processors, past its min-tokens mask) sends the very same options object in
-every later step instead of building it again (``scheduler_steps``); a row under its
-min-tokens mask gets the mask, built per step, until it ends. A seeded row's options are
-fixed too: the runner derives each draw's generator key from the row's position, the key the
-scheduler used to send."""
+grammar or logits processors, past its min-tokens mask) uses the very same options object in
+every later step instead of building it again (``scheduler_steps``), sent once: later rows
+keep it in the runner (``kept_options``). A row under its min-tokens mask gets the mask, built
+per step, until it ends. A seeded row's options are fixed too: the runner derives each draw's
+generator key from the row's position, the key the scheduler used to send."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from pathlib import Path
 
@@ -14,6 +15,7 @@ import anyio
 import pytest
 
 from asyncpaged import SamplingParams
+from asyncpaged.model.kept_options import KeptOptions
 from asyncpaged.model.sampler import SamplingOptions, derive_generator_key
 from asyncpaged.model.step import with_generator_keys
 from tests.engine.conftest import running_engine
@@ -49,18 +51,25 @@ async def test_fixed_options_are_sent_once_built_and_the_others_per_step(
             outs = await generate_all(engine, prompts, lambda i: params[i])
     assert all(len(o.outputs[0].token_ids) == NEW_TOKENS for o in outs)
     by_prompt: dict[int, list[SamplingOptions]] = {}
+    kept_rows: dict[int, int] = {}  # prompt -> rows sent without their options
     keys: list[int] = []  # the seeded row's generator keys, as the runner derives them
     prompt_of: dict[int, int] = {}  # seq id -> prompt, from its first (prefill) row
+    kept = KeptOptions()  # the runner's side, replayed
     for plan in recorder.plans:
-        for s, keyed in zip(plan.seqs, with_generator_keys(plan).seqs, strict=True):
+        resolved = with_generator_keys(dataclasses.replace(plan, seqs=kept.update(plan.seqs)))
+        for s, row in zip(plan.seqs, resolved.seqs, strict=True):
             if s.seq_id not in prompt_of:
                 assert s.num_computed_tokens == 0
                 prompt_of[s.seq_id] = prompts.index(tuple(s.token_ids))
+            i = prompt_of[s.seq_id]
+            if s.keep_sampling:
+                assert s.sampling is None
+                kept_rows[i] = kept_rows.get(i, 0) + 1
             if s.do_sample:
-                assert s.sampling is not None and keyed.sampling is not None
-                by_prompt.setdefault(prompt_of[s.seq_id], []).append(s.sampling)
-                if prompt_of[s.seq_id] == 1:
-                    keys.append(keyed.sampling.generator_key)
+                assert row.sampling is not None and not row.keep_sampling
+                by_prompt.setdefault(i, []).append(kept.options_of(s.seq_id))
+                if i == 1:
+                    keys.append(row.sampling.generator_key)
     assert [len(by_prompt[i]) for i in range(3)] == [NEW_TOKENS] * 3
     masked, fixed = by_prompt[0][:MIN_TOKENS], by_prompt[0][MIN_TOKENS:]
     assert all(o.min_tokens_mask_ids == (3,) for o in masked)
@@ -73,3 +82,5 @@ async def test_fixed_options_are_sent_once_built_and_the_others_per_step(
     assert keys == [derive_generator_key(5, 0, k) for k in range(NEW_TOKENS)]
     assert all(o is by_prompt[2][0] for o in by_prompt[2])
     assert by_prompt[2][0].num_logprobs == 2
+    # Each fixed object is sent once: every later row keeps it in the runner
+    assert kept_rows == {0: NEW_TOKENS - MIN_TOKENS - 1, 1: NEW_TOKENS - 1, 2: NEW_TOKENS - 1}

@@ -65,6 +65,7 @@ from asyncpaged.messages import (
 )
 from asyncpaged.model.block_tables import TableDeltas
 from asyncpaged.model.draft import DraftProposals
+from asyncpaged.model.kept_options import OptionDeltas
 from asyncpaged.model.penalty_histories import HistoryDeltas
 from asyncpaged.model.prompt_logprobs import PromptLogprobRows
 from asyncpaged.model.runner import SampledToken, StepPlan
@@ -138,6 +139,7 @@ class SchedulerActor:
         self._in_flight: deque[SchedulerOutput] = deque()
         self._tables = TableDeltas()  # the block tables the executor's runner holds
         self._histories = HistoryDeltas()  # the penalty histories it holds
+        self._options = OptionDeltas()  # the sampling options it holds
         self._planning = False  # a transaction is at the allocator
         self._idle = IdleSignal(lambda: self.is_idle)
         self._log = log.bind(actor="scheduler")
@@ -309,6 +311,7 @@ class SchedulerActor:
             has_draft_model=self._draft_proposals is not None,
             tables=self._tables,
             histories=self._histories,
+            options=self._options,
         )
         self._scheduled.extend(scheduled)
         self._in_flight.append(out)
@@ -321,6 +324,7 @@ class SchedulerActor:
         )
         self._tables.sent()
         self._histories.sent()
+        self._options.sent()
         return True
 
     # ---- messages ---------------------------------------------------------------------------

@@ -20,6 +20,7 @@ from asyncpaged.core.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
 from asyncpaged.core.scheduler_types import new_tuple
 from asyncpaged.messages import Scheduled
 from asyncpaged.model.block_tables import TableDeltas
+from asyncpaged.model.kept_options import OptionDeltas
 from asyncpaged.model.penalty_histories import HistoryDeltas
 from asyncpaged.model.runner import SequenceStep
 from asyncpaged.model.sampler import SamplingOptions
@@ -38,16 +39,19 @@ def build_sequence_steps(
     has_draft_model: bool,
     tables: TableDeltas,
     histories: HistoryDeltas,
+    options: OptionDeltas,
 ) -> tuple[list[SequenceStep], list[Scheduled]]:
     """One :class:`SequenceStep` per scheduled sequence of ``out``, in its order, each with
     its block table's changes since the last plan sent (``tables``) and a penalized row's
-    output tokens since then (``histories``; the caller marks both sent once the executor has
-    the plan); and the scheduling facts to report for the requests scheduled for the first
+    output tokens since then (``histories``), its sampling options unless the runner holds
+    them (``options``; the caller marks the three sent once the executor has the plan); and
+    the scheduling facts to report for the requests scheduled for the first
     time or whose cached-token count changed."""
     now = time.monotonic()
     steps = []
     scheduled = []
     tables.start_plan()
+    options.start_plan()
     # Draft-model engines send whole histories: the draft draws from the same options.
     kept = None if has_draft_model else histories
     histories.start_plan()
@@ -68,12 +72,16 @@ def build_sequence_steps(
         if t.info.plain and t.info.grammar is None and s.num_samples == 1:
             steps.append(new_tuple(SequenceStep, (
                 s.seq_id, s.token_ids, s.start_pos, s.slot_mapping, table[1], s.samples, False,
-                None, (), s.min_rope_len, (), 0, 0, s.num_draft, (), draft_k, table[0],
+                None, (), s.min_rope_len, (), 0, 0, s.num_draft, (), draft_k, table[0], False,
             )))  # fmt: skip
             continue
-        steps.append(
-            _sampled_step(s, request, t, bitmasks, eos_token_ids, bad_words, draft_k, table, kept)
-        )
+        step = _sampled_step(s, request, t, bitmasks, eos_token_ids, bad_words, draft_k, table,
+                             kept)  # fmt: skip
+        if step.sampling is not None:
+            sampling, keep = options.delta(s.seq_id, step.sampling)
+            if keep:
+                step = step._replace(sampling=sampling, keep_sampling=True)
+        steps.append(step)
     return steps, scheduled
 
 
@@ -223,4 +231,5 @@ assert SequenceStep._fields == (
     "seq_id", "token_ids", "num_computed_tokens", "slot_mapping", "block_table", "do_sample",
     "want_logprob", "sampling", "fanout", "min_rope_len", "prompt_targets", "prompt_row_offset",
     "num_prompt_logprobs", "num_draft", "verify_options", "draft_k", "table_start",
+    "keep_sampling",
 ), "build_sequence_steps builds a plain row's SequenceStep in this order"  # fmt: skip

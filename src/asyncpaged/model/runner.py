@@ -22,6 +22,7 @@ does everything but the LM head and sampling (``asyncpaged.distributed`` drives 
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 from itertools import chain
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -35,6 +36,7 @@ from asyncpaged.model.attention import AttentionBackend, AttentionMetadata
 from asyncpaged.model.attention_select import AttentionChoice, select_attention_backend
 from asyncpaged.model.base import SINGLE_SHARD, CausalLM, TensorShard
 from asyncpaged.model.block_tables import BlockTables
+from asyncpaged.model.kept_options import KeptOptions
 from asyncpaged.model.kv_cache import PagedKVCache, swap_in, swap_out
 from asyncpaged.model.lm_head import ScreenedLMHead
 from asyncpaged.model.lm_head_int8 import Int8ScreenedArgmax, int8_activation_limit
@@ -192,6 +194,7 @@ class ModelRunner:
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
         self._tables = BlockTables()  # the block tables of the last step's sequences
         self._histories = PenaltyHistories()  # penalty histories of the last step's rows
+        self._kept_options = KeptOptions()  # sampling options of the last step's rows
         self._last_sampled: tuple[SampledToken, ...] = ()  # what the last step sampled
         # Draft-model speculation (``attach_draft``): its cache mirrors this one's block ids.
         self.draft: DraftModel | None = None
@@ -318,7 +321,7 @@ class ModelRunner:
             draft.copy_blocks(plan.copy_pairs)
         if not plan.seqs:
             return StepResult(sampled=())
-        plan = with_generator_keys(plan)
+        plan = with_generator_keys(replace(plan, seqs=self._kept_options.update(plan.seqs)))
         seen = self._histories.update(plan.seqs)
         inputs = self._inputs(plan)
         result = self._target_step(plan, *inputs, seen=seen)

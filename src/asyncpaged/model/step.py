@@ -56,6 +56,9 @@ class SequenceStep(NamedTuple):
     # How many leading entries of the table the runner keeps from the last step, where this
     # sequence also ran (0: ``block_table`` is the whole table; see ``block_tables``).
     table_start: int = 0
+    # ``sampling`` is None and the runner takes the options it holds for this sequence from
+    # the last step (``kept_options``)
+    keep_sampling: bool = False
 
     @property
     def wants_logprob(self) -> bool:
