@@ -64,17 +64,18 @@ class KeptOptions:
     def update(self, seqs: Sequence[SequenceStep]) -> tuple[SequenceStep, ...]:
         """The step's rows with every kept row's options put back; remembers the step's."""
         last, kept = self._options, {}
-        out = []
-        for s in seqs:
-            row = s
+        out: list[SequenceStep] | None = None  # a copy of seqs once a row changes
+        for i, s in enumerate(seqs):
             if s.keep_sampling:
                 assert s.seq_id in last, f"sequence {s.seq_id} keeps options it never sent"
-                row = s._replace(sampling=last[s.seq_id], keep_sampling=False)
-            if row.sampling is not None:
-                kept[s.seq_id] = row.sampling
-            out.append(row)
+                if out is None:
+                    out = list(seqs)
+                out[i] = s._replace(sampling=last[s.seq_id], keep_sampling=False)
+                kept[s.seq_id] = last[s.seq_id]
+            elif s.sampling is not None:
+                kept[s.seq_id] = s.sampling
         self._options = kept
-        return tuple(out)
+        return tuple(seqs) if out is None else tuple(out)
 
     def options_of(self, seq_id: int) -> SamplingOptions | None:
         """The options held for ``seq_id`` (the last step's, if it had some)."""

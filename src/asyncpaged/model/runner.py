@@ -321,7 +321,8 @@ class ModelRunner:
             draft.copy_blocks(plan.copy_pairs)
         if not plan.seqs:
             return StepResult(sampled=())
-        plan = with_generator_keys(replace(plan, seqs=self._kept_options.update(plan.seqs)))
+        seqs = self._kept_options.update(plan.seqs)
+        plan = with_generator_keys(plan if seqs is plan.seqs else replace(plan, seqs=seqs))
         seen = self._histories.update(plan.seqs)
         inputs = self._inputs(plan)
         result = self._target_step(plan, *inputs, seen=seen)

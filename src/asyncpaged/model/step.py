@@ -84,8 +84,10 @@ def with_generator_keys(plan: StepPlan) -> StepPlan:
     def positional(o: SamplingOptions | None) -> bool:
         return o is not None and o.key_from_position is not None
 
-    if not any(positional(s.sampling) or any(map(positional, s.fanout)) for s in plan.seqs):
-        return plan
+    if not any(s.sampling is not None or s.fanout for s in plan.seqs) or not any(
+        positional(s.sampling) or any(map(positional, s.fanout)) for s in plan.seqs
+    ):
+        return plan  # (the first scan alone for a plain greedy step)
 
     def keyed(o: SamplingOptions | None, num_context: int) -> SamplingOptions | None:
         if o is None or o.key_from_position is None or o.seed is None:
