@@ -18,7 +18,14 @@ import anyio
 import pytest
 import torch
 
-from asyncpaged import EngineConfig, RequestOutputKind, SamplingParams, SpeculativeConfig
+from asyncpaged import (
+    EngineConfig,
+    EngineStatistics,
+    RequestOutput,
+    RequestOutputKind,
+    SamplingParams,
+    SpeculativeConfig,
+)
 from asyncpaged.config import async_scheduling_for
 from asyncpaged.core.block_table import LATE_TOKEN
 from asyncpaged.model import runner_process
@@ -36,6 +43,20 @@ pytestmark = pytest.mark.anyio
 @pytest.fixture
 def anyio_backend() -> str:
     return "asyncio"
+
+
+async def sync_and_async(
+    path: Path, prompts: list[tuple[int, ...]], params: Callable[[int], SamplingParams], **kw: Any
+) -> dict[bool, tuple[list[RequestOutput], EngineStatistics]]:
+    """Every prompt at once on an engine without async scheduling, then on one with it: the
+    outputs and statistics of each, by ``async_scheduling``."""
+    runs = {}
+    for ahead in (False, True):
+        with anyio.fail_after(180):
+            async with running_engine(path, async_scheduling=ahead, **kw) as engine:
+                outs = await generate_all(engine, prompts, params)
+                runs[ahead] = (outs, engine.statistics())
+    return runs
 
 
 @pytest.mark.parametrize(
@@ -140,16 +161,10 @@ async def test_requests_that_cannot_go_ahead_run_beside_those_that_can(
             return SamplingParams(temperature=0.8, max_tokens=12, ignore_eos=True)
         return SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 
-    results = {}
-    for ahead in (False, True):
-        with anyio.fail_after(180):
-            async with running_engine(path, num_device_blocks=64,
-                                      async_scheduling=ahead) as engine:  # fmt: skip
-                outs = await generate_all(engine, prompts, params)
-                stats = engine.statistics()
-        results[ahead] = [[c.token_ids for c in o.outputs] for o in outs]
-        if ahead:
-            assert stats.num_steps_planned_ahead > 0
+    runs = await sync_and_async(path, prompts, params, num_device_blocks=64)
+    assert runs[True][1].num_steps_planned_ahead > 0
+    results = {ahead: [[c.token_ids for c in o.outputs] for o in outs]
+               for ahead, (outs, _) in runs.items()}  # fmt: skip
     for i, (old, new) in enumerate(zip(results[False], results[True], strict=True)):
         if i % 5 == 4:
             assert [len(t) for t in new] == [12]
@@ -171,18 +186,14 @@ async def test_stop_strings_are_planned_ahead_and_end_where_they_match(
         stop = [" the", "e", "s"] if i % 4 else None  # matched early in most texts
         return SamplingParams(temperature=0.0, max_tokens=16, stop=stop, ignore_eos=True)
 
-    results = {}
-    for ahead in (False, True):
-        with anyio.fail_after(180):
-            async with running_engine(path, num_device_blocks=64, executor_backend=backend,
-                                      async_scheduling=ahead) as engine:  # fmt: skip
-                outs = await generate_all(engine, prompts, params)
-                stats = engine.statistics()
-        results[ahead] = [(c.token_ids, c.text, c.finish_reason, c.stop_reason)
-                          for o in outs for c in o.outputs]  # fmt: skip
-        if ahead:
-            assert stats.num_steps_planned_ahead > stats.num_steps // 2, stats
-            assert stats.num_rows_in_vain > 0, stats
+    runs = await sync_and_async(path, prompts, params, num_device_blocks=64,
+                                executor_backend=backend)  # fmt: skip
+    results = {ahead: [(c.token_ids, c.text, c.finish_reason, c.stop_reason)
+                       for o in outs for c in o.outputs]
+               for ahead, (outs, _) in runs.items()}  # fmt: skip
+    stats = runs[True][1]
+    assert stats.num_steps_planned_ahead > stats.num_steps // 2, stats
+    assert stats.num_rows_in_vain > 0, stats
     assert results[True] == results[False]
     assert sum(1 for *_, stop in results[True] if stop is not None) >= 4
 
@@ -201,18 +212,13 @@ async def test_seeded_sampling_is_planned_ahead_with_the_same_tokens(
         return SamplingParams(temperature=0.8, top_p=0.9, max_tokens=12, seed=100 + i,
                               ignore_eos=True)  # fmt: skip
 
-    results = {}
-    for ahead in (False, True):
-        with anyio.fail_after(180):
-            async with running_engine(path, num_device_blocks=10, executor_backend=backend,
-                                      async_scheduling=ahead) as engine:  # fmt: skip
-                outs = await generate_all(engine, prompts, params)
-                stats = engine.statistics()
-        results[ahead] = [o.outputs[0].token_ids for o in outs]
-        assert stats.num_preemptions > 0, stats
-        if ahead:
-            assert stats.num_steps_planned_ahead > stats.num_steps // 3, stats
-    assert results[True] == results[False]
+    runs = await sync_and_async(path, prompts, params, num_device_blocks=10,
+                                executor_backend=backend)  # fmt: skip
+    assert all(stats.num_preemptions > 0 for _, stats in runs.values()), runs
+    stats = runs[True][1]
+    assert stats.num_steps_planned_ahead > stats.num_steps // 3, stats
+    tokens = {ahead: [o.outputs[0].token_ids for o in outs] for ahead, (outs, _) in runs.items()}
+    assert tokens[True] == tokens[False]
 
 
 @pytest.mark.parametrize("backend", ["thread", "process"])
