@@ -189,8 +189,9 @@ def sampled_tokens(
 ) -> tuple[SampledToken, ...]:
     token_ids = out.token_ids.tolist()
     if out.logprobs is None and out.top_token_ids is None and not out.errors:
+        new = tuple.__new__  # (the named tuple's constructor is a Python call per row)
         return tuple(
-            SampledToken(seq.seq_id, token, None, None, (), index)
+            new(SampledToken, (seq.seq_id, token, None, None, (), index, None, (), ()))
             for (seq, index, _), token in zip(draws, token_ids, strict=True)
         )
     logprobs = out.logprobs.tolist() if out.logprobs is not None else None
@@ -219,3 +220,9 @@ def sampled_tokens(
             )
         )
     return tuple(sampled)
+
+
+assert SampledToken._fields == (
+    "seq_id", "token_id", "logprob", "rank", "top_logprobs", "sample_index", "error",
+    "accepted", "proposals",
+), "sampled_tokens builds a plain row's SampledToken in this order"  # fmt: skip
