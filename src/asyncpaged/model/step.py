@@ -79,32 +79,32 @@ def with_generator_keys(plan: StepPlan) -> StepPlan:
     """``plan`` with the generator key of every seeded draw whose options take it from the
     row's position (``SamplingOptions.key_from_position``) filled in: the draw after the row
     is the sequence's ``num_computed_tokens + len(token_ids) - prompt length``-th generated
-    token's (the key ``derive_generator_key`` gives the scheduler for it)."""
-
-    def positional(o: SamplingOptions | None) -> bool:
-        return o is not None and o.key_from_position is not None
-
-    if not any(s.sampling is not None or s.fanout for s in plan.seqs) or not any(
-        positional(s.sampling) or any(map(positional, s.fanout)) for s in plan.seqs
-    ):
-        return plan  # (the first scan alone for a plain greedy step)
-
-    def keyed(o: SamplingOptions | None, num_context: int) -> SamplingOptions | None:
-        if o is None or o.key_from_position is None or o.seed is None:
-            return o
-        index, num_prompt = o.key_from_position
-        key = derive_generator_key(o.seed, index, num_context - num_prompt)
-        return dataclasses.replace(o, generator_key=key, key_from_position=None)
-
-    seqs = []
-    for s in plan.seqs:
+    token's (the key ``derive_generator_key`` gives the scheduler for it). One pass; the plan
+    itself when no row has such options."""
+    seqs: list[SequenceStep] | None = None  # a copy of plan.seqs once a row changes
+    for i, s in enumerate(plan.seqs):
+        if s.sampling is None and not s.fanout:
+            continue
         n = s.num_computed_tokens + len(s.token_ids)
-        if positional(s.sampling) or any(map(positional, s.fanout)):
-            fanout = tuple(keyed(o, n) for o in s.fanout)
-            seqs.append(s._replace(sampling=keyed(s.sampling, n), fanout=fanout))
-        else:
-            seqs.append(s)
-    return dataclasses.replace(plan, seqs=tuple(seqs))
+        sampling = _keyed(s.sampling, n)
+        fanout = tuple(_keyed(o, n) for o in s.fanout)
+        if sampling is s.sampling and all(a is b for a, b in zip(fanout, s.fanout, strict=True)):
+            continue
+        if seqs is None:
+            seqs = list(plan.seqs)
+        seqs[i] = s._replace(sampling=sampling, fanout=fanout)
+    return plan if seqs is None else dataclasses.replace(plan, seqs=tuple(seqs))
+
+
+def _keyed(options: SamplingOptions | None, num_context: int) -> SamplingOptions | None:
+    """``options`` with the generator key of the draw after ``num_context`` tokens, where it
+    takes the key from the position; else ``options`` itself."""
+    if options is None or options.key_from_position is None:
+        return options
+    assert options.seed is not None, "a key from the position without a seed"
+    index, num_prompt = options.key_from_position
+    key = derive_generator_key(options.seed, index, num_context - num_prompt)
+    return dataclasses.replace(options, generator_key=key, key_from_position=None)
 
 
 class SampledToken(NamedTuple):
