@@ -31,11 +31,8 @@ from asyncpaged.core.block_table import LATE_TOKEN
 from asyncpaged.model import runner_process
 from asyncpaged.model.runner import ModelRunner, SequenceStep, StepPlan
 from tests.engine.conftest import running_engine
-from tests.engine.test_engine import generate_all, make_prompts
+from tests.engine.test_engine import GREEDY, MODEL, generate_all, make_prompts
 from tests.model.reference import HFReference
-
-MODEL = "llama-gqa"
-GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
 
 pytestmark = pytest.mark.anyio
 
