@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
-from typing import Literal
+from typing import ClassVar, Literal
 
 import torch
 
@@ -52,19 +52,33 @@ class TritonAttentionBackend(AttentionBackend):
     ``num_splits`` None lets the split-K heuristic decide per launch; an int forces it (tests).
     """
 
+    # The forward reads device tensors, and from the host only the query layout and the
+    # longest context (for the split-K count), which a CUDA graph's bucket fixes.
+    graph_safe: ClassVar[bool] = True
+
     def __init__(self, *, num_splits: int | None = None) -> None:
         if num_splits is not None and (num_splits < 1 or num_splits & (num_splits - 1)):
             raise ValueError(f"num_splits must be a power of 2 >= 1, got {num_splits}.")
         self.num_splits = num_splits
         self._plan_metadata: AttentionMetadata | None = None  # kept alive: identity is the key
         self._plans: dict[int, TilePlan] = {}
+        # CUDA graphs' metadata, kept with their plans (a graph replays the plans' tensors)
+        self._pinned: dict[int, tuple[AttentionMetadata, dict[int, TilePlan]]] = {}
+
+    def pin_metadata(self, metadata: AttentionMetadata) -> None:
+        self._pinned.setdefault(id(metadata), (metadata, {}))
 
     def _plan(self, md: AttentionMetadata, query_lens: list[int], block_q: int) -> TilePlan:
-        if md is not self._plan_metadata:
-            self._plan_metadata, self._plans = md, {}
-        if block_q not in self._plans:
-            self._plans[block_q] = plan_tiles(query_lens, block_q, md.query_start_loc.device)
-        return self._plans[block_q]
+        pinned = self._pinned.get(id(md))
+        if pinned is not None:
+            plans = pinned[1]
+        else:
+            if md is not self._plan_metadata:
+                self._plan_metadata, self._plans = md, {}
+            plans = self._plans
+        if block_q not in plans:
+            plans[block_q] = plan_tiles(query_lens, block_q, md.query_start_loc.device)
+        return plans[block_q]
 
     def copy_blocks(self, kv_cache: PagedKVCache, pairs: Sequence[tuple[int, int]]) -> None:
         """Copy-on-write with the all-layer Triton kernel (one launch)."""

@@ -7,8 +7,9 @@
 #    on the built-in model, preemption by swap, fp32 / bf16 throughput, and a profiled fp32 run
 #    (cProfile of the event loop's and the forward's threads, the GPU's kernels)
 # 4. paged decode attention benchmark: GB/s and the ratio to contiguous SDPA
-# 5. `bench overhead` on CUDA (issue 22: host time per step at 256 sequences), the runner in a
-#    thread and in its own process, each with async scheduling off and on
+# 5. `bench overhead` on CUDA (issue 22: host time per step at 256 sequences): the runner in a
+#    thread with async scheduling off, CUDA graphs on and off; in a thread and in its own
+#    process with async scheduling on
 # Budget: under 10 minutes (about 5 on an H200); each stage has its own timeout.
 # Python: $PYTHON, else .venv if its torch sees CUDA, else python3. A package that Python lacks
 # (structlog, say) is installed from wheels in .whl/ when that folder exists.
@@ -94,10 +95,13 @@ else
 fi
 
 log "5. engine overhead per step on CUDA, 256 sequences (issue 22): runner in a thread / a process,"
-log "   async scheduling off / on"
-for run in thread:off thread:on process:off process:on; do
-  backend="${run%%:*}" ahead="${run##*:}" name="overhead_${run/:/_async_}"
-  if timeout 75 "$PY" -m asyncpaged bench overhead --device cuda --repeats 2 \
+log "   async scheduling off / on, CUDA graphs on (the default) / off (eager)"
+for run in thread:off:graphs thread:off:eager thread:on:graphs process:on:graphs; do
+  IFS=: read -r backend ahead graphs <<<"$run"
+  name="overhead_${backend}_async_${ahead}_${graphs}"
+  eager=()
+  [[ "$graphs" == eager ]] && eager=(--enforce-eager)
+  if timeout 75 "$PY" -m asyncpaged bench overhead --device cuda --repeats 2 ${eager[@]+"${eager[@]}"} \
       --executor-backend "$backend" --async-scheduling "$ahead" --output "$RESULTS/$name" 2>&1 \
       | tee "$RESULTS/$name.log"; then
     grep -E '^median' "$RESULTS/$name.log" >> "$RESULTS/summary.txt" || true

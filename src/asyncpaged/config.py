@@ -112,6 +112,14 @@ class EngineConfig:
     kv_offload_dir: str | None = None
     kv_offload_disk_bytes: int = 0
     speculative_config: SpeculativeConfig | None = None  # None: no speculative decoding
+    # CUDA graphs (vLLM's): a decode-only step of up to max_cudagraph_capture_size sequences
+    # (None: max_num_seqs, at most 512) replays a graph captured at start for the next size of
+    # 1, 2, 4, 8, 16, 24, ... (padded), so the host launches one graph instead of every
+    # kernel (``model/cuda_graphs.py``). Used on a CUDA device with the Triton attention
+    # backend, without tensor parallelism, for families that keep rows apart and read nothing
+    # back on the host (not MoE); elsewhere the forward runs eagerly. True: always eager.
+    enforce_eager: bool = False
+    max_cudagraph_capture_size: int | None = None
 
     def __post_init__(self) -> None:
         checks = [
@@ -182,6 +190,11 @@ class EngineConfig:
                 and self.speculative_config is None),
              "async_scheduling takes no tensor parallelism, KV tiers (kv_offload_*) or "
              "speculative_config."),
+            (isinstance(self.enforce_eager, bool),
+             f"enforce_eager must be True or False, got {self.enforce_eager!r}."),
+            (self.max_cudagraph_capture_size is None or self.max_cudagraph_capture_size >= 1,
+             "max_cudagraph_capture_size must be at least 1 or None, got "
+             f"{self.max_cudagraph_capture_size}."),
             (self.attention_backend in ("auto", "torch", "triton", "cpu"),
              f"attention_backend must be 'auto', 'torch', 'triton' or 'cpu', got "
              f"{self.attention_backend!r}."),
@@ -270,6 +283,23 @@ def num_blocks_for(config: EngineConfig, shape: KVShape) -> tuple[int, int]:
 
 def blocks_for_tokens(num_tokens: int, block_size: int) -> int:
     return math.ceil(num_tokens / block_size)
+
+
+def cuda_graph_sizes(config: EngineConfig) -> tuple[int, ...]:
+    """The decode batch sizes ``config`` captures in CUDA graphs (vLLM's: 1, 2, 4, then every
+    multiple of 8, and the largest itself); () where they do not apply: ``enforce_eager``, a
+    device other than CUDA, the torch attention backend or tensor parallelism. The runner may
+    still find the model unfit (``cuda_graphs.capture_decode_graphs``)."""
+    if (
+        config.enforce_eager
+        or not config.device.startswith("cuda")
+        or config.attention_backend == "torch"
+        or config.tensor_parallel_size > 1
+    ):
+        return ()
+    top = config.max_cudagraph_capture_size or min(config.max_num_seqs, 512)
+    sizes = {n for n in (1, 2, 4) if n <= top} | set(range(8, top + 1, 8)) | {top}
+    return tuple(sorted(sizes))
 
 
 def async_scheduling_for(config: EngineConfig) -> tuple[bool, str]:

@@ -27,7 +27,7 @@ from asyncpaged.actors.intake import IntakeActor, thread_copy
 from asyncpaged.actors.output_processor import OutputProcessor
 from asyncpaged.actors.scheduler import SchedulerActor
 from asyncpaged.actors.swap_space import SwapSpaceActor
-from asyncpaged.config import EngineConfig, KVShape, num_blocks_for
+from asyncpaged.config import EngineConfig, KVShape, cuda_graph_sizes, num_blocks_for
 from asyncpaged.core.block_pool import BlockPool
 from asyncpaged.core.kv_tiers import TierIndex
 from asyncpaged.core.scheduler import Scheduler, SchedulerConfig
@@ -209,7 +209,8 @@ async def load_runner(
         draft = await anyio.to_thread.run_sync(draft_spec, cfg, speculative, plan, levers, resolve)
     if cfg.tensor_parallel_size > 1 or cfg.executor_backend == "process":
         local = dataclasses.replace(cfg, model=str(path), revision=None)
-        spec = worker_spec(local, dtype, kv_dtype, num_device, num_host, levers)
+        spec = worker_spec(local, dtype, kv_dtype, num_device, num_host, levers,
+                           max_model_len=plan.max_model_len)  # fmt: skip
         if cfg.executor_backend == "process":
             assert launch is not None
             proc = await anyio.to_thread.run_sync(launch.start, spec, cfg.device, draft)
@@ -232,6 +233,8 @@ async def load_runner(
     )  # fmt: skip
     if draft is not None:
         await anyio.to_thread.run_sync(load_draft, runner, draft)
+    sizes = cuda_graph_sizes(cfg)
+    await anyio.to_thread.run_sync(runner.capture_cuda_graphs, sizes, plan.max_model_len)
     return runner, runner, None  # TP=1: the executor drives the runner itself
 
 

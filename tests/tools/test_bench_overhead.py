@@ -19,7 +19,7 @@ from asyncpaged.tools.bench_overhead import run
 def test_bench_overhead_small_run(tmp_path: Path, mode: str, executor: str, ahead: bool) -> None:
     args = argparse.Namespace(num_seqs=16, max_tokens=12, repeats=2, threads=1,
                               sampled=mode == "sampled", penalized=mode == "penalized",
-                              executor_backend=executor, device="cpu",
+                              executor_backend=executor, device="cpu", enforce_eager=False,
                               async_scheduling="on" if ahead else "off",
                               model_dir=str(tmp_path / "model"),
                               output=str(tmp_path))  # fmt: skip
@@ -35,3 +35,4 @@ def test_bench_overhead_small_run(tmp_path: Path, mode: str, executor: str, ahea
         assert 0.0 < r["loop_cpu_ms_per_step"] <= r["ms_per_step"] * 1.05
         assert 0.0 < r["forward_ms_per_step"] < r["ms_per_step"]
         assert (r["steps_planned_ahead"] > r["steps"] // 2) == ahead
+        assert r["cuda_graph_replays"] == (None if executor == "process" else 0)  # a CPU

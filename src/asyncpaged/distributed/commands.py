@@ -52,6 +52,8 @@ class WorkerSpec:
     fused_elementwise: bool = True
     screened_lm_head: bool = True  # rank 0 samples
     int8_lm_head: bool = True
+    cuda_graph_sizes: tuple[int, ...] = ()  # decode batch sizes to capture (one rank only)
+    max_model_len: int = 0
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

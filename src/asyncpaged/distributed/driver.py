@@ -39,7 +39,7 @@ import torch
 from torch.distributed import Store, TCPStore  # type: ignore[attr-defined]  # public API
 
 from asyncpaged._log import get_logger
-from asyncpaged.config import EngineConfig
+from asyncpaged.config import EngineConfig, cuda_graph_sizes
 from asyncpaged.core.block_table import SwapDirection
 from asyncpaged.distributed.commands import (
     Command,
@@ -67,9 +67,12 @@ def worker_spec(
     num_device_blocks: int,
     num_host_blocks: int,
     levers: Mapping[str, bool],
+    *,
+    max_model_len: int = 0,
 ) -> WorkerSpec:
     """What every rank needs to build its shard, from the engine's settings (resolved dtypes,
-    block counts, the CPU levers rank 0 planned; rank 0's torch thread count)."""
+    block counts, the CPU levers rank 0 planned; rank 0's torch thread count; the CUDA graphs'
+    sizes, for ``max_model_len`` tokens)."""
     return WorkerSpec(
         model=config.model,
         dtype=str(dtype).removeprefix("torch."),
@@ -85,6 +88,8 @@ def worker_spec(
         int8_lm_head=levers["int8_lm_head"],
         seed=config.seed,
         num_threads=torch.get_num_threads(),
+        cuda_graph_sizes=cuda_graph_sizes(config) if max_model_len else (),
+        max_model_len=max_model_len,
     )
 
 

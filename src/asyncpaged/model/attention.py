@@ -20,6 +20,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import ClassVar
 
 import numpy as np
 import torch
@@ -93,6 +94,15 @@ class AttentionMetadata:
 
 class AttentionBackend(ABC):
     """Writes a layer's new K/V into the paged cache and attends over it."""
+
+    #: Whether a CUDA graph can capture ``forward``: it reads only device tensors and the host
+    #: facts a decode bucket fixes (``cuda_graphs``), and allocates nothing from the host.
+    graph_safe: ClassVar[bool] = False
+
+    def pin_metadata(self, metadata: AttentionMetadata) -> None:
+        """Keep what ``forward`` builds for ``metadata`` (kept by a CUDA graph, which replays
+        it) alive as long as this backend; nothing by default."""
+        del metadata  # nothing built per metadata here
 
     @abstractmethod
     def forward(

@@ -248,6 +248,11 @@ class CausalLM(nn.Module, metaclass=ABCMeta):
             logits = torch.tanh(logits / cap) * cap
         return logits
 
+    def cuda_graph_safe(self) -> bool:
+        """Whether a CUDA graph can capture the forward of a padded decode batch: no submodule
+        reads device values back on the host or mixes rows (``host_synced``: MoE routing)."""
+        return not any(getattr(m, "host_synced", False) for m in self.modules())
+
     def is_ignored_checkpoint_key(self, name: str) -> bool:
         if self.tie_word_embeddings and name == "lm_head.weight":
             return True  # some tied checkpoints store the copy anyway

@@ -25,7 +25,7 @@ partial outputs are reduced once per block.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
@@ -130,6 +130,10 @@ class SwiGLUExpert(nn.Module):
 
 class SparseMoeBlock(nn.Module):
     """Router + experts of a Qwen3-MoE or Mixtral layer (see the module docstring)."""
+
+    # The experts' token counts are read on the host (one GEMM per expert that has tokens),
+    # and a padded row would take experts too: no CUDA graph (``CausalLM.cuda_graph_safe``).
+    host_synced: ClassVar[bool] = True
 
     def __init__(self, config: Any, shard: TensorShard) -> None:
         super().__init__()

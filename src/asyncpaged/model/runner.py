@@ -22,6 +22,7 @@ does everything but the LM head and sampling (``asyncpaged.distributed`` drives 
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import replace
 from itertools import chain
 from pathlib import Path
@@ -36,6 +37,7 @@ from asyncpaged.model.attention import AttentionBackend, AttentionMetadata
 from asyncpaged.model.attention_select import AttentionChoice, select_attention_backend
 from asyncpaged.model.base import SINGLE_SHARD, CausalLM, TensorShard
 from asyncpaged.model.block_tables import BlockTables
+from asyncpaged.model.cuda_graphs import Capture, DecodeGraphs, capture_decode_graphs
 from asyncpaged.model.kept_options import KeptOptions
 from asyncpaged.model.kv_cache import PagedKVCache, swap_in, swap_out
 from asyncpaged.model.lm_head import ScreenedLMHead
@@ -198,6 +200,31 @@ class ModelRunner:
         self._last_sampled: tuple[SampledToken, ...] = ()  # what the last step sampled
         # Draft-model speculation (``attach_draft``): its cache mirrors this one's block ids.
         self.draft: DraftModel | None = None
+        self.graphs: DecodeGraphs | None = None  # ``capture_cuda_graphs``
+
+    @torch.inference_mode()
+    def capture_cuda_graphs(
+        self, sizes: Sequence[int], max_model_len: int, capture: Capture | None = None
+    ) -> tuple[int, ...]:
+        """Capture the decode forward for these batch sizes (``cuda_graphs``); the sizes
+        captured, () where graphs cannot run here (logged with the reason). ``capture``
+        replaces the CUDA capture (tests: an eager stand-in on the CPU)."""
+        self.graphs = capture_decode_graphs(
+            self.model, self.kv_cache, sizes=sizes, max_model_len=max_model_len,
+            block_size=self.block_size, capture=capture,
+        )  # fmt: skip
+        return () if self.graphs is None else self.graphs.sizes
+
+    def _forward(
+        self, input_tensor: torch.Tensor, position_tensor: torch.Tensor, md: AttentionMetadata
+    ) -> torch.Tensor:
+        """Final hidden states [T, H]: a decode-only step through its CUDA graph when one is
+        captured for it, else the model's eager forward."""
+        graphs = self.graphs
+        hidden = None if graphs is None else graphs.run(input_tensor, position_tensor, md)
+        if hidden is None:
+            hidden = self.model(input_tensor, position_tensor, md, self.kv_cache)
+        return hidden
 
     def attach_draft(self, draft: DraftModel, max_model_len: int | None = None) -> None:
         """Speculate with ``draft``: it runs every step's batch and proposes (``draft.py``)."""
@@ -303,7 +330,7 @@ class ModelRunner:
         self.model.attn_backend.copy_blocks(self.kv_cache, plan.copy_pairs)
         if plan.seqs:
             metadata, input_tensor, position_tensor = self._inputs(plan)
-            self.model(input_tensor, position_tensor, metadata, self.kv_cache)
+            self._forward(input_tensor, position_tensor, metadata)
         self._record_step_end()
 
     def execute(self, plan: StepPlan) -> StepResult:
@@ -341,7 +368,7 @@ class ModelRunner:
         """The target's forward, prompt logprobs, verification and sampling; ``seen``: the
         penalty histories the runner keeps, by sequence."""
         began = time.perf_counter()
-        hidden = self.model(input_tensor, position_tensor, metadata, self.kv_cache)  # [T, H]
+        hidden = self._forward(input_tensor, position_tensor, metadata)  # [T, H]
         prompt = (
             compute_prompt_logprobs(self.model, hidden, plan.seqs, metadata.query_start_loc_host)
             if any(s.prompt_targets for s in plan.seqs)

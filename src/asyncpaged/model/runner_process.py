@@ -387,10 +387,12 @@ def _dumps_reply(reply: RunnerReady | tuple[bool, object]) -> bytes:
 def _build(spec: WorkerSpec, device: str) -> ModelRunner:
     torch.set_num_threads(spec.num_threads)
     backend = select_attention_backend(device, spec.attention_backend)
-    return ModelRunner(
+    runner = ModelRunner(
         spec.model, getattr(torch, spec.dtype), spec.num_device_blocks, spec.block_size,
         spec.num_host_blocks, device=device, attn_backend=backend, seed=spec.seed,
         kv_cache_dtype=getattr(torch, spec.kv_cache_dtype), packed_linears=spec.packed_linears,
         fused_elementwise=spec.fused_elementwise, screened_lm_head=spec.screened_lm_head,
         int8_lm_head=spec.int8_lm_head,
     )  # fmt: skip
+    runner.capture_cuda_graphs(spec.cuda_graph_sizes, spec.max_model_len)
+    return runner

@@ -64,6 +64,7 @@ async def _one_run(args: argparse.Namespace, checkpoint: Path) -> dict[str, Any]
         model=str(checkpoint), max_num_seqs=args.num_seqs, max_num_batched_tokens=2048,
         seed=0, enable_prefix_caching=False, executor_backend=args.executor_backend,
         device=args.device, async_scheduling=_AHEAD[args.async_scheduling],
+        enforce_eager=args.enforce_eager,
     )  # fmt: skip
     params = SamplingParams(
         temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True,
@@ -106,7 +107,15 @@ async def _one_run(args: argparse.Namespace, checkpoint: Path) -> dict[str, Any]
             "forward_ms_per_step": 1000 * compute / steps, "tokens_digest": digest,
             "executor_backend": engine.config.executor_backend,
             "async_scheduling": engine.config.async_scheduling,
-            "steps_planned_ahead": ahead}  # fmt: skip
+            "steps_planned_ahead": ahead, "cuda_graph_replays": _replays(engine)}  # fmt: skip
+
+
+def _replays(engine: Any) -> int | None:
+    """Decode steps replayed through CUDA graphs (None: the runner is in another process)."""
+    if engine.runner is None:
+        return None
+    graphs = engine.runner.graphs
+    return 0 if graphs is None else sum(graphs.replays.values())
 
 
 def cpu_flags() -> str:
@@ -138,15 +147,15 @@ def run(args: argparse.Namespace) -> int:
           f"{median['steps_per_s']:.1f} steps/s; CPU flags: {cpu_flags()}; "
           f"{args.threads} torch thread(s), executor {runs[-1]['executor_backend']}, async "
           f"scheduling {'on' if runs[-1]['async_scheduling'] else 'off'} "
-          f"({runs[-1]['steps_planned_ahead']} steps planned ahead), device "
-          f"{args.device}{differ}")  # fmt: skip
+          f"({runs[-1]['steps_planned_ahead']} steps planned ahead), CUDA graph replays "
+          f"{runs[-1]['cuda_graph_replays']}, device {args.device}{differ}")  # fmt: skip
     out = Path(args.output)
     out.mkdir(parents=True, exist_ok=True)
     (out / "overhead.json").write_text(json.dumps(
         {"model": MICRO_MODEL, "num_seqs": args.num_seqs, "max_tokens": args.max_tokens,
          "threads": args.threads, "executor_backend": runs[-1]["executor_backend"],
          "async_scheduling": runs[-1]["async_scheduling"],
-         "device": args.device,
+         "device": args.device, "enforce_eager": args.enforce_eager,
          "cpu_flags": cpu_flags(), "runs": runs, "median": median},
         indent=2))  # fmt: skip
     return 0 if same else 1
@@ -163,6 +172,8 @@ def add_parser(modes: Any) -> None:
     p.add_argument("--device", default="cpu", help="cpu (default) or cuda")
     p.add_argument("--async-scheduling", choices=tuple(_AHEAD), default="auto",
                    help="plan a step while the one before runs (async_scheduling)")  # fmt: skip
+    p.add_argument("--enforce-eager", action="store_true",
+                   help="no CUDA graphs for decode steps (EngineConfig.enforce_eager)")  # fmt: skip
     workload = p.add_mutually_exclusive_group()
     workload.add_argument(
         "--sampled",

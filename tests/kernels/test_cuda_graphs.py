@@ -1,0 +1,222 @@
+"""Decode steps through captured graphs (``model/cuda_graphs.py``) give transformers' greedy tokens
+and store K/V exactly where the eager forward does: padded rows write nothing.
+
+On CUDA (``ASYNCPAGED_KERNELS_NATIVE=1``, ``scripts/gpu_check.sh``) the graphs are real CUDA
+graphs. On the CPU the Triton kernels run under the interpreter and an eager stand-in replaces
+the capture: it replays the same forward on the static buffers into the same output tensor, so
+the buckets, the padding, the buffers and the bucket-fixed host facts are what is checked here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import anyio
+import pytest
+import torch
+from asyncpaged.kernels.backend import TritonAttentionBackend
+
+from asyncpaged import AsyncEngine, EngineConfig, SamplingParams
+from asyncpaged.config import cuda_graph_sizes
+from asyncpaged.model.attention import AttentionMetadata
+from asyncpaged.model.cuda_graphs import Capture
+from asyncpaged.model.runner import ModelRunner
+from asyncpaged.testing.tiny_models import build_tiny_checkpoint
+from tests.kernels.conftest import NATIVE
+from tests.model.driver import Driver, SimSequence
+from tests.model.reference import HFReference
+
+
+def eager_capture(
+    forward: Callable[[], torch.Tensor], pool: object
+) -> tuple[Callable[[], None], torch.Tensor, object]:
+    """A graph's semantics without CUDA: replays read the buffers as they are then and write
+    the one output tensor."""
+    out = forward()
+
+    def replay() -> None:
+        out.copy_(forward())
+
+    return replay, out, pool
+
+
+CAPTURE: Capture | None = None if NATIVE else eager_capture
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    return {
+        name: build_tiny_checkpoint(name, tmp_path_factory.mktemp(name))
+        for name in ("llama-gqa", "mistral", "phi3-longrope")
+    }
+
+
+def _sequences() -> list[SimSequence]:
+    """Seven sequences, all started by step 2 (prefills mixed with decodes until then), ending
+    at steps 3, 6, 9, 9, 12, 15 and 16: decode-only steps of 7, 6, 5, 3, 2 and 1 sequences,
+    and a 17-token prompt whose decodes cross a block boundary."""
+    lengths = (17, 5, 9, 3, 12, 1, 7)
+    new_tokens = (4, 6, 8, 10, 12, 14, 17)
+    return [
+        SimSequence(
+            seq_id=i,
+            prompt=tuple(range(10 + 7 * i, 10 + 7 * i + n)),
+            max_new_tokens=new_tokens[i],
+            start_step=i % 3,
+        )
+        for i, n in enumerate(lengths)
+    ]
+
+
+def _run(checkpoint: Path, sizes: tuple[int, ...], device: torch.device) -> ModelRunner:
+    runner = ModelRunner(
+        checkpoint, "float32", num_blocks=48, device=device,
+        attn_backend=TritonAttentionBackend(), kv_fill_value=float("nan"),
+    )  # fmt: skip
+    assert runner.capture_cuda_graphs(sizes, max_model_len=64, capture=CAPTURE) == sizes
+    return runner
+
+
+# mistral: sliding window 12; phi3-longrope: RoPE factors by sequence length (long past 20)
+@pytest.mark.parametrize("name", ["llama-gqa", "mistral", "phi3-longrope"])
+def test_decode_graphs_give_the_eager_tokens_and_cache(
+    name: str, checkpoints: dict[str, Path], device: torch.device
+) -> None:
+    graphed = _run(checkpoints[name], (1, 2, 4), device)
+    eager = ModelRunner(
+        checkpoints[name], "float32", num_blocks=48, device=device,
+        attn_backend=TritonAttentionBackend(), kv_fill_value=float("nan"),
+    )  # fmt: skip
+    runs = []
+    for runner in (graphed, eager):
+        seqs = _sequences()
+        Driver(runner, seed=4, want_logprob=False).run(seqs)
+        runs.append([s.output for s in seqs])
+    assert runs[0] == runs[1]
+    assert graphed.graphs is not None
+    # 7, 6 and 5 sequences ran eagerly (more than 4), 3 padded into the graph of 4 (steps
+    # 10-12), 2 and 1 in their own
+    assert graphed.graphs.replays == {4: 3, 2: 3, 1: 1}
+    for got, want in ((graphed.kv_cache.key, eager.kv_cache.key),
+                      (graphed.kv_cache.value, eager.kv_cache.value)):  # fmt: skip
+        assert torch.equal(got.isnan(), want.isnan()), "a padded row stored K/V"
+        torch.testing.assert_close(got.nan_to_num(), want.nan_to_num(), rtol=1e-5, atol=1e-5)
+
+
+def test_decode_graphs_give_transformers_greedy_tokens(
+    checkpoints: dict[str, Path], device: torch.device
+) -> None:
+    reference = HFReference(checkpoints["llama-gqa"])
+    runner = _run(checkpoints["llama-gqa"], (1, 2, 4, 8), device)
+    seqs = _sequences()
+    Driver(runner, seed=2, want_logprob=False).run(seqs)
+    want = [reference.generate(s.prompt, s.max_new_tokens)[0] for s in _sequences()]
+    assert [s.output for s in seqs] == want
+    assert runner.graphs is not None
+    assert runner.graphs.replays == {8: 7, 4: 3, 2: 3, 1: 1}
+
+
+@torch.inference_mode()  # as the runner calls it (the buffers are inference tensors)
+def test_padded_rows_store_nothing_where_the_last_replay_stored(
+    checkpoints: dict[str, Path], device: torch.device
+) -> None:
+    """A replay for fewer sequences than the one before it in the same graph: the rows left
+    over hold the last replay's slots, whose blocks the scheduler may have handed to another
+    sequence since (here: overwritten with a sentinel). They stay untouched, and the real
+    rows get the eager forward's hidden states."""
+    runner = _run(checkpoints["llama-gqa"], (4,), device)
+    assert runner.graphs is not None
+    cache = runner.kv_cache
+    generator = torch.Generator().manual_seed(0)
+    for t in (cache.key, cache.value):
+        t.copy_(torch.randn(t.shape, generator=generator).to(t.device))
+
+    def step(context: list[int]) -> tuple[AttentionMetadata, torch.Tensor, torch.Tensor]:
+        n = len(context)  # sequence i: block i, its last token new
+        md = AttentionMetadata.build(
+            query_lens=[1] * n, context_lens=context, block_tables=[[i] for i in range(n)],
+            slot_mapping=[16 * i + c - 1 for i, c in enumerate(context)], device=device,
+        )  # fmt: skip
+        ids = torch.tensor([7 + i for i in range(n)], device=device)
+        return md, ids, torch.tensor([c - 1 for c in context], device=device)
+
+    md, ids, positions = step([3, 5, 2, 4])
+    assert runner.graphs.run(ids, positions, md) is not None
+    stale = [(2, 1), (3, 3)]  # (block, offset) of the last replay's rows 2 and 3
+    for block, offset in stale:
+        cache.key[:, block, :, :, offset] = 7.0
+        cache.value[:, block, :, offset, :] = 7.0
+    md, ids, positions = step([4, 6])
+    hidden = runner.graphs.run(ids, positions, md)
+    assert hidden is not None
+    assert hidden.shape[0] == 2
+    for block, offset in stale:
+        assert bool((cache.key[:, block, :, :, offset] == 7.0).all()), "a padded row stored K"
+        assert bool((cache.value[:, block, :, offset, :] == 7.0).all()), "a padded row stored V"
+    want = runner.model(ids, positions, md, cache)  # rewrites the same two slots
+    torch.testing.assert_close(hidden, want, rtol=1e-5, atol=1e-5)
+
+
+def test_graphs_stay_off_where_they_cannot_run(checkpoints: dict[str, Path]) -> None:
+    from asyncpaged.model.attention import TorchAttentionBackend
+
+    torch_backend = ModelRunner(
+        checkpoints["llama-gqa"], "float32", num_blocks=8, attn_backend=TorchAttentionBackend()
+    )
+    assert torch_backend.capture_cuda_graphs((1, 2), 64, capture=eager_capture) == ()
+    assert torch_backend.graphs is None
+    cpu = ModelRunner(
+        checkpoints["llama-gqa"], "float32", num_blocks=8, attn_backend=TritonAttentionBackend()
+    )
+    assert cpu.capture_cuda_graphs((1, 2), 64) == ()  # real CUDA graphs on a CPU: no
+    assert cpu.capture_cuda_graphs((), 64, capture=eager_capture) == ()
+
+
+def test_capture_sizes_follow_the_config() -> None:
+    cuda = EngineConfig(model="m", device="cuda", max_num_seqs=256)
+    assert cuda_graph_sizes(cuda) == (1, 2, 4, *range(8, 257, 8))
+    small = EngineConfig(model="m", device="cuda:0", max_cudagraph_capture_size=20)
+    assert cuda_graph_sizes(small) == (1, 2, 4, 8, 16, 20)
+    assert cuda_graph_sizes(EngineConfig(model="m", device="cuda", max_num_seqs=3)) == (1, 2, 3)
+    for off in (
+        EngineConfig(model="m", device="cuda", enforce_eager=True),
+        EngineConfig(model="m", device="cpu"),
+        EngineConfig(model="m", device="cuda", attention_backend="torch"),
+        EngineConfig(model="m", device="cuda", tensor_parallel_size=2),
+    ):
+        assert cuda_graph_sizes(off) == ()
+
+
+async def _engine_tokens(model: Path, enforce_eager: bool) -> tuple[list[list[int]], int]:
+    config = EngineConfig(model=str(model), dtype="float32", num_device_blocks=48,
+                          device="cuda" if NATIVE else "cpu", attention_backend="triton",
+                          enforce_eager=enforce_eager, executor_backend="thread")  # fmt: skip
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    prompts = [list(range(5 + 9 * i, 12 + 11 * i)) for i in range(5)]
+    async with AsyncEngine(config) as engine:
+        outs = [(await engine.generate(p, params)).outputs[0].token_ids for p in prompts[:1]]
+        async with anyio.create_task_group() as tg:
+            rest: dict[int, list[int]] = {}
+
+            async def one(i: int) -> None:
+                rest[i] = (await engine.generate(prompts[i], params)).outputs[0].token_ids
+
+            for i in range(1, len(prompts)):
+                tg.start_soon(one, i)
+        graphs = engine.runner.graphs if engine.runner is not None else None
+        replays = 0 if graphs is None else sum(graphs.replays.values())
+    return outs + [rest[i] for i in range(1, len(prompts))], replays
+
+
+def test_engine_replays_graphs_on_cuda_only(checkpoints: dict[str, Path]) -> None:
+    """Through the public API: on CUDA the default captures and replays (tokens as eager);
+    on a CPU the same config runs eagerly."""
+    eager, none = anyio.run(_engine_tokens, checkpoints["llama-gqa"], True)
+    default, replays = anyio.run(_engine_tokens, checkpoints["llama-gqa"], False)
+    assert default == eager
+    assert none == 0
+    if NATIVE:
+        assert replays > 0
+    else:
+        assert replays == 0
