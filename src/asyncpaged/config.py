@@ -84,8 +84,9 @@ class EngineConfig:
     # executor goes from one step to the next without waiting for the loop; a row whose input
     # is step N's token takes it in the runner. A step is planned ahead only when every
     # request step N samples is single-sequence, without grammar, beams or prompt logprobs,
-    # and plain greedy or with sampling options that no longer change (no penalties,
-    # bad words or logits processors); else the engine waits for step N as without it. A row
+    # and plain greedy or with sampling options that read no output token but through the
+    # penalties (no bad words or logits processors; past min_tokens): the runner adds step N's
+    # token to a penalty history itself; else the engine waits for step N as without it. A row
     # planned ahead for a sequence that step N's token ends (a stop token, EOS or a stop
     # string) is computed in vain. A plan ahead preempts nothing (a priority claim included):
     # it waits for step N instead. Not with tensor parallelism, the KV tiers or speculative

@@ -4,9 +4,9 @@ before runs, its decodes fed the tokens that step samples, inside the runner.
 Greedy tokens equal transformers' with the runner on the thread and in its process, under
 memory pressure in both preemption modes (preemption waits for the step in flight); a stop
 token that ends a sequence leaves the row planned ahead for it computed in vain and nothing
-else; requests that cannot be planned ahead (stop strings, seeds, penalties, n > 1) run beside
-those that can and get what the engine without it gives; blocks are free when the last request
-returns; what it cannot combine with is refused."""
+else; stop strings, seeds and penalties are planned ahead and give the engine's tokens without
+it; requests that cannot be (n > 1, bad words) run beside those that can; blocks are free when
+the last request returns; what it cannot combine with is refused."""
 
 from __future__ import annotations
 
@@ -138,10 +138,10 @@ async def test_a_stop_token_leaves_the_row_planned_ahead_computed_in_vain(
 async def test_requests_that_cannot_go_ahead_run_beside_those_that_can(
     tiny_checkpoint: Callable[[str], Path],
 ) -> None:
-    """Stop strings, seeded sampling with penalties and n = 2 (the last two never planned
-    ahead) and unseeded sampling (its options fixed) among plain greedy requests: every output
-    equals the engine's without async scheduling (seeded and greedy ones; the unseeded ones
-    only finish, their draws depend on the order)."""
+    """Stop strings, seeded sampling with penalties, n = 2 (never planned ahead) and unseeded
+    sampling (its options fixed) among plain greedy requests: every output equals the engine's
+    without async scheduling (seeded and greedy ones; the unseeded ones only finish, their
+    draws depend on the order)."""
     path = tiny_checkpoint(MODEL)
     prompts = make_prompts(20, seed=3)
 
@@ -216,6 +216,68 @@ async def test_seeded_sampling_is_planned_ahead_with_the_same_tokens(
     assert stats.num_steps_planned_ahead > stats.num_steps // 3, stats
     tokens = {ahead: [o.outputs[0].token_ids for o in outs] for ahead, (outs, _) in runs.items()}
     assert tokens[True] == tokens[False]
+
+
+@pytest.mark.parametrize(("backend", "mode"), [("thread", "recompute"), ("process", "swap")])
+async def test_penalized_requests_are_planned_ahead_with_the_same_tokens(
+    backend: str, mode: str, tiny_checkpoint: Callable[[str], Path]
+) -> None:
+    """Penalized requests go ahead: a row planned ahead sends its penalty history's tail, and
+    the runner adds the token the step in flight samples (``history_late``). Greedy and seeded
+    sampled ones, with repetition, frequency and presence penalties and a min_tokens mask
+    (planned ahead once it is past), draw exactly the tokens of the engine without async
+    scheduling, under preemption; bad words (which read the output) wait for each step."""
+    path = tiny_checkpoint(MODEL)
+    prompts = make_prompts(24, seed=8)
+
+    def params(i: int) -> SamplingParams:
+        kind = i % 4
+        if kind == 0:
+            return SamplingParams(temperature=0.0, max_tokens=14, repetition_penalty=1.3,
+                                  ignore_eos=True)  # fmt: skip
+        if kind == 1:
+            return SamplingParams(temperature=0.9, top_k=20, max_tokens=14, seed=200 + i,
+                                  frequency_penalty=0.6, presence_penalty=0.4,
+                                  min_tokens=4)  # fmt: skip
+        if kind == 2:
+            return SamplingParams(temperature=0.0, max_tokens=14, frequency_penalty=1.5,
+                                  repetition_penalty=0.8, ignore_eos=True)  # fmt: skip
+        return SamplingParams(temperature=0.0, max_tokens=14, repetition_penalty=1.2,
+                              bad_words=["the"], ignore_eos=True)  # fmt: skip
+
+    runs = await sync_and_async(path, prompts, params, num_device_blocks=12,
+                                executor_backend=backend, preemption_mode=mode)  # fmt: skip
+    assert all(stats.num_preemptions > 0 for _, stats in runs.values()), runs
+    stats = runs[True][1]
+    assert stats.num_steps_planned_ahead > 0, stats
+    tokens = {ahead: [o.outputs[0].token_ids for o in outs] for ahead, (outs, _) in runs.items()}
+    assert tokens[True] == tokens[False]
+
+
+async def test_penalized_requests_alone_are_planned_ahead_nearly_always(
+    tiny_checkpoint: Callable[[str], Path],
+) -> None:
+    """With only penalized requests, every step but the first is planned ahead of the one in
+    flight (the thread runner; plenty of blocks); with bad words too (their banned tokens
+    follow the output), none is."""
+    path = tiny_checkpoint(MODEL)
+    prompts = make_prompts(8, seed=9)
+    for bad_words, planned in ((None, True), (["the cat", "a"], False)):
+
+        def params(i: int, bad_words: list[str] | None = bad_words) -> SamplingParams:
+            return SamplingParams(temperature=0.0, max_tokens=10, repetition_penalty=1.3,
+                                  frequency_penalty=0.2, bad_words=bad_words,
+                                  ignore_eos=True)  # fmt: skip
+
+        runs = await sync_and_async(path, prompts, params, num_device_blocks=64)
+        stats = runs[True][1]
+        if planned:
+            assert stats.num_steps_planned_ahead >= stats.num_steps - 3, stats
+        else:
+            assert stats.num_steps_planned_ahead == 0, stats
+        tokens = {ahead: [o.outputs[0].token_ids for o in outs]
+                  for ahead, (outs, _) in runs.items()}  # fmt: skip
+        assert tokens[True] == tokens[False]
 
 
 @pytest.mark.parametrize("backend", ["thread", "process"])

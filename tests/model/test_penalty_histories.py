@@ -21,20 +21,26 @@ from tests.model.test_sampler import _dense_penalties
 
 VOCAB = 50
 # What a sequence can do between two steps (its output only grows while it lives: recompute
-# keeps it, and the rows that may hold unverified tokens send their history whole).
-EDITS = ("grow", "grow_many", "absent", "whole")
+# keeps it, and the rows that may hold unverified tokens send their history whole), or "ahead":
+# its row is planned while the step sampling its next token is in flight (async scheduling).
+EDITS = ("grow", "grow_many", "absent", "whole", "ahead")
 
 
 def _row(
-    sender: HistoryDeltas, seq_id: int, prompt: tuple[int, ...], output: list[int], rep: float
+    sender: HistoryDeltas,
+    seq_id: int,
+    prompt: tuple[int, ...],
+    output: list[int],
+    rep: float,
+    late: bool = False,
 ) -> SequenceStep:
     """The row the scheduler side builds (as ``scheduler_sampling.sampling_options`` does)."""
     token_ids = [*prompt, *output]
-    start = sender.start(seq_id, token_ids, len(prompt))
+    start = sender.start(seq_id, token_ids, len(prompt), late=late)
     options = SamplingOptions(
         temperature=0.0, repetition_penalty=rep, frequency_penalty=0.5, presence_penalty=0.25,
-        prompt_token_ids=prompt, output_token_ids=tuple(output[start:]), history_seq=seq_id,
-        history_start=start,
+        prompt_token_ids=prompt if start == 0 else (), output_token_ids=tuple(output[start:]),
+        history_seq=seq_id, history_start=start, history_late=late,
     )  # fmt: skip
     return SequenceStep(seq_id, (output[-1] if output else 1,), len(token_ids) - 1, (0,), (),
                         True, sampling=options)  # fmt: skip
@@ -70,10 +76,22 @@ def test_tails_rebuild_every_history(data: st.DataObject) -> None:
     for _ in range(data.draw(st.integers(1, 20))):
         sender.start_plan()
         rows, whole = [], set()
+        in_flight: dict[int, int] = {}  # the last step's token of each row planned ahead
         for s in data.draw(st.permutations(range(num_seqs))):
             edit = data.draw(st.sampled_from(EDITS))
             if edit == "absent":
                 continue
+            if edit == "ahead" and s in held:  # only after a persistent row in the last plan
+                row = _row(sender, s, prompts[s], outputs[s], reps[s], late=True)
+                assert row.sampling is not None
+                assert row.sampling.history_start == held[s]
+                assert row.sampling.output_token_ids == ()
+                in_flight[s] = data.draw(tokens)  # known to the runner only
+                outputs[s].append(in_flight[s])  # the scheduler learns it after this plan
+                rows.append(row)
+                continue
+            if edit == "ahead":
+                edit = "grow"
             n = data.draw(st.integers(2, 40)) if edit == "grow_many" else 1
             outputs[s] += data.draw(st.lists(tokens, min_size=n, max_size=n))
             if edit == "whole":
@@ -88,7 +106,7 @@ def test_tails_rebuild_every_history(data: st.DataObject) -> None:
         if not rows:
             continue  # the scheduler actor sends no plan without sequences
         sender.sent()
-        seen = runner.update(rows)
+        seen = runner.update(rows, in_flight.copy)
         assert sorted(seen) == sorted(r.seq_id for r in rows if r.seq_id not in whole)
         for s, (ids, counts) in seen.items():
             got = dict(zip(ids.tolist(), counts.tolist(), strict=True))
@@ -107,7 +125,7 @@ def test_a_sequence_that_missed_a_step_sends_its_whole_output() -> None:
         sender.start_plan()
         rows = [_row(sender, s, prompt, out, 1.2) for s, out in plan.items()]
         sender.sent()
-        seen = runner.update(rows)
+        seen = runner.update(rows, dict)
     tails = {r.seq_id: (r.sampling.history_start, r.sampling.output_token_ids) for r in rows
              if r.sampling is not None}  # fmt: skip
     assert tails == {1: (0, (3, 5, 5)), 2: (2, (6,))}
@@ -133,10 +151,10 @@ def test_the_runner_refuses_a_tail_it_cannot_apply() -> None:
                               history_start=3)  # fmt: skip
     row = SequenceStep(1, (4,), 5, (0,), (), True, sampling=options)
     with pytest.raises(AssertionError, match="holds None output tokens"):
-        runner.update([row])
+        runner.update([row], dict)
     wrong = SequenceStep(2, (4,), 5, (0,), (), True, sampling=options)
     with pytest.raises(AssertionError, match="carries the penalty history of 1"):
-        runner.update([wrong])
+        runner.update([wrong], dict)
 
 
 @pytest.mark.parametrize("seed", range(4))
@@ -166,7 +184,7 @@ def test_kept_histories_penalize_bit_identically(seed: int) -> None:
         plan = [_row(sender, i, prompts[i], list(cut(outputs[i])), float(reps[i]))
                 for i in kept_rows]  # fmt: skip
         sender.sent()
-        kept = runner.update(plan)
+        kept = runner.update(plan, dict)
     assert any(r.sampling is not None and r.sampling.history_start for r in plan)
     seen = [kept.get(i) for i in range(num_rows)]
     got = logits.clone()

@@ -259,7 +259,8 @@ class SchedulerActor:
         """Async scheduling: whether to plan the next step now, while the one in flight runs:
         the core allows it (:meth:`Scheduler.can_plan_ahead`, and the last plan was not cut
         short), there is work, and every request the step in flight samples for may decode a
-        token it has not seen (``Tracked.ahead``, and its sampling options fixed or none)."""
+        token it has not seen (``Tracked.ahead``, and its sampling options fixed or none, or
+        penalized with the history kept in the runner: ``Tracked.options_ahead``)."""
         if not self._async or len(self._in_flight) != 1 or not self._has_work():
             return False
         sched = self.scheduler
@@ -268,7 +269,7 @@ class SchedulerActor:
         tracked = self._tracked
         for s in self._in_flight[0].seqs:
             t = tracked.get(s.request_id) if s.samples else None
-            if t is not None and not (t.ahead and (t.info.plain or 0 in t.fixed_options)):
+            if t is not None and not (t.ahead and (t.info.plain or t.options_ahead)):
                 return False
         return True
 

@@ -29,7 +29,9 @@ class Tracked:
     prompt logprobs known so far (position 0 included; None: not asked), the cached-token
     count last reported to the output processor (None: never scheduled yet), the sampling
     options of its completions whose options no longer change from step to step (see
-    ``scheduler_steps``), by completion index, and whether its decodes may be planned ahead."""
+    ``scheduler_steps``), by completion index, and whether its decodes may be planned ahead
+    (``ahead``: as far as the request goes; ``options_ahead``: its options need no token in
+    flight either, being fixed or none, or penalized with the history kept in the runner)."""
 
     info: RequestInfo
     matchers: dict[int, Any] = field(default_factory=dict)
@@ -39,6 +41,7 @@ class Tracked:
     # Async scheduling may plan its decodes ahead (single-sequence, no grammar,
     # beams, prompt logprobs or proposals; its options must also be fixed or none)
     ahead: bool = False
+    options_ahead: bool = False
 
 
 Tops = dict[int, tuple[tuple[int, float], ...]]

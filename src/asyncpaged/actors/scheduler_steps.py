@@ -14,6 +14,7 @@ import torch
 
 from asyncpaged.actors.scheduler_outputs import Tracked, prompt_logprob_targets
 from asyncpaged.actors.scheduler_sampling import BadWordsCache, sampling_options, verify_options
+from asyncpaged.core.block_table import LATE_TOKEN
 from asyncpaged.core.request import Request
 from asyncpaged.core.request import Sequence as Seq
 from asyncpaged.core.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
@@ -119,9 +120,14 @@ def _sampled_step(
             params, seq.token_ids, seq.num_prompt_tokens, index, eos_token_ids,
             bad_words.ids(params.bad_words), bitmasks.get((seq.seq_id, index)),
             info.prompt_token_ids, history, seq.seq_id, positional_key=True,
+            late=s.token_ids[-1] == LATE_TOKEN,
         )  # fmt: skip
-        if made is not None and _options_fixed(params, info.grammar is not None, seq):
-            t.fixed_options[index] = made
+        if _reads_no_output(params, info.grammar is not None, seq):
+            if made is not None and not _penalized(params):
+                t.fixed_options[index] = made
+            # later rows' options need no token in flight: a penalized one's history comes
+            # in the runner (``history_late``)
+            t.options_ahead = history is not None or not _penalized(params)
         return made
 
     row_offset, targets = prompt_logprob_targets(
@@ -153,20 +159,26 @@ def _sampled_step(
     )
 
 
-def _options_fixed(params: SamplingParams, has_grammar: bool, seq: Seq) -> bool:
-    """Whether a completion's sampling options stay what they are now at every later step:
-    no penalties or logits processors (they carry the history), bad words (the banned tokens
-    follow the output), grammar (a bitmask per step), and past its min-tokens mask (which
-    never comes back). A seed is no obstacle: the runner derives each draw's generator key
-    from the row's position (``key_from_position``)."""
+def _reads_no_output(params: SamplingParams, has_grammar: bool, seq: Seq) -> bool:
+    """Whether a completion's sampling options read no output token at any later step, but
+    for the penalties' history: no logits processors (they read the output), bad words (the
+    banned tokens follow it), grammar (a bitmask per step), and past its min-tokens mask
+    (which never comes back). Without penalties they are then fixed. A seed is no obstacle:
+    the runner derives each draw's generator key from the row's position
+    (``key_from_position``)."""
     return (
-        params.presence_penalty == 0.0
-        and params.frequency_penalty == 0.0
-        and params.repetition_penalty == 1.0
-        and not params.logits_processors
+        not params.logits_processors
         and not params.bad_words
         and not has_grammar
         and len(seq.token_ids) - seq.num_prompt_tokens >= params.min_tokens
+    )
+
+
+def _penalized(params: SamplingParams) -> bool:
+    return (
+        params.presence_penalty != 0.0
+        or params.frequency_penalty != 0.0
+        or params.repetition_penalty != 1.0
     )
 
 

@@ -27,10 +27,12 @@ order, by the runner.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 import numpy as np
+
+from asyncpaged.core.block_table import LATE_TOKEN
 
 if TYPE_CHECKING:
     from asyncpaged.model.step import SequenceStep
@@ -57,18 +59,27 @@ class HistoryDeltas:
         """The plan built since :meth:`start_plan` went to the runner."""
         self._last, self._next = self._next, {}
 
-    def start(self, seq_id: int, token_ids: Sequence[int], num_prompt: int) -> int:
+    def start(
+        self, seq_id: int, token_ids: Sequence[int], num_prompt: int, *, late: bool = False
+    ) -> int:
         """How many leading output tokens of a sequence (``token_ids``: its prompt's
         ``num_prompt`` tokens, then its output) the runner holds from the last plan sent: the
-        row then sends the output from there on."""
+        row then sends the output from there on. ``late``: the row is planned ahead of the
+        step that samples the sequence's next token, which the runner adds after the row's
+        tail (``SamplingOptions.history_late``); its value is not known here (-1)."""
         num_output = len(token_ids) - num_prompt
-        self._next[seq_id] = (num_output, token_ids[-1] if num_output else -1)
+        if late:
+            self._next[seq_id] = (num_output + 1, LATE_TOKEN)
+        else:
+            self._next[seq_id] = (num_output, token_ids[-1] if num_output else -1)
         held = self._last.get(seq_id)
         if held is None:
             return 0
         length, token = held
-        if length > num_output or (length and token_ids[num_prompt + length - 1] != token):
+        if length > num_output:
             return 0  # not an extension of what was sent (cannot happen while it runs)
+        if length and token != LATE_TOKEN and token_ids[num_prompt + length - 1] != token:
+            return 0
         return length
 
 
@@ -134,10 +145,14 @@ class PenaltyHistories:
     def __init__(self) -> None:
         self._rows: dict[int, _History] = {}
 
-    def update(self, seqs: Sequence[SequenceStep]) -> dict[int, SeenTokens]:
+    def update(
+        self, seqs: Sequence[SequenceStep], late_tokens: Callable[[], dict[int, int]]
+    ) -> dict[int, SeenTokens]:
         """Apply a step's rows; returns the seen tokens of each persistent row's sequence.
-        Histories of sequences without a persistent row in ``seqs`` are forgotten."""
+        Histories of sequences without a persistent row in ``seqs`` are forgotten.
+        ``late_tokens()``: the token the last step sampled, by sequence (``history_late``)."""
         last, rows = self._rows, {}
+        late: dict[int, int] | None = None
         for s in seqs:
             opt = s.sampling
             if opt is None or opt.history_seq is None:
@@ -156,6 +171,10 @@ class PenaltyHistories:
                     f"holds {held} output tokens of it"
                 )
             history.extend(opt.output_token_ids)
+            if opt.history_late:
+                late = late_tokens() if late is None else late
+                assert s.seq_id in late, f"sequence {s.seq_id}: a late token, none sampled last"
+                history.extend((late[s.seq_id],))
             rows[s.seq_id] = history
         self._rows = rows
         return {seq_id: h.seen() for seq_id, h in rows.items()}

@@ -297,6 +297,10 @@ class ModelRunner:
         position_tensor = torch.from_numpy(positions).to(self.device)
         return metadata, input_tensor, position_tensor
 
+    def _late_tokens(self) -> dict[int, int]:
+        """The token the last step sampled, by sequence (a row's late input or history)."""
+        return {t.seq_id: t.token_id for t in self._last_sampled}
+
     def _fill_late(
         self, ids: np.ndarray, seqs: tuple[SequenceStep, ...], ends: np.ndarray | None
     ) -> None:
@@ -305,7 +309,7 @@ class ModelRunner:
         ``ends``: each sequence's end in ``ids`` (None: one token each)."""
         positions = np.flatnonzero(ids == LATE_TOKEN)
         rows = positions if ends is None else np.searchsorted(ends, positions, side="right")
-        last = {t.seq_id: t.token_id for t in self._last_sampled}
+        last = self._late_tokens()
         for pos, row in zip(positions.tolist(), rows.tolist(), strict=True):
             seq_id = seqs[row].seq_id
             assert seq_id in last, f"sequence {seq_id}: a late token, but no token sampled last"
@@ -350,7 +354,7 @@ class ModelRunner:
             return StepResult(sampled=())
         seqs = self._kept_options.update(plan.seqs)
         plan = with_generator_keys(plan if seqs is plan.seqs else replace(plan, seqs=seqs))
-        seen = self._histories.update(plan.seqs)
+        seen = self._histories.update(plan.seqs, self._late_tokens)
         inputs = self._inputs(plan)
         result = self._target_step(plan, *inputs, seen=seen)
         result = result if draft is None else draft.step(plan, inputs, result)
