@@ -89,8 +89,8 @@ class EngineConfig:
     # token to a penalty history itself; else the engine waits for step N as without it. A row
     # planned ahead for a sequence that step N's token ends (a stop token, EOS or a stop
     # string) is computed in vain. A plan ahead preempts nothing (a priority claim included):
-    # it waits for step N instead. Not with tensor parallelism, the KV tiers or speculative
-    # decoding.
+    # it waits for step N instead; so do the KV tiers' copies of a plan ahead. Not with
+    # tensor parallelism or speculative decoding.
     # "auto" (async_scheduling_for): on with the runner in its own process where nothing of
     # that is configured (it measured faster there), off with the thread (no gain measured:
     # the forward and the loop share the GIL) and on accelerators (not measured yet).
@@ -187,10 +187,8 @@ class EngineConfig:
             (self.async_scheduling in (True, False, "auto"),
              f"async_scheduling must be True, False or 'auto', got {self.async_scheduling!r}."),
             (self.async_scheduling is not True or (
-                self.tensor_parallel_size == 1 and self.kv_offload_host_bytes == 0
-                and self.speculative_config is None),
-             "async_scheduling takes no tensor parallelism, KV tiers (kv_offload_*) or "
-             "speculative_config."),
+                self.tensor_parallel_size == 1 and self.speculative_config is None),
+             "async_scheduling takes no tensor parallelism or speculative_config."),
             (isinstance(self.enforce_eager, bool),
              f"enforce_eager must be True or False, got {self.enforce_eager!r}."),
             (self.max_cudagraph_capture_size is None or self.max_cudagraph_capture_size >= 1,
@@ -311,7 +309,6 @@ def async_scheduling_for(config: EngineConfig) -> tuple[bool, str]:
         return bool(chosen), "configured"
     for cannot, what in (
         (config.tensor_parallel_size > 1, "tensor parallelism"),
-        (config.kv_offload_host_bytes > 0, "the KV tiers"),
         (config.speculative_config is not None, "speculative decoding"),
     ):
         if cannot:

@@ -178,8 +178,12 @@ class UnpinPrefix:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class ExecuteStep:
+    """Run one step; ``executed`` is set once the runner is done with it (before its
+    ``StepDone`` is queued: KV-tier copies planned meanwhile wait for it)."""
+
     output: SchedulerOutput
     plan: StepPlan
+    executed: anyio.Event
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -315,7 +315,6 @@ async def test_large_steps_wait_for_the_pipe_and_aborts_free_their_blocks(
 def test_async_scheduling_refuses_what_it_cannot_combine_with() -> None:
     for bad in (
         {"tensor_parallel_size": 2},
-        {"kv_offload_host_bytes": 1 << 20},
         {"speculative_config": SpeculativeConfig(method="ngram", num_speculative_tokens=2)},
     ):
         with pytest.raises(ValueError, match="async_scheduling"):
@@ -354,7 +353,7 @@ async def test_a_request_is_freed_before_its_final_output_while_steps_run_ahead(
     tiny_checkpoint: Callable[[str], Path], hf_reference: Callable[[str], HFReference]
 ) -> None:
     """Requests ending on a stop token beside requests that cannot be planned ahead
-    (penalized) arriving over time, prompts prefilled in chunks: when a request's final output
+    (bad words) arriving over time, prompts prefilled in chunks: when a request's final output
     reaches its reader, the pool holds no block of it (a finish while a step runs that the
     next cannot be planned ahead of is freed by a transaction of its own)."""
     path, ref = tiny_checkpoint(MODEL), hf_reference(MODEL)
@@ -364,9 +363,9 @@ async def test_a_request_is_freed_before_its_final_output_while_steps_run_ahead(
 
     def params(i: int) -> SamplingParams:
         kind = RequestOutputKind.DELTA
-        if i % 3 == 0:  # penalized: a step it samples in cannot be planned ahead of
+        if i % 3 == 0:  # bad words: a step it samples in cannot be planned ahead of
             return SamplingParams(temperature=0.8, max_tokens=2, seed=i, ignore_eos=True,
-                                  repetition_penalty=1.1, output_kind=kind)  # fmt: skip
+                                  bad_words=["the"], output_kind=kind)  # fmt: skip
         stop = wants[i][2 + i % 5]  # ends on a stop token, some steps apart
         return SamplingParams(temperature=0.0, max_tokens=8, stop_token_ids=[stop],
                               output_kind=kind)  # fmt: skip
@@ -375,14 +374,19 @@ async def test_a_request_is_freed_before_its_final_output_while_steps_run_ahead(
         async with running_engine(path, num_device_blocks=64, max_num_batched_tokens=24,
                                   async_scheduling=True) as engine:  # fmt: skip
             pool, core = engine._allocator.pool, engine._scheduler.scheduler
+            seq_ids: dict[str, int] = {}  # recorded as the core takes each request (a slow
+            add_request = core.add_request  # reader may see it first when it has left)
+
+            def recording(request: Any) -> None:
+                seq_ids[request.request_id] = request.seqs[0].seq_id
+                add_request(request)
+
+            core.add_request = recording  # type: ignore[method-assign]
 
             async def one(i: int) -> None:
                 await anyio.sleep(0.005 * i)
-                seq_id = None
                 async for out in engine.generate(list(prompts[i]), params(i)):
-                    if seq_id is None:  # live until its final output at least
-                        seq_id = core.requests[out.request_id].seqs[0].seq_id
-                    if out.finished and pool.has_seq(seq_id):
+                    if out.finished and pool.has_seq(seq_ids[out.request_id]):
                         held.append(out.request_id)
 
             async with anyio.create_task_group() as tg:

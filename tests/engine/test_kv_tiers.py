@@ -16,7 +16,8 @@ import pytest
 from asyncpaged import SamplingParams
 from asyncpaged.core.prefix_hash import hash_full_blocks
 from asyncpaged.model import kv_tier_store
-from asyncpaged.model.kv_tier_store import HEADER
+from asyncpaged.model.kv_tier_store import HEADER, KVTierStore
+from asyncpaged.model.runner import ModelRunner, StepPlan
 from asyncpaged.testing.tiny_models import build_tiny_checkpoint
 from tests.engine.conftest import running_engine
 
@@ -222,3 +223,58 @@ def test_disk_entries_round_trip_and_reject_other_identities(tmp_path: Path) -> 
     assert other.path(h).exists()  # not ours: left in place
     assert disk.scan(0) == []  # over the budget: dropped
     assert not disk.path(h).exists()
+
+
+async def _turns_ahead(
+    path: Path, ahead: bool, monkeypatch: pytest.MonkeyPatch
+) -> tuple[list[list[int]], Any, list[bool]]:
+    """The prefix, a stream aborted while steps run ahead (its blocks freed with a row in
+    flight), two flushes and the prefix again, on the runner's thread; whether a step was
+    executing at each KV-tier copy."""
+    executing = [False]
+    during_copy: list[bool] = []
+    execute, run_ops = ModelRunner.execute, KVTierStore.run
+
+    def timed_execute(self: ModelRunner, plan: StepPlan) -> Any:
+        executing[0] = True
+        try:
+            return execute(self, plan)
+        finally:
+            executing[0] = False
+
+    def watched_run(self: KVTierStore, ops: Any) -> None:
+        during_copy.append(executing[0])
+        run_ops(self, ops)
+
+    monkeypatch.setattr(ModelRunner, "execute", timed_execute)
+    monkeypatch.setattr(KVTierStore, "run", watched_run)
+    longer = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    config = engine_config(kv_offload_host_bytes=1 << 20, async_scheduling=ahead,
+                           executor_backend="thread")  # fmt: skip
+    with anyio.fail_after(180):
+        async with running_engine(path, **config) as engine:
+            outs = [list((await engine.generate([*PREFIX, 5], longer)).outputs[0].token_ids)]
+            async for out in engine.generate(tokens(3, 600), longer):
+                if len(out.outputs[0].token_ids) >= 3:
+                    break  # closed: aborted with the next steps planned
+            for prompt in (*FLUSH, SECOND):
+                outs.append(list((await engine.generate(prompt, longer)).outputs[0].token_ids))
+            stats = engine.statistics()
+    return outs, stats, during_copy
+
+
+async def test_async_scheduling_orders_tier_copies_after_the_step_in_flight(
+    long_llama: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With async scheduling the KV tiers' copies of a plan made ahead wait for the step in
+    flight (a block it writes may have been freed and be offloaded or restored into): no
+    copy runs while a step executes. Greedy tokens equal the run without it, with offloads
+    and host-tier hits in both."""
+    runs = {ahead: await _turns_ahead(long_llama, ahead, monkeypatch) for ahead in (False, True)}
+    assert runs[True][0] == runs[False][0]
+    for ahead, (_, stats, during_copy) in runs.items():
+        assert stats.num_kv_offloads > 0, stats
+        assert stats.prefix_cache_host_hit_tokens > 0, stats
+        assert during_copy, "no tier copies"
+        assert not any(during_copy), f"a tier copy while a step ran (ahead={ahead})"
+        assert (stats.num_steps_planned_ahead > 0) == ahead, stats

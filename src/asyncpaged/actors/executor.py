@@ -70,6 +70,7 @@ class ExecutorActor:
                     result = await self.runner.result(ticket)
                 else:
                     result = await self._thread.wait(ticket)
+                msg.executed.set()
                 done = time.perf_counter()
                 duration = done - max(sent, self._last_done)  # from when it could start
                 self._last_done = done

@@ -137,6 +137,7 @@ class SchedulerActor:
         # Steps sent and not yet done, oldest first: one, or two when the second was planned
         # ahead (async scheduling)
         self._in_flight: deque[SchedulerOutput] = deque()
+        self._executed: deque[anyio.Event] = deque()  # each step in flight's ``executed``
         self._tables = TableDeltas()  # the block tables the executor's runner holds
         self._histories = HistoryDeltas()  # the penalty histories it holds
         self._options = OptionDeltas()  # the sampling options it holds
@@ -247,10 +248,14 @@ class SchedulerActor:
             or any(r.status is RequestStatus.SWAPPED for r in sched.swapped)
         )
 
-    async def _copy_tiers(self, ops: tuple[TierOp, ...]) -> None:
+    async def _copy_tiers(self, ops: tuple[TierOp, ...], ahead: bool) -> None:
         """Run a transaction's KV-tier copies (swap-space actor's thread) and wait for them:
-        the step reads restored blocks and writes over offloaded ones. Cancelled midway (only
-        at shutdown), the copies still finish in their thread."""
+        the step reads restored blocks and writes over offloaded ones. Planned ``ahead`` of the
+        step in flight, they wait for it first: a block it writes may have been freed since
+        (a request aborted, or ended by that step's token) and be offloaded or restored into
+        now. Cancelled midway (only at shutdown), the copies still finish in their thread."""
+        if ahead:
+            await self._executed[0].wait()
         done = anyio.Event()
         self._swaps.send_nowait(CopyTierBlocks(ops=ops, done=done))
         await done.wait()
@@ -293,7 +298,7 @@ class SchedulerActor:
         self._planning = False
         self.snapshot = result.snapshot
         if result.tier_ops:
-            await self._copy_tiers(result.tier_ops)
+            await self._copy_tiers(result.tier_ops, ahead is not None)
         hand_out_pins(result.pinned, self._pins, self.scheduler, self._log)
         out = self.scheduler.apply(txn, result)
         for plan in (*out.swap_outs, *out.swap_ins):
@@ -316,13 +321,14 @@ class SchedulerActor:
         )
         self._scheduled.extend(scheduled)
         self._in_flight.append(out)
+        executed = anyio.Event()
+        self._executed.append(executed)
         self.num_steps_ahead += ahead is not None
         # Without a checkpoint (the executor's inbox has room: it takes each step as it comes,
         # and at most two are in flight), so the executor is the first task to run and starts
         # the step (or queues it behind the running one) before the outputs are recorded.
-        self._executor.send_nowait(
-            ExecuteStep(output=out, plan=StepPlan(seqs=tuple(steps), copy_pairs=out.copy_on_write))
-        )
+        step = StepPlan(seqs=tuple(steps), copy_pairs=out.copy_on_write)
+        self._executor.send_nowait(ExecuteStep(output=out, plan=step, executed=executed))
         self._tables.sent()
         self._histories.sent()
         self._options.sent()
@@ -354,6 +360,7 @@ class SchedulerActor:
                     self._log.info("request_aborted", request_id=rid)
             case StepDone(step_id=step_id, result=result, duration_s=duration):
                 out = self._in_flight.popleft()
+                self._executed.popleft()
                 assert out.step_id == step_id
                 self.num_steps += 1
                 self.step_time_s += duration
