@@ -73,11 +73,17 @@ async def test_greedy_repetition_penalty_matches_transformers(
     # The penalty did something: the first prompt's tokens differ without it.
     assert plain[0].outputs[0].token_ids != outs[0].outputs[0].token_ids
     # Each row sent only the token since the last step: every output token (but the last,
-    # which no step reads) travelled once.
-    rows = [s.sampling for p in recorder.plans for s in p.seqs if s.sampling is not None]
-    assert all(o.history_seq is not None for o in rows)
-    assert all(len(o.output_token_ids) <= 1 for o in rows)
-    assert sum(len(o.output_token_ids) for o in rows) == len(prompts) * (NEW_TOKENS - 1)
+    # which no step reads) travelled once; each request's options travelled once (then the
+    # runner kept them: ``keep_sampling``).
+    penalized = [s for p in recorder.plans for s in p.seqs if s.history is not None]
+    assert len(penalized) == len(prompts) * NEW_TOKENS  # every draw of the penalized requests
+    rows = [s.sampling for s in penalized if s.sampling is not None]
+    assert all(o.history_seq is not None and o.output_token_ids == () for o in rows)
+    assert len(rows) == len(prompts)
+    assert all(s.keep_sampling for s in penalized if s.sampling is None)
+    tails = [s.history[1] for s in penalized if s.history is not None]
+    assert all(len(t) <= 1 for t in tails)
+    assert sum(len(t) for t in tails) == len(prompts) * (NEW_TOKENS - 1)
 
 
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
@@ -89,6 +95,6 @@ async def test_penalized_requests_under_memory_pressure_match_transformers(
                                        preemption_mode=mode)  # fmt: skip
     assert stats.num_preemptions > 0
     # Preempted sequences came back and sent their whole output again.
-    rows = [s.sampling for p in recorder.plans for s in p.seqs if s.sampling is not None]
-    resent = [o for o in rows if o.history_start == 0 and len(o.output_token_ids) > 1]
+    rows = [s.history for p in recorder.plans for s in p.seqs if s.history is not None]
+    resent = [h for h in rows if h[0] == 0 and len(h[1]) > 1]
     assert resent, "no sequence resent its history after a preemption"

@@ -34,16 +34,17 @@ def _row(
     rep: float,
     late: bool = False,
 ) -> SequenceStep:
-    """The row the scheduler side builds (as ``scheduler_sampling.sampling_options`` does)."""
+    """The row the scheduler side builds (as ``scheduler_steps._sampled_step`` does): the
+    request's options, the same every step, and the history's delta."""
     token_ids = [*prompt, *output]
     start = sender.start(seq_id, token_ids, len(prompt), late=late)
     options = SamplingOptions(
         temperature=0.0, repetition_penalty=rep, frequency_penalty=0.5, presence_penalty=0.25,
-        prompt_token_ids=prompt if start == 0 else (), output_token_ids=tuple(output[start:]),
-        history_seq=seq_id, history_start=start, history_late=late,
+        prompt_token_ids=prompt, history_seq=seq_id,
     )  # fmt: skip
     return SequenceStep(seq_id, (output[-1] if output else 1,), len(token_ids) - 1, (0,), (),
-                        True, sampling=options)  # fmt: skip
+                        True, sampling=options,
+                        history=(start, tuple(output[start:]), late))  # fmt: skip
 
 
 def _whole(seq_id: int, prompt: tuple[int, ...], output: list[int], rep: float) -> SequenceStep:
@@ -83,9 +84,7 @@ def test_tails_rebuild_every_history(data: st.DataObject) -> None:
                 continue
             if edit == "ahead" and s in held:  # only after a persistent row in the last plan
                 row = _row(sender, s, prompts[s], outputs[s], reps[s], late=True)
-                assert row.sampling is not None
-                assert row.sampling.history_start == held[s]
-                assert row.sampling.output_token_ids == ()
+                assert row.history == (held[s], (), True)
                 in_flight[s] = data.draw(tokens)  # known to the runner only
                 outputs[s].append(in_flight[s])  # the scheduler learns it after this plan
                 rows.append(row)
@@ -99,9 +98,9 @@ def test_tails_rebuild_every_history(data: st.DataObject) -> None:
                 whole.add(s)
                 continue
             row = _row(sender, s, prompts[s], outputs[s], reps[s])
-            assert row.sampling is not None
+            assert row.history is not None
             # Only what is new travels: the runner holds the output of the last plan.
-            assert row.sampling.history_start == held.get(s, 0)
+            assert row.history[0] == held.get(s, 0)
             rows.append(row)
         if not rows:
             continue  # the scheduler actor sends no plan without sequences
@@ -126,9 +125,8 @@ def test_a_sequence_that_missed_a_step_sends_its_whole_output() -> None:
         rows = [_row(sender, s, prompt, out, 1.2) for s, out in plan.items()]
         sender.sent()
         seen = runner.update(rows, dict)
-    tails = {r.seq_id: (r.sampling.history_start, r.sampling.output_token_ids) for r in rows
-             if r.sampling is not None}  # fmt: skip
-    assert tails == {1: (0, (3, 5, 5)), 2: (2, (6,))}
+    tails = {r.seq_id: r.history for r in rows}
+    assert tails == {1: (0, (3, 5, 5), False), 2: (2, (6,), False)}
     ids, counts = seen[1]
     assert dict(zip(ids.tolist(), counts.tolist(), strict=True)) == {7: 0, 8: 0, 3: 1, 5: 2}
 
@@ -147,14 +145,15 @@ def test_a_changed_output_is_sent_whole() -> None:
 
 def test_the_runner_refuses_a_tail_it_cannot_apply() -> None:
     runner = PenaltyHistories()
-    options = SamplingOptions(repetition_penalty=1.2, output_token_ids=(4,), history_seq=1,
-                              history_start=3)  # fmt: skip
-    row = SequenceStep(1, (4,), 5, (0,), (), True, sampling=options)
+    options = SamplingOptions(repetition_penalty=1.2, history_seq=1)
+    row = SequenceStep(1, (4,), 5, (0,), (), True, sampling=options, history=(3, (4,), False))
     with pytest.raises(AssertionError, match="holds None output tokens"):
         runner.update([row], dict)
-    wrong = SequenceStep(2, (4,), 5, (0,), (), True, sampling=options)
+    wrong = SequenceStep(2, (4,), 5, (0,), (), True, sampling=options, history=(0, (), False))
     with pytest.raises(AssertionError, match="carries the penalty history of 1"):
         runner.update([wrong], dict)
+    with pytest.raises(AssertionError, match="a kept history, no delta"):
+        runner.update([row._replace(history=None)], dict)
 
 
 @pytest.mark.parametrize("seed", range(4))
@@ -185,7 +184,7 @@ def test_kept_histories_penalize_bit_identically(seed: int) -> None:
                 for i in kept_rows]  # fmt: skip
         sender.sent()
         kept = runner.update(plan, dict)
-    assert any(r.sampling is not None and r.sampling.history_start for r in plan)
+    assert any(r.history is not None and r.history[0] for r in plan)
     seen = [kept.get(i) for i in range(num_rows)]
     got = logits.clone()
     penalize_rows_(got, rows, prompt_token_ids=prompts, output_token_ids=outputs,

@@ -10,7 +10,6 @@ from typing import Any
 import torch
 
 from asyncpaged.core.request import Sequence as Seq
-from asyncpaged.model.penalty_histories import HistoryDeltas
 from asyncpaged.model.sampler import SamplingOptions, derive_generator_key
 from asyncpaged.sampling_params import SamplingParams
 
@@ -64,23 +63,18 @@ def sampling_options(
     bad_words_ids: tuple[tuple[int, ...], ...] = (),
     token_bitmask: torch.Tensor | None = None,
     prompt: tuple[int, ...] | None = None,
-    history: HistoryDeltas | None = None,
-    seq_id: int = -1,
+    history_seq: int | None = None,
     *,
     positional_key: bool = False,
-    late: bool = False,
 ) -> SamplingOptions | None:
     """The executor's per-row sampling options; None for plain greedy (the fast path).
     ``prompt``: ``token_ids[:num_prompt]`` as a tuple, when the caller keeps one (the
-    penalties read the prompt every step; see ``scheduler_steps``). ``history``: the row may
-    keep its penalty history in the runner (``penalty_histories``), as sequence ``seq_id``;
-    it then sends only the output tokens the runner does not hold yet. ``positional_key``: a
-    seeded row's generator key is left to the runner, which derives the same one from the row's
-    position (``SamplingOptions.key_from_position``), so the options do not change per token.
-    ``late``: the row is planned ahead of the step that samples the sequence's next token
-    (async scheduling), which ``token_ids`` lacks; a kept penalty history then takes it in the
-    runner (``history_late``), and nothing else in the options may depend on it (the caller
-    plans such rows ahead only where nothing does)."""
+    penalties read the prompt every step; see ``scheduler_steps``). ``history_seq``: the row
+    may keep its penalty history in the runner (``penalty_histories``) as that sequence: a
+    penalized row then carries no output (the row's ``SequenceStep.history`` does).
+    ``positional_key``: a seeded row's generator key is left to the runner, which derives the
+    same one from the row's position (``SamplingOptions.key_from_position``), so the options
+    do not change per token."""
     if token_bitmask is None and params.is_plain_greedy:
         return None
     num_generated = len(token_ids) - num_prompt
@@ -111,15 +105,8 @@ def sampling_options(
         and params.logprobs is None
     ):
         return None
-    output_start = 0
-    history_seq = None
-    kept = history is not None and penalized and not params.logits_processors
-    if kept:
-        assert history is not None
-        history_seq = seq_id
-        output_start = history.start(seq_id, token_ids, num_prompt, late=late)
-    else:
-        assert not late, "a row planned ahead whose options need the token in flight"
+    if not penalized or params.logits_processors:
+        history_seq = None  # nothing to keep, or the processors read the output
     return SamplingOptions(
         temperature=params.temperature,
         top_p=params.top_p,
@@ -132,18 +119,14 @@ def sampling_options(
         num_logprobs=params.logprobs,
         min_tokens_mask_ids=mask,
         prompt_token_ids=(
-            (prompt if prompt is not None else tuple(token_ids[:num_prompt]))
-            if penalized and output_start == 0  # the runner keeps it after (history_seq)
-            else ()
+            (prompt if prompt is not None else tuple(token_ids[:num_prompt])) if penalized else ()
         ),
         output_token_ids=(
-            tuple(token_ids[num_prompt + output_start :])
-            if penalized or params.logits_processors
+            tuple(token_ids[num_prompt:])
+            if (penalized and history_seq is None) or params.logits_processors
             else ()
         ),
         history_seq=history_seq,
-        history_start=output_start,
-        history_late=late and kept,
         generator_key=derive_generator_key(params.seed, index, num_generated)
         if params.seed is not None and not positional_key
         else 0,

@@ -74,6 +74,7 @@ def build_sequence_steps(
             steps.append(new_tuple(SequenceStep, (
                 s.seq_id, s.token_ids, s.start_pos, s.slot_mapping, table[1], s.samples, False,
                 None, (), s.min_rope_len, (), 0, 0, s.num_draft, (), draft_k, table[0], False,
+                None,
             )))  # fmt: skip
             continue
         step = _sampled_step(s, request, t, bitmasks, eos_token_ids, bad_words, draft_k, table,
@@ -107,11 +108,11 @@ def _sampled_step(
     if s.num_samples > 1 or s.num_draft or request.beam is not None:
         histories = None
 
-    def options(index: int, history: HistoryDeltas | None = None) -> SamplingOptions | None:
+    def options(index: int, keeps_history: bool = False) -> SamplingOptions | None:
         if request.beam is not None:  # each beam offers its 2k best continuations
             return SamplingOptions(temperature=0.0, num_logprobs=2 * request.beam.width)
         fixed = t.fixed_options.get(index)
-        if fixed is not None:
+        if fixed is not None and (keeps_history or fixed.history_seq is None):
             return fixed
         # The prompt as one tuple made by the intake, not sliced and copied for every
         # penalized row of every step.
@@ -119,15 +120,16 @@ def _sampled_step(
         made = sampling_options(
             params, seq.token_ids, seq.num_prompt_tokens, index, eos_token_ids,
             bad_words.ids(params.bad_words), bitmasks.get((seq.seq_id, index)),
-            info.prompt_token_ids, history, seq.seq_id, positional_key=True,
-            late=s.token_ids[-1] == LATE_TOKEN,
+            info.prompt_token_ids, seq.seq_id if keeps_history else None, positional_key=True,
         )  # fmt: skip
-        if _reads_no_output(params, info.grammar is not None, seq):
-            if made is not None and not _penalized(params):
+        if _reads_no_output(params, info.grammar is not None, seq) and (
+            keeps_history or not _penalized(params)
+        ):
+            # the same options at every later step (a penalized row's output goes with the
+            # row: ``history``), which need no token in flight
+            if made is not None:
                 t.fixed_options[index] = made
-            # later rows' options need no token in flight: a penalized one's history comes
-            # in the runner (``history_late``)
-            t.options_ahead = history is not None or not _penalized(params)
+            t.options_ahead = True
         return made
 
     row_offset, targets = prompt_logprob_targets(
@@ -138,6 +140,15 @@ def _sampled_step(
         draft = s.token_ids[len(s.token_ids) - s.num_draft :]
         bad_words_ids = bad_words.ids(params.bad_words)
         verify = verify_options(params, seq, draft, eos_token_ids, bad_words_ids)
+    sampling = options(seq.index, histories is not None) if s.samples else None
+    history = None
+    if sampling is not None and sampling.history_seq is not None:
+        assert histories is not None
+        # a row planned ahead: the runner adds the token in flight after the tail
+        late = s.token_ids[-1] == LATE_TOKEN
+        num_prompt = seq.num_prompt_tokens
+        start = histories.start(seq.seq_id, seq.token_ids, num_prompt, late=late)
+        history = (start, tuple(seq.token_ids[num_prompt + start :]), late)
     return SequenceStep(
         seq_id=s.seq_id,
         token_ids=s.token_ids,
@@ -146,7 +157,7 @@ def _sampled_step(
         block_table=table[1],
         table_start=table[0],
         do_sample=s.samples,
-        sampling=options(seq.index, histories) if s.samples else None,
+        sampling=sampling,
         fanout=tuple(options(i) for i in range(s.num_samples)) if s.num_samples > 1 else (),
         want_logprob=info.ranks_by_logprob,
         min_rope_len=s.min_rope_len,
@@ -156,6 +167,7 @@ def _sampled_step(
         num_draft=s.num_draft,
         verify_options=verify,
         draft_k=draft_k,
+        history=history,
     )
 
 
@@ -243,5 +255,5 @@ assert SequenceStep._fields == (
     "seq_id", "token_ids", "num_computed_tokens", "slot_mapping", "block_table", "do_sample",
     "want_logprob", "sampling", "fanout", "min_rope_len", "prompt_targets", "prompt_row_offset",
     "num_prompt_logprobs", "num_draft", "verify_options", "draft_k", "table_start",
-    "keep_sampling",
+    "keep_sampling", "history",
 ), "build_sequence_steps builds a plain row's SequenceStep in this order"  # fmt: skip

@@ -9,15 +9,18 @@ output, and each step adds only the tokens that came since.
 
 Both halves of the protocol live here, as in ``block_tables``. The scheduler actor's
 :class:`HistoryDeltas` remembers the output length (and last token) each sequence had in the
-last plan sent and turns a row's output into ``(history_start, tail)``: the runner holds the
-first ``history_start`` output tokens and ``tail`` follows them. The runner's
-:class:`PenaltyHistories` applies that and hands ``penalize_rows_`` each row's seen tokens and
-counts, without a pass over the whole history.
+last plan sent and turns a row's output into ``SequenceStep.history``, ``(start, tail,
+late)``: the runner holds the first ``start`` output tokens, ``tail`` follows them, and with
+``late`` (a row planned ahead of the step that samples the sequence's next token) the token
+that step sampled follows the tail, added by the runner. The row's ``SamplingOptions`` carry
+no output, so a request's options stay the same from token to token (and are sent once,
+``kept_options``). The runner's :class:`PenaltyHistories` applies the delta and hands
+``penalize_rows_`` each row's seen tokens and counts, without a pass over the whole history.
 
 The rule both sides follow: **a history persists from one plan to the next only for sequences
 with a persistent row (``SamplingOptions.history_seq`` set) in both**. Any other plan forgets
-it, and the sequence's next persistent row starts over (``history_start`` 0, the whole output
-as the tail). Rows that stay whole: parallel-sampling fan-outs, speculative verification rows,
+it, and the sequence's next persistent row starts over (start 0, the whole output as the
+tail). Rows that stay whole: parallel-sampling fan-outs, speculative verification rows,
 draft-model engines (the draft draws from the same options), requests with logits processors
 (they read the output as a list) and beam search. A sequence's output only grows while it runs;
 the sender also checks the token it last sent before trusting that, and resends whole if it
@@ -66,7 +69,7 @@ class HistoryDeltas:
         ``num_prompt`` tokens, then its output) the runner holds from the last plan sent: the
         row then sends the output from there on. ``late``: the row is planned ahead of the
         step that samples the sequence's next token, which the runner adds after the row's
-        tail (``SamplingOptions.history_late``); its value is not known here (-1)."""
+        tail (``SequenceStep.history``'s ``late``); its value is not known here (-1)."""
         num_output = len(token_ids) - num_prompt
         if late:
             self._next[seq_id] = (num_output + 1, LATE_TOKEN)
@@ -160,18 +163,20 @@ class PenaltyHistories:
             assert opt.history_seq == s.seq_id, (
                 f"sequence {s.seq_id} carries the penalty history of {opt.history_seq}"
             )
+            assert s.history is not None, f"sequence {s.seq_id}: a kept history, no delta"
+            start, tail, is_late = s.history
             history = last.pop(s.seq_id, None)
-            if opt.history_start == 0:
+            if start == 0:
                 repeated = opt.repetition_penalty != 1.0
                 history = _History(opt.prompt_token_ids if repeated else ())
-            elif history is None or history.num_output != opt.history_start:
+            elif history is None or history.num_output != start:
                 held = None if history is None else history.num_output
                 raise AssertionError(
-                    f"sequence {s.seq_id}: history_start {opt.history_start}, but the runner "
-                    f"holds {held} output tokens of it"
+                    f"sequence {s.seq_id}: history start {start}, but the runner holds "
+                    f"{held} output tokens of it"
                 )
-            history.extend(opt.output_token_ids)
-            if opt.history_late:
+            history.extend(tail)
+            if is_late:
                 late = late_tokens() if late is None else late
                 assert s.seq_id in late, f"sequence {s.seq_id}: a late token, none sampled last"
                 history.extend((late[s.seq_id],))

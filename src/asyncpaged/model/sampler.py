@@ -87,10 +87,8 @@ class SamplingOptions:
     ``min_tokens_mask_ids`` (EOS + stop token ids) only while fewer than ``min_tokens`` tokens
     were generated. ``prompt_token_ids`` / ``output_token_ids`` feed the penalties; with
     ``history_seq`` set the runner keeps that sequence's penalty history between steps
-    (``penalty_histories``) and ``output_token_ids`` holds only the output tokens after the
-    first ``history_start``, which it already has; with ``history_late`` the token the last
-    step sampled for the sequence follows them (a row planned ahead of that step), and
-    ``prompt_token_ids`` is sent only while ``history_start`` is 0 (the runner has it after).
+    (``penalty_histories``): ``output_token_ids`` is empty and each step's row carries what
+    its output added (``SequenceStep.history``), so the options need not change per token.
     ``generator_key`` seeds this row's generator when ``seed`` is set (see
     ``derive_generator_key``); it is ignored otherwise. With ``key_from_position`` (the
     sequence's index in its request, its prompt length) the runner derives it from the row's
@@ -113,8 +111,6 @@ class SamplingOptions:
     prompt_token_ids: tuple[int, ...] = ()
     output_token_ids: tuple[int, ...] = ()
     history_seq: int | None = None
-    history_start: int = 0
-    history_late: bool = False
     generator_key: int = 0
     key_from_position: tuple[int, int] | None = None
     logit_bias: tuple[tuple[int, float], ...] = ()

@@ -51,8 +51,8 @@ def _process(
         subset = [o for o in opts if o is not None and o.has_penalties]
         seen = [None if penalty_seen is None else penalty_seen[i] for i in penalized]
         for o, kept in zip(subset, seen, strict=True):
-            assert kept is not None or not o.history_start, (
-                f"sequence {o.history_seq}: only the tail of its output and no kept history"
+            assert kept is not None or o.history_seq is None, (
+                f"sequence {o.history_seq}: a history kept in the runner, but none given"
             )
 
         def column(values: list[float]) -> torch.Tensor:

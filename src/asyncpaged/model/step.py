@@ -59,6 +59,11 @@ class SequenceStep(NamedTuple):
     # ``sampling`` is None and the runner takes the options it holds for this sequence from
     # the last step (``kept_options``)
     keep_sampling: bool = False
+    # A penalty history the runner keeps (``sampling.history_seq`` set): ``(start, tail,
+    # late)``, the runner holds the first ``start`` output tokens, ``tail`` follows them, and
+    # with ``late`` the token the last step sampled for the sequence after that (a row planned
+    # ahead of it); see ``penalty_histories``
+    history: tuple[int, tuple[int, ...], bool] | None = None
 
     @property
     def wants_logprob(self) -> bool:
