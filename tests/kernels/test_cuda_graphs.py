@@ -48,7 +48,15 @@ CAPTURE: Capture | None = None if NATIVE else eager_capture
 def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return {
         name: build_tiny_checkpoint(name, tmp_path_factory.mktemp(name))
-        for name in ("llama-gqa", "mistral", "phi3-longrope")
+        for name in (
+            "llama-gqa",
+            "mistral",
+            "phi3-longrope",
+            "llama-rope-dynamic",
+            "gemma2",
+            "qwen3",
+            "qwen3-moe",
+        )
     }
 
 
@@ -78,8 +86,12 @@ def _run(checkpoint: Path, sizes: tuple[int, ...], device: torch.device) -> Mode
     return runner
 
 
-# mistral: sliding window 12; phi3-longrope: RoPE factors by sequence length (long past 20)
-@pytest.mark.parametrize("name", ["llama-gqa", "mistral", "phi3-longrope"])
+# mistral: sliding window 12; phi3-longrope: RoPE factors by sequence length (long past 20);
+# llama-rope-dynamic: frequencies by sequence length, computed on the device (past 16);
+# gemma2: softcapped scores, sliding and global layers; qwen3: q/k norms
+@pytest.mark.parametrize(
+    "name", ["llama-gqa", "mistral", "phi3-longrope", "llama-rope-dynamic", "gemma2", "qwen3"]
+)
 def test_decode_graphs_give_the_eager_tokens_and_cache(
     name: str, checkpoints: dict[str, Path], device: torch.device
 ) -> None:
@@ -171,6 +183,11 @@ def test_graphs_stay_off_where_they_cannot_run(checkpoints: dict[str, Path]) -> 
     )
     assert cpu.capture_cuda_graphs((1, 2), 64) == ()  # real CUDA graphs on a CPU: no
     assert cpu.capture_cuda_graphs((), 64, capture=eager_capture) == ()
+    moe = ModelRunner(
+        checkpoints["qwen3-moe"], "float32", num_blocks=8, attn_backend=TritonAttentionBackend()
+    )
+    assert moe.capture_cuda_graphs((1, 2), 64, capture=eager_capture) == ()  # host-synced
+    assert moe.graphs is None
 
 
 def test_capture_sizes_follow_the_config() -> None:

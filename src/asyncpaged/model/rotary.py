@@ -229,7 +229,9 @@ class RotaryEmbedding:
         factor = float(self.params["factor"])
         seq = torch.clamp(seq_lens, min=max_pos)  # int64, as transformers' tensor seq_len
         base = self.base * ((factor * seq / max_pos) - (factor - 1)) ** (dim / (dim - 2))  # [T] f32
-        exponents = torch.arange(0, dim, 2, dtype=torch.int64).to(torch.float) / dim
+        # on the lengths' device: a CPU tensor does not broadcast with CUDA ones
+        exponents = torch.arange(0, dim, 2, dtype=torch.int64, device=seq_lens.device)
+        exponents = exponents.to(torch.float) / dim
         inv = 1.0 / (base[:, None] ** exponents[None, :])
         inv = torch.where((seq_lens > max_pos)[:, None], inv, self.inv_freq[None, :])
         return inv.to(self.inv_freq.device)
