@@ -89,8 +89,9 @@ class EngineConfig:
     # token to a penalty history itself; else the engine waits for step N as without it. A row
     # planned ahead for a sequence that step N's token ends (a stop token, EOS or a stop
     # string) is computed in vain. A plan ahead preempts nothing (a priority claim included):
-    # it waits for step N instead; so do the KV tiers' copies of a plan ahead. Not with
-    # tensor parallelism or speculative decoding.
+    # it waits for step N instead; so do the KV tiers' copies of a plan ahead. Under tensor
+    # parallelism rank 0 sends the other ranks step N's tokens with step N+1. Not with
+    # speculative decoding.
     # "auto" (async_scheduling_for): on with the runner in its own process where nothing of
     # that is configured (it measured faster there), off with the thread (no gain measured:
     # the forward and the loop share the GIL) and on accelerators (not measured yet).
@@ -186,9 +187,8 @@ class EngineConfig:
              "executor_backend='process' needs a POSIX system."),
             (self.async_scheduling in (True, False, "auto"),
              f"async_scheduling must be True, False or 'auto', got {self.async_scheduling!r}."),
-            (self.async_scheduling is not True or (
-                self.tensor_parallel_size == 1 and self.speculative_config is None),
-             "async_scheduling takes no tensor parallelism or speculative_config."),
+            (self.async_scheduling is not True or self.speculative_config is None,
+             "async_scheduling takes no speculative_config."),
             (isinstance(self.enforce_eager, bool),
              f"enforce_eager must be True or False, got {self.enforce_eager!r}."),
             (self.max_cudagraph_capture_size is None or self.max_cudagraph_capture_size >= 1,
@@ -307,12 +307,8 @@ def async_scheduling_for(config: EngineConfig) -> tuple[bool, str]:
     chosen = config.async_scheduling
     if chosen != "auto":
         return bool(chosen), "configured"
-    for cannot, what in (
-        (config.tensor_parallel_size > 1, "tensor parallelism"),
-        (config.speculative_config is not None, "speculative decoding"),
-    ):
-        if cannot:
-            return False, f"not with {what}"
+    if config.speculative_config is not None:
+        return False, "not with speculative decoding"
     if config.executor_backend != "process":
         return False, "the runner's thread shares the GIL with the loop: no gain measured"
     if not config.device.startswith("cpu"):

@@ -60,6 +60,7 @@ class EngineRun:
     # (free, total) device blocks the moment the last request returned (before wait_idle)
     blocks_at_return: tuple[int, int] = (0, 0)
     num_draft_tokens: int = 0  # speculative decoding's proposals
+    num_steps_planned_ahead: int = 0  # async scheduling
 
 
 async def _generate_all(
@@ -123,6 +124,7 @@ def run_engine(
             worker_pids=[p.pid for p in workers if p.pid is not None],
             blocks_at_return=(at_return.num_free_device_blocks, at_return.num_device_blocks),
             num_draft_tokens=stats.num_draft_tokens,
+            num_steps_planned_ahead=stats.num_steps_planned_ahead,
         )
 
     return anyio.run(main)

@@ -67,7 +67,7 @@ class ThreadedShards:
         self._pool = ThreadPoolExecutor(world_size - 1)
 
     def execute(self, plan: StepPlan) -> StepResult:
-        wire = RunStep.of(plan).plan()  # what a worker receives: nothing to sample
+        wire = RunStep.of(plan, dict).plan()  # what a worker receives: nothing to sample
         others = [self._pool.submit(r.execute_forward, wire) for r in self.runners[1:]]
         result = self.runners[0].execute(plan)
         for future in others:

@@ -134,3 +134,25 @@ def test_tp2_speculative_decoding_is_exact(
         assert out.outputs[0].token_ids == ref.generate(prompt, MAX_TOKENS)[0], prompt
     assert run.blocks_at_return[0] == run.blocks_at_return[1]
     assert run.num_draft_tokens > 0
+
+
+def test_tp2_with_async_scheduling_gives_the_same_tokens(
+    runs: tuple[str, EngineRun, EngineRun],
+    tiny_checkpoint: Callable[[str], Path],
+    hf_reference: Callable[[str], HFReference],
+) -> None:
+    """TP=2 with steps planned ahead: rank 0 puts the token it sampled last into the other
+    rank's rows that have a late token. Greedy tokens equal TP=1's and transformers', under
+    swap and recompute preemption too (a plan waits while anything is swapped)."""
+    name, tp1, _ = runs
+    path = tiny_checkpoint(name)
+    run = run_engine(path, make_prompts(12, seed=0), MAX_TOKENS, tensor_parallel_size=2,
+                     async_scheduling=True, num_device_blocks=NUM_DEVICE_BLOCKS,
+                     preemption_mode="swap", max_num_batched_tokens=64,
+                     swap_space_bytes=host_bytes(path, NUM_HOST_BLOCKS, 2))  # fmt: skip
+    assert run.num_steps_planned_ahead > 0, run
+    for one, two in zip(tp1.outputs, run.outputs, strict=True):
+        assert two.outputs[0].token_ids == one.outputs[0].token_ids, (name, one.prompt_token_ids)
+    ref = hf_reference(name)
+    for out in run.outputs[:3]:
+        assert out.outputs[0].token_ids == ref.generate(tuple(out.prompt_token_ids), MAX_TOKENS)[0]

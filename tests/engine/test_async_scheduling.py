@@ -313,12 +313,12 @@ async def test_large_steps_wait_for_the_pipe_and_aborts_free_their_blocks(
 
 
 def test_async_scheduling_refuses_what_it_cannot_combine_with() -> None:
-    for bad in (
-        {"tensor_parallel_size": 2},
-        {"speculative_config": SpeculativeConfig(method="ngram", num_speculative_tokens=2)},
-    ):
-        with pytest.raises(ValueError, match="async_scheduling"):
-            EngineConfig(model="m", async_scheduling=True, **bad)  # type: ignore[arg-type]
+    spec = SpeculativeConfig(method="ngram", num_speculative_tokens=2)
+    with pytest.raises(ValueError, match="async_scheduling"):
+        EngineConfig(model="m", async_scheduling=True, speculative_config=spec)
+    # tensor parallelism (rank 0 sends the late tokens) and the KV tiers are accepted
+    EngineConfig(model="m", async_scheduling=True, tensor_parallel_size=2)
+    EngineConfig(model="m", async_scheduling=True, kv_offload_host_bytes=1 << 20)
 
 
 def test_a_late_token_takes_what_the_last_step_sampled(

@@ -19,9 +19,10 @@ rank 0.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
-from asyncpaged.core.block_table import SwapDirection
+from asyncpaged.core.block_table import LATE_TOKEN, SwapDirection
 from asyncpaged.model.runner import AttentionChoice, SequenceStep, StepPlan
 
 # (seq_id, token_ids, num_computed_tokens, slot_mapping, table_start, block_table): the table
@@ -76,19 +77,20 @@ class RunStep:
     copy_pairs: tuple[tuple[int, int], ...]
 
     @classmethod
-    def of(cls, plan: StepPlan) -> RunStep:
-        seqs = tuple(
-            (
-                s.seq_id,
-                s.token_ids,
-                s.num_computed_tokens,
-                s.slot_mapping,
-                s.table_start,
-                s.block_table,
-            )
-            for s in plan.seqs
-        )
-        return cls(seqs=seqs, copy_pairs=plan.copy_pairs)
+    def of(cls, plan: StepPlan, late_tokens: Callable[[], dict[int, int]]) -> RunStep:
+        """``late_tokens()``: what rank 0 sampled last, by sequence, for the rows planned
+        ahead of it (async scheduling: their input is a ``LATE_TOKEN`` that only rank 0,
+        which samples, can fill in)."""
+        late: dict[int, int] | None = None
+        seqs = []
+        for s in plan.seqs:
+            tokens = s.token_ids
+            if tokens[-1] == LATE_TOKEN:  # a late row has that one token
+                late = late_tokens() if late is None else late
+                tokens = (late[s.seq_id],)
+            seqs.append((s.seq_id, tokens, s.num_computed_tokens, s.slot_mapping,
+                         s.table_start, s.block_table))  # fmt: skip
+        return cls(seqs=tuple(seqs), copy_pairs=plan.copy_pairs)
 
     def plan(self) -> StepPlan:
         """The step as a plan that samples nothing (what a rank other than 0 runs)."""

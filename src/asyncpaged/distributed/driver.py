@@ -208,9 +208,11 @@ class TensorParallelRunner:
     # ---- the StepRunner interface --------------------------------------------------------------
 
     def execute(self, plan: StepPlan) -> StepResult:
-        """Broadcast the step, then run rank 0's share of it and sample."""
+        """Broadcast the step, then run rank 0's share of it and sample. Steps run one after
+        the other, so what rank 0 sampled last is known here: the other ranks get it in place
+        of a row's late token."""
         with self._naming_dead_worker():
-            self._send(RunStep.of(plan))
+            self._send(RunStep.of(plan, self.runner.late_tokens))
             return self.runner.execute(plan)
 
     def swap_out(self, pairs: tuple[tuple[int, int], ...]) -> None:

@@ -297,8 +297,9 @@ class ModelRunner:
         position_tensor = torch.from_numpy(positions).to(self.device)
         return metadata, input_tensor, position_tensor
 
-    def _late_tokens(self) -> dict[int, int]:
-        """The token the last step sampled, by sequence (a row's late input or history)."""
+    def late_tokens(self) -> dict[int, int]:
+        """The token the last step sampled, by sequence (a row's late input or history; under
+        tensor parallelism rank 0 puts them into the other ranks' rows)."""
         return {t.seq_id: t.token_id for t in self._last_sampled}
 
     def _fill_late(
@@ -309,7 +310,7 @@ class ModelRunner:
         ``ends``: each sequence's end in ``ids`` (None: one token each)."""
         positions = np.flatnonzero(ids == LATE_TOKEN)
         rows = positions if ends is None else np.searchsorted(ends, positions, side="right")
-        last = self._late_tokens()
+        last = self.late_tokens()
         for pos, row in zip(positions.tolist(), rows.tolist(), strict=True):
             seq_id = seqs[row].seq_id
             assert seq_id in last, f"sequence {seq_id}: a late token, but no token sampled last"
@@ -354,7 +355,7 @@ class ModelRunner:
             return StepResult(sampled=())
         seqs = self._kept_options.update(plan.seqs)
         plan = with_generator_keys(plan if seqs is plan.seqs else replace(plan, seqs=seqs))
-        seen = self._histories.update(plan.seqs, self._late_tokens)
+        seen = self._histories.update(plan.seqs, self.late_tokens)
         inputs = self._inputs(plan)
         result = self._target_step(plan, *inputs, seen=seen)
         result = result if draft is None else draft.step(plan, inputs, result)
