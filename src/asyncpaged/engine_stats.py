@@ -48,6 +48,7 @@ class EngineStatistics:
     # vain (the step before ended the sequence with a stop token)
     num_steps_planned_ahead: int = 0
     num_rows_in_vain: int = 0
+    num_cuda_graph_steps: int = 0  # steps whose forward replayed a CUDA graph (decodes, CUDA)
     # Prefix-cache hit tokens by tier (they sum to prefix_cache_hit_tokens) and KV-tier copies
     prefix_cache_device_hit_tokens: int = 0
     prefix_cache_host_hit_tokens: int = 0
@@ -95,6 +96,7 @@ def collect_statistics(actor: SchedulerActor, intake: IntakeActor) -> EngineStat
         num_jump_forward_tokens=actor.num_jump_forward_tokens,
         num_steps_planned_ahead=actor.num_steps_ahead,
         num_rows_in_vain=actor.scheduler.num_rows_in_vain,
+        num_cuda_graph_steps=actor.num_steps_graphed,
         prefix_cache_device_hit_tokens=pool.prefix_hit_tokens
         - pool.prefix_host_hit_tokens
         - pool.prefix_disk_hit_tokens,

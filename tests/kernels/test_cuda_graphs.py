@@ -21,7 +21,7 @@ from asyncpaged import AsyncEngine, EngineConfig, SamplingParams
 from asyncpaged.config import cuda_graph_sizes
 from asyncpaged.model.attention import AttentionMetadata
 from asyncpaged.model.cuda_graphs import Capture
-from asyncpaged.model.runner import ModelRunner
+from asyncpaged.model.runner import ModelRunner, StepPlan, StepResult
 from asyncpaged.testing.tiny_models import build_tiny_checkpoint
 from tests.kernels.conftest import NATIVE
 from tests.model.driver import Driver, SimSequence
@@ -121,12 +121,23 @@ def test_decode_graphs_give_transformers_greedy_tokens(
 ) -> None:
     reference = HFReference(checkpoints["llama-gqa"])
     runner = _run(checkpoints["llama-gqa"], (1, 2, 4, 8), device)
+    flags = []
+    execute = runner.execute
+
+    def flagged(plan: StepPlan) -> StepResult:
+        result = execute(plan)
+        flags.append(result.cuda_graph)
+        return result
+
+    runner.execute = flagged  # type: ignore[method-assign]
     seqs = _sequences()
     Driver(runner, seed=2, want_logprob=False).run(seqs)
     want = [reference.generate(s.prompt, s.max_new_tokens)[0] for s in _sequences()]
     assert [s.output for s in seqs] == want
     assert runner.graphs is not None
     assert runner.graphs.replays == {8: 7, 4: 3, 2: 3, 1: 1}
+    assert flags.count(True) == 14  # each replayed step says so (the engine counts them)
+    assert flags[:3] == [False, False, False]  # prefills mixed with decodes: eager
 
 
 @torch.inference_mode()  # as the runner calls it (the buffers are inference tensors)
@@ -223,6 +234,7 @@ async def _engine_tokens(model: Path, enforce_eager: bool) -> tuple[list[list[in
                 tg.start_soon(one, i)
         graphs = engine.runner.graphs if engine.runner is not None else None
         replays = 0 if graphs is None else sum(graphs.replays.values())
+        assert engine.statistics().num_cuda_graph_steps == replays
     return outs + [rest[i] for i in range(1, len(prompts))], replays
 
 

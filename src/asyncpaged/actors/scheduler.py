@@ -149,6 +149,7 @@ class SchedulerActor:
         self.compute_time_s = 0.0
         self.num_jump_forward_tokens = 0  # tokens a grammar forced, appended without sampling
         self.num_steps_ahead = 0  # steps planned while the one before ran (async scheduling)
+        self.num_steps_graphed = 0  # steps whose forward replayed a CUDA graph
         # engine.pin_prefix waiters (WatchPin): pin id -> (event, what the pool pinned)
         self._pins: PinWaiters = {}
         # Requests submitted and not yet added here nor released by the intake (refused,
@@ -365,6 +366,7 @@ class SchedulerActor:
                 self.num_steps += 1
                 self.step_time_s += duration
                 self.compute_time_s += result.compute_s
+                self.num_steps_graphed += result.cuda_graph
                 self._prompt_logprobs.extend(prompt_logprob_progress(
                     out, result.prompt_logprobs, self.scheduler, self._tracked
                 ))  # fmt: skip

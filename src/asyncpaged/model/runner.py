@@ -201,6 +201,7 @@ class ModelRunner:
         # Draft-model speculation (``attach_draft``): its cache mirrors this one's block ids.
         self.draft: DraftModel | None = None
         self.graphs: DecodeGraphs | None = None  # ``capture_cuda_graphs``
+        self._graphed = False  # the last forward replayed a graph
 
     @torch.inference_mode()
     def capture_cuda_graphs(
@@ -222,6 +223,7 @@ class ModelRunner:
         captured for it, else the model's eager forward."""
         graphs = self.graphs
         hidden = None if graphs is None else graphs.run(input_tensor, position_tensor, md)
+        self._graphed = hidden is not None
         if hidden is None:
             hidden = self.model(input_tensor, position_tensor, md, self.kv_cache)
         return hidden
@@ -358,6 +360,8 @@ class ModelRunner:
         seen = self._histories.update(plan.seqs, self.late_tokens)
         inputs = self._inputs(plan)
         result = self._target_step(plan, *inputs, seen=seen)
+        if self._graphed:
+            result = replace(result, cuda_graph=True)
         result = result if draft is None else draft.step(plan, inputs, result)
         self._last_sampled = result.sampled  # the inputs of the next step's late tokens
         return result

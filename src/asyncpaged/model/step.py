@@ -139,6 +139,7 @@ class StepResult:
     sampled: tuple[SampledToken, ...]
     compute_s: float = 0.0
     prompt_logprobs: tuple[PromptLogprobRows, ...] = ()  # for sequences with prompt_targets
+    cuda_graph: bool = False  # the forward replayed a captured CUDA graph (``cuda_graphs``)
 
 
 class StepRunner(Protocol):

@@ -99,6 +99,7 @@ async def _one_run(args: argparse.Namespace, checkpoint: Path) -> dict[str, Any]
         after = engine.statistics()
     steps = after.num_steps - before.num_steps
     ahead = after.num_steps_planned_ahead - before.num_steps_planned_ahead
+    graphed = after.num_cuda_graph_steps - before.num_cuda_graph_steps
     compute = after.compute_time_s - before.compute_time_s
     digest = hashlib.sha256(json.dumps(tokens).encode()).hexdigest()[:16]
     return {"wall_s": wall, "steps": steps,
@@ -107,15 +108,7 @@ async def _one_run(args: argparse.Namespace, checkpoint: Path) -> dict[str, Any]
             "forward_ms_per_step": 1000 * compute / steps, "tokens_digest": digest,
             "executor_backend": engine.config.executor_backend,
             "async_scheduling": engine.config.async_scheduling,
-            "steps_planned_ahead": ahead, "cuda_graph_replays": _replays(engine)}  # fmt: skip
-
-
-def _replays(engine: Any) -> int | None:
-    """Decode steps replayed through CUDA graphs (None: the runner is in another process)."""
-    if engine.runner is None:
-        return None
-    graphs = engine.runner.graphs
-    return 0 if graphs is None else sum(graphs.replays.values())
+            "steps_planned_ahead": ahead, "cuda_graph_replays": graphed}  # fmt: skip
 
 
 def cpu_flags() -> str:
