@@ -223,10 +223,11 @@ async def test_penalized_requests_are_planned_ahead_with_the_same_tokens(
     backend: str, mode: str, tiny_checkpoint: Callable[[str], Path]
 ) -> None:
     """Penalized requests go ahead: a row planned ahead sends its penalty history's tail, and
-    the runner adds the token the step in flight samples (``history_late``). Greedy and seeded
-    sampled ones, with repetition, frequency and presence penalties and a min_tokens mask
-    (planned ahead once it is past), draw exactly the tokens of the engine without async
-    scheduling, under preemption; bad words (which read the output) wait for each step."""
+    the runner adds the token the step in flight samples (``SequenceStep.history``'s
+    ``late``). Greedy and seeded sampled ones, with repetition, frequency and presence
+    penalties and a min_tokens mask (planned ahead once it is past), draw exactly the tokens
+    of the engine without async scheduling, under preemption; bad words (which read the
+    output) wait for each step."""
     path = tiny_checkpoint(MODEL)
     prompts = make_prompts(24, seed=8)
 

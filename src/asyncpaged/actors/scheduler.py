@@ -137,7 +137,8 @@ class SchedulerActor:
         # Steps sent and not yet done, oldest first: one, or two when the second was planned
         # ahead (async scheduling)
         self._in_flight: deque[SchedulerOutput] = deque()
-        self._executed: deque[anyio.Event] = deque()  # each step in flight's ``executed``
+        # ``executed`` of the last step sent: when a plan is made ahead, the step in flight
+        self._last_executed: anyio.Event | None = None
         self._tables = TableDeltas()  # the block tables the executor's runner holds
         self._histories = HistoryDeltas()  # the penalty histories it holds
         self._options = OptionDeltas()  # the sampling options it holds
@@ -256,7 +257,8 @@ class SchedulerActor:
         (a request aborted, or ended by that step's token) and be offloaded or restored into
         now. Cancelled midway (only at shutdown), the copies still finish in their thread."""
         if ahead:
-            await self._executed[0].wait()
+            assert self._last_executed is not None, "a plan ahead of no step"
+            await self._last_executed.wait()
         done = anyio.Event()
         self._swaps.send_nowait(CopyTierBlocks(ops=ops, done=done))
         await done.wait()
@@ -322,8 +324,7 @@ class SchedulerActor:
         )
         self._scheduled.extend(scheduled)
         self._in_flight.append(out)
-        executed = anyio.Event()
-        self._executed.append(executed)
+        executed = self._last_executed = anyio.Event()
         self.num_steps_ahead += ahead is not None
         # Without a checkpoint (the executor's inbox has room: it takes each step as it comes,
         # and at most two are in flight), so the executor is the first task to run and starts
@@ -361,7 +362,6 @@ class SchedulerActor:
                     self._log.info("request_aborted", request_id=rid)
             case StepDone(step_id=step_id, result=result, duration_s=duration):
                 out = self._in_flight.popleft()
-                self._executed.popleft()
                 assert out.step_id == step_id
                 self.num_steps += 1
                 self.step_time_s += duration

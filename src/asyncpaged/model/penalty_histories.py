@@ -153,7 +153,8 @@ class PenaltyHistories:
     ) -> dict[int, SeenTokens]:
         """Apply a step's rows; returns the seen tokens of each persistent row's sequence.
         Histories of sequences without a persistent row in ``seqs`` are forgotten.
-        ``late_tokens()``: the token the last step sampled, by sequence (``history_late``)."""
+        ``late_tokens()``: the token the last step sampled, by sequence, for the rows whose
+        ``history`` is late."""
         last, rows = self._rows, {}
         late: dict[int, int] | None = None
         for s in seqs:
