@@ -3,10 +3,12 @@ against the fake executor of ``test_scheduler_property``, which checks every K/V
 reads. A row whose input is a late token gets the token the step before sampled, as the runner
 does; a request's output must equal the same request run alone, whichever steps were planned
 ahead, under memory pressure (preemption then waits for the step in flight), priorities (a
-claim waits too), swaps, aborts and stop tokens that make a planned-ahead row compute in vain."""
+claim waits too), swaps, aborts and stop tokens that make a planned-ahead row compute in vain,
+and a fake grammar's forced tokens (jump-forward), which void a sample already in flight."""
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 from collections import deque
 
@@ -15,11 +17,12 @@ from hypothesis import event, given
 
 from asyncpaged.core import BlockPool
 from asyncpaged.core.block_table import LATE_TOKEN
-from asyncpaged.core.request import Request, Sequence
+from asyncpaged.core.request import Request, Sequence, StopCriteria
 from asyncpaged.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from asyncpaged.core.txn import apply_txn, snapshot
 from tests.core.test_scheduler_property import (
     BS,
+    VOCAB,
     FakeWorld,
     between_steps,
     next_token,
@@ -28,6 +31,35 @@ from tests.core.test_scheduler_property import (
 )
 
 Sampled = dict[int, list[int]]
+
+
+def forced_after(salt: str | None, tokens: list[int]) -> list[int]:
+    """The fake grammar: the tokens it forces after ``tokens`` (1-3 of them, a third of the
+    time; none otherwise)."""
+    digest = hashlib.sha256(repr(("forced", salt, tuple(tokens))).encode()).digest()
+    return [d % VOCAB for d in digest[1 : 2 + digest[0] % 3]] if digest[0] % 3 == 0 else []
+
+
+def reference_forced(prompt: list[int], salt: str | None, stop: StopCriteria) -> list[int]:
+    """The request run alone with the fake grammar: after each sampled token, the forced ones,
+    under the same stop rules token by token."""
+    tokens, out = list(prompt), []
+
+    def stops(tok: int) -> bool:
+        eos = len(out) >= stop.min_tokens and tok in stop.eos_token_ids and not stop.ignore_eos
+        return eos or len(out) >= stop.max_tokens
+
+    while True:
+        tok = next_token(salt, tokens)
+        tokens.append(tok)
+        out.append(tok)
+        if stops(tok):
+            return out
+        for tok in forced_after(salt, tokens):
+            tokens.append(tok)
+            out.append(tok)
+            if stops(tok):
+                return out
 
 
 def execute(
@@ -83,6 +115,7 @@ def test_planning_ahead_gives_each_request_its_output_alone(data: st.DataObject)
         num_device, num_host, block_size=BS, enable_prefix_caching=data.draw(st.booleans())
     )
     sched = Scheduler(config)
+    grammar = data.draw(st.booleans(), label="a grammar forces tokens")
     priority_policy = config.scheduling_policy == "priority"
     snap = snapshot(pool)
     world = FakeWorld()
@@ -103,7 +136,7 @@ def test_planning_ahead_gives_each_request_its_output_alone(data: st.DataObject)
                           cache_salt=salt, priority=priority)  # fmt: skip
         sched.add_request(request)
         every[rid] = request
-        expected[rid] = reference_output(prompt, salt, stop)
+        expected[rid] = (reference_forced if grammar else reference_output)(prompt, salt, stop)
         outputs[rid] = []
 
     for _ in range(data.draw(st.integers(1, 12), label="initial requests")):
@@ -131,6 +164,14 @@ def test_planning_ahead_gives_each_request_its_output_alone(data: st.DataObject)
             num_vain += sum(1 for s in out.seqs if s.samples and s.seq_id not in live)
             for upd in sched.update(out, sampled):
                 outputs[upd.request_id].extend(upd.new_token_ids)
+                if grammar and upd.finish_reason is None:  # jump-forward, as the actor does
+                    request = every[upd.request_id]
+                    forced = forced_after(request.cache_salt, request.seqs[0].token_ids)
+                    num_void = len(sched._void)
+                    appended, _, _ = sched.append_forced(upd.request_id, upd.seq_id, forced)
+                    outputs[upd.request_id].extend(appended)
+                    if len(sched._void) > num_void:
+                        event("a sample in flight voided")
         else:
             txn = sched.plan(snap, ahead=in_flight[-1][0] if in_flight else None)
             if in_flight:

@@ -126,8 +126,13 @@ class Scheduler:
         # and (seq id, value) of those whose value came back, for the next transaction
         self._late: set[int] = set()
         self._pending_late: list[tuple[int, int]] = []
+        # sequences whose sample in flight is void: a grammar forced the tokens after the
+        # token before it (append_forced), so the next plan computes those instead
+        self._void: set[int] = set()
         self.planned_cut = False  # the last plan, made ahead, stopped short (see plan)
-        self.num_rows_in_vain = 0  # late-token rows whose request had ended when they returned
+        # rows planned ahead whose sample was not used: their request ended meanwhile, or
+        # their sample was void
+        self.num_rows_in_vain = 0
         self._step_ids = itertools.count()
         # the last plan's appends: (request, sequence, proposals appended after its tokens)
         self._planned: list[tuple[Request, Sequence, int]] = []
@@ -427,8 +432,14 @@ class Scheduler:
         one, uncomputed; the next step computes them with it like a prefill chunk and samples
         after the last. The stop rules apply token by token (they count toward max_tokens):
         appending ends at the first token that finishes the sequence. Returns the tokens
-        appended and the sequence's finish and stop reasons."""
+        appended and the sequence's finish and stop reasons. A sample already in flight for
+        the sequence (a step planned ahead) becomes void (:meth:`sample_is_void`)."""
         return append_forced(self, request_id, seq_id, tokens)
+
+    def sample_is_void(self, seq_id: int) -> bool:
+        """Whether the sample in flight for ``seq_id`` will be dropped (tokens a grammar forced
+        come first: :meth:`append_forced`)."""
+        return seq_id in self._void
 
     def finish_seq(self, request_id: str, seq_id: int, reason: str, stop: int | str | None) -> None:
         """End a sequence from outside (a stop string matched in its text)."""
@@ -446,6 +457,7 @@ class Scheduler:
 
     def _release(self, seq: Sequence) -> None:
         self._late.discard(seq.seq_id)  # (its free drops the late token with the table)
+        self._void.discard(seq.seq_id)
         if seq.has_blocks:
             seq.has_blocks = False
             self._pending_frees.append(seq.seq_id)

@@ -38,7 +38,9 @@ def plan_running(
     pending = plan.pending
     while i < len(running):
         request = running[i]
-        late = pending is not None and request.seqs[0].seq_id in pending
+        # (a void sample in flight is not this decode's input: the forced tokens are)
+        sid = request.seqs[0].seq_id
+        late = pending is not None and sid in pending and sid not in sched._void
         step = (
             _late_step_of(sched, request, plan, shared)
             if late

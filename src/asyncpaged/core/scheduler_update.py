@@ -43,6 +43,10 @@ def update_step(
             seq = next(s for s in request.seqs if s.seq_id == scheduled.seq_id)
         if seq.is_finished:
             continue
+        if sched._void and seq.seq_id in sched._void:  # forced tokens replaced this sample
+            sched._void.remove(seq.seq_id)
+            sched.num_rows_in_vain += 1
+            continue
         if request.beam is not None:
             assert top is not None, "beam search needs the top logprobs"
             request.beam_top[seq.seq_id] = top[seq.seq_id]
@@ -234,6 +238,8 @@ def append_forced(
     seq = None if request is None else next(s for s in request.seqs if s.seq_id == seq_id)
     if request is None or seq is None or seq.is_finished:
         return (), None, None
+    if seq.num_computed_tokens == len(seq.token_ids):  # a step planned ahead samples next
+        sched._void.add(seq.seq_id)
     appended = _append_until_stop(sched, request, seq, tokens)
     if request.is_finished:  # this sequence stopped, and it was the request's last
         sched._finish(request)
