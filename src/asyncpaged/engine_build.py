@@ -36,7 +36,7 @@ from asyncpaged.distributed import TensorParallelRunner, check_tensor_parallel, 
 from asyncpaged.engine_lifecycle import RemoteWorkers
 from asyncpaged.errors import InvalidRequestError
 from asyncpaged.messages import (
-    ExecuteStep,
+    ExecutorInbox,
     OutputsInbox,
     SchedulerInbox,
     StopsFound,
@@ -389,7 +389,9 @@ def build_actors(
     sched_send, sched_recv = anyio.create_memory_object_stream[SchedulerInbox](math.inf)
     txn_send, txn_recv = anyio.create_memory_object_stream[StepTxn](1)
     res_send, res_recv = anyio.create_memory_object_stream[TxnResult](1)
-    exec_send, exec_recv = anyio.create_memory_object_stream[ExecuteStep](1)
+    # Never full (the scheduler sends without a checkpoint): at most two steps in flight and
+    # one delivery of bitmasks, each taken as it comes
+    exec_send, exec_recv = anyio.create_memory_object_stream[ExecutorInbox](4)
     # Each swap in flight holds at least one block at each end: this bound is never reached.
     # (+1: a transaction's KV-tier copies, one at a time)
     swap_send, swap_recv = anyio.create_memory_object_stream[SwapSpaceInbox](

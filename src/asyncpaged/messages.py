@@ -5,7 +5,8 @@
     engine.generate ──SubmitRequest──► Intake ──AddRequest──► Scheduler ──StepTxn──► Allocator
                                          │          ▲  │  ▲ ◄─────────TxnResult───────┘
                           PromptReady, EndRequest   │  │  └──── SwapDone ◄── SwapSpace
-                                         ▼  StepDone┘  │ ExecuteStep, SwapBlocks ──►
+                                         ▼  StepDone┘  │ ExecuteStep, DeliverMasks,
+                                         │             │ SwapBlocks ──►
                                   OutputProcessor ◄── RecordOutputs, EndRequest
                                                  └──► StopsFound (its reply to a stop check)
 """
@@ -21,6 +22,7 @@ from asyncpaged.core.block_table import PinnedPrefix, SwapPlan
 from asyncpaged.core.kv_tiers import TierOp
 from asyncpaged.core.request import Request
 from asyncpaged.core.scheduler import SchedulerOutput, SeqUpdate
+from asyncpaged.model.late_masks import MaskDelivery
 from asyncpaged.model.prompt_logprobs import PromptLogprobRows
 from asyncpaged.model.runner import SampledToken, StepPlan, StepResult
 from asyncpaged.sampling_params import BeamSearchParams, SamplingParams
@@ -184,6 +186,17 @@ class ExecuteStep:
     output: SchedulerOutput
     plan: StepPlan
     executed: anyio.Event
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class DeliverMasks:
+    """The grammar bitmasks of the late-mask rows of the step sent last (``late_masks``), sent
+    once the step before it is back; the runner takes them before it samples."""
+
+    delivery: MaskDelivery
+
+
+ExecutorInbox = ExecuteStep | DeliverMasks
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

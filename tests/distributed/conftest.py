@@ -78,13 +78,19 @@ async def _generate_all(
 
 
 def run_engine(
-    model: Path, prompts: list[tuple[int, ...]], max_tokens: int, **config: Any
+    model: Path,
+    prompts: list[tuple[int, ...]],
+    max_tokens: int,
+    params: SamplingParams | None = None,
+    **config: Any,
 ) -> EngineRun:
-    """Run ``prompts`` greedily to completion on a fresh engine (leak-checked) and report."""
+    """Run ``prompts`` to completion on a fresh engine (leak-checked) and report: greedily
+    unless ``params`` are given."""
+    if params is None:
+        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
 
     async def main() -> EngineRun:
         mixed = 0
-        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
         cfg = EngineConfig(model=str(model), dtype="float32", **config)
         async with AsyncEngine(cfg) as engine:
             step_runner = engine._executor.runner

@@ -20,6 +20,7 @@ import torch
 
 from asyncpaged.distributed.commands import RunStep
 from asyncpaged.model.base import TensorShard
+from asyncpaged.model.late_masks import MaskDelivery
 from asyncpaged.model.loader import load_config
 from asyncpaged.model.runner import ModelRunner, StepPlan, StepResult
 from tests.model.driver import Driver
@@ -73,6 +74,12 @@ class ThreadedShards:
         for future in others:
             future.result()
         return result
+
+    def put_late_masks(self, delivery: MaskDelivery) -> None:
+        self.runners[0].put_late_masks(delivery)
+
+    def close_late_masks(self) -> None:
+        self.runners[0].close_late_masks()
 
     def swap_out(self, pairs: tuple[tuple[int, int], ...]) -> None:
         for runner in self.runners:

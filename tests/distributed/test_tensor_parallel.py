@@ -14,9 +14,16 @@ from pathlib import Path
 import anyio
 import pytest
 
-from asyncpaged import AsyncEngine, EngineConfig, SpeculativeConfig
+from asyncpaged import (
+    AsyncEngine,
+    EngineConfig,
+    SamplingParams,
+    SpeculativeConfig,
+    StructuredOutputsParams,
+)
 from asyncpaged.model.errors import UnsupportedModelError
 from tests.distributed.conftest import EngineRun, host_bytes, make_prompts, run_engine
+from tests.engine.test_structured_outputs import SCHEMA
 from tests.model.reference import HFReference
 
 MODELS = ["llama-gqa", "opt"]  # Llama family with GQA (4 heads, 2 KV heads); OPT (4 heads)
@@ -156,3 +163,20 @@ def test_tp2_with_async_scheduling_gives_the_same_tokens(
     ref = hf_reference(name)
     for out in run.outputs[:3]:
         assert out.outputs[0].token_ids == ref.generate(tuple(out.prompt_token_ids), MAX_TOKENS)[0]
+
+
+def test_tp2_plans_grammar_requests_ahead_with_the_same_tokens(
+    tiny_checkpoint: Callable[[str], Path],
+) -> None:
+    """Structured outputs under TP=2 with steps planned ahead: rank 0's runner takes the late
+    bitmasks (``late_masks``); jump-forward voids samples planned ahead. Seeded sampled JSON
+    equals TP=1's without async scheduling."""
+    path = tiny_checkpoint("llama-gqa")
+    prompts = make_prompts(6, seed=5)
+    json = StructuredOutputsParams(json=SCHEMA, disable_any_whitespace=True)
+    params = SamplingParams(temperature=0.9, seed=7, max_tokens=48, structured_outputs=json)
+    one = run_engine(path, prompts, 48, params, async_scheduling=False)
+    two = run_engine(path, prompts, 48, params, tensor_parallel_size=2, async_scheduling=True)
+    assert two.num_steps_planned_ahead > 0, two
+    for a, b in zip(one.outputs, two.outputs, strict=True):
+        assert b.outputs[0].token_ids == a.outputs[0].token_ids, a.prompt_token_ids

@@ -249,6 +249,9 @@ class FailingRunner:
             raise RuntimeError("injected executor failure")
         return self.runner.execute(plan)
 
+    def __getattr__(self, name: str) -> object:  # the rest of the StepRunner interface
+        return getattr(self.runner, name)
+
 
 async def test_executor_failure_reaches_every_waiter(tiny_checkpoint: Callable[[str], Path]
                                                      ) -> None:  # fmt: skip
@@ -285,6 +288,9 @@ class SlowRunner:
     def execute(self, plan: Any) -> Any:
         time.sleep(0.04)
         return self.runner.execute(plan)
+
+    def __getattr__(self, name: str) -> object:  # the rest of the StepRunner interface
+        return getattr(self.runner, name)
 
 
 # alone: it bounds the event loop's p99 lag (20 ms); another worker's test on the other core

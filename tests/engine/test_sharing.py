@@ -36,6 +36,9 @@ class PoolWatcher:
         self.shared.append(stats.num_shared_device_blocks)
         return self.runner.execute(plan)
 
+    def __getattr__(self, name: str) -> object:  # the rest of the StepRunner interface
+        return getattr(self.runner, name)
+
 
 async def test_n4_greedy_gives_identical_completions_on_shared_prompt_blocks(
     tiny_checkpoint: Callable[[str], Path], hf_reference: Callable[[str], HFReference]

@@ -33,7 +33,11 @@ from asyncpaged.actors.scheduler_sampling import (
     bad_words_token_ids,
     banned_next_tokens,
 )
-from asyncpaged.actors.scheduler_steps import build_sequence_steps
+from asyncpaged.actors.scheduler_steps import (
+    LateRows,
+    build_sequence_steps,
+    late_masks,
+)
 from asyncpaged.core.kv_tiers import TierOp
 from asyncpaged.core.request import RequestStatus
 from asyncpaged.core.scheduler import (
@@ -47,8 +51,10 @@ from asyncpaged.messages import (
     AbortRequest,
     AddRequest,
     CopyTierBlocks,
+    DeliverMasks,
     EndRequest,
     ExecuteStep,
+    ExecutorInbox,
     ForgetPin,
     OutputsInbox,
     RecordOutputs,
@@ -104,7 +110,7 @@ class SchedulerActor:
         inbox: MemoryObjectReceiveStream[SchedulerInbox],
         txns: MemoryObjectSendStream[StepTxn],
         results: MemoryObjectReceiveStream[TxnResult],
-        executor: MemoryObjectSendStream[ExecuteStep],
+        executor: MemoryObjectSendStream[ExecutorInbox],
         swaps: MemoryObjectSendStream[SwapSpaceInbox],
         outputs: MemoryObjectSendStream[OutputsInbox],
         stop_replies: MemoryObjectReceiveStream[StopsFound],
@@ -139,6 +145,9 @@ class SchedulerActor:
         self._in_flight: deque[SchedulerOutput] = deque()
         # ``executed`` of the last step sent: when a plan is made ahead, the step in flight
         self._last_executed: anyio.Event | None = None
+        # the late-mask rows of the step planned ahead: their bitmasks go to the executor
+        # once the step before it is back (``late_masks``)
+        self._masks_due: LateRows = ()
         self._tables = TableDeltas()  # the block tables the executor's runner holds
         self._histories = HistoryDeltas()  # the penalty histories it holds
         self._options = OptionDeltas()  # the sampling options it holds
@@ -310,7 +319,7 @@ class SchedulerActor:
             self._log.info("request_preempted", request_id=rid)
         if not out.seqs:  # it changed something the next plan may use, or nothing
             return bool(txn.frees or txn.complete_swaps or out.preempted)
-        steps, scheduled = build_sequence_steps(
+        steps, scheduled, late = build_sequence_steps(
             out,
             self.scheduler,
             self._tracked,
@@ -329,7 +338,10 @@ class SchedulerActor:
         # Without a checkpoint (the executor's inbox has room: it takes each step as it comes,
         # and at most two are in flight), so the executor is the first task to run and starts
         # the step (or queues it behind the running one) before the outputs are recorded.
-        step = StepPlan(seqs=tuple(steps), copy_pairs=out.copy_on_write)
+        if late:  # their bitmasks go once the step in flight is back (_finish_step)
+            self._masks_due = late
+        step = StepPlan(seqs=tuple(steps), copy_pairs=out.copy_on_write,
+                        late_masks=tuple(seq_id for _, seq_id in late))  # fmt: skip
         self._executor.send_nowait(ExecuteStep(output=out, plan=step, executed=executed))
         self._tables.sent()
         self._histories.sent()
@@ -346,8 +358,8 @@ class SchedulerActor:
                 params = info.params
                 known = None if params.prompt_logprobs is None else 1
                 ahead = (
-                    self._async and info.grammar is None
-                    and params.num_sequences == 1 and params.prompt_logprobs is None
+                    self._async and params.num_sequences == 1
+                    and params.prompt_logprobs is None
                     and request.beam is None and not request.num_speculative_tokens
                 )  # fmt: skip
                 self._tracked[rid] = Tracked(info=info, prompt_known=known, ahead=ahead)
@@ -430,6 +442,10 @@ class SchedulerActor:
                     ended.append(upd.request_id)
         for rid in ended:  # once all its completions' updates are taken
             self._forget_if_gone(rid)
+        if self._masks_due:  # the step in flight samples rows whose grammar saw this step
+            due, self._masks_due = self._masks_due, ()
+            delivery = late_masks(due, self.scheduler, self._tracked, self._grammars)
+            self._executor.send_nowait(DeliverMasks(delivery=delivery))
         eos = self._eos
         for rid, hypotheses in self.scheduler.finished_beams:
             self._beams.append((rid, tuple((tuple(h.tokens), h.logprob, h.tokens[-1] in eos)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
+import numpy as np
 import torch
 
 from asyncpaged.actors.scheduler_outputs import Tracked, prompt_logprob_targets
@@ -22,11 +23,14 @@ from asyncpaged.core.scheduler_types import new_tuple
 from asyncpaged.messages import Scheduled
 from asyncpaged.model.block_tables import TableDeltas
 from asyncpaged.model.kept_options import OptionDeltas
+from asyncpaged.model.late_masks import MaskDelivery
 from asyncpaged.model.penalty_histories import HistoryDeltas
 from asyncpaged.model.runner import SequenceStep
 from asyncpaged.model.sampler import SamplingOptions
 from asyncpaged.sampling_params import SamplingParams
 from asyncpaged.structured_outputs import GrammarBackend
+
+LateRows = tuple[tuple[str, int], ...]  # (request id, seq id) of late-mask rows
 
 
 def build_sequence_steps(
@@ -41,16 +45,18 @@ def build_sequence_steps(
     tables: TableDeltas,
     histories: HistoryDeltas,
     options: OptionDeltas,
-) -> tuple[list[SequenceStep], list[Scheduled]]:
+) -> tuple[list[SequenceStep], list[Scheduled], LateRows]:
     """One :class:`SequenceStep` per scheduled sequence of ``out``, in its order, each with
     its block table's changes since the last plan sent (``tables``) and a penalized row's
     output tokens since then (``histories``), its sampling options unless the runner holds
-    them (``options``; the caller marks the three sent once the executor has the plan); and
-    the scheduling facts to report for the requests scheduled for the first
-    time or whose cached-token count changed."""
+    them (``options``; the caller marks the three sent once the executor has the plan); the
+    scheduling facts to report for the requests scheduled for the first time or whose
+    cached-token count changed; and the rows whose grammar bitmask comes late (a grammar
+    request's rows planned ahead: :func:`late_masks`), in row order."""
     now = time.monotonic()
     steps = []
     scheduled = []
+    late: list[tuple[str, int]] = []
     tables.start_plan()
     options.start_plan()
     # Draft-model engines send whole histories: the draft draws from the same options.
@@ -77,6 +83,8 @@ def build_sequence_steps(
                 None,
             )))  # fmt: skip
             continue
+        if t.info.grammar is not None and s.token_ids[0] == LATE_TOKEN:
+            late.append((s.request_id, s.seq_id))
         step = _sampled_step(s, request, t, bitmasks, eos_token_ids, bad_words, draft_k, table,
                              kept)  # fmt: skip
         if step.sampling is not None:
@@ -84,7 +92,7 @@ def build_sequence_steps(
             if keep:
                 step = step._replace(sampling=sampling, keep_sampling=True)
         steps.append(step)
-    return steps, scheduled
+    return steps, scheduled, tuple(late)
 
 
 def _sampled_step(
@@ -122,12 +130,11 @@ def _sampled_step(
             bad_words.ids(params.bad_words), bitmasks.get((seq.seq_id, index)),
             info.prompt_token_ids, seq.seq_id if keeps_history else None, positional_key=True,
         )  # fmt: skip
-        if _reads_no_output(params, info.grammar is not None, seq) and (
-            keeps_history or not _penalized(params)
-        ):
+        if _reads_no_output(params, seq) and (keeps_history or not _penalized(params)):
             # the same options at every later step (a penalized row's output goes with the
-            # row: ``history``), which need no token in flight
-            if made is not None:
+            # row: ``history``; a grammar's bitmask is made per step, late for a row
+            # planned ahead: ``late_masks``), which need no token in flight
+            if made is not None and info.grammar is None:
                 t.fixed_options[index] = made
             t.options_ahead = True
         return made
@@ -171,17 +178,16 @@ def _sampled_step(
     )
 
 
-def _reads_no_output(params: SamplingParams, has_grammar: bool, seq: Seq) -> bool:
+def _reads_no_output(params: SamplingParams, seq: Seq) -> bool:
     """Whether a completion's sampling options read no output token at any later step, but
-    for the penalties' history: no logits processors (they read the output), bad words (the
-    banned tokens follow it), grammar (a bitmask per step), and past its min-tokens mask
-    (which never comes back). Without penalties they are then fixed. A seed is no obstacle:
-    the runner derives each draw's generator key from the row's position
+    for the penalties' history and a grammar's bitmask: no logits processors (they read the
+    output), bad words (the banned tokens follow it), and past its min-tokens mask (which
+    never comes back). Without penalties and a grammar they are then fixed. A seed is no
+    obstacle: the runner derives each draw's generator key from the row's position
     (``key_from_position``)."""
     return (
         not params.logits_processors
         and not params.bad_words
-        and not has_grammar
         and len(seq.token_ids) - seq.num_prompt_tokens >= params.min_tokens
     )
 
@@ -221,12 +227,14 @@ def grammar_bitmasks(
 ) -> dict[tuple[int, int], torch.Tensor]:
     """Structured outputs: (seq id, completion index) -> the next-token bitmask of that
     completion's matcher (made on its first step; it has accepted every token the
-    completion holds), for every sampling row of the step, filled in one buffer."""
+    completion holds), for every sampling row of the step, filled in one buffer; but a row
+    planned ahead, whose matcher has yet to see the token in flight (its bitmask comes late:
+    :func:`late_masks`)."""
     keys: list[tuple[int, int]] = []
     matchers: list[Any] = []
     for s in out.seqs:
         t = tracked[s.request_id]
-        if not s.samples or t.info.grammar is None:
+        if not s.samples or t.info.grammar is None or s.token_ids[0] == LATE_TOKEN:
             continue
         assert grammars is not None, "a compiled grammar without a grammar backend"
         request = scheduler.requests[s.request_id]
@@ -242,6 +250,34 @@ def grammar_bitmasks(
     assert grammars is not None
     rows = grammars.next_token_bitmasks(matchers)  # [R, W]
     return dict(zip(keys, rows.unbind(0), strict=True))
+
+
+def late_masks(
+    rows: LateRows, scheduler: Scheduler, tracked: dict[str, Tracked],
+    grammars: GrammarBackend | None,
+) -> MaskDelivery:  # fmt: skip
+    """The bitmasks of ``rows`` (the late-mask rows of the step in flight), now that the
+    step before it is back and its tokens are in the matchers (and the forced ones after
+    them). No bitmask for a row whose sample is void or whose sequence has ended."""
+    masked: list[int] = []
+    matchers: list[Any] = []
+    for request_id, seq_id in rows:
+        request = scheduler.requests.get(request_id)
+        t = tracked.get(request_id)
+        if request is None or t is None or scheduler.sample_is_void(seq_id):
+            continue
+        seq = seq_of(request, seq_id)
+        matcher = t.matchers.get(seq.index)
+        if matcher is not None and not seq.is_finished:
+            masked.append(seq_id)
+            matchers.append(matcher)
+    masks = (
+        grammars.next_token_bitmasks(matchers).numpy()
+        if grammars is not None and matchers
+        else np.zeros((0, 0), dtype=np.int32)
+    )
+    ids = tuple(seq_id for _, seq_id in rows)
+    return MaskDelivery(rows=ids, masked=tuple(masked), masks=masks)
 
 
 def seq_of(request: Request, seq_id: int) -> Seq:

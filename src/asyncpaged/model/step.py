@@ -9,6 +9,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import NamedTuple, Protocol
 
+from asyncpaged.model.late_masks import MaskDelivery
 from asyncpaged.model.prompt_logprobs import PromptLogprobRows
 from asyncpaged.model.sampler import SamplerOutput, SamplingOptions, derive_generator_key
 
@@ -74,10 +75,13 @@ class SequenceStep(NamedTuple):
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class StepPlan:
-    """Everything the runner needs for one step; ``copy_pairs`` (src, dst) run first."""
+    """Everything the runner needs for one step; ``copy_pairs`` (src, dst) run first.
+    ``late_masks``: the sequence ids of rows whose grammar bitmask comes after the step
+    started (``late_masks`` module), in row order."""
 
     seqs: tuple[SequenceStep, ...]
     copy_pairs: tuple[tuple[int, int], ...] = ()
+    late_masks: tuple[int, ...] = ()
 
 
 def with_generator_keys(plan: StepPlan) -> StepPlan:
@@ -148,6 +152,10 @@ class StepRunner(Protocol):
     ranks)."""
 
     def execute(self, plan: StepPlan) -> StepResult: ...
+
+    def put_late_masks(self, delivery: MaskDelivery) -> None: ...
+
+    def close_late_masks(self) -> None: ...
 
     def swap_out(self, pairs: tuple[tuple[int, int], ...]) -> None: ...
 
