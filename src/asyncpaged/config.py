@@ -83,15 +83,16 @@ class EngineConfig:
     # Async scheduling (vLLM's async_scheduling): plan step N+1 while step N runs, so the
     # executor goes from one step to the next without waiting for the loop; a row whose input
     # is step N's token takes it in the runner. A step is planned ahead only when every
-    # request step N samples is single-sequence, without grammar, beams or prompt logprobs,
-    # and plain greedy or with sampling options that read no output token but through the
-    # penalties (no bad words or logits processors; past min_tokens): the runner adds step N's
-    # token to a penalty history itself; else the engine waits for step N as without it. A row
+    # request step N samples is single-sequence, without beams or prompt logprobs, and plain
+    # greedy or with sampling options that read no output token but through the penalties or
+    # a grammar (no bad words or logits processors; past min_tokens): the runner adds step N's
+    # token to a penalty history itself, and takes a grammar's bitmask, made once step N is
+    # back, just before it samples; else the engine waits for step N as without it. A row
     # planned ahead for a sequence that step N's token ends (a stop token, EOS or a stop
-    # string) is computed in vain. A plan ahead preempts nothing (a priority claim included):
-    # it waits for step N instead; so do the KV tiers' copies of a plan ahead. Under tensor
-    # parallelism rank 0 sends the other ranks step N's tokens with step N+1. Not with
-    # speculative decoding.
+    # string), or after which a grammar forces tokens (jump-forward), is computed in vain. A
+    # plan ahead preempts nothing (a priority claim included): it waits for step N instead;
+    # so do the KV tiers' copies of a plan ahead. Under tensor parallelism rank 0 sends the
+    # other ranks step N's tokens with step N+1. Not with speculative decoding.
     # "auto" (async_scheduling_for): on with the runner in its own process where nothing of
     # that is configured (it measured faster there), off with the thread (no gain measured:
     # the forward and the loop share the GIL) and on accelerators (not measured yet).
