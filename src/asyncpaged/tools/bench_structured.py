@@ -8,7 +8,8 @@ vocabulary) each generate up to ``--max-tokens`` tokens, greedy, in one engine p
 of three modes: ``free`` (unconstrained, EOS ignored: every request makes ``max_tokens``),
 ``json`` (a schema with long fixed keys, jump-forward off: it ends at the grammar's end) and
 ``json_jf`` (the same with ``structured_outputs_jump_forward=True``: the keys and punctuation
-are appended without sampling). Throughput is output tokens (forced ones included) per second
+are appended without sampling); ``--engine-option KEY=VALUE`` sets other ``EngineConfig``
+fields for every mode. Throughput is output tokens (forced ones included) per second
 of wall time; runs alternate between the modes, ``--repeats`` times each, and medians are
 reported with their spread and the ratios (goals: constrained >= 0.9x free; jump-forward on
 above off). Constrained outputs are checked to parse as JSON. ``--output DIR`` receives
@@ -59,7 +60,8 @@ async def _one_run(args: argparse.Namespace, mode: str) -> dict[str, Any]:
     rng = random.Random(args.seed)
     prompts: list[list[int]] = []
     config = EngineConfig(model=default_model(), seed=args.seed,
-                          structured_outputs_jump_forward=mode == "json_jf")  # fmt: skip
+                          structured_outputs_jump_forward=mode == "json_jf",
+                          **dict(args.engine_option))  # fmt: skip
     async with AsyncEngine(config) as engine:
         vocab = engine.vocab_size
         for _ in range(args.num_requests):
@@ -168,6 +170,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def add_parser(modes: Any) -> None:
+    from asyncpaged.tools.bench_throughput import engine_option
+
     p = modes.add_parser(
         "structured", help="JSON-schema constrained vs free generation, jump-forward on and off"
     )
@@ -176,5 +180,8 @@ def add_parser(modes: Any) -> None:
     p.add_argument("--repeats", type=int, default=3, help="runs of each mode, interleaved")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--output", default="bench-results", help="folder for structured.json")
+    p.add_argument("--engine-option", type=engine_option, action="append", default=[],
+                   metavar="KEY=VALUE",
+                   help="an EngineConfig field (repeatable): async_scheduling=false")  # fmt: skip
     p.add_argument("--no-progress", dest="progress", action="store_false")
     p.set_defaults(func=run)
