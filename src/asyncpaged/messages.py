@@ -5,7 +5,7 @@
     engine.generate ──SubmitRequest──► Intake ──AddRequest──► Scheduler ──StepTxn──► Allocator
                                          │          ▲  │  ▲ ◄─────────TxnResult───────┘
                           PromptReady, EndRequest   │  │  └──── SwapDone ◄── SwapSpace
-                                         ▼  StepDone┘  │ ExecuteStep, DeliverMasks,
+                                         ▼  StepDone┘  │ ExecuteStep, DeliverLate,
                                          │             │ SwapBlocks ──►
                                   OutputProcessor ◄── RecordOutputs, EndRequest
                                                  └──► StopsFound (its reply to a stop check)
@@ -22,7 +22,7 @@ from asyncpaged.core.block_table import PinnedPrefix, SwapPlan
 from asyncpaged.core.kv_tiers import TierOp
 from asyncpaged.core.request import Request
 from asyncpaged.core.scheduler import SchedulerOutput, SeqUpdate
-from asyncpaged.model.late_masks import MaskDelivery
+from asyncpaged.model.late_inputs import LateDelivery
 from asyncpaged.model.prompt_logprobs import PromptLogprobRows
 from asyncpaged.model.runner import SampledToken, StepPlan, StepResult
 from asyncpaged.sampling_params import BeamSearchParams, SamplingParams
@@ -189,14 +189,14 @@ class ExecuteStep:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class DeliverMasks:
-    """The grammar bitmasks of the late-mask rows of the step sent last (``late_masks``), sent
-    once the step before it is back; the runner takes them before it samples."""
+class DeliverLate:
+    """The late sampling inputs of the late rows of the step sent last (``late_inputs``),
+    sent once the step before it is back; the runner takes them before it samples."""
 
-    delivery: MaskDelivery
+    delivery: LateDelivery
 
 
-ExecutorInbox = ExecuteStep | DeliverMasks
+ExecutorInbox = ExecuteStep | DeliverLate
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

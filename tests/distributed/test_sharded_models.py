@@ -20,7 +20,7 @@ import torch
 
 from asyncpaged.distributed.commands import RunStep
 from asyncpaged.model.base import TensorShard
-from asyncpaged.model.late_masks import MaskDelivery
+from asyncpaged.model.late_inputs import LateDelivery
 from asyncpaged.model.loader import load_config
 from asyncpaged.model.runner import ModelRunner, StepPlan, StepResult
 from tests.model.driver import Driver
@@ -75,11 +75,11 @@ class ThreadedShards:
             future.result()
         return result
 
-    def put_late_masks(self, delivery: MaskDelivery) -> None:
-        self.runners[0].put_late_masks(delivery)
+    def put_late_inputs(self, delivery: LateDelivery) -> None:
+        self.runners[0].put_late_inputs(delivery)
 
-    def close_late_masks(self) -> None:
-        self.runners[0].close_late_masks()
+    def close_late_inputs(self) -> None:
+        self.runners[0].close_late_inputs()
 
     def swap_out(self, pairs: tuple[tuple[int, int], ...]) -> None:
         for runner in self.runners:

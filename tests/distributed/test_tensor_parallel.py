@@ -169,7 +169,7 @@ def test_tp2_plans_grammar_requests_ahead_with_the_same_tokens(
     tiny_checkpoint: Callable[[str], Path],
 ) -> None:
     """Structured outputs under TP=2 with steps planned ahead: rank 0's runner takes the late
-    bitmasks (``late_masks``); jump-forward voids samples planned ahead. Seeded sampled JSON
+    bitmasks (``late_inputs``); jump-forward voids samples planned ahead. Seeded sampled JSON
     equals TP=1's without async scheduling."""
     path = tiny_checkpoint("llama-gqa")
     prompts = make_prompts(6, seed=5)

@@ -11,7 +11,7 @@ from asyncpaged.tools.bench_structured import run
 
 def test_bench_structured_small_run(tmp_path: Path) -> None:
     args = argparse.Namespace(num_requests=3, max_tokens=140, repeats=1, seed=0,
-                              output=str(tmp_path), progress=False)  # fmt: skip
+                              output=str(tmp_path), progress=False, engine_option=[])  # fmt: skip
     assert run(args) == 0  # every finished constrained output parses
     report = json.loads((tmp_path / "structured.json").read_text())
     assert [r["mode"] for r in report["runs"]] == ["free", "json", "json_jf"]

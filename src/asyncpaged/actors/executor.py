@@ -11,7 +11,7 @@ from anyio.abc import TaskStatus
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from asyncpaged.actors.worker_thread import WorkerThread
-from asyncpaged.messages import DeliverMasks, ExecuteStep, ExecutorInbox, SchedulerInbox, StepDone
+from asyncpaged.messages import DeliverLate, ExecuteStep, ExecutorInbox, SchedulerInbox, StepDone
 from asyncpaged.model.runner import StepResult, StepRunner
 from asyncpaged.model.runner_process import RunnerProcess
 
@@ -52,7 +52,7 @@ class ExecutorActor:
                 tg.start_soon(self._report, to_report)
                 async with started:
                     async for msg in self._inbox:
-                        if isinstance(msg, DeliverMasks):  # for a step sent, maybe running
+                        if isinstance(msg, DeliverLate):  # for a step sent, maybe running
                             await self._deliver(msg)
                             continue
                         sent = time.perf_counter()
@@ -63,14 +63,14 @@ class ExecutorActor:
                         started.send_nowait((msg, ticket, sent))
         finally:
             if not isinstance(self.runner, RunnerProcess):
-                self.runner.close_late_masks()  # a step waiting for bitmasks gives up
+                self.runner.close_late_inputs()  # a step waiting for bitmasks gives up
             self._thread.close()
 
-    async def _deliver(self, msg: DeliverMasks) -> None:
+    async def _deliver(self, msg: DeliverLate) -> None:
         if isinstance(self.runner, RunnerProcess):
-            await self.runner.send_late_masks(msg.delivery)
+            await self.runner.send_late_inputs(msg.delivery)
         else:
-            self.runner.put_late_masks(msg.delivery)
+            self.runner.put_late_inputs(msg.delivery)
 
     async def _report(self, to_report: MemoryObjectReceiveStream[_Started]) -> None:
         """Await each step :meth:`run` started, in order, and report it."""

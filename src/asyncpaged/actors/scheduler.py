@@ -19,6 +19,7 @@ from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStre
 
 from asyncpaged._log import get_logger
 from asyncpaged.actors.idle import IdleSignal
+from asyncpaged.actors.scheduler_late import late_inputs
 from asyncpaged.actors.scheduler_outputs import (
     Tracked,
     accept_grammar_tokens,
@@ -33,11 +34,7 @@ from asyncpaged.actors.scheduler_sampling import (
     bad_words_token_ids,
     banned_next_tokens,
 )
-from asyncpaged.actors.scheduler_steps import (
-    LateRows,
-    build_sequence_steps,
-    late_masks,
-)
+from asyncpaged.actors.scheduler_steps import LateRows, build_sequence_steps
 from asyncpaged.core.kv_tiers import TierOp
 from asyncpaged.core.request import RequestStatus
 from asyncpaged.core.scheduler import (
@@ -51,7 +48,7 @@ from asyncpaged.messages import (
     AbortRequest,
     AddRequest,
     CopyTierBlocks,
-    DeliverMasks,
+    DeliverLate,
     EndRequest,
     ExecuteStep,
     ExecutorInbox,
@@ -145,9 +142,9 @@ class SchedulerActor:
         self._in_flight: deque[SchedulerOutput] = deque()
         # ``executed`` of the last step sent: when a plan is made ahead, the step in flight
         self._last_executed: anyio.Event | None = None
-        # the late-mask rows of the step planned ahead: their bitmasks go to the executor
-        # once the step before it is back (``late_masks``)
-        self._masks_due: LateRows = ()
+        # the late rows of the step planned ahead: their sampling inputs go to the executor
+        # once the step before it is back (``late_inputs``)
+        self._late_due: LateRows = ()
         self._tables = TableDeltas()  # the block tables the executor's runner holds
         self._histories = HistoryDeltas()  # the penalty histories it holds
         self._options = OptionDeltas()  # the sampling options it holds
@@ -276,8 +273,8 @@ class SchedulerActor:
         """Async scheduling: whether to plan the next step now, while the one in flight runs:
         the core allows it (:meth:`Scheduler.can_plan_ahead`, and the last plan was not cut
         short), there is work, and every request the step in flight samples for may decode a
-        token it has not seen (``Tracked.ahead``, and its sampling options fixed or none, or
-        penalized with the history kept in the runner: ``Tracked.options_ahead``)."""
+        token it has not seen (``Tracked.ahead``; what its sampling reads of that token comes
+        late: ``scheduler_late``)."""
         if not self._async or len(self._in_flight) != 1 or not self._has_work():
             return False
         sched = self.scheduler
@@ -286,7 +283,7 @@ class SchedulerActor:
         tracked = self._tracked
         for s in self._in_flight[0].seqs:
             t = tracked.get(s.request_id) if s.samples else None
-            if t is not None and not (t.ahead and (t.info.plain or t.options_ahead)):
+            if t is not None and not t.ahead:
                 return False
         return True
 
@@ -338,10 +335,10 @@ class SchedulerActor:
         # Without a checkpoint (the executor's inbox has room: it takes each step as it comes,
         # and at most two are in flight), so the executor is the first task to run and starts
         # the step (or queues it behind the running one) before the outputs are recorded.
-        if late:  # their bitmasks go once the step in flight is back (_finish_step)
-            self._masks_due = late
+        if late:  # their inputs go once the step in flight is back (_finish_step)
+            self._late_due = late
         step = StepPlan(seqs=tuple(steps), copy_pairs=out.copy_on_write,
-                        late_masks=tuple(seq_id for _, seq_id in late))  # fmt: skip
+                        late_rows=tuple(seq_id for _, seq_id, _ in late))  # fmt: skip
         self._executor.send_nowait(ExecuteStep(output=out, plan=step, executed=executed))
         self._tables.sent()
         self._histories.sent()
@@ -442,10 +439,11 @@ class SchedulerActor:
                     ended.append(upd.request_id)
         for rid in ended:  # once all its completions' updates are taken
             self._forget_if_gone(rid)
-        if self._masks_due:  # the step in flight samples rows whose grammar saw this step
-            due, self._masks_due = self._masks_due, ()
-            delivery = late_masks(due, self.scheduler, self._tracked, self._grammars)
-            self._executor.send_nowait(DeliverMasks(delivery=delivery))
+        if self._late_due:  # the step in flight samples rows whose inputs read this step's
+            due, self._late_due = self._late_due, ()
+            delivery = late_inputs(due, self.scheduler, self._tracked, self._grammars,
+                                   self._eos, self._bad_words)  # fmt: skip
+            self._executor.send_nowait(DeliverLate(delivery=delivery))
         eos = self._eos
         for rid, hypotheses in self.scheduler.finished_beams:
             self._beams.append((rid, tuple((tuple(h.tokens), h.logprob, h.tokens[-1] in eos)

@@ -30,16 +30,17 @@ class Tracked:
     count last reported to the output processor (None: never scheduled yet), the sampling
     options of its completions whose options no longer change from step to step (see
     ``scheduler_steps``), by completion index, and whether its decodes may be planned ahead
-    (``ahead``: as far as the request goes; ``options_ahead``: its options need no token in
-    flight either, being fixed or none, or penalized with the history kept in the runner)."""
+    (``ahead``) and then need no late options (``options_ahead``: its options read no output
+    token, being fixed or none, penalized with the history kept in the runner, or a grammar's
+    whose bitmask alone comes late)."""
 
     info: RequestInfo
     matchers: dict[int, Any] = field(default_factory=dict)
     prompt_known: int | None = None
     reported_cached: int | None = None
     fixed_options: dict[int, SamplingOptions] = field(default_factory=dict)
-    # Async scheduling may plan its decodes ahead (single-sequence, no grammar,
-    # beams, prompt logprobs or proposals; its options must also be fixed or none)
+    # Async scheduling may plan its decodes ahead (single-sequence, no beams, prompt
+    # logprobs or proposals; options that read the output come late)
     ahead: bool = False
     options_ahead: bool = False
 

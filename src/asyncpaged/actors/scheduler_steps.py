@@ -10,7 +10,6 @@ from __future__ import annotations
 import time
 from typing import Any
 
-import numpy as np
 import torch
 
 from asyncpaged.actors.scheduler_outputs import Tracked, prompt_logprob_targets
@@ -23,14 +22,14 @@ from asyncpaged.core.scheduler_types import new_tuple
 from asyncpaged.messages import Scheduled
 from asyncpaged.model.block_tables import TableDeltas
 from asyncpaged.model.kept_options import OptionDeltas
-from asyncpaged.model.late_masks import MaskDelivery
 from asyncpaged.model.penalty_histories import HistoryDeltas
 from asyncpaged.model.runner import SequenceStep
 from asyncpaged.model.sampler import SamplingOptions
 from asyncpaged.sampling_params import SamplingParams
 from asyncpaged.structured_outputs import GrammarBackend
 
-LateRows = tuple[tuple[str, int], ...]  # (request id, seq id) of late-mask rows
+# (request id, seq id, options read the output) of the rows whose sampling inputs come late
+LateRows = tuple[tuple[str, int, bool], ...]
 
 
 def build_sequence_steps(
@@ -51,12 +50,12 @@ def build_sequence_steps(
     output tokens since then (``histories``), its sampling options unless the runner holds
     them (``options``; the caller marks the three sent once the executor has the plan); the
     scheduling facts to report for the requests scheduled for the first time or whose
-    cached-token count changed; and the rows whose grammar bitmask comes late (a grammar
-    request's rows planned ahead: :func:`late_masks`), in row order."""
+    cached-token count changed; and the rows planned ahead whose sampling inputs come late
+    (a grammar's bitmask, options that read the output: ``scheduler_late``), in row order."""
     now = time.monotonic()
     steps = []
     scheduled = []
-    late: list[tuple[str, int]] = []
+    late: list[tuple[str, int, bool]] = []
     tables.start_plan()
     options.start_plan()
     # Draft-model engines send whole histories: the draft draws from the same options.
@@ -83,10 +82,12 @@ def build_sequence_steps(
                 None,
             )))  # fmt: skip
             continue
-        if t.info.grammar is not None and s.token_ids[0] == LATE_TOKEN:
-            late.append((s.request_id, s.seq_id))
         step = _sampled_step(s, request, t, bitmasks, eos_token_ids, bad_words, draft_k, table,
                              kept)  # fmt: skip
+        if s.token_ids[0] == LATE_TOKEN:  # planned ahead: its options may read the output
+            reads = not (t.info.plain or t.options_ahead)
+            if reads or t.info.grammar is not None:
+                late.append((s.request_id, s.seq_id, reads))
         if step.sampling is not None:
             sampling, keep = options.delta(s.seq_id, step.sampling)
             if keep:
@@ -133,7 +134,7 @@ def _sampled_step(
         if _reads_no_output(params, seq) and (keeps_history or not _penalized(params)):
             # the same options at every later step (a penalized row's output goes with the
             # row: ``history``; a grammar's bitmask is made per step, late for a row
-            # planned ahead: ``late_masks``), which need no token in flight
+            # planned ahead: ``late_inputs``), which need no token in flight
             if made is not None and info.grammar is None:
                 t.fixed_options[index] = made
             t.options_ahead = True
@@ -229,7 +230,7 @@ def grammar_bitmasks(
     completion's matcher (made on its first step; it has accepted every token the
     completion holds), for every sampling row of the step, filled in one buffer; but a row
     planned ahead, whose matcher has yet to see the token in flight (its bitmask comes late:
-    :func:`late_masks`)."""
+    ``scheduler_late``)."""
     keys: list[tuple[int, int]] = []
     matchers: list[Any] = []
     for s in out.seqs:
@@ -250,34 +251,6 @@ def grammar_bitmasks(
     assert grammars is not None
     rows = grammars.next_token_bitmasks(matchers)  # [R, W]
     return dict(zip(keys, rows.unbind(0), strict=True))
-
-
-def late_masks(
-    rows: LateRows, scheduler: Scheduler, tracked: dict[str, Tracked],
-    grammars: GrammarBackend | None,
-) -> MaskDelivery:  # fmt: skip
-    """The bitmasks of ``rows`` (the late-mask rows of the step in flight), now that the
-    step before it is back and its tokens are in the matchers (and the forced ones after
-    them). No bitmask for a row whose sample is void or whose sequence has ended."""
-    masked: list[int] = []
-    matchers: list[Any] = []
-    for request_id, seq_id in rows:
-        request = scheduler.requests.get(request_id)
-        t = tracked.get(request_id)
-        if request is None or t is None or scheduler.sample_is_void(seq_id):
-            continue
-        seq = seq_of(request, seq_id)
-        matcher = t.matchers.get(seq.index)
-        if matcher is not None and not seq.is_finished:
-            masked.append(seq_id)
-            matchers.append(matcher)
-    masks = (
-        grammars.next_token_bitmasks(matchers).numpy()
-        if grammars is not None and matchers
-        else np.zeros((0, 0), dtype=np.int32)
-    )
-    ids = tuple(seq_id for _, seq_id in rows)
-    return MaskDelivery(rows=ids, masked=tuple(masked), masks=masks)
 
 
 def seq_of(request: Request, seq_id: int) -> Seq:

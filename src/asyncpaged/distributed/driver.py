@@ -53,7 +53,7 @@ from asyncpaged.distributed.group import INIT_TIMEOUT_S, JOINED_KEY, ProcessGrou
 from asyncpaged.distributed.worker import _spawned_main, build_runner, rank_device, ready_reply
 from asyncpaged.errors import InvalidRequestError, WorkerDiedError
 from asyncpaged.model.errors import UnsupportedModelError
-from asyncpaged.model.late_masks import MaskDelivery
+from asyncpaged.model.late_inputs import LateDelivery
 from asyncpaged.model.runner import ModelRunner, StepPlan, StepResult, select_attention_backend
 
 log = get_logger(__name__)
@@ -216,12 +216,12 @@ class TensorParallelRunner:
             self._send(RunStep.of(plan, self.runner.late_tokens))
             return self.runner.execute(plan)
 
-    def put_late_masks(self, delivery: MaskDelivery) -> None:
+    def put_late_inputs(self, delivery: LateDelivery) -> None:
         """Rank 0 samples: the bitmasks are its runner's alone."""
-        self.runner.put_late_masks(delivery)
+        self.runner.put_late_inputs(delivery)
 
-    def close_late_masks(self) -> None:
-        self.runner.close_late_masks()
+    def close_late_inputs(self) -> None:
+        self.runner.close_late_inputs()
 
     def swap_out(self, pairs: tuple[tuple[int, int], ...]) -> None:
         """Every rank copies its share of (device, host) block pairs to its host cache."""

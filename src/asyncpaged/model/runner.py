@@ -40,7 +40,7 @@ from asyncpaged.model.block_tables import BlockTables
 from asyncpaged.model.cuda_graphs import Capture, DecodeGraphs, capture_decode_graphs
 from asyncpaged.model.kept_options import KeptOptions
 from asyncpaged.model.kv_cache import PagedKVCache, swap_in, swap_out
-from asyncpaged.model.late_masks import LateMasks, MaskDelivery, MaskSource
+from asyncpaged.model.late_inputs import LateDelivery, LateInputs, LateSource
 from asyncpaged.model.lm_head import ScreenedLMHead
 from asyncpaged.model.lm_head_int8 import Int8ScreenedArgmax, int8_activation_limit
 from asyncpaged.model.loader import load_model
@@ -199,9 +199,9 @@ class ModelRunner:
         self._histories = PenaltyHistories()  # penalty histories of the last step's rows
         self._kept_options = KeptOptions()  # sampling options of the last step's rows
         self._last_sampled: tuple[SampledToken, ...] = ()  # what the last step sampled
-        # Where the bitmasks of a step's late-mask rows come from (``late_masks``); a runner
-        # in its own process reads them from its pipe instead
-        self.late_masks: MaskSource = LateMasks()
+        # Where the sampling inputs of a step's late rows come from (``late_inputs``); a
+        # runner in its own process reads them from its pipe instead
+        self.late_inputs: LateSource = LateInputs()
         # Draft-model speculation (``attach_draft``): its cache mirrors this one's block ids.
         self.draft: DraftModel | None = None
         self.graphs: DecodeGraphs | None = None  # ``capture_cuda_graphs``
@@ -322,15 +322,15 @@ class ModelRunner:
             assert seq_id in last, f"sequence {seq_id}: a late token, but no token sampled last"
             ids[pos] = last[seq_id]
 
-    def put_late_masks(self, delivery: MaskDelivery) -> None:
+    def put_late_inputs(self, delivery: LateDelivery) -> None:
         """From the event loop: the bitmasks of a step this runner's thread runs or will run."""
-        assert isinstance(self.late_masks, LateMasks), "a runner in its process reads its pipe"
-        self.late_masks.put(delivery)
+        assert isinstance(self.late_inputs, LateInputs), "a runner in its process reads its pipe"
+        self.late_inputs.put(delivery)
 
-    def close_late_masks(self) -> None:
+    def close_late_inputs(self) -> None:
         """The engine stops: a step waiting for bitmasks raises instead."""
-        if isinstance(self.late_masks, LateMasks):
-            self.late_masks.close()
+        if isinstance(self.late_inputs, LateInputs):
+            self.late_inputs.close()
 
     def _refuse(self, seq: SequenceStep, num_blocks: int) -> None:
         """A malformed sequence step (a scheduler bug): fail loudly, naming what is wrong."""
@@ -397,7 +397,7 @@ class ModelRunner:
             if any(s.prompt_targets for s in plan.seqs)
             else ()
         )
-        seqs = plan.seqs if not plan.late_masks else self._with_late_masks(plan)
+        seqs = plan.seqs if not plan.late_rows else self._with_late_inputs(plan)
         sampling = [i for i, s in enumerate(seqs) if s.do_sample]
         verified: tuple[SampledToken, ...] = ()
         if any(s.num_draft for s in seqs):
@@ -446,21 +446,25 @@ class ModelRunner:
         sampled = sampled_tokens(draws, out) + verified
         return StepResult(sampled=sampled, compute_s=compute_s, prompt_logprobs=prompt)
 
-    def _with_late_masks(self, plan: StepPlan) -> tuple[SequenceStep, ...]:
-        """The plan's rows with the bitmasks of its late-mask rows (``late_masks``: they come
-        while the forward runs) put into their sampling options."""
-        masks = self.late_masks.take(plan.late_masks)
+    def _with_late_inputs(self, plan: StepPlan) -> tuple[SequenceStep, ...]:
+        """The plan's rows with the sampling inputs of its late rows (``late_inputs``: they
+        come while the forward runs): options that read the output replace the planned ones,
+        and grammar bitmasks go into them."""
+        delivery = self.late_inputs.take(plan.late_rows)
+        options = dict(delivery.options)
+        masks = delivery.masks_by_seq()
         seqs = list(plan.seqs)
         for i, s in enumerate(seqs):
+            opt = options.get(s.seq_id, s.sampling)  # None: plain greedy
             mask = masks.get(s.seq_id)
             if mask is not None:
-                opt = s.sampling  # None: plain greedy
-                sampling = (
+                opt = (
                     SamplingOptions(temperature=0.0, token_bitmask=mask)
                     if opt is None
                     else replace(opt, token_bitmask=mask)
                 )
-                seqs[i] = s._replace(sampling=sampling)
+            if opt is not s.sampling:
+                seqs[i] = s._replace(sampling=opt)
         return tuple(seqs)
 
     def _verify(

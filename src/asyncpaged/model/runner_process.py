@@ -54,7 +54,7 @@ from asyncpaged._log import get_logger
 from asyncpaged.distributed.commands import WorkerSpec
 from asyncpaged.errors import WorkerDiedError
 from asyncpaged.model.draft import DraftSpec, load_draft
-from asyncpaged.model.late_masks import MaskDelivery, checked
+from asyncpaged.model.late_inputs import LateDelivery, checked
 from asyncpaged.model.runner import (
     ModelRunner,
     SampledToken,
@@ -201,18 +201,18 @@ class RunnerProcess:
 
     async def send_execute(self, plan: StepPlan) -> int:
         """Send a step now (no checkpoint unless it must wait for the pipe); its ticket."""
-        wire = (tuple([tuple(s) for s in plan.seqs]), plan.copy_pairs, plan.late_masks)
+        wire = (tuple([tuple(s) for s in plan.seqs]), plan.copy_pairs, plan.late_rows)
         return await self._send("execute", wire)
 
-    async def send_late_masks(self, delivery: MaskDelivery) -> None:
-        """Send the bitmasks of a step sent before (``late_masks``); one way, no reply. The
-        step they are for may be running and reads them off the pipe before it samples, so
-        they never wait for the pipe to drain (that step's reply needs them first). A large
-        delivery may block the loop until the process has read it, at most until the end of
-        that step's forward: nothing else is owed to the loop then."""
+    async def send_late_inputs(self, delivery: LateDelivery) -> None:
+        """Send the late sampling inputs of a step sent before (``late_inputs``); one way, no
+        reply. The step they are for may be running and reads them off the pipe before it
+        samples, so they never wait for the pipe to drain (that step's reply needs them
+        first). A large delivery may block the loop until the process has read it, at most
+        until the end of that step's forward: nothing else is owed to the loop then."""
         if self._closed:
             raise WorkerDiedError("the runner process was stopped")
-        data = pickle.dumps(("late_masks", delivery), protocol=pickle.HIGHEST_PROTOCOL)
+        data = pickle.dumps(("late_inputs", delivery), protocol=pickle.HIGHEST_PROTOCOL)
         try:
             self._conn.send_bytes(data)
         except OSError as exc:
@@ -364,16 +364,16 @@ def _serve(conn: Connection, spec: WorkerSpec, device: str, draft: DraftSpec | N
 
     def execute(wire: tuple[tuple[tuple[Any, ...], ...], tuple[tuple[int, int], ...],
                             tuple[int, ...]]) -> object:  # fmt: skip
-        seqs, copy_pairs, late_masks = wire
+        seqs, copy_pairs, late_rows = wire
         plan = StepPlan(seqs=tuple([_as_tuple_of(SequenceStep, s) for s in seqs]),
-                        copy_pairs=copy_pairs, late_masks=late_masks)  # fmt: skip
+                        copy_pairs=copy_pairs, late_rows=late_rows)  # fmt: skip
         result = runner.execute(plan)
         return tuple([tuple(t) for t in result.sampled]), result.compute_s, result.prompt_logprobs
 
     calls: dict[str, Callable[[Any], object]] = {
         "execute": execute, "swap_out": runner.swap_out, "swap_in": runner.swap_in,
     }  # fmt: skip
-    pipe = runner.late_masks = _PipeMasks(conn)
+    pipe = runner.late_inputs = _PipeInputs(conn)
     while True:
         try:
             request = pipe.next_request()
@@ -391,28 +391,28 @@ def _serve(conn: Connection, spec: WorkerSpec, device: str, draft: DraftSpec | N
         conn.send_bytes(_dumps_reply(reply))
 
 
-class _PipeMasks:
-    """The process's side of its pipe: requests in the order sent, and the bitmasks a running
-    step takes off the pipe before it samples (``late_masks``). They follow that step's own
-    request; whatever comes between (nothing, as the engine plans: a plan ahead starts no
-    swap) is kept for after the step, in order."""
+class _PipeInputs:
+    """The process's side of its pipe: requests in the order sent, and the late sampling
+    inputs a running step takes off the pipe before it samples (``late_inputs``). They
+    follow that step's own request; whatever comes between (nothing, as the engine plans: a
+    plan ahead starts no swap) is kept for after the step, in order."""
 
     def __init__(self, conn: Connection) -> None:
         self._conn = conn
-        self._held: deque[Any] = deque()  # requests read while a step looked for its bitmasks
+        self._held: deque[Any] = deque()  # requests read while a step looked for its inputs
 
     def next_request(self) -> Any:
         """The next request (None: stop); raises EOFError once the engine's end is closed."""
         return self._held.popleft() if self._held else pickle.loads(self._conn.recv_bytes())
 
-    def take(self, rows: tuple[int, ...]) -> dict[int, torch.Tensor]:
+    def take(self, rows: tuple[int, ...]) -> LateDelivery:
         while True:
             msg = pickle.loads(self._conn.recv_bytes())
-            if isinstance(msg, tuple) and msg[0] == "late_masks":
+            if isinstance(msg, tuple) and msg[0] == "late_inputs":
                 return checked(msg[1], rows)
             self._held.append(msg)
-            if msg is None:  # told to stop: the bitmasks will not come
-                raise RuntimeError("the engine stopped before a step's grammar bitmasks came")
+            if msg is None:  # told to stop: the inputs will not come
+                raise RuntimeError("the engine stopped before a step's late sampling inputs came")
 
 
 def _dumps_reply(reply: RunnerReady | tuple[bool, object]) -> bytes:

@@ -9,7 +9,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import NamedTuple, Protocol
 
-from asyncpaged.model.late_masks import MaskDelivery
+from asyncpaged.model.late_inputs import LateDelivery
 from asyncpaged.model.prompt_logprobs import PromptLogprobRows
 from asyncpaged.model.sampler import SamplerOutput, SamplingOptions, derive_generator_key
 
@@ -76,12 +76,13 @@ class SequenceStep(NamedTuple):
 @dataclass(frozen=True, slots=True, kw_only=True)
 class StepPlan:
     """Everything the runner needs for one step; ``copy_pairs`` (src, dst) run first.
-    ``late_masks``: the sequence ids of rows whose grammar bitmask comes after the step
-    started (``late_masks`` module), in row order."""
+    ``late_rows``: the sequence ids of rows whose sampling inputs (a grammar's bitmask,
+    options that read the output) come after the step started (``late_inputs``), in row
+    order."""
 
     seqs: tuple[SequenceStep, ...]
     copy_pairs: tuple[tuple[int, int], ...] = ()
-    late_masks: tuple[int, ...] = ()
+    late_rows: tuple[int, ...] = ()
 
 
 def with_generator_keys(plan: StepPlan) -> StepPlan:
@@ -153,9 +154,9 @@ class StepRunner(Protocol):
 
     def execute(self, plan: StepPlan) -> StepResult: ...
 
-    def put_late_masks(self, delivery: MaskDelivery) -> None: ...
+    def put_late_inputs(self, delivery: LateDelivery) -> None: ...
 
-    def close_late_masks(self) -> None: ...
+    def close_late_inputs(self) -> None: ...
 
     def swap_out(self, pairs: tuple[tuple[int, int], ...]) -> None: ...
 

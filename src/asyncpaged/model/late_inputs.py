@@ -1,0 +1,87 @@
+"""Sampling inputs that reach the runner after their step started (async scheduling).
+
+A step planned ahead of the one in flight may sample a row whose sampling depends on the token
+the step in flight samples: a grammar's bitmask (the matcher must accept that token first,
+jump-forward included), or options that read the output (bad words' banned next tokens, the
+output that logits processors see, a min_tokens mask near its end). Those exist only once the
+step in flight is back. So the step starts without them (``StepPlan.late_rows`` names those
+rows), and the runner takes them after the forward, just before sampling: the loop makes them
+while the forward runs (vLLM v1 likewise fills its bitmask while the forward runs). A row with
+neither options nor a bitmask in the delivery samples as planned: its sample is void (a
+grammar forced the tokens that follow, see ``Scheduler.append_forced``) or its request has
+ended.
+
+Every step with late rows gets exactly one delivery, sent after the step before it is back and
+before the next step, so deliveries are taken in step order. On the runner's thread they pass
+through a :class:`LateInputs`; to a runner in its own process they go down its pipe
+(``runner_process``).
+"""
+
+from __future__ import annotations
+
+import queue
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
+
+import numpy as np
+import torch
+
+if TYPE_CHECKING:
+    from asyncpaged.model.sampler import SamplingOptions
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class LateDelivery:
+    """The late inputs of one step: ``rows`` is that step's ``StepPlan.late_rows``;
+    ``options`` the sampling options of those rows whose options read the output ((seq id,
+    options), None: plain greedy); ``masks[i]`` ([ceil(V / 32)] int32) is the grammar bitmask
+    of ``masked[i]`` (one array for all: cheap to pickle)."""
+
+    rows: tuple[int, ...]
+    options: tuple[tuple[int, SamplingOptions | None], ...] = ()
+    masked: tuple[int, ...] = ()
+    masks: np.ndarray | None = None  # [len(masked), ceil(V / 32)] int32
+
+    def masks_by_seq(self) -> dict[int, torch.Tensor]:
+        """Each masked row's bitmask, by sequence id."""
+        if not self.masked:
+            return {}
+        assert self.masks is not None
+        return dict(zip(self.masked, torch.from_numpy(self.masks).unbind(0), strict=True))
+
+
+class LateSource(Protocol):
+    def take(self, rows: tuple[int, ...]) -> LateDelivery:
+        """The delivery for the step whose late rows are ``rows`` (waiting for it)."""
+        ...
+
+
+class LateInputs:
+    """Hands deliveries from the event loop to the runner's thread, in order.
+
+    Invariant: after :meth:`close` every :meth:`take`, waiting or to come, raises (a runner
+    waiting for a delivery that will never come must not hold the engine's shutdown).
+    """
+
+    def __init__(self) -> None:
+        self._queue: queue.SimpleQueue[LateDelivery | None] = queue.SimpleQueue()
+
+    def put(self, delivery: LateDelivery) -> None:
+        self._queue.put(delivery)
+
+    def close(self) -> None:
+        self._queue.put(None)
+
+    def take(self, rows: tuple[int, ...]) -> LateDelivery:
+        """The next delivery (blocking until it comes), which must be for ``rows``."""
+        delivery = self._queue.get()
+        if delivery is None:
+            self._queue.put(None)  # for any later take
+            raise RuntimeError("the engine stopped before a step's late sampling inputs came")
+        return checked(delivery, rows)
+
+
+def checked(delivery: LateDelivery, rows: tuple[int, ...]) -> LateDelivery:
+    """``delivery``, after checking that it is for ``rows``."""
+    assert delivery.rows == rows, f"late inputs for rows {delivery.rows}, expected {rows}"
+    return delivery

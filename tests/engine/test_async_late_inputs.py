@@ -1,0 +1,164 @@
+"""Async scheduling with sampling that reads the token in flight: a decode is planned ahead of
+the step that samples its input token, and what its sampling needs of that token (a grammar's
+bitmask; options that read the output: bad words, min_tokens, logits processors) is made
+once that step is back and reaches the runner while the forward runs (``late_inputs``); a
+grammar that forces tokens after that input (jump-forward) voids the sample planned ahead,
+and the next plan computes the forced tokens.
+
+The oracle is the engine without async scheduling: greedy and seeded sampled JSON requests,
+beside plain ones, draw exactly its tokens with the runner on the thread and in its process,
+jump-forward on and off, under preemption, and every JSON object that ends validates; so do
+requests with bad words, min_tokens and logits processors, each processor called once per
+token drawn."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import anyio
+import jsonschema
+import numpy as np
+import pytest
+import torch
+
+from asyncpaged import SamplingParams, StructuredOutputsParams
+from asyncpaged.model.late_inputs import LateDelivery, LateInputs
+from asyncpaged.model.sampler import SamplingOptions
+from tests.engine.conftest import running_engine
+from tests.engine.test_async_scheduling import sync_and_async
+from tests.engine.test_engine import generate_all, make_prompts
+from tests.engine.test_structured_outputs import SCHEMA
+
+pytestmark = pytest.mark.anyio
+MODEL = "llama-gqa"
+COMPACT = StructuredOutputsParams(json=SCHEMA, disable_any_whitespace=True)
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+def _params(i: int) -> SamplingParams:
+    kind = i % 3
+    if kind == 0:
+        return SamplingParams(temperature=0.0, max_tokens=64, structured_outputs=COMPACT)
+    if kind == 1:
+        return SamplingParams(temperature=0.9, top_p=0.95, seed=300 + i, max_tokens=64,
+                              structured_outputs=COMPACT)  # fmt: skip
+    return SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+
+
+@pytest.mark.parametrize(
+    ("backend", "jump", "config"),
+    [
+        ("thread", True, {}),
+        ("process", True, {}),
+        ("process", False, {}),
+        ("thread", True, {"num_device_blocks": 14, "preemption_mode": "recompute"}),
+        ("process", True, {"num_device_blocks": 14, "preemption_mode": "swap"}),
+    ],
+    ids=["thread", "process", "process-no-jump", "thread-recompute", "process-swap"],
+)
+async def test_grammar_requests_are_planned_ahead_with_the_same_tokens(
+    backend: str, jump: bool, config: dict[str, Any], tiny_checkpoint: Callable[[str], Path]
+) -> None:
+    path = tiny_checkpoint(MODEL)
+    prompts = make_prompts(15, seed=9)
+    runs = await sync_and_async(path, prompts, _params, executor_backend=backend,
+                                structured_outputs_jump_forward=jump, **config)  # fmt: skip
+    tokens = {ahead: [o.outputs[0].token_ids for o in outs] for ahead, (outs, _) in runs.items()}
+    assert tokens[True] == tokens[False]
+    outs, stats = runs[True]
+    num_valid = 0
+    for i, out in enumerate(outs):
+        if i % 3 != 2 and out.outputs[0].finish_reason == "stop":
+            jsonschema.validate(json.loads(out.outputs[0].text), SCHEMA)
+            num_valid += 1
+    assert num_valid >= 5, [o.outputs[0].text for o in outs]
+    assert stats.num_steps_planned_ahead > stats.num_steps // 3, stats
+    if config:
+        assert all(s.num_preemptions > 0 for _, s in runs.values()), runs
+    if jump:  # forced tokens after a token in flight: its row's sample was void
+        assert stats.num_jump_forward_tokens > 0
+        assert stats.num_rows_in_vain > 0, stats
+    else:
+        assert stats.num_jump_forward_tokens == 0
+
+
+async def test_options_that_read_the_output_come_late_with_the_same_tokens(
+    tiny_checkpoint: Callable[[str], Path],
+) -> None:
+    """Bad words (greedy and seeded), min_tokens near its end and a logits processor that
+    reads the output (the thread runner: processors do not cross to a process) are planned
+    ahead, their options made once the step before is back; tokens equal the sync engine's.
+    The processor sees exactly the output of each token it helps draw: called once per
+    token, never for a row computed in vain (its request ends on a stop token it forces)."""
+    path = tiny_checkpoint(MODEL)
+    prompts = make_prompts(16, seed=12)
+    seen: dict[bool, list[tuple[int, ...]]] = {False: [], True: []}
+    ahead = [False]
+
+    def no_repeat(output: list[int], logits: torch.Tensor) -> torch.Tensor:
+        """Never the last token again; the stop token 7 as the sixth."""
+        seen[ahead[0]].append(tuple(output))
+        logits = logits.clone()
+        if len(output) == 5:
+            logits[:] = -float("inf")
+            logits[7] = 0.0
+        elif output:
+            logits[output[-1]] = -float("inf")
+        return logits
+
+    def params(i: int) -> SamplingParams:
+        kind = i % 4
+        if kind == 0:
+            return SamplingParams(temperature=0.0, max_tokens=12, bad_words=["the", "a cat"])
+        if kind == 1:
+            return SamplingParams(temperature=0.9, seed=40 + i, max_tokens=12, min_tokens=8,
+                                  bad_words=["and"])  # fmt: skip
+        if kind == 2:
+            return SamplingParams(temperature=0.0, max_tokens=12, min_tokens=10)
+        return SamplingParams(temperature=0.0, max_tokens=12, stop_token_ids=[7],
+                              logits_processors=[no_repeat])  # fmt: skip
+
+    runs = {}
+    for on in (False, True):
+        ahead[0] = on
+        with anyio.fail_after(180):
+            async with running_engine(path, async_scheduling=on,
+                                      executor_backend="thread") as engine:  # fmt: skip
+                runs[on] = (await generate_all(engine, prompts, params), engine.statistics())
+    tokens = {on: [o.outputs[0].token_ids for o in outs] for on, (outs, _) in runs.items()}
+    assert tokens[True] == tokens[False]
+    stats = runs[True][1]
+    assert stats.num_steps_planned_ahead > stats.num_steps // 2, stats
+    assert stats.num_rows_in_vain > 0, stats
+    for on in (False, True):  # one call per token drawn, with the output before it
+        outs = runs[on][0]
+        assert all(len(o.outputs[0].token_ids) == 6 for i, o in enumerate(outs) if i % 4 == 3)
+        want = sorted(tuple(o.outputs[0].token_ids[:k]) for i, o in enumerate(outs)
+                      if i % 4 == 3 for k in range(len(o.outputs[0].token_ids)))  # fmt: skip
+        assert sorted(seen[on]) == want
+
+
+def test_late_inputs_are_taken_in_order_and_close_wakes_a_waiter() -> None:
+    late = LateInputs()
+    options = SamplingOptions(temperature=0.5, banned_token_ids=(4,))
+    first = LateDelivery(rows=(3, 5), options=((3, options),), masked=(5,),
+                         masks=np.arange(4, dtype=np.int32)[None])  # fmt: skip
+    late.put(first)
+    late.put(LateDelivery(rows=(7,)))
+    got = late.take((3, 5))
+    assert got.options == ((3, options),)
+    masks = got.masks_by_seq()
+    assert list(masks) == [5] and torch.equal(masks[5], torch.arange(4, dtype=torch.int32))
+    with pytest.raises(AssertionError, match="expected"):  # a delivery for another step
+        late.take((8,))
+    late.close()
+    for _ in range(2):  # every take after close raises, the waiting one and later ones
+        with pytest.raises(RuntimeError, match="stopped"):
+            late.take((9,))
