@@ -82,12 +82,13 @@ class EngineConfig:
     executor_backend: Literal["auto", "thread", "process"] = "auto"
     # Async scheduling (vLLM's async_scheduling): plan step N+1 while step N runs, so the
     # executor goes from one step to the next without waiting for the loop; a row whose input
-    # is step N's token takes it in the runner. A step is planned ahead only when every
-    # request step N samples is single-sequence, without beams or prompt logprobs; else the
-    # engine waits for step N as without it. The runner adds step N's token to a penalty
-    # history itself, and what else a row's sampling reads of it (a grammar's bitmask; bad
-    # words, min_tokens and logits processors, which read the output) is made once step N
-    # is back and taken by the runner just before it samples (model/late_inputs.py). A row
+    # is step N's token takes it in the runner. A step is planned ahead only when no request
+    # step N samples has beams or prompt logprobs or fans out in step N (n > 1 goes ahead
+    # once its sequences exist); else the engine waits for step N as without it. The runner
+    # adds step N's token to a penalty history itself, and what else a row's sampling reads
+    # of it (a grammar's bitmask; bad words, min_tokens and logits processors, which read the
+    # output) is made once step N is back and taken by the runner just before it samples
+    # (model/late_inputs.py). A row
     # planned ahead for a sequence that step N's token ends (a stop token, EOS or a stop
     # string), or after which a grammar forces tokens (jump-forward), is computed in vain. A
     # plan ahead preempts nothing (a priority claim included): it waits for step N instead;

@@ -4,7 +4,8 @@ reads. A row whose input is a late token gets the token the step before sampled,
 does; a request's output must equal the same request run alone, whichever steps were planned
 ahead, under memory pressure (preemption then waits for the step in flight), priorities (a
 claim waits too), swaps, aborts and stop tokens that make a planned-ahead row compute in vain,
-and a fake grammar's forced tokens (jump-forward), which void a sample already in flight."""
+a fake grammar's forced tokens (jump-forward), which void a sample already in flight, and
+parallel sampling (each sequence of a request that fanned out decodes a late token)."""
 
 from __future__ import annotations
 
@@ -40,17 +41,20 @@ def forced_after(salt: str | None, tokens: list[int]) -> list[int]:
     return [d % VOCAB for d in digest[1 : 2 + digest[0] % 3]] if digest[0] % 3 == 0 else []
 
 
-def reference_forced(prompt: list[int], salt: str | None, stop: StopCriteria) -> list[int]:
-    """The request run alone with the fake grammar: after each sampled token, the forced ones,
-    under the same stop rules token by token."""
-    tokens, out = list(prompt), []
+def reference_forced(
+    prompt: list[int], salt: str | None, stop: StopCriteria, index: int = 0
+) -> list[int]:
+    """Sequence ``index`` of the request run alone with the fake grammar: after each sampled
+    token, the forced ones, under the same stop rules token by token."""
+    tokens: list[int] = list(prompt)
+    out: list[int] = []
 
     def stops(tok: int) -> bool:
         eos = len(out) >= stop.min_tokens and tok in stop.eos_token_ids and not stop.ignore_eos
         return eos or len(out) >= stop.max_tokens
 
     while True:
-        tok = next_token(salt, tokens)
+        tok = next_token(salt, tokens, index if not out else 0)
         tokens.append(tok)
         out.append(tok)
         if stops(tok):
@@ -65,15 +69,15 @@ def reference_forced(prompt: list[int], salt: str | None, stop: StopCriteria) ->
 def execute(
     world: FakeWorld, out: SchedulerOutput, requests: dict[str, Request], late: dict[int, int]
 ) -> Sampled:
-    """``FakeWorld.execute`` for single-sequence requests whose rows may take a late token:
-    ``late`` holds what the step executed before this one sampled (the runner's memory)."""
+    """``FakeWorld.execute`` for rows that may take a late token: ``late`` holds what the step
+    executed before this one sampled (the runner's memory); a fan-out row draws once per
+    sequence its request will have."""
     world.copy_blocks(world.device, world.device, out.copy_on_write)
     for plan in (*out.swap_outs, *out.swap_ins):
         world.swaps[plan.swap_id] = (plan.direction, plan.block_mapping)
     tokens: dict[int, list[int]] = {}
     for sch in out.seqs:
-        seq = requests[sch.request_id].seqs[0]
-        assert seq.seq_id == sch.seq_id
+        seq = next(s for s in requests[sch.request_id].seqs if s.seq_id == sch.seq_id)
         tokens[sch.seq_id] = list(seq.token_ids)
         if LATE_TOKEN in sch.token_ids:
             assert sch.token_ids == (LATE_TOKEN,) and sch.start_pos == len(seq.token_ids)
@@ -93,7 +97,10 @@ def execute(
             slot = sch.block_table[pos // BS] * BS + pos % BS
             want = (salt, tuple(context[: pos + 1]))
             assert world.device.get(slot) == want, f"{sch.request_id} reads bad KV at {pos}"
-        sampled[sch.seq_id] = [next_token(salt, context)]
+        first = len(context) == requests[sch.request_id].seqs[0].num_prompt_tokens
+        sampled[sch.seq_id] = [
+            next_token(salt, context, draw if first else 0) for draw in range(sch.num_samples)
+        ]
     return sampled
 
 
@@ -122,22 +129,27 @@ def test_planning_ahead_gives_each_request_its_output_alone(data: st.DataObject)
     max_len = (num_device - 1) * BS
     ids, seq_ids = itertools.count(), itertools.count()
     every: dict[str, Request] = {}
-    expected: dict[str, list[int]] = {}
-    outputs: dict[str, list[int]] = {}
+    expected: dict[tuple[str, int], list[int]] = {}
+    outputs: dict[tuple[str, int], list[int]] = {}
     aborted: set[str] = set()
 
     def add() -> None:
         prompt, salt, stop = data.draw(request_specs(max_len))
+        num_samples = data.draw(st.sampled_from([1, 1, 2, 3]), label="samples")
         rid = f"r{next(ids)}"
         seq = Sequence(seq_id=next(seq_ids), index=0, token_ids=list(prompt),
                        num_prompt_tokens=len(prompt))  # fmt: skip
         priority = data.draw(st.integers(-2, 2), label="priority") if priority_policy else 0
+        fork_ids = tuple(next(seq_ids) for _ in range(num_samples - 1))
         request = Request(request_id=rid, arrival=int(rid[1:]), seqs=[seq], stop=stop,
-                          cache_salt=salt, priority=priority)  # fmt: skip
+                          cache_salt=salt, priority=priority, num_samples=num_samples,
+                          fork_ids=fork_ids)  # fmt: skip
         sched.add_request(request)
         every[rid] = request
-        expected[rid] = (reference_forced if grammar else reference_output)(prompt, salt, stop)
-        outputs[rid] = []
+        reference = reference_forced if grammar else reference_output
+        for i in range(num_samples):
+            expected[(rid, i)] = reference(prompt, salt, stop, i)
+            outputs[(rid, i)] = []
 
     for _ in range(data.draw(st.integers(1, 12), label="initial requests")):
         add()
@@ -155,6 +167,8 @@ def test_planning_ahead_gives_each_request_its_output_alone(data: st.DataObject)
             and sched.can_plan_ahead()
             and not sched.planned_cut
             and not stalled
+            # (as the actor: not ahead of a fan-out, whose new sequences do not exist yet)
+            and not any(s.num_samples > 1 for s in in_flight[-1][0].seqs)
             and data.draw(st.booleans(), label="plan ahead")
         )
         if in_flight and not ahead:  # the oldest step's tokens come back
@@ -163,13 +177,15 @@ def test_planning_ahead_gives_each_request_its_output_alone(data: st.DataObject)
             live = {s.seq_id for r in sched.requests.values() for s in r.seqs}
             num_vain += sum(1 for s in out.seqs if s.samples and s.seq_id not in live)
             for upd in sched.update(out, sampled):
-                outputs[upd.request_id].extend(upd.new_token_ids)
+                key = (upd.request_id, upd.completion)
+                outputs[key].extend(upd.new_token_ids)
                 if grammar and upd.finish_reason is None:  # jump-forward, as the actor does
                     request = every[upd.request_id]
-                    forced = forced_after(request.cache_salt, request.seqs[0].token_ids)
+                    seq = next(s for s in request.seqs if s.seq_id == upd.seq_id)
+                    forced = forced_after(request.cache_salt, seq.token_ids)
                     num_void = len(sched._void)
                     appended, _, _ = sched.append_forced(upd.request_id, upd.seq_id, forced)
-                    outputs[upd.request_id].extend(appended)
+                    outputs[key].extend(appended)
                     if len(sched._void) > num_void:
                         event("a sample in flight voided")
         else:
@@ -180,6 +196,9 @@ def test_planning_ahead_gives_each_request_its_output_alone(data: st.DataObject)
             snap = result.snapshot
             out = sched.apply(txn, result)
             num_ahead += bool(in_flight)
+            if any(s.token_ids[0] == LATE_TOKEN and len(every[s.request_id].seqs) > 1
+                   for s in out.seqs):  # fmt: skip
+                event("a fanned-out request decodes late tokens")
             stalled = bool(in_flight) and not out.seqs
             late = {k: v[0] for k, v in in_flight[-1][1].items()} if in_flight else {}
             sampled = execute(world, out, every, late)  # (the swaps it starts, if nothing else)
@@ -194,12 +213,12 @@ def test_planning_ahead_gives_each_request_its_output_alone(data: st.DataObject)
         event("a row computed in vain")
     if sched.statistics().num_preemptions:
         event(f"preempted ({config.scheduling_policy})")
-    for rid, want in expected.items():
-        got = outputs[rid]
-        if rid in aborted:
+    for key, want in expected.items():
+        got = outputs[key]
+        if key[0] in aborted:
             assert got == want[: len(got)]
         else:
-            assert got == want, rid
+            assert got == want, key
     stats = pool.statistics()
     assert stats.num_seqs == 0
     assert stats.device.used == stats.device.in_flight == stats.host.used == 0

@@ -273,8 +273,8 @@ class SchedulerActor:
         """Async scheduling: whether to plan the next step now, while the one in flight runs:
         the core allows it (:meth:`Scheduler.can_plan_ahead`, and the last plan was not cut
         short), there is work, and every request the step in flight samples for may decode a
-        token it has not seen (``Tracked.ahead``; what its sampling reads of that token comes
-        late: ``scheduler_late``)."""
+        token it has not seen (``Tracked.ahead``, and not at its fan-out; what its sampling
+        reads of that token comes late: ``scheduler_late``)."""
         if not self._async or len(self._in_flight) != 1 or not self._has_work():
             return False
         sched = self.scheduler
@@ -283,7 +283,8 @@ class SchedulerActor:
         tracked = self._tracked
         for s in self._in_flight[0].seqs:
             t = tracked.get(s.request_id) if s.samples else None
-            if t is not None and not t.ahead:
+            # (a fan-out's new sequences do not exist until its tokens are back)
+            if t is not None and not (t.ahead and s.num_samples == 1):
                 return False
         return True
 
@@ -355,8 +356,7 @@ class SchedulerActor:
                 params = info.params
                 known = None if params.prompt_logprobs is None else 1
                 ahead = (
-                    self._async and params.num_sequences == 1
-                    and params.prompt_logprobs is None
+                    self._async and params.prompt_logprobs is None
                     and request.beam is None and not request.num_speculative_tokens
                 )  # fmt: skip
                 self._tracked[rid] = Tracked(info=info, prompt_known=known, ahead=ahead)

@@ -38,9 +38,7 @@ def plan_running(
     pending = plan.pending
     while i < len(running):
         request = running[i]
-        # (a void sample in flight is not this decode's input: the forced tokens are)
-        sid = request.seqs[0].seq_id
-        late = pending is not None and sid in pending and sid not in sched._void
+        late = pending is not None and _decodes_late(sched, request, pending)
         step = (
             _late_step_of(sched, request, plan, shared)
             if late
@@ -68,7 +66,9 @@ def plan_running(
         for seq, n in chunks:
             start = seq.num_computed_tokens
             draft = drafts.get(seq.seq_id, ()) if drafts else ()
-            tokens = (LATE_TOKEN,) if late else (*seq.token_ids[start : start + n], *draft)
+            # (a late row's input is the token in flight: one past the sequence's tokens)
+            at_end = late and start == len(seq.token_ids)
+            tokens = (LATE_TOKEN,) if at_end else (*seq.token_ids[start : start + n], *draft)
             appends.append((seq.seq_id, tokens))
             planned.append((request, seq, len(draft)))
             plan.budget_left -= len(tokens)
@@ -77,24 +77,44 @@ def plan_running(
     return appends, sizes
 
 
+def _decodes_late(sched: Scheduler, request: Request, pending: AbstractSet[int]) -> bool:
+    """Whether ``request``'s next decode takes tokens the step in flight samples (``pending``):
+    its sequence's (single-sequence; not a void sample: the forced tokens that replace it
+    are known), or any of its sequences' (parallel sampling: :func:`_late_step_of`)."""
+    seqs = request.seqs
+    if len(seqs) == 1:
+        sid = seqs[0].seq_id
+        return sid in pending and sid not in sched._void
+    return any(s.seq_id in pending for s in seqs)
+
+
 def _late_step_of(
     sched: Scheduler, request: Request, plan: PlanBudget, shared: AbstractSet[int | str]
 ) -> tuple[Chunks, Drafts, int] | None:
-    """Planning ahead (async scheduling): the decode of a sequence whose next token the step in
-    flight is sampling (a single-sequence request, the caller checked), as a late token; no
-    chunk when that token ends the sequence by its length for sure (an end by a stop token
-    is known only then: the row is computed in vain)."""
-    if plan.seats_left < 1 or plan.budget_left < 1:
+    """Planning ahead (async scheduling): the decodes of a request's sequences whose next
+    tokens the step in flight is sampling, each as a late token; no chunk for one that its
+    token ends by its length for sure (an end by a stop token is known only then: the row is
+    computed in vain). A parallel-sampling request with a sequence that has known tokens to
+    compute first (a grammar's forced ones after a void sample) waits for the step in flight:
+    no chunks now."""
+    live = request.live_seqs
+    if plan.seats_left < len(live) or plan.budget_left < len(live):
         return None
-    seq = request.seqs[0]
-    stop = request.stop
-    num_tokens = len(seq.token_ids) + 1  # with the token in flight
-    if num_tokens - seq.num_prompt_tokens >= stop.max_tokens or (
-        stop.max_model_len is not None and num_tokens >= stop.max_model_len
-    ):
+    if any(s.num_computed_tokens != len(s.token_ids) for s in live):
         return [], {}, 0
-    # (num_computed_tokens == len(token_ids): the token in flight comes next)
-    return [(seq, 1)], {}, blocks_to_append(seq, 1, seq.seq_id in shared, sched.config.block_size)
+    stop = request.stop
+    bs = sched.config.block_size
+    chunks: Chunks = []
+    need = 0
+    for seq in live:  # (num_computed_tokens == len(token_ids): the token in flight is next)
+        num_tokens = len(seq.token_ids) + 1  # with the token in flight
+        if num_tokens - seq.num_prompt_tokens >= stop.max_tokens or (
+            stop.max_model_len is not None and num_tokens >= stop.max_model_len
+        ):
+            continue
+        chunks.append((seq, 1))
+        need += blocks_to_append(seq, 1, seq.seq_id in shared, bs)
+    return chunks, {}, need
 
 
 def _step_of(

@@ -100,6 +100,9 @@ def _append_family(
     for i, (s, token) in enumerate(zip(family, tokens, strict=False)):
         if s is seq:
             s.token_ids.append(token)
+            if sched._late and s.seq_id in sched._late:  # (see _append_one)
+                sched._late.remove(s.seq_id)
+                sched._pending_late.append((s.seq_id, token))
         finished = check_stop(request, s, token)
         updates.append(
             SeqUpdate(
@@ -238,8 +241,8 @@ def append_forced(
     seq = None if request is None else next(s for s in request.seqs if s.seq_id == seq_id)
     if request is None or seq is None or seq.is_finished:
         return (), None, None
-    if seq.num_computed_tokens == len(seq.token_ids):  # a step planned ahead samples next
-        sched._void.add(seq.seq_id)
+    if tokens and seq.num_computed_tokens == len(seq.token_ids):  # a step planned ahead
+        sched._void.add(seq.seq_id)  # samples next: that sample is void
     appended = _append_until_stop(sched, request, seq, tokens)
     if request.is_finished:  # this sequence stopped, and it was the request's last
         sched._finish(request)
