@@ -88,12 +88,12 @@ class EngineConfig:
     # adds step N's token to a penalty history itself, and what else a row's sampling reads
     # of it (a grammar's bitmask; bad words, min_tokens and logits processors, which read the
     # output) is made once step N is back and taken by the runner just before it samples
-    # (model/late_inputs.py). A row
-    # planned ahead for a sequence that step N's token ends (a stop token, EOS or a stop
-    # string), or after which a grammar forces tokens (jump-forward), is computed in vain. A
-    # plan ahead preempts nothing (a priority claim included): it waits for step N instead;
-    # so do the KV tiers' copies of a plan ahead. Under tensor parallelism rank 0 sends the
-    # other ranks step N's tokens with step N+1. Not with speculative decoding.
+    # (model/late_inputs.py). A row planned ahead for a sequence that step N's token ends (a
+    # stop token, EOS or a stop string), or after which a grammar forces tokens
+    # (jump-forward), is computed in vain. A plan ahead preempts nothing (a priority claim
+    # included): it waits for step N instead; so do the KV tiers' copies of a plan ahead.
+    # Under tensor parallelism rank 0 sends the other ranks step N's tokens with step N+1.
+    # Not with speculative decoding.
     # "auto" (async_scheduling_for): on with the runner in its own process where nothing of
     # that is configured (it measured faster there), off with the thread (no gain measured:
     # the forward and the loop share the GIL) and on accelerators (not measured yet).
