@@ -45,7 +45,8 @@ class EngineStatistics:
     compute_time_s: float
     num_jump_forward_tokens: int = 0  # structured outputs: tokens appended without sampling
     # Async scheduling: steps planned while the one before ran, and their rows computed in
-    # vain (the step before ended the sequence with a stop token)
+    # vain (the step before ended the sequence with a stop token, or a grammar forced the
+    # tokens after its token: the sample planned ahead was void)
     num_steps_planned_ahead: int = 0
     num_rows_in_vain: int = 0
     num_cuda_graph_steps: int = 0  # steps whose forward replayed a CUDA graph (decodes, CUDA)
