@@ -24,17 +24,17 @@ import numpy as np
 import pytest
 import torch
 
-from asyncpaged import SamplingParams, StructuredOutputsParams
+from asyncpaged import SamplingParams
 from asyncpaged.model.late_inputs import LateDelivery, LateInputs
 from asyncpaged.model.sampler import SamplingOptions
 from tests.engine.conftest import running_engine
 from tests.engine.test_async_scheduling import sync_and_async
 from tests.engine.test_engine import generate_all, make_prompts
+from tests.engine.test_jump_forward import COMPACT
 from tests.engine.test_structured_outputs import SCHEMA
 
 pytestmark = pytest.mark.anyio
 MODEL = "llama-gqa"
-COMPACT = StructuredOutputsParams(json=SCHEMA, disable_any_whitespace=True)
 
 
 @pytest.fixture

@@ -14,14 +14,13 @@ from typing import Any
 
 import pytest
 
-from asyncpaged import SamplingParams, StructuredOutputsParams
+from asyncpaged import SamplingParams
 from tests.engine.test_async_scheduling import sync_and_async
 from tests.engine.test_engine import make_prompts
-from tests.engine.test_structured_outputs import SCHEMA
+from tests.engine.test_jump_forward import COMPACT
 
 pytestmark = pytest.mark.anyio
 MODEL = "llama-gqa"
-COMPACT = StructuredOutputsParams(json=SCHEMA, disable_any_whitespace=True)
 
 
 @pytest.fixture
