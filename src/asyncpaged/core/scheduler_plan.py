@@ -36,9 +36,16 @@ def plan_running(
     running = sched.running
     i = 0
     pending = plan.pending
+    void = sched._void
     while i < len(running):
         request = running[i]
-        late = pending is not None and _decodes_late(sched, request, pending)
+        if pending is None:
+            late = False
+        elif len(request.seqs) == 1:  # (a void sample in flight: the forced tokens are known)
+            sid = request.seqs[0].seq_id
+            late = sid in pending and not (void and sid in void)
+        else:  # parallel sampling: each sequence whose token is in flight (_late_step_of)
+            late = any(s.seq_id in pending for s in request.seqs)
         step = (
             _late_step_of(sched, request, plan, shared)
             if late
@@ -77,17 +84,6 @@ def plan_running(
     return appends, sizes
 
 
-def _decodes_late(sched: Scheduler, request: Request, pending: AbstractSet[int]) -> bool:
-    """Whether ``request``'s next decode takes tokens the step in flight samples (``pending``):
-    its sequence's (single-sequence; not a void sample: the forced tokens that replace it
-    are known), or any of its sequences' (parallel sampling: :func:`_late_step_of`)."""
-    seqs = request.seqs
-    if len(seqs) == 1:
-        sid = seqs[0].seq_id
-        return sid in pending and sid not in sched._void
-    return any(s.seq_id in pending for s in seqs)
-
-
 def _late_step_of(
     sched: Scheduler, request: Request, plan: PlanBudget, shared: AbstractSet[int | str]
 ) -> tuple[Chunks, Drafts, int] | None:
@@ -97,13 +93,24 @@ def _late_step_of(
     computed in vain). A parallel-sampling request with a sequence that has known tokens to
     compute first (a grammar's forced ones after a void sample) waits for the step in flight:
     no chunks now."""
+    stop = request.stop
+    bs = sched.config.block_size
+    if len(request.seqs) == 1:  # the common case, without the list building below
+        if plan.seats_left < 1 or plan.budget_left < 1:
+            return None
+        seq = request.seqs[0]
+        num_tokens = len(seq.token_ids) + 1  # with the token in flight
+        if num_tokens - seq.num_prompt_tokens >= stop.max_tokens or (
+            stop.max_model_len is not None and num_tokens >= stop.max_model_len
+        ):
+            return [], {}, 0
+        # (num_computed_tokens == len(token_ids): the token in flight comes next)
+        return [(seq, 1)], {}, blocks_to_append(seq, 1, seq.seq_id in shared, bs)
     live = request.live_seqs
     if plan.seats_left < len(live) or plan.budget_left < len(live):
         return None
     if any(s.num_computed_tokens != len(s.token_ids) for s in live):
         return [], {}, 0
-    stop = request.stop
-    bs = sched.config.block_size
     chunks: Chunks = []
     need = 0
     for seq in live:  # (num_computed_tokens == len(token_ids): the token in flight is next)

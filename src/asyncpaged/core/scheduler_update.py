@@ -30,6 +30,7 @@ def update_step(
     """:meth:`Scheduler.update`: see there."""
     updates: list[SeqUpdate] = []
     beams: list[Request] = []
+    void = sched._void
     for scheduled in output.seqs:
         request = sched.requests.get(scheduled.request_id)
         if request is None or not scheduled.samples:
@@ -43,8 +44,8 @@ def update_step(
             seq = next(s for s in request.seqs if s.seq_id == scheduled.seq_id)
         if seq.is_finished:
             continue
-        if sched._void and seq.seq_id in sched._void:  # forced tokens replaced this sample
-            sched._void.remove(seq.seq_id)
+        if void and seq.seq_id in void:  # forced tokens replaced this sample
+            void.remove(seq.seq_id)
             sched.num_rows_in_vain += 1
             continue
         if request.beam is not None:
