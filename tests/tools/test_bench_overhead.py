@@ -14,11 +14,13 @@ from asyncpaged.tools.bench_overhead import run
 @pytest.mark.parametrize(
     ("mode", "executor", "ahead"),
     [("greedy", "thread", False), ("sampled", "thread", False), ("penalized", "thread", False),
-     ("greedy", "process", False), ("greedy", "thread", True), ("greedy", "process", True)],
+     ("greedy", "process", False), ("greedy", "thread", True), ("greedy", "process", True),
+     ("bad_words", "process", True)],
 )  # fmt: skip
 def test_bench_overhead_small_run(tmp_path: Path, mode: str, executor: str, ahead: bool) -> None:
     args = argparse.Namespace(num_seqs=16, max_tokens=12, repeats=2, threads=1,
                               sampled=mode == "sampled", penalized=mode == "penalized",
+                              bad_words=mode == "bad_words",
                               executor_backend=executor, device="cpu", enforce_eager=False,
                               async_scheduling="on" if ahead else "off",
                               model_dir=str(tmp_path / "model"),

@@ -82,6 +82,14 @@ def build_sequence_steps(
                 None,
             )))  # fmt: skip
             continue
+        if s.token_ids[0] == LATE_TOKEN and _options_come_late(t, request, s):
+            late.append((s.request_id, s.seq_id, True))  # (no options made twice)
+            steps.append(new_tuple(SequenceStep, (
+                s.seq_id, s.token_ids, s.start_pos, s.slot_mapping, table[1], s.samples,
+                t.info.ranks_by_logprob, None, (), s.min_rope_len, (), 0, 0, 0, (), draft_k,
+                table[0], False, None,
+            )))  # fmt: skip
+            continue
         step = _sampled_step(s, request, t, bitmasks, eos_token_ids, bad_words, draft_k, table,
                              kept)  # fmt: skip
         if s.token_ids[0] == LATE_TOKEN:  # planned ahead: its options may read the output
@@ -177,6 +185,16 @@ def _sampled_step(
         draft_k=draft_k,
         history=history,
     )
+
+
+def _options_come_late(t: Tracked, request: Request, s: ScheduledSeq) -> bool:
+    """Whether a row planned ahead gets its options only late (``scheduler_late``), none
+    now: they read the output (and keep no penalty history in the runner, which needs the
+    options at the row's start)."""
+    if t.info.plain or t.options_ahead:
+        return False
+    params = t.info.params
+    return not _penalized(params) and not _reads_no_output(params, seq_of(request, s.seq_id))
 
 
 def _reads_no_output(params: SamplingParams, seq: Seq) -> bool:

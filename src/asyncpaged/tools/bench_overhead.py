@@ -14,7 +14,9 @@ outside the runner's forward (``1 - compute_time_s / wall``), steps per second, 
 thread's own CPU time per step (``time.thread_time``: the scheduler, intake and allocator
 actors, detokenizing and the 256 readers, which all run there) next to the forward's compute
 per step, and a digest of every request's tokens (greedy tokens must not change when the
-engine changes). ``--output DIR`` receives ``overhead.json``.
+engine changes). ``--sampled``, ``--penalized`` and ``--bad-words`` change the requests'
+sampling (the last reads each row's output: with async scheduling its options come late).
+``--output DIR`` receives ``overhead.json``.
 """
 
 from __future__ import annotations
@@ -77,6 +79,8 @@ async def _one_run(args: argparse.Namespace, checkpoint: Path) -> dict[str, Any]
         if args.penalized:  # greedy under vLLM-style penalties: every row reads its history
             return dataclasses.replace(params, repetition_penalty=1.1, frequency_penalty=0.1,
                                        presence_penalty=0.1)  # fmt: skip
+        if args.bad_words:  # greedy, each row's banned next tokens follow its output
+            return dataclasses.replace(params, bad_words=("w5", "w7 w9", "w11 w13 w15"))
         if not args.sampled:
             return params
         # seeded per request, so the tokens are the same in every run
@@ -177,6 +181,11 @@ def add_parser(modes: Any) -> None:
         "--penalized",
         action="store_true",
         help="greedy with repetition 1.1, frequency 0.1 and presence 0.1 penalties",
+    )
+    workload.add_argument(
+        "--bad-words",
+        action="store_true",
+        help="greedy with three bad words (one, two and three tokens long)",
     )
     p.add_argument("--model-dir", default="~/.cache/asyncpaged/bench/overhead")
     p.add_argument("--output", default="bench-results", help="folder for overhead.json")
