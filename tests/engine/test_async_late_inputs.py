@@ -25,8 +25,9 @@ import pytest
 import torch
 
 from asyncpaged import SamplingParams
-from asyncpaged.model.late_inputs import LateDelivery, LateInputs
+from asyncpaged.model.late_inputs import LateDelivery, LateInputs, with_late_inputs
 from asyncpaged.model.sampler import SamplingOptions
+from asyncpaged.model.step import SequenceStep
 from tests.engine.conftest import running_engine
 from tests.engine.test_async_scheduling import sync_and_async
 from tests.engine.test_engine import generate_all, make_prompts
@@ -162,3 +163,30 @@ def test_late_inputs_are_taken_in_order_and_close_wakes_a_waiter() -> None:
     for _ in range(2):  # every take after close raises, the waiting one and later ones
         with pytest.raises(RuntimeError, match="stopped"):
             late.take((9,))
+
+
+def test_late_inputs_go_into_their_rows_only() -> None:
+    """Options that read the output replace the planned ones (None: plain greedy, as for a
+    row computed in vain), a bitmask goes into the row's options (greedy ones made for it),
+    and rows without late inputs stay the very same objects."""
+
+    def row(seq_id: int, sampling: SamplingOptions | None) -> SequenceStep:
+        return SequenceStep(seq_id=seq_id, token_ids=(-1,), num_computed_tokens=4,
+                            slot_mapping=(4,), block_table=(0,), do_sample=True,
+                            sampling=sampling)  # fmt: skip
+
+    planned = SamplingOptions(temperature=0.7)
+    late = SamplingOptions(temperature=0.7, banned_token_ids=(3, 9))
+    seqs = (row(1, None), row(2, planned), row(3, planned), row(4, planned), row(5, None))
+    mask = np.array([[7, 0], [1, 2]], dtype=np.int32)
+    delivery = LateDelivery(rows=(1, 2, 3, 4), options=((2, late), (3, None), (4, late)),
+                            masked=(1, 4), masks=mask)  # fmt: skip
+    got = with_late_inputs(seqs, delivery)
+    assert got[0].sampling is not None and got[0].sampling.is_greedy
+    assert torch.equal(got[0].sampling.token_bitmask, torch.tensor([7, 0], dtype=torch.int32))
+    assert got[1].sampling is late
+    assert got[2].sampling is None
+    fourth = got[3].sampling
+    assert fourth is not None and fourth.banned_token_ids == (3, 9) and fourth.temperature == 0.7
+    assert torch.equal(fourth.token_bitmask, torch.tensor([1, 2], dtype=torch.int32))
+    assert got[4] is seqs[4]

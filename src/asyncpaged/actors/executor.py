@@ -63,7 +63,7 @@ class ExecutorActor:
                         started.send_nowait((msg, ticket, sent))
         finally:
             if not isinstance(self.runner, RunnerProcess):
-                self.runner.close_late_inputs()  # a step waiting for bitmasks gives up
+                self.runner.close_late_inputs()  # a step waiting for late inputs gives up
             self._thread.close()
 
     async def _deliver(self, msg: DeliverLate) -> None:

@@ -19,6 +19,7 @@ through a :class:`LateInputs`; to a runner in its own process they go down its p
 
 from __future__ import annotations
 
+import dataclasses
 import queue
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
@@ -26,8 +27,10 @@ from typing import TYPE_CHECKING, Protocol
 import numpy as np
 import torch
 
+from asyncpaged.model.sampler import SamplingOptions
+
 if TYPE_CHECKING:
-    from asyncpaged.model.sampler import SamplingOptions
+    from asyncpaged.model.step import SequenceStep
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -85,3 +88,25 @@ def checked(delivery: LateDelivery, rows: tuple[int, ...]) -> LateDelivery:
     """``delivery``, after checking that it is for ``rows``."""
     assert delivery.rows == rows, f"late inputs for rows {delivery.rows}, expected {rows}"
     return delivery
+
+
+def with_late_inputs(
+    seqs: tuple[SequenceStep, ...], delivery: LateDelivery
+) -> tuple[SequenceStep, ...]:
+    """A step's rows with its late rows' inputs put in: options that read the output replace
+    the planned ones (None: plain greedy), and grammar bitmasks go into the options."""
+    options = dict(delivery.options)
+    masks = delivery.masks_by_seq()
+    out = list(seqs)
+    for i, s in enumerate(seqs):
+        opt = options.get(s.seq_id, s.sampling)
+        mask = masks.get(s.seq_id)
+        if mask is not None:
+            opt = (
+                SamplingOptions(temperature=0.0, token_bitmask=mask)
+                if opt is None
+                else dataclasses.replace(opt, token_bitmask=mask)
+            )
+        if opt is not s.sampling:
+            out[i] = s._replace(sampling=opt)
+    return tuple(out)

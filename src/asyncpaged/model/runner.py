@@ -40,7 +40,7 @@ from asyncpaged.model.block_tables import BlockTables
 from asyncpaged.model.cuda_graphs import Capture, DecodeGraphs, capture_decode_graphs
 from asyncpaged.model.kept_options import KeptOptions
 from asyncpaged.model.kv_cache import PagedKVCache, swap_in, swap_out
-from asyncpaged.model.late_inputs import LateDelivery, LateInputs, LateSource
+from asyncpaged.model.late_inputs import LateDelivery, LateInputs, LateSource, with_late_inputs
 from asyncpaged.model.lm_head import ScreenedLMHead
 from asyncpaged.model.lm_head_int8 import Int8ScreenedArgmax, int8_activation_limit
 from asyncpaged.model.loader import load_model
@@ -323,12 +323,13 @@ class ModelRunner:
             ids[pos] = last[seq_id]
 
     def put_late_inputs(self, delivery: LateDelivery) -> None:
-        """From the event loop: the bitmasks of a step this runner's thread runs or will run."""
+        """From the event loop: the late sampling inputs of a step this runner's thread runs
+        or will run."""
         assert isinstance(self.late_inputs, LateInputs), "a runner in its process reads its pipe"
         self.late_inputs.put(delivery)
 
     def close_late_inputs(self) -> None:
-        """The engine stops: a step waiting for bitmasks raises instead."""
+        """The engine stops: a step waiting for late sampling inputs raises instead."""
         if isinstance(self.late_inputs, LateInputs):
             self.late_inputs.close()
 
@@ -397,7 +398,11 @@ class ModelRunner:
             if any(s.prompt_targets for s in plan.seqs)
             else ()
         )
-        seqs = plan.seqs if not plan.late_rows else self._with_late_inputs(plan)
+        seqs = (
+            plan.seqs
+            if not plan.late_rows
+            else with_late_inputs(plan.seqs, self.late_inputs.take(plan.late_rows))
+        )
         sampling = [i for i, s in enumerate(seqs) if s.do_sample]
         verified: tuple[SampledToken, ...] = ()
         if any(s.num_draft for s in seqs):
@@ -445,27 +450,6 @@ class ModelRunner:
         compute_s = time.perf_counter() - began
         sampled = sampled_tokens(draws, out) + verified
         return StepResult(sampled=sampled, compute_s=compute_s, prompt_logprobs=prompt)
-
-    def _with_late_inputs(self, plan: StepPlan) -> tuple[SequenceStep, ...]:
-        """The plan's rows with the sampling inputs of its late rows (``late_inputs``: they
-        come while the forward runs): options that read the output replace the planned ones,
-        and grammar bitmasks go into them."""
-        delivery = self.late_inputs.take(plan.late_rows)
-        options = dict(delivery.options)
-        masks = delivery.masks_by_seq()
-        seqs = list(plan.seqs)
-        for i, s in enumerate(seqs):
-            opt = options.get(s.seq_id, s.sampling)  # None: plain greedy
-            mask = masks.get(s.seq_id)
-            if mask is not None:
-                opt = (
-                    SamplingOptions(temperature=0.0, token_bitmask=mask)
-                    if opt is None
-                    else replace(opt, token_bitmask=mask)
-                )
-            if opt is not s.sampling:
-                seqs[i] = s._replace(sampling=opt)
-        return tuple(seqs)
 
     def _verify(
         self, plan: StepPlan, hidden: torch.Tensor, ends: tuple[int, ...]
