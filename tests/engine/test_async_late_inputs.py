@@ -14,6 +14,7 @@ token drawn."""
 from __future__ import annotations
 
 import json
+import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -25,6 +26,7 @@ import pytest
 import torch
 
 from asyncpaged import SamplingParams
+from asyncpaged.model import runner_process
 from asyncpaged.model.late_inputs import LateDelivery, LateInputs, with_late_inputs
 from asyncpaged.model.sampler import SamplingOptions
 from asyncpaged.model.step import SequenceStep
@@ -190,3 +192,27 @@ def test_late_inputs_go_into_their_rows_only() -> None:
     assert fourth is not None and fourth.banned_token_ids == (3, 9) and fourth.temperature == 0.7
     assert torch.equal(fourth.token_bitmask, torch.tensor([1, 2], dtype=torch.int32))
     assert got[4] is seqs[4]
+
+
+async def test_large_deliveries_go_down_the_pipe_from_a_thread(
+    monkeypatch: pytest.MonkeyPatch, tiny_checkpoint: Callable[[str], Path]
+) -> None:
+    """Past a tiny ``PIPELINE_BYTES`` every late delivery is written from a worker thread (the
+    process takes it only after the step's forward; the loop runs meanwhile) and the step
+    sent after it waits for that write: the same tokens as the sync engine."""
+    monkeypatch.setattr(runner_process, "PIPELINE_BYTES", 64)
+    threads: set[bool] = set()
+    write = runner_process.RunnerProcess._write
+
+    def spy(self: runner_process.RunnerProcess, data: bytes) -> None:
+        threads.add(threading.current_thread() is threading.main_thread())
+        write(self, data)
+
+    monkeypatch.setattr(runner_process.RunnerProcess, "_write", spy)
+    prompts = make_prompts(9, seed=14)
+    runs = await sync_and_async(tiny_checkpoint(MODEL), prompts, _params,
+                                executor_backend="process")  # fmt: skip
+    tokens = {on: [o.outputs[0].token_ids for o in outs] for on, (outs, _) in runs.items()}
+    assert tokens[True] == tokens[False]
+    assert runs[True][1].num_steps_planned_ahead > 0
+    assert threads == {True, False}  # requests from the loop, deliveries from a thread

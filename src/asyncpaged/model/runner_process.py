@@ -174,12 +174,14 @@ class RunnerProcess:
     for the loop), and :meth:`result` reads its reply when its turn comes.
 
     Invariants: requests leave in ticket order and replies are read in the same order, each by
-    the holder of its ticket (``_next_read``); a request once sent is always read to its reply
-    (shielded from cancellation) unless the process has died, so replies never answer the
-    wrong request; a request over ``PIPELINE_BYTES`` is sent only when no reply is unread, so
-    the unread requests never fill the pipe (a write blocking while the process blocks on its
-    reply would deadlock); after :meth:`close` nothing is sent and the process has been
-    reaped (terminated if it would not stop).
+    the holder of its ticket (``_next_read``); one write at a time goes down the pipe (a
+    large late delivery's, from a worker thread, holds back the requests after it); a
+    request once sent is always read to its reply (shielded from cancellation) unless the
+    process has died, so replies never answer the wrong request; a request over
+    ``PIPELINE_BYTES`` is sent only when no reply is unread, so the unread requests never
+    fill the pipe (a write blocking while the process blocks on its reply would deadlock);
+    after :meth:`close` nothing is sent and the process has been reaped (terminated if it
+    would not stop).
     """
 
     def __init__(self, popen: subprocess.Popen[bytes], conn: Connection, life: int) -> None:
@@ -191,6 +193,7 @@ class RunnerProcess:
         self._next_read = 0  # the ticket whose reply is read next
         self._turns: dict[int, anyio.Event] = {}  # tickets waiting for their turn to read
         self._drained: anyio.Event | None = None  # set when no reply is left unread
+        self._writing: anyio.Event | None = None  # set when a threaded write is done
         self._closed = False
 
     @property
@@ -208,11 +211,24 @@ class RunnerProcess:
         """Send the late sampling inputs of a step sent before (``late_inputs``); one way, no
         reply. The step they are for may be running and reads them off the pipe before it
         samples, so they never wait for the pipe to drain (that step's reply needs them
-        first). A large delivery may block the loop until the process has read it, at most
-        until the end of that step's forward: nothing else is owed to the loop then."""
+        first). One over ``PIPELINE_BYTES`` (the bitmasks of many rows of a large
+        vocabulary) is written from a worker thread: the pipe takes it only as the process
+        reads it, after that step's forward, and the loop keeps running meanwhile; requests
+        sent then wait for it (:meth:`_send`)."""
         if self._closed:
             raise WorkerDiedError("the runner process was stopped")
         data = pickle.dumps(("late_inputs", delivery), protocol=pickle.HIGHEST_PROTOCOL)
+        if len(data) <= PIPELINE_BYTES:
+            self._write(data)
+            return
+        writing = self._writing = anyio.Event()
+        try:
+            await anyio.to_thread.run_sync(self._write, data)
+        finally:
+            self._writing = None
+            writing.set()
+
+    def _write(self, data: bytes) -> None:
         try:
             self._conn.send_bytes(data)
         except OSError as exc:
@@ -241,13 +257,11 @@ class RunnerProcess:
             if self._drained is None:
                 self._drained = anyio.Event()
             await self._drained.wait()
+        while self._writing is not None:  # a large delivery is going down the pipe
+            await self._writing.wait()
         if self._closed:
             raise WorkerDiedError("the runner process was stopped")
-        try:
-            self._conn.send_bytes(data)
-        except OSError as exc:
-            _reap(self._popen, 0.1)  # it is exiting: reap it for its exit code
-            raise _died(self._popen) from exc
+        self._write(data)
         self._sent += 1
         return self._sent - 1
 
