@@ -216,3 +216,36 @@ async def test_large_deliveries_go_down_the_pipe_from_a_thread(
     assert tokens[True] == tokens[False]
     assert runs[True][1].num_steps_planned_ahead > 0
     assert threads == {True, False}  # requests from the loop, deliveries from a thread
+
+
+@pytest.mark.parametrize("backend", ["thread", "process"])
+async def test_a_failure_before_the_delivery_reaches_every_waiter(
+    backend: str, monkeypatch: pytest.MonkeyPatch, tiny_checkpoint: Callable[[str], Path]
+) -> None:
+    """The scheduler fails while a step planned ahead waits in the runner for its late inputs:
+    the engine closes without hanging (the thread's wait is woken, the process is stopped)
+    and every request's waiter gets the engine's death."""
+    from asyncpaged import AsyncEngine, EngineConfig, EngineDeadError
+    from asyncpaged.actors import scheduler as scheduler_actor
+
+    def broken(*args: object, **kwargs: object) -> LateDelivery:
+        raise RuntimeError("injected: no late inputs")
+
+    monkeypatch.setattr(scheduler_actor, "late_inputs", broken)
+    config = EngineConfig(model=str(tiny_checkpoint(MODEL)), dtype="float32",
+                          executor_backend=backend, async_scheduling=True)  # fmt: skip
+    errors: list[BaseException] = []
+    with anyio.fail_after(60), pytest.raises(EngineDeadError):
+        async with AsyncEngine(config) as engine:
+
+            async def one(i: int) -> None:
+                try:
+                    await engine.generate(list(make_prompts(4, seed=2)[i]), _params(0))
+                except EngineDeadError as exc:
+                    errors.append(exc)
+
+            async with anyio.create_task_group() as tg:
+                for i in range(4):
+                    tg.start_soon(one, i)
+    assert len(errors) == 4
+    assert all("injected" in str(e.__cause__) for e in errors), errors

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
+from collections import deque
 from typing import Any
 
 import anyio
@@ -11,7 +13,9 @@ from anyio.abc import TaskStatus
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from asyncpaged.actors.worker_thread import WorkerThread
+from asyncpaged.errors import WorkerDiedError
 from asyncpaged.messages import DeliverLate, ExecuteStep, ExecutorInbox, SchedulerInbox, StepDone
+from asyncpaged.model.late_inputs import LateDelivery
 from asyncpaged.model.runner import StepResult, StepRunner
 from asyncpaged.model.runner_process import RunnerProcess
 
@@ -43,6 +47,8 @@ class ExecutorActor:
         self._events = events
         self._thread = WorkerThread("asyncpaged-executor")
         self._last_done = 0.0  # when the last step ended (a step sent early starts then)
+        # the late rows of the steps sent whose late inputs have not been delivered yet
+        self._awaiting: deque[tuple[int, ...]] = deque()
 
     async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
         task_status.started()
@@ -50,27 +56,44 @@ class ExecutorActor:
         try:
             async with self._inbox, self._events, anyio.create_task_group() as tg:
                 tg.start_soon(self._report, to_report)
-                async with started:
-                    async for msg in self._inbox:
-                        if isinstance(msg, DeliverLate):  # for a step sent, maybe running
-                            await self._deliver(msg)
-                            continue
-                        sent = time.perf_counter()
-                        if isinstance(self.runner, RunnerProcess):
-                            ticket: Any = await self.runner.send_execute(msg.plan)
-                        else:
-                            ticket = self._thread.submit(self.runner.execute, msg.plan)
-                        started.send_nowait((msg, ticket, sent))
+                try:
+                    async with started:
+                        async for msg in self._inbox:
+                            if isinstance(msg, DeliverLate):  # for a step sent, maybe running
+                                assert msg.delivery.rows == self._awaiting.popleft()
+                                await self._deliver(msg.delivery)
+                                continue
+                            await self._start(msg, started)
+                finally:
+                    await self._release_waiting_steps()
         finally:
             if not isinstance(self.runner, RunnerProcess):
                 self.runner.close_late_inputs()  # a step waiting for late inputs gives up
             self._thread.close()
 
-    async def _deliver(self, msg: DeliverLate) -> None:
+    async def _start(self, msg: ExecuteStep, started: MemoryObjectSendStream[_Started]) -> None:
+        sent = time.perf_counter()
         if isinstance(self.runner, RunnerProcess):
-            await self.runner.send_late_inputs(msg.delivery)
+            ticket: Any = await self.runner.send_execute(msg.plan)
         else:
-            self.runner.put_late_inputs(msg.delivery)
+            ticket = self._thread.submit(self.runner.execute, msg.plan)
+        if msg.plan.late_rows:
+            self._awaiting.append(msg.plan.late_rows)
+        started.send_nowait((msg, ticket, sent))
+
+    async def _deliver(self, delivery: LateDelivery) -> None:
+        if isinstance(self.runner, RunnerProcess):
+            await self.runner.send_late_inputs(delivery)
+        else:
+            self.runner.put_late_inputs(delivery)
+
+    async def _release_waiting_steps(self) -> None:
+        """The engine stops (or failed) with steps sent whose late inputs will never come:
+        each gets an empty delivery (it samples as planned, in vain), so the running step,
+        which a stopping engine waits for, ends."""
+        with anyio.CancelScope(shield=True), contextlib.suppress(WorkerDiedError):
+            while self._awaiting:
+                await self._deliver(LateDelivery(rows=self._awaiting.popleft()))
 
     async def _report(self, to_report: MemoryObjectReceiveStream[_Started]) -> None:
         """Await each step :meth:`run` started, in order, and report it."""
@@ -85,6 +108,6 @@ class ExecutorActor:
                 done = time.perf_counter()
                 duration = done - max(sent, self._last_done)  # from when it could start
                 self._last_done = done
-                self._events.send_nowait(
-                    StepDone(step_id=msg.output.step_id, result=result, duration_s=duration)
-                )
+                report = StepDone(step_id=msg.output.step_id, result=result, duration_s=duration)
+                with contextlib.suppress(anyio.BrokenResourceError):  # (the scheduler stopped:
+                    self._events.send_nowait(report)  # the steps still running end unread)
