@@ -78,9 +78,6 @@ class ThreadedShards:
     def put_late_inputs(self, delivery: LateDelivery) -> None:
         self.runners[0].put_late_inputs(delivery)
 
-    def close_late_inputs(self) -> None:
-        self.runners[0].close_late_inputs()
-
     def swap_out(self, pairs: tuple[tuple[int, int], ...]) -> None:
         for runner in self.runners:
             runner.swap_out(pairs)

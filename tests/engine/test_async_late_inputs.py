@@ -9,7 +9,10 @@ The oracle is the engine without async scheduling: greedy and seeded sampled JSO
 beside plain ones, draw exactly its tokens with the runner on the thread and in its process,
 jump-forward on and off, under preemption, and every JSON object that ends validates; so do
 requests with bad words, min_tokens and logits processors, each processor called once per
-token drawn."""
+token drawn. Parallel sampling (n > 1, best_of) goes ahead once it has fanned out, each
+sequence decoding a late token of its own (the fan-out step itself is not planned ahead of:
+its new sequences do not exist until its tokens are back); seeded draws, penalties, JSON
+with jump-forward and best_of ranking give the sync engine's completions too."""
 
 from __future__ import annotations
 
@@ -148,7 +151,7 @@ async def test_options_that_read_the_output_come_late_with_the_same_tokens(
         assert sorted(seen[on]) == want
 
 
-def test_late_inputs_are_taken_in_order_and_close_wakes_a_waiter() -> None:
+def test_late_inputs_are_taken_in_order() -> None:
     late = LateInputs()
     options = SamplingOptions(temperature=0.5, banned_token_ids=(4,))
     first = LateDelivery(rows=(3, 5), options=((3, options),), masked=(5,),
@@ -161,10 +164,6 @@ def test_late_inputs_are_taken_in_order_and_close_wakes_a_waiter() -> None:
     assert list(masks) == [5] and torch.equal(masks[5], torch.arange(4, dtype=torch.int32))
     with pytest.raises(AssertionError, match="expected"):  # a delivery for another step
         late.take((8,))
-    late.close()
-    for _ in range(2):  # every take after close raises, the waiting one and later ones
-        with pytest.raises(RuntimeError, match="stopped"):
-            late.take((9,))
 
 
 def test_late_inputs_go_into_their_rows_only() -> None:
@@ -249,3 +248,47 @@ async def test_a_failure_before_the_delivery_reaches_every_waiter(
                     tg.start_soon(one, i)
     assert len(errors) == 4
     assert all("injected" in str(e.__cause__) for e in errors), errors
+
+
+def _parallel_params(i: int) -> SamplingParams:
+    kind = i % 4
+    if kind == 0:
+        return SamplingParams(temperature=0.8, top_p=0.9, n=3, seed=500 + i, max_tokens=14,
+                              ignore_eos=True)  # fmt: skip
+    if kind == 1:
+        return SamplingParams(temperature=0.7, n=2, best_of=3, seed=600 + i, max_tokens=10,
+                              repetition_penalty=1.2, frequency_penalty=0.3)  # fmt: skip
+    if kind == 2:
+        return SamplingParams(temperature=0.9, n=2, seed=700 + i, max_tokens=48,
+                              structured_outputs=COMPACT)  # fmt: skip
+    return SamplingParams(temperature=0.0, max_tokens=14, ignore_eos=True)
+
+
+@pytest.mark.parametrize(
+    ("backend", "config"),
+    [
+        ("thread", {}),
+        ("process", {}),
+        ("thread", {"num_device_blocks": 20, "preemption_mode": "recompute"}),
+        ("process", {"num_device_blocks": 20, "preemption_mode": "swap"}),
+    ],
+    ids=["thread", "process", "thread-recompute", "process-swap"],
+)
+async def test_parallel_sampling_is_planned_ahead_with_the_same_completions(
+    backend: str, config: dict[str, Any], tiny_checkpoint: Callable[[str], Path]
+) -> None:
+    path = tiny_checkpoint(MODEL)
+    prompts = make_prompts(12, seed=21)
+    runs = await sync_and_async(path, prompts, _parallel_params, executor_backend=backend, **config)
+    completions = {
+        ahead: [[(c.index, c.token_ids) for c in o.outputs] for o in outs]
+        for ahead, (outs, _) in runs.items()
+    }
+    assert completions[True] == completions[False]
+    stats = runs[True][1]
+    assert stats.num_jump_forward_tokens > 0
+    if config:  # (nothing is planned ahead while anything is swapped)
+        assert all(s.num_preemptions > 0 for _, s in runs.values()), runs
+        assert stats.num_steps_planned_ahead > 0, stats
+    else:
+        assert stats.num_steps_planned_ahead > stats.num_steps // 2, stats

@@ -122,9 +122,6 @@ async def test_aclose_of_a_failed_engine_raises_engine_dead(
             def execute(self, plan: object) -> None:
                 raise RuntimeError("injected step failure")
 
-            def close_late_inputs(self) -> None:
-                pass
-
         engine._executor.runner = BrokenRunner()  # type: ignore[assignment]
         with pytest.raises(EngineDeadError):
             await engine.generate([5, 6, 7], GREEDY)

@@ -101,9 +101,6 @@ async def test_pin_prefix_in_the_window_before_a_failing_engine_is_dead(
             def execute(self, plan: object) -> None:
                 raise RuntimeError("injected step failure")
 
-            def close_late_inputs(self) -> None:
-                pass
-
         engine._executor.runner = BrokenRunner()  # type: ignore[assignment]
         greedy = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
         with pytest.raises(EngineDeadError):

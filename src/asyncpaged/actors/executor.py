@@ -67,8 +67,6 @@ class ExecutorActor:
                 finally:
                     await self._release_waiting_steps()
         finally:
-            if not isinstance(self.runner, RunnerProcess):
-                self.runner.close_late_inputs()  # a step waiting for late inputs gives up
             self._thread.close()
 
     async def _start(self, msg: ExecuteStep, started: MemoryObjectSendStream[_Started]) -> None:

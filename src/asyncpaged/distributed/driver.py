@@ -220,9 +220,6 @@ class TensorParallelRunner:
         """Rank 0 samples: the bitmasks are its runner's alone."""
         self.runner.put_late_inputs(delivery)
 
-    def close_late_inputs(self) -> None:
-        self.runner.close_late_inputs()
-
     def swap_out(self, pairs: tuple[tuple[int, int], ...]) -> None:
         """Every rank copies its share of (device, host) block pairs to its host cache."""
         self._send_swap(SwapCommand(direction=SwapDirection.OUT, pairs=pairs))

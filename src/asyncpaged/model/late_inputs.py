@@ -60,28 +60,19 @@ class LateSource(Protocol):
 
 
 class LateInputs:
-    """Hands deliveries from the event loop to the runner's thread, in order.
-
-    Invariant: after :meth:`close` every :meth:`take`, waiting or to come, raises (a runner
-    waiting for a delivery that will never come must not hold the engine's shutdown).
-    """
+    """Hands deliveries from the event loop to the runner's thread, in order. A step whose
+    inputs will never come (the engine stops first) is given an empty delivery by the
+    executor, so a take never waits forever."""
 
     def __init__(self) -> None:
-        self._queue: queue.SimpleQueue[LateDelivery | None] = queue.SimpleQueue()
+        self._queue: queue.SimpleQueue[LateDelivery] = queue.SimpleQueue()
 
     def put(self, delivery: LateDelivery) -> None:
         self._queue.put(delivery)
 
-    def close(self) -> None:
-        self._queue.put(None)
-
     def take(self, rows: tuple[int, ...]) -> LateDelivery:
         """The next delivery (blocking until it comes), which must be for ``rows``."""
-        delivery = self._queue.get()
-        if delivery is None:
-            self._queue.put(None)  # for any later take
-            raise RuntimeError("the engine stopped before a step's late sampling inputs came")
-        return checked(delivery, rows)
+        return checked(self._queue.get(), rows)
 
 
 def checked(delivery: LateDelivery, rows: tuple[int, ...]) -> LateDelivery:

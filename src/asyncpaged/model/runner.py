@@ -328,11 +328,6 @@ class ModelRunner:
         assert isinstance(self.late_inputs, LateInputs), "a runner in its process reads its pipe"
         self.late_inputs.put(delivery)
 
-    def close_late_inputs(self) -> None:
-        """The engine stops: a step waiting for late sampling inputs raises instead."""
-        if isinstance(self.late_inputs, LateInputs):
-            self.late_inputs.close()
-
     def _refuse(self, seq: SequenceStep, num_blocks: int) -> None:
         """A malformed sequence step (a scheduler bug): fail loudly, naming what is wrong."""
         num_new = len(seq.token_ids)
