@@ -32,6 +32,7 @@ from asyncpaged.model import runner_process
 from asyncpaged.model.runner import ModelRunner, SequenceStep, StepPlan
 from tests.engine.conftest import running_engine
 from tests.engine.test_engine import GREEDY, MODEL, generate_all, make_prompts
+from tests.engine.test_prompt_logprobs import assert_matches_transformers
 from tests.model.reference import HFReference
 
 pytestmark = pytest.mark.anyio
@@ -276,6 +277,41 @@ async def test_penalized_requests_alone_are_planned_ahead_nearly_always(
         tokens = {ahead: [o.outputs[0].token_ids for o in outs]
                   for ahead, (outs, _) in runs.items()}  # fmt: skip
         assert tokens[True] == tokens[False]
+
+
+@pytest.mark.parametrize("backend", ["thread", "process"])
+async def test_prompt_logprobs_requests_are_planned_ahead_with_the_same_outputs(
+    backend: str,
+    tiny_checkpoint: Callable[[str], Path],
+    hf_reference: Callable[[str], HFReference],
+) -> None:
+    """Requests asking prompt logprobs, their prompts chunked 16 tokens a step, some beside
+    plain ones: the step that samples a request's first token (its prompt complete) and its
+    decodes are planned ahead like any other's, so with prompt logprobs alone nearly every
+    step is; the prompt logprobs equal transformers' and the tokens the engine's without
+    async scheduling."""
+    path, ref = tiny_checkpoint(MODEL), hf_reference(MODEL)
+    prompts = make_prompts(8, seed=13, max_len=50)
+    for mixed in (False, True):
+
+        def params(i: int, mixed: bool = mixed) -> SamplingParams:
+            plp = None if mixed and i % 2 else 1 + i % 3
+            return SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True,
+                                  prompt_logprobs=plp)  # fmt: skip
+
+        runs = await sync_and_async(path, prompts, params, num_device_blocks=64,
+                                    max_num_batched_tokens=16,
+                                    executor_backend=backend)  # fmt: skip
+        stats = runs[True][1]
+        if not mixed:
+            assert stats.num_steps_planned_ahead >= stats.num_steps - 3, stats
+        for i, (old, new) in enumerate(zip(runs[False][0], runs[True][0], strict=True)):
+            assert new.outputs[0].token_ids == old.outputs[0].token_ids, i
+            k = params(i).prompt_logprobs
+            if k is None:
+                assert new.prompt_logprobs is None
+            else:
+                assert_matches_transformers(new.prompt_logprobs, list(prompts[i]), ref, k)
 
 
 @pytest.mark.parametrize("backend", ["thread", "process"])

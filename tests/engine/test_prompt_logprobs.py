@@ -1,6 +1,6 @@
 """``SamplingParams(prompt_logprobs=k)`` end to end, against transformers' log-softmax of one
 forward over the prompt: chunked prefill, block boundaries, the prefix cache, preemption by
-recompute, output kinds, and the native and torch attention backends."""
+recompute (with and without async scheduling), output kinds, and the native and torch attention backends."""
 
 from __future__ import annotations
 
@@ -148,7 +148,9 @@ async def test_prefix_cache_hits_never_skip_prompt_positions(
     assert out.outputs[0].token_ids == hit.outputs[0].token_ids
 
 
+@pytest.mark.parametrize("ahead", [False, True], ids=["sync", "async_scheduling"])
 async def test_preemption_mid_prefill_recomputes_only_the_unknown_positions(
+    ahead: bool,
     tiny_checkpoint: Callable[[str], Path],
     hf_reference: Callable[[str], HFReference],
     monkeypatch: pytest.MonkeyPatch,
@@ -176,7 +178,11 @@ async def test_preemption_mid_prefill_recomputes_only_the_unknown_positions(
 
     with anyio.fail_after(120):
         async with running_engine(
-            path, num_device_blocks=8, max_num_batched_tokens=8, preemption_mode="recompute"
+            path,
+            num_device_blocks=8,
+            max_num_batched_tokens=8,
+            preemption_mode="recompute",
+            async_scheduling=ahead,
         ) as engine:
             async with anyio.create_task_group() as tg:
                 for i, prompt in enumerate(olds):

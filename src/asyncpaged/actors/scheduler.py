@@ -355,10 +355,7 @@ class SchedulerActor:
                 rid = request.request_id
                 params = info.params
                 known = None if params.prompt_logprobs is None else 1
-                ahead = (
-                    self._async and params.prompt_logprobs is None
-                    and request.beam is None and not request.num_speculative_tokens
-                )  # fmt: skip
+                ahead = self._async and request.beam is None and not request.num_speculative_tokens
                 self._tracked[rid] = Tracked(info=info, prompt_known=known, ahead=ahead)
                 self.scheduler.add_request(request)
                 self._log.debug("request_added", request_id=rid)

@@ -39,7 +39,7 @@ class Tracked:
     prompt_known: int | None = None
     reported_cached: int | None = None
     fixed_options: dict[int, SamplingOptions] = field(default_factory=dict)
-    # Async scheduling may plan its decodes ahead (no beams, prompt logprobs or proposals;
+    # Async scheduling may plan its decodes ahead (no beams or proposals;
     # options that read the output come late)
     ahead: bool = False
     options_ahead: bool = False
