@@ -1,6 +1,7 @@
 """``SamplingParams(prompt_logprobs=k)`` end to end, against transformers' log-softmax of one
 forward over the prompt: chunked prefill, block boundaries, the prefix cache, preemption by
-recompute (with and without async scheduling), output kinds, and the native and torch attention backends."""
+recompute (with and without async scheduling), output kinds, and the native and torch
+attention backends."""
 
 from __future__ import annotations
 
