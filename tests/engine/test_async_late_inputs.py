@@ -102,25 +102,30 @@ async def test_options_that_read_the_output_come_late_with_the_same_tokens(
     reads the output (the thread runner: processors do not cross to a process) are planned
     ahead, their options made once the step before is back; tokens equal the sync engine's.
     The processor sees exactly the output of each token it helps draw: called once per
-    token, never for a row computed in vain (its request ends on a stop token it forces)."""
+    token, never for a row computed in vain (its request ends on a stop token it forces, or
+    on a stop string: the late options wait for the stop check)."""
     path = tiny_checkpoint(MODEL)
     prompts = make_prompts(16, seed=12)
     seen: dict[bool, list[tuple[int, ...]]] = {False: [], True: []}
     ahead = [False]
 
-    def no_repeat(output: list[int], logits: torch.Tensor) -> torch.Tensor:
-        """Never the last token again; the stop token 7 as the sixth."""
-        seen[ahead[0]].append(tuple(output))
-        logits = logits.clone()
-        if len(output) == 5:
-            logits[:] = -float("inf")
-            logits[7] = 0.0
-        elif output:
-            logits[output[-1]] = -float("inf")
-        return logits
+    def no_repeat(last: int) -> Callable[[list[int], torch.Tensor], torch.Tensor]:
+        """Never the last token again; ``last`` as the sixth."""
+
+        def process(output: list[int], logits: torch.Tensor) -> torch.Tensor:
+            seen[ahead[0]].append(tuple(output))
+            logits = logits.clone()
+            if len(output) == 5:
+                logits[:] = -float("inf")
+                logits[last] = 0.0
+            elif output:
+                logits[output[-1]] = -float("inf")
+            return logits
+
+        return process
 
     def params(i: int) -> SamplingParams:
-        kind = i % 4
+        kind = i % 5
         if kind == 0:
             return SamplingParams(temperature=0.0, max_tokens=12, bad_words=["the", "a cat"])
         if kind == 1:
@@ -128,8 +133,12 @@ async def test_options_that_read_the_output_come_late_with_the_same_tokens(
                                   bad_words=["and"])  # fmt: skip
         if kind == 2:
             return SamplingParams(temperature=0.0, max_tokens=12, min_tokens=10)
-        return SamplingParams(temperature=0.0, max_tokens=12, stop_token_ids=[7],
-                              logits_processors=[no_repeat])  # fmt: skip
+        if kind == 3:
+            return SamplingParams(temperature=0.0, max_tokens=12, stop_token_ids=[7],
+                                  logits_processors=[no_repeat(7)])  # fmt: skip
+        # 285 is " memory"
+        return SamplingParams(temperature=0.0, max_tokens=12, stop=[" memory"],
+                              logits_processors=[no_repeat(285)])  # fmt: skip
 
     runs = {}
     for on in (False, True):
@@ -144,10 +153,10 @@ async def test_options_that_read_the_output_come_late_with_the_same_tokens(
     assert stats.num_steps_planned_ahead > stats.num_steps // 2, stats
     assert stats.num_rows_in_vain > 0, stats
     for on in (False, True):  # one call per token drawn, with the output before it
-        outs = runs[on][0]
-        assert all(len(o.outputs[0].token_ids) == 6 for i, o in enumerate(outs) if i % 4 == 3)
-        want = sorted(tuple(o.outputs[0].token_ids[:k]) for i, o in enumerate(outs)
-                      if i % 4 == 3 for k in range(len(o.outputs[0].token_ids)))  # fmt: skip
+        outs = [o.outputs[0] for i, o in enumerate(runs[on][0]) if i % 5 >= 3]
+        assert all(len(o.token_ids) <= 6 and o.finish_reason == "stop" for o in outs), outs
+        assert {o.stop_reason for o in outs} == {7, " memory"}
+        want = sorted(tuple(o.token_ids[:k]) for o in outs for k in range(len(o.token_ids)))
         assert sorted(seen[on]) == want
 
 

@@ -145,6 +145,7 @@ class SchedulerActor:
         # the late rows of the step planned ahead: their sampling inputs go to the executor
         # once the step before it is back (``late_inputs``)
         self._late_due: LateRows = ()
+        self._late_back = False  # the step before the one they belong to is back
         self._tables = TableDeltas()  # the block tables the executor's runner holds
         self._histories = HistoryDeltas()  # the penalty histories it holds
         self._options = OptionDeltas()  # the sampling options it holds
@@ -336,7 +337,8 @@ class SchedulerActor:
         # Without a checkpoint (the executor's inbox has room: it takes each step as it comes,
         # and at most two are in flight), so the executor is the first task to run and starts
         # the step (or queues it behind the running one) before the outputs are recorded.
-        if late:  # their inputs go once the step in flight is back (_finish_step)
+        if late:  # their inputs go once the step in flight is back (_send_late)
+            assert not self._late_due, "the late inputs of the step in flight not sent"
             self._late_due = late
         step = StepPlan(seqs=tuple(steps), copy_pairs=out.copy_on_write,
                         late_rows=tuple(seq_id for _, seq_id, _ in late))  # fmt: skip
@@ -404,9 +406,10 @@ class SchedulerActor:
 
     def _finish_step(self, out: SchedulerOutput, sampled: Iterable[SampledToken]) -> None:
         """A step's results, the part the next plan depends on: the scheduler's appends and
-        stop rules, failed rows, grammar matchers and jump-forward. The tokens of requests
-        with stop strings wait for :meth:`_check_stops` (before the next plan), the others
-        for :meth:`_deliver` (after the next step is sent, while its forward runs)."""
+        stop rules, failed rows, grammar matchers and jump-forward; the late inputs of the
+        step in flight (then, or after :meth:`_check_stops`). The tokens of requests with stop
+        strings wait for :meth:`_check_stops` (before the next plan), the others for
+        :meth:`_deliver` (after the next step is sent, while its forward runs)."""
         sampled = list(sampled)
         failed = [t for t in sampled if t.error is not None]
         for rid, error in failed_requests(out, failed, self.scheduler, self._log):
@@ -436,11 +439,11 @@ class SchedulerActor:
                     ended.append(upd.request_id)
         for rid in ended:  # once all its completions' updates are taken
             self._forget_if_gone(rid)
-        if self._late_due:  # the step in flight samples rows whose inputs read this step's
-            due, self._late_due = self._late_due, ()
-            delivery = late_inputs(due, self.scheduler, self._tracked, self._grammars,
-                                   self._eos, self._bad_words)  # fmt: skip
-            self._executor.send_nowait(DeliverLate(delivery=delivery))
+        # the step in flight samples rows whose inputs read this step's tokens: they are
+        # made now, or once the stop check knows which sequences a stop string ended
+        self._late_back = bool(self._late_due)
+        if not self._stop_tokens:
+            self._send_late()
         eos = self._eos
         for rid, hypotheses in self.scheduler.finished_beams:
             self._beams.append((rid, tuple((tuple(h.tokens), h.logprob, h.tokens[-1] in eos)
@@ -463,6 +466,18 @@ class SchedulerActor:
             self.scheduler.finish_seq(rid, seq_id, "stop", matched)
         for token in tokens:
             self._forget_if_gone(token.update.request_id)
+        self._send_late()
+
+    def _send_late(self) -> None:
+        """The late inputs of the step in flight (``late_inputs``), once the step before it is
+        back and its stop strings checked (a sequence one ended samples in vain and plain, so
+        no logits processor sees a row the sync engine never computes)."""
+        if not self._late_back:
+            return
+        due, self._late_due, self._late_back = self._late_due, (), False
+        delivery = late_inputs(due, self.scheduler, self._tracked, self._grammars,
+                               self._eos, self._bad_words)  # fmt: skip
+        self._executor.send_nowait(DeliverLate(delivery=delivery))
 
     def _deliver(self) -> None:
         """Send the last step's other outputs to the output processor (which records them,
