@@ -24,12 +24,29 @@ float-typed ones refuse NaN/inf.
 from __future__ import annotations
 
 import enum
-import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any, Literal, cast
 
 from asyncpaged.errors import InvalidRequestError
+from asyncpaged.sampling_checks import (
+    BOOL_FIELDS,
+    MODEL_DEFAULTS,
+    DefaultFloat,
+    DefaultInt,
+    as_tuple,
+    check_bool,
+    check_float,
+    check_int,
+    normalize_allowed,
+    normalize_bad_words,
+    normalize_logit_bias,
+    normalize_stop,
+    normalize_stop_token_ids,
+    verify_lengths,
+    verify_penalties,
+    verify_truncation,
+)
 from asyncpaged.structured_outputs import StructuredOutputsParams
 
 if TYPE_CHECKING:
@@ -72,156 +89,18 @@ class SamplingType(enum.IntEnum):
     RANDOM_SEED = 2
 
 
-class _DefaultFloat(float):
-    """A default that knows it is one: ``value is _DEFAULTS[name]`` means "the caller left it"."""
-
-
-class _DefaultInt(int):
-    """See :class:`_DefaultFloat`."""
-
-
-#: Defaults a model's ``generation_config.json`` may override (vLLM's
-#: ``get_default_sampling_params``), as objects told apart from the same values given by a caller.
-_MODEL_DEFAULTS: dict[str, object] = {
-    "temperature": _DefaultFloat(1.0),
-    "top_p": _DefaultFloat(1.0),
-    "top_k": _DefaultInt(0),
-    "min_p": _DefaultFloat(0.0),
-    "repetition_penalty": _DefaultFloat(1.0),
-    "max_tokens": _DefaultInt(16),
-}
-MODEL_DEFAULT_FIELDS = frozenset(_MODEL_DEFAULTS)
+MODEL_DEFAULT_FIELDS = frozenset(MODEL_DEFAULTS)
 """The fields a model's generation config supplies where the caller set none."""
-
-
-def _check_int(name: str, value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise InvalidRequestError(f"{name} must be an int, got {type(value).__name__}.")
-    return value
-
-
-def _check_float(name: str, value: object) -> float:
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        raise InvalidRequestError(f"{name} must be a number, got {type(value).__name__}.")
-    try:
-        as_float = float(value)
-    except OverflowError:
-        raise InvalidRequestError(
-            f"{name} must be a finite number, got an int too large for a float."
-        ) from None
-    if not math.isfinite(as_float):
-        raise InvalidRequestError(f"{name} must be a finite number, got {value}.")
-    return as_float
-
-
-def _check_bool(name: str, value: object) -> bool:
-    if not isinstance(value, bool):
-        raise InvalidRequestError(f"{name} must be a bool, got {type(value).__name__}.")
-    return value
-
-
-def _as_tuple(name: str, value: object, what: str) -> tuple[Any, ...]:
-    """``tuple(value)`` for a list, tuple, set or other iterable (not a str, bytes or dict);
-    InvalidRequestError naming the field otherwise."""
-    if isinstance(value, str | bytes | bytearray | Mapping) or not isinstance(value, Iterable):
-        raise InvalidRequestError(f"{name} must be {what}, got {type(value).__name__}.")
-    return tuple(value)
-
-
-def _is_unicode(text: str) -> bool:
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:  # a lone surrogate: tokenizers raise on it
-        return False
-    return True
-
-
-def _normalize_stop(stop: str | Sequence[str] | None) -> tuple[str, ...]:
-    if stop is None:
-        return ()
-    what = "a string or a list of strings"
-    stop_strs = (stop,) if isinstance(stop, str) else _as_tuple("stop", stop, what)
-    if not all(isinstance(s, str) for s in stop_strs):
-        raise InvalidRequestError(f"stop must be {what}, got {stop!r:.80}.")
-    if any(not s for s in stop_strs):
-        raise InvalidRequestError("stop cannot contain an empty string.")
-    if not all(_is_unicode(s) for s in stop_strs):
-        raise InvalidRequestError("stop strings must be valid Unicode (a lone surrogate?).")
-    return stop_strs
-
-
-def _normalize_stop_token_ids(stop_token_ids: Iterable[int] | None) -> tuple[int, ...]:
-    if stop_token_ids is None:
-        return ()
-    ids = _as_tuple("stop_token_ids", stop_token_ids, "a list of token ids")
-    if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
-        raise InvalidRequestError(
-            f"stop_token_ids must contain only non-negative integers, got {list(ids)[:8]}."
-        )
-    return tuple(dict.fromkeys(ids))
-
-
-def _normalize_logit_bias(logit_bias: object) -> tuple[tuple[int, float], ...]:
-    if logit_bias is None:
-        return ()
-    if not isinstance(logit_bias, Mapping):
-        raise InvalidRequestError(
-            f"logit_bias must be a dict of token id -> bias, got {type(logit_bias).__name__}."
-        )
-    pairs = []
-    for token, bias in logit_bias.items():
-        if isinstance(token, bool) or not isinstance(token, int) or token < 0:
-            raise InvalidRequestError(
-                f"logit_bias keys must be token ids (ints >= 0), got {token!r}."
-            )
-        pairs.append((token, _check_float(f"logit_bias[{token}]", bias)))
-    return tuple(sorted(pairs))
-
-
-def _normalize_allowed(allowed: Iterable[int] | None) -> tuple[int, ...] | None:
-    if allowed is None:
-        return None
-    ids = _as_tuple("allowed_token_ids", allowed, "a list of token ids")
-    if not ids:
-        raise InvalidRequestError("allowed_token_ids must not be empty (None allows every token).")
-    if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
-        raise InvalidRequestError(
-            f"allowed_token_ids must contain only non-negative integers, got {list(ids)[:8]}."
-        )
-    return tuple(dict.fromkeys(ids))
-
-
-def _normalize_bad_words(bad_words: str | Sequence[str] | None) -> tuple[str, ...]:
-    if bad_words is None:
-        return ()
-    what = "a string or a list of strings"
-    words = (bad_words,) if isinstance(bad_words, str) else _as_tuple("bad_words", bad_words, what)
-    if not all(isinstance(w, str) and w.strip() for w in words):
-        raise InvalidRequestError(f"bad_words must be non-empty strings, got {bad_words!r:.80}.")
-    if not all(_is_unicode(w) for w in words):
-        raise InvalidRequestError("bad_words must be valid Unicode (a lone surrogate?).")
-    return words
-
-
-_BOOL_FIELDS = frozenset(
-    {
-        "ignore_eos",
-        "include_stop_str_in_output",
-        "skip_special_tokens",
-        "spaces_between_special_tokens",
-        "detokenize",
-    }
-)
 
 
 def _verify_counts(
     n: int, best_of: int | None, output_kind: RequestOutputKind
 ) -> tuple[int, int | None, RequestOutputKind]:
-    n = _check_int("n", n)
+    n = check_int("n", n)
     if n < 1:
         raise InvalidRequestError(f"n must be at least 1, got {n}.")
     if best_of is not None:
-        best_of = _check_int("best_of", best_of)
+        best_of = check_int("best_of", best_of)
         if best_of < n:
             raise InvalidRequestError(
                 f"best_of must be greater than or equal to n, got n={n} and best_of={best_of}."
@@ -235,55 +114,6 @@ def _verify_counts(
     if best_of is not None and best_of != n and output_kind == RequestOutputKind.DELTA:
         raise InvalidRequestError("best_of must equal n to use output_kind=DELTA")
     return n, best_of, output_kind
-
-
-def _verify_penalties(
-    presence_penalty: float, frequency_penalty: float, repetition_penalty: float
-) -> tuple[float, float, float]:
-    presence_penalty = _check_float("presence_penalty", presence_penalty)
-    if not -2.0 <= presence_penalty <= 2.0:
-        raise InvalidRequestError(f"presence_penalty must be in [-2, 2], got {presence_penalty}.")
-    frequency_penalty = _check_float("frequency_penalty", frequency_penalty)
-    if not -2.0 <= frequency_penalty <= 2.0:
-        raise InvalidRequestError(f"frequency_penalty must be in [-2, 2], got {frequency_penalty}.")
-    repetition_penalty = _check_float("repetition_penalty", repetition_penalty)
-    if repetition_penalty <= 0.0:
-        raise InvalidRequestError(
-            f"repetition_penalty must be greater than zero, got {repetition_penalty}."
-        )
-    return presence_penalty, frequency_penalty, repetition_penalty
-
-
-def _verify_truncation(
-    temperature: float, top_p: float, top_k: int, min_p: float
-) -> tuple[float, float, int, float]:
-    temperature = _check_float("temperature", temperature)
-    if temperature < 0.0:
-        raise InvalidRequestError(f"temperature must be non-negative, got {temperature}.")
-    top_p = _check_float("top_p", top_p)
-    if not 0.0 < top_p <= 1.0:
-        raise InvalidRequestError(f"top_p must be in (0, 1], got {top_p}.")
-    top_k = _check_int("top_k", top_k)
-    if top_k < -1:
-        raise InvalidRequestError(f"top_k must be 0 (disable), or at least 1, got {top_k}.")
-    min_p = _check_float("min_p", min_p)
-    if not 0.0 <= min_p <= 1.0:
-        raise InvalidRequestError(f"min_p must be in [0, 1], got {min_p}.")
-    return temperature, top_p, max(top_k, 0), min_p
-
-
-def _verify_lengths(max_tokens: int | None, min_tokens: int) -> tuple[int | None, int]:
-    if max_tokens is not None and _check_int("max_tokens", max_tokens) < 1:
-        raise InvalidRequestError(f"max_tokens must be at least 1, got {max_tokens}.")
-    if _check_int("min_tokens", min_tokens) < 0:
-        raise InvalidRequestError(
-            f"min_tokens must be greater than or equal to 0, got {min_tokens}."
-        )
-    if max_tokens is not None and min_tokens > max_tokens:
-        raise InvalidRequestError(
-            f"min_tokens must be less than or equal to max_tokens={max_tokens}, got {min_tokens}."
-        )
-    return max_tokens, min_tokens
 
 
 @dataclass(frozen=True, slots=True, kw_only=True, init=False)
@@ -378,16 +208,16 @@ class SamplingParams:
         best_of: int | None = None,
         presence_penalty: float = 0.0,
         frequency_penalty: float = 0.0,
-        repetition_penalty: float = cast(float, _MODEL_DEFAULTS["repetition_penalty"]),
-        temperature: float = cast(float, _MODEL_DEFAULTS["temperature"]),
-        top_p: float = cast(float, _MODEL_DEFAULTS["top_p"]),
-        top_k: int = cast(int, _MODEL_DEFAULTS["top_k"]),
-        min_p: float = cast(float, _MODEL_DEFAULTS["min_p"]),
+        repetition_penalty: float = cast(float, MODEL_DEFAULTS["repetition_penalty"]),
+        temperature: float = cast(float, MODEL_DEFAULTS["temperature"]),
+        top_p: float = cast(float, MODEL_DEFAULTS["top_p"]),
+        top_k: int = cast(int, MODEL_DEFAULTS["top_k"]),
+        min_p: float = cast(float, MODEL_DEFAULTS["min_p"]),
         seed: int | None = None,
         stop: str | Sequence[str] | None = None,
         stop_token_ids: Iterable[int] | None = None,
         ignore_eos: bool = False,
-        max_tokens: int | None = cast(int, _MODEL_DEFAULTS["max_tokens"]),
+        max_tokens: int | None = cast(int, MODEL_DEFAULTS["max_tokens"]),
         min_tokens: int = 0,
         logprobs: int | None = None,
         prompt_logprobs: int | None = None,
@@ -406,21 +236,21 @@ class SamplingParams:
         """Validate and normalize; raise ``InvalidRequestError`` naming the first bad value."""
         given = {"temperature": temperature, "top_p": top_p, "top_k": top_k, "min_p": min_p,
                  "repetition_penalty": repetition_penalty, "max_tokens": max_tokens}  # fmt: skip
-        explicit = frozenset(k for k, v in given.items() if v is not _MODEL_DEFAULTS[k])
+        explicit = frozenset(k for k, v in given.items() if v is not MODEL_DEFAULTS[k])
         object.__setattr__(self, "explicit_fields", explicit)
         n, best_of, output_kind = _verify_counts(n, best_of, output_kind)
-        penalties = _verify_penalties(presence_penalty, frequency_penalty, repetition_penalty)
-        temperature, top_p, top_k, min_p = _verify_truncation(temperature, top_p, top_k, min_p)
-        max_tokens, min_tokens = _verify_lengths(max_tokens, min_tokens)
+        penalties = verify_penalties(presence_penalty, frequency_penalty, repetition_penalty)
+        temperature, top_p, top_k, min_p = verify_truncation(temperature, top_p, top_k, min_p)
+        max_tokens, min_tokens = verify_lengths(max_tokens, min_tokens)
         if seed is not None:
-            seed = _check_int("seed", seed)
+            seed = check_int("seed", seed)
             if not _SEED_MIN <= seed <= _SEED_MAX:
                 raise InvalidRequestError(f"seed must be in [-2**63, 2**64 - 1], got {seed}.")
             if seed == -1:
                 seed = None
-        if logprobs is not None and _check_int("logprobs", logprobs) < 0:
+        if logprobs is not None and check_int("logprobs", logprobs) < 0:
             raise InvalidRequestError(f"logprobs must be non-negative, got {logprobs}.")
-        if prompt_logprobs is not None and _check_int("prompt_logprobs", prompt_logprobs) < 0:
+        if prompt_logprobs is not None and check_int("prompt_logprobs", prompt_logprobs) < 0:
             raise InvalidRequestError(
                 f"prompt_logprobs must be non-negative, got {prompt_logprobs} (-1, the whole "
                 "vocabulary, is not supported)."
@@ -446,8 +276,8 @@ class SamplingParams:
             "top_k": top_k,
             "min_p": min_p,
             "seed": seed,
-            "stop": _normalize_stop(stop),
-            "stop_token_ids": _normalize_stop_token_ids(stop_token_ids),
+            "stop": normalize_stop(stop),
+            "stop_token_ids": normalize_stop_token_ids(stop_token_ids),
             "ignore_eos": ignore_eos,
             "max_tokens": max_tokens,
             "min_tokens": min_tokens,
@@ -457,15 +287,15 @@ class SamplingParams:
             "skip_special_tokens": skip_special_tokens,
             "spaces_between_special_tokens": spaces_between_special_tokens,
             "output_kind": output_kind,
-            "logit_bias": _normalize_logit_bias(
+            "logit_bias": normalize_logit_bias(
                 dict(logit_bias) if isinstance(logit_bias, tuple) else logit_bias
             ),
-            "allowed_token_ids": _normalize_allowed(allowed_token_ids),
-            "bad_words": _normalize_bad_words(bad_words),
+            "allowed_token_ids": normalize_allowed(allowed_token_ids),
+            "bad_words": normalize_bad_words(bad_words),
             "structured_outputs": structured_outputs,
             "detokenize": detokenize,
             "truncate_prompt_tokens": truncate_prompt_tokens,
-            "logits_processors": _as_tuple(
+            "logits_processors": as_tuple(
                 "logits_processors", logits_processors or (), "a list of callables"
             ),
         }
@@ -474,7 +304,7 @@ class SamplingParams:
                 "logits_processors must be callables (output_token_ids, logits) -> logits."
             )
         if truncate_prompt_tokens is not None and (
-            _check_int("truncate_prompt_tokens", truncate_prompt_tokens) < 1
+            check_int("truncate_prompt_tokens", truncate_prompt_tokens) < 1
         ):
             raise InvalidRequestError(
                 f"truncate_prompt_tokens must be at least 1, got {truncate_prompt_tokens}."
@@ -489,9 +319,9 @@ class SamplingParams:
                 f"{type(structured_outputs).__name__}."
             )
         for name, value in values.items():
-            if name in _BOOL_FIELDS:
-                _check_bool(name, value)
-            if isinstance(value, _DefaultFloat | _DefaultInt):  # store plain numbers
+            if name in BOOL_FIELDS:
+                check_bool(name, value)
+            if isinstance(value, DefaultFloat | DefaultInt):  # store plain numbers
                 object.__setattr__(self, name, type(value).__mro__[1](value))
             else:
                 object.__setattr__(self, name, value)
@@ -505,7 +335,7 @@ class SamplingParams:
         assert set(unset) <= MODEL_DEFAULT_FIELDS, f"not model defaults: {sorted(unset)}"
         kwargs = {f.name: getattr(self, f.name) for f in fields(self) if f.init}
         for name in MODEL_DEFAULT_FIELDS - self.explicit_fields:
-            kwargs[name] = _MODEL_DEFAULTS[name]  # still unset after the merge unless given
+            kwargs[name] = MODEL_DEFAULTS[name]  # still unset after the merge unless given
         kwargs.update(unset)
         merged = SamplingParams(**kwargs)
         object.__setattr__(merged, "explicit_fields", self.explicit_fields)
@@ -574,22 +404,22 @@ class BeamSearchParams:
 
     def __post_init__(self) -> None:
         """Raise ``InvalidRequestError`` for a bad value; store floats as ``float``."""
-        if _check_int("beam_width", self.beam_width) < 1:
+        if check_int("beam_width", self.beam_width) < 1:
             raise InvalidRequestError(f"beam_width must be at least 1, got {self.beam_width}.")
-        if _check_int("max_tokens", self.max_tokens) < 1:
+        if check_int("max_tokens", self.max_tokens) < 1:
             raise InvalidRequestError(f"max_tokens must be at least 1, got {self.max_tokens}.")
-        _check_bool("ignore_eos", self.ignore_eos)
-        _check_bool("include_stop_str_in_output", self.include_stop_str_in_output)
+        check_bool("ignore_eos", self.ignore_eos)
+        check_bool("include_stop_str_in_output", self.include_stop_str_in_output)
         if self.early_stopping not in (True, False, "never"):
             raise InvalidRequestError(
                 f"early_stopping must be True, False or 'never', got {self.early_stopping!r}."
             )
-        temperature = _check_float("temperature", self.temperature)
+        temperature = check_float("temperature", self.temperature)
         if temperature < 0.0:
             raise InvalidRequestError(f"temperature must be non-negative, got {temperature}.")
         if temperature != 0.0:
             raise InvalidRequestError("beam search supports temperature 0 only.")
         object.__setattr__(self, "temperature", temperature)
         object.__setattr__(
-            self, "length_penalty", _check_float("length_penalty", self.length_penalty)
+            self, "length_penalty", check_float("length_penalty", self.length_penalty)
         )
