@@ -8,10 +8,11 @@ freely in one step. The attention backend is chosen in ``attention_select``.
 
 Order inside ``execute``: copy-on-write pairs, then the forward (which writes the new K/V into
 their slots), then the full fp32 head over the prompt rows that want prompt logprobs, if any
-(``prompt_logprobs``), then logits only for the sampling rows (each sampling sequence's last new
-token), then the sampler. Swap copies are separate calls (``swap_out`` / ``swap_in``) so a swap
-worker can run them beside steps; the scheduler guarantees they never touch blocks of a scheduled
-sequence.
+(``prompt_logprobs``), then the verification of speculative proposals, if any, and the LM head
+only for the sampling rows (each sampling sequence's last new token) with the sampler, both
+through a screened head where one applies (``head_sampling``). Swap copies are separate calls
+(``swap_out`` / ``swap_in``) so a swap worker can run them beside steps; the scheduler
+guarantees they never touch blocks of a scheduled sequence.
 
 Tensor parallel: a runner built with a ``TensorShard`` holds one rank's shard of the weights and
 a KV cache with that rank's share of the KV heads (the same block ids as every other rank). Rank 0
@@ -38,6 +39,7 @@ from asyncpaged.model.attention_select import AttentionChoice, select_attention_
 from asyncpaged.model.base import SINGLE_SHARD, CausalLM, TensorShard
 from asyncpaged.model.block_tables import BlockTables
 from asyncpaged.model.cuda_graphs import Capture, DecodeGraphs, capture_decode_graphs
+from asyncpaged.model.head_sampling import sample_draws, verify_proposals
 from asyncpaged.model.kept_options import KeptOptions
 from asyncpaged.model.kv_cache import PagedKVCache, swap_in, swap_out
 from asyncpaged.model.late_inputs import LateDelivery, LateInputs, LateSource, with_late_inputs
@@ -47,28 +49,15 @@ from asyncpaged.model.loader import load_model
 from asyncpaged.model.packed_linear import pack_linears, pack_weight
 from asyncpaged.model.penalty_histories import PenaltyHistories, SeenTokens
 from asyncpaged.model.prompt_logprobs import compute_prompt_logprobs
-from asyncpaged.model.sampler import (
-    SamplerOutput,
-    SamplingOptions,
-    greedy,
-    is_screenable,
-    sample,
-    sample_from_candidates,
-    screened_top_k,
-)
 from asyncpaged.model.step import (
     SampledToken,
     SequenceStep,
     StepPlan,
     StepResult,
     StepRunner,
-    greedy_verdicts,
-    plain_greedy,
     sampled_tokens,
     with_generator_keys,
 )
-from asyncpaged.spec_decode.rejection import verify
-from asyncpaged.structured_outputs import grammar_mask_bias
 
 if TYPE_CHECKING:
     from asyncpaged.model.draft import DraftModel
@@ -402,7 +391,11 @@ class ModelRunner:
         verified: tuple[SampledToken, ...] = ()
         if any(s.num_draft for s in seqs):
             sampling = [i for i in sampling if not seqs[i].num_draft]
-            verified = self._verify(plan, hidden, metadata.query_start_loc_host)
+            verified = verify_proposals(
+                self.model, plan.seqs, hidden, metadata.query_start_loc_host,
+                head=self.screened_head, int8_head=self.int8_head, bf16_screen=self.bf16_screen,
+                draft=self.draft, generator=self.generator,
+            )  # fmt: skip
         if not sampling:
             compute_s = time.perf_counter() - began
             return StepResult(sampled=verified, compute_s=compute_s, prompt_logprobs=prompt)
@@ -416,95 +409,11 @@ class ModelRunner:
             ends = metadata.query_start_loc_host
             rows = [ends[i + 1] - 1 for i in sampling for _ in range(len(seqs[i].fanout) or 1)]
             hidden = hidden[torch.tensor(rows, device=self.device)]
-        greedy = self._screened_argmax(draws, hidden)
-        if greedy is not None:
-            out = SamplerOutput(
-                token_ids=greedy, logprobs=None, ranks=None, top_token_ids=None, top_logprobs=None
-            )
-            compute_s = time.perf_counter() - began
-            sampled = sampled_tokens(draws, out) + verified
-            return StepResult(sampled=sampled, compute_s=compute_s, prompt_logprobs=prompt)
-        screened = self._sample_screened(draws, hidden)
-        if screened is not None:
-            compute_s = time.perf_counter() - began
-            sampled = sampled_tokens(draws, screened) + verified
-            return StepResult(sampled=sampled, compute_s=compute_s, prompt_logprobs=prompt)
-        logits = self.model.compute_logits(hidden)
-        out = sample(
-            logits,
-            [opt for _, _, opt in draws],
-            want_logprobs=any(s.want_logprob for s, _, _ in draws),
-            generator=self.generator,
-            penalty_seen=[
-                None if opt is None or opt.history_seq is None else seen[s.seq_id]
-                for s, _, opt in draws
-            ]
-            if seen
-            else None,
-        )
+        out = sample_draws(
+            self.model, draws, hidden,
+            head=self.screened_head, int8_head=self.int8_head, bf16_screen=self.bf16_screen,
+            generator=self.generator, seen=seen,
+        )  # fmt: skip
         compute_s = time.perf_counter() - began
         sampled = sampled_tokens(draws, out) + verified
         return StepResult(sampled=sampled, compute_s=compute_s, prompt_logprobs=prompt)
-
-    def _verify(
-        self, plan: StepPlan, hidden: torch.Tensor, ends: tuple[int, ...]
-    ) -> tuple[SampledToken, ...]:
-        """Speculative decoding: score each sequence's proposals (its last ``num_draft + 1``
-        rows) and keep what ``spec_decode.rejection.verify`` accepts. Plain greedy sequences
-        take the target's argmax per row (through a screen where one applies)."""
-        spec = [(i, s) for i, s in enumerate(plan.seqs) if s.num_draft]
-        rows = [r for i, s in spec for r in range(ends[i + 1] - 1 - s.num_draft, ends[i + 1])]
-        states = hidden[torch.tensor(rows, device=self.device)]
-        drafts = [s.token_ids[-s.num_draft :] for _, s in spec]
-        if all(not s.verify_options for _, s in spec):
-            plain: list[tuple[SequenceStep, int, SamplingOptions | None]] = [
-                (s, 0, None) for _, s in spec for _ in range(s.num_draft + 1)
-            ]
-            argmax = self._screened_argmax(plain, states)
-            if argmax is None:
-                argmax = greedy(self.model.compute_logits(states))
-            return greedy_verdicts(spec, drafts, argmax.tolist())
-        options = [o for _, s in spec for o in s.verify_options or (None,) * (s.num_draft + 1)]
-        draft_probs = None if self.draft is None else self.draft.draft_probs([s for _, s in spec])
-        out = verify(self.model.compute_logits(states), drafts, options,
-                     draft_probs=draft_probs, generator=self.generator)  # fmt: skip
-        return tuple(
-            SampledToken(s.seq_id, tokens[-1], None, None, (), 0, out.errors.get(k), tokens[:-1])
-            for k, ((_, s), tokens) in enumerate(zip(spec, out.token_ids, strict=True))
-        )
-
-    def _screened_argmax(
-        self, draws: list[tuple[SequenceStep, int, SamplingOptions | None]], hidden: torch.Tensor
-    ) -> torch.Tensor | None:
-        """The full head's greedy tokens through the int8 screen, else the bf16 one, when every
-        row is plain greedy, a grammar's bitmask allowed (the screens then rank the allowed
-        tokens only); None: neither applies (or both gave up on NaN/inf hidden states)."""
-        if self.screened_head is None or not all(plain_greedy(s, o) for s, _, o in draws):
-            return None
-        bitmasks = [None if o is None else o.token_bitmask for _, _, o in draws]
-        bias = grammar_mask_bias(bitmasks, self.screened_head.vocab_size, hidden.device)
-        token_ids = self.int8_head.argmax(hidden, bias) if self.int8_head is not None else None
-        if token_ids is None and self.bf16_screen:
-            token_ids = self.screened_head.argmax(hidden, bias)
-        return token_ids
-
-    def _sample_screened(
-        self, draws: list[tuple[SequenceStep, int, SamplingOptions | None]], hidden: torch.Tensor
-    ) -> SamplerOutput | None:
-        """Greedy and top-k rows from the bf16 screen's candidates, the same tokens as
-        ``sample`` on the full logits; None (nothing drawn yet): use the full head."""
-        head = self.screened_head
-        if (
-            head is None
-            or not self.bf16_screen
-            or not all(
-                not seq.want_logprob and is_screenable(opt, head.vocab_size)
-                for seq, _, opt in draws
-            )
-        ):
-            return None
-        opts = [opt for _, _, opt in draws]
-        candidates = head.topk_candidates(hidden, screened_top_k(opts))
-        if candidates is None:  # NaN/inf hidden states
-            return None
-        return sample_from_candidates(candidates, opts, generator=self.generator)
