@@ -178,14 +178,23 @@ class GrammarBackend:
     def next_token_bitmasks(self, matchers: Sequence[Any]) -> torch.Tensor:
         """[len(matchers), ceil(V / 32)] int32: every matcher's bitmask, filled in one call
         into one new buffer (a step's rows are views of it; a buffer per step, never reused,
-        because the executor reads it while the next step is planned)."""
+        because the executor reads it while the next step is planned). A grammar that has
+        ended (its stop token accepted) while the output goes on (``ignore_eos``) constrains
+        nothing more, as in vLLM: its row allows every token."""
         import xgrammar as xgr
 
-        # every row is filled: no need for allocate_token_bitmask's all-ones start
         bitmasks = torch.empty(len(matchers), -(-self.vocab_size // 32), dtype=torch.int32)
         if self._batch is None:
             self._batch = xgr.BatchGrammarMatcher(max_threads=1)
-        self._batch.batch_fill_next_token_bitmask(list(matchers), bitmasks)
+        live = [i for i, m in enumerate(matchers) if not m.is_terminated()]
+        if len(live) == len(matchers):  # every row is filled: no all-ones start needed
+            self._batch.batch_fill_next_token_bitmask(list(matchers), bitmasks)
+        else:
+            bitmasks.fill_(-1)
+            if live:
+                self._batch.batch_fill_next_token_bitmask(
+                    [matchers[i] for i in live], bitmasks, live
+                )
         return bitmasks
 
     def jump_forward_tokens(self, matcher: Any) -> list[int]:

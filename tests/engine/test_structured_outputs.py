@@ -135,3 +135,62 @@ async def test_bad_constraints_fail_their_own_request(
             with pytest.raises(InvalidRequestError, match="invalid structured output"):
                 await engine.generate([5, 6, 7], _params(bad))
         assert len((await innocent).outputs[0].token_ids) == 4
+
+
+ENGINES = {
+    "sync": {"executor_backend": "thread", "async_scheduling": False},
+    "async": {"executor_backend": "process", "async_scheduling": True},
+}
+
+
+@pytest.mark.parametrize("engine_kind", list(ENGINES))
+async def test_a_grammar_ended_by_its_stop_token_constrains_nothing_more(
+    engine_kind: str, tiny_checkpoint: Callable[[str], Path]
+) -> None:
+    """``ignore_eos`` past a grammar's end (the stop token accepted, the output going on):
+    the rest is unconstrained, as in vLLM, for greedy and seeded requests beside constrained
+    ones; the engine lives on (asking an ended matcher for a bitmask killed it)."""
+    choices = ["paged", "blocks"]
+    prompts = [list(p) for p in make_prompts(6, seed=11)]
+    constraint = StructuredOutputsParams(choice=choices)
+    async with running_engine(tiny_checkpoint(MODEL), **ENGINES[engine_kind]) as engine:
+        with anyio.fail_after(120):
+            past = await _all(engine, prompts, _params(constraint, max_tokens=12, ignore_eos=True))
+            seeded = await _all(engine, prompts, _params(
+                constraint, max_tokens=12, ignore_eos=True, temperature=1.0, seed=3))  # fmt: skip
+            ends = await _all(engine, prompts, _params(constraint, max_tokens=12))
+    eos = 2  # the built-in tokenizer's </s>
+    for out in [*past, *seeded]:
+        completion = out.outputs[0]  # type: ignore[attr-defined]
+        assert completion.finish_reason == "length" and len(completion.token_ids) == 12
+        assert eos in completion.token_ids  # the grammar ended, the output went on
+        assert any(completion.text.startswith(c) for c in choices), completion.text
+    for out in ends:
+        completion = out.outputs[0]  # type: ignore[attr-defined]
+        assert completion.finish_reason == "stop" and completion.text in choices
+
+
+@pytest.mark.parametrize("engine_kind", list(ENGINES))
+async def test_min_tokens_yields_where_the_grammar_may_only_end(
+    engine_kind: str, tiny_checkpoint: Callable[[str], Path]
+) -> None:
+    """``min_tokens`` past what a grammar allows: where the grammar may only end, the stop
+    token goes through and ends the output (vLLM's rule), instead of a token the grammar
+    rules out; a grammar that may go on keeps ``min_tokens``."""
+    prompts = [list(p) for p in make_prompts(6, seed=12)]
+    choice = StructuredOutputsParams(choice=["paged", "blocks"])
+    digits = StructuredOutputsParams(regex=r"[0-9]+")
+    async with running_engine(tiny_checkpoint(MODEL), **ENGINES[engine_kind]) as engine:
+        with anyio.fail_after(120):
+            short = await _all(engine, prompts, _params(choice, max_tokens=30, min_tokens=20))
+            long = await _all(engine, prompts, _params(digits, max_tokens=12, min_tokens=8))
+    for out in short:  # ended by EOS, before min_tokens, with no token between
+        completion = out.outputs[0]  # type: ignore[attr-defined]
+        assert completion.finish_reason == "stop", completion
+        assert completion.text in ("paged", "blocks"), completion
+        assert completion.token_ids[-1] == 2 and len(completion.token_ids) < 20, completion
+        assert engine.tokenizer.decode(completion.token_ids[:-1]) == completion.text
+    for out in long:
+        completion = out.outputs[0]  # type: ignore[attr-defined]
+        assert len(completion.token_ids) >= 8, completion
+        assert re.fullmatch(r"[0-9]+", completion.text), completion

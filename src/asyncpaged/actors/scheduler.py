@@ -24,6 +24,7 @@ from asyncpaged.actors.scheduler_outputs import (
     Tracked,
     accept_grammar_tokens,
     failed_requests,
+    grammar_stop,
     jump_forward,
     prompt_logprob_progress,
     tokens_by_seq,
@@ -426,6 +427,10 @@ class SchedulerActor:
                 if not accept_grammar_tokens(tracked.matchers, upd.completion, upd.new_token_ids):
                     self._log.warning("grammar_rejected_token", request_id=upd.request_id,
                                       tokens=list(upd.new_token_ids))  # fmt: skip
+                stops, reason = grammar_stop(tracked.info, tracked.matchers, upd, self._eos)
+                if stops:
+                    self.scheduler.finish_seq(upd.request_id, upd.seq_id, "stop", reason)
+                    upd = upd._replace(finish_reason="stop", stop_reason=reason)
                 # + the tokens the grammar forces
                 upd, num_forced = jump_forward(tracked.info, tracked.matchers, upd,
                                                self.scheduler, self._grammars)  # fmt: skip

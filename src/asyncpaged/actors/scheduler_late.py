@@ -4,10 +4,15 @@ whose sequence that step sampled."""
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from asyncpaged.actors.scheduler_outputs import Tracked
-from asyncpaged.actors.scheduler_sampling import BadWordsCache, sampling_options
+from asyncpaged.actors.scheduler_sampling import (
+    BadWordsCache,
+    grammar_allows_only,
+    sampling_options,
+)
 from asyncpaged.actors.scheduler_steps import LateRows, seq_of
 from asyncpaged.core.scheduler import Scheduler
 from asyncpaged.model.late_inputs import LateDelivery
@@ -57,5 +62,13 @@ def late_inputs(
     if matchers:
         assert grammars is not None, "a matcher without a grammar backend"
         masks = grammars.next_token_bitmasks(matchers).numpy()
+        row_of = {sid: j for j, sid in enumerate(masked)}
+        options = [
+            (sid, made)
+            if made is None or not made.min_tokens_mask_ids or sid not in row_of
+            or not grammar_allows_only(masks[row_of[sid]], made.min_tokens_mask_ids)
+            else (sid, dataclasses.replace(made, min_tokens_mask_ids=()))  # as sampling_options
+            for sid, made in options
+        ]  # fmt: skip
     return LateDelivery(rows=tuple(sid for _, sid, _ in rows), options=tuple(options),
                         masked=tuple(masked), masks=masks)  # fmt: skip

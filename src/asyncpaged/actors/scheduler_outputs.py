@@ -147,11 +147,30 @@ def prompt_logprob_targets(
 
 def accept_grammar_tokens(matchers: dict[int, Any], index: int, tokens: Sequence[int]) -> bool:
     """Feed a completion's new tokens to its matcher; False if the grammar refused one
-    (the bitmask allowed it, so only a stop token past the end can)."""
+    (the bitmask allowed it, so only a stop token past the end can). An ended grammar
+    (its stop token accepted, ``ignore_eos`` going on) is fed nothing more."""
     matcher = matchers.get(index)
     if matcher is None:
         return True
-    return all(matcher.accept_token(t) or matcher.is_terminated() for t in tokens)
+    return all(matcher.is_terminated() or matcher.accept_token(t) for t in tokens)
+
+
+def grammar_stop(
+    info: RequestInfo, matchers: dict[int, Any], upd: SeqUpdate, eos_token_ids: frozenset[int]
+) -> tuple[bool, int | None]:
+    """(True, stop reason) if a completion's grammar ended on a stop token that did not end
+    it: ``min_tokens`` holds stop tokens back, but where the grammar may only end its options
+    let them through (``grammar_allows_only``), and the sequence stops there, as in vLLM."""
+    matcher = matchers.get(upd.completion)
+    if upd.finish_reason is not None or matcher is None or not upd.new_token_ids:
+        return False, None
+    if not matcher.is_terminated():
+        return False, None
+    token = upd.new_token_ids[-1]
+    params = info.params
+    if token in params.stop_token_ids:
+        return True, token
+    return token in eos_token_ids and not params.ignore_eos, None
 
 
 def jump_forward(

@@ -5,8 +5,10 @@ histories, seeded generator keys, bad words (tokenized once per distinct word li
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
+import numpy as np
 import torch
 
 from asyncpaged.core.request import Sequence as Seq
@@ -92,6 +94,8 @@ def sampling_options(
         mask = tuple(params.stop_token_ids)
         if not params.ignore_eos:
             mask = (*mask, *sorted(eos_token_ids - set(mask)))
+        if token_bitmask is not None and grammar_allows_only(token_bitmask, mask):
+            mask = ()  # the grammar may only end here: min_tokens yields (as in vLLM)
     penalized = (
         params.presence_penalty != 0.0
         or params.frequency_penalty != 0.0
@@ -139,6 +143,18 @@ def sampling_options(
         token_bitmask=token_bitmask,
         logits_processors=params.logits_processors,
     )
+
+
+def grammar_allows_only(bitmask: torch.Tensor | np.ndarray, token_ids: Iterable[int]) -> bool:
+    """Whether a grammar's bitmask ([ceil(V / 32)] int32) allows no token but ``token_ids``:
+    then its output may only end there (a complete schema), and ``min_tokens``, which bans
+    the stop tokens, would leave nothing to sample."""
+    row = bitmask.numpy() if isinstance(bitmask, torch.Tensor) else bitmask
+    words = row.view(np.uint32).copy()
+    for t in token_ids:
+        if t >> 5 < len(words):
+            words[t >> 5] &= ~np.uint32(1 << (t & 31))
+    return not words.any()
 
 
 def bad_words_token_ids(tokenizer: Any, words: tuple[str, ...]) -> tuple[tuple[int, ...], ...]:

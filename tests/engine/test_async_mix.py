@@ -1,0 +1,122 @@
+"""Async scheduling against the engine without it, on random mixes of what a request may ask:
+greedy and seeded sampling (top-p, top-k), penalties, stop strings and stop token ids, bad
+words, ``min_tokens``, logprobs and prompt logprobs, n = 2, JSON schemas, short and long
+outputs, EOS honoured or not. Each mix runs once on the sync engine with plenty of blocks, then
+with async scheduling in the runner's process under memory pressure (swap and recompute) and
+on the thread: every completion's tokens, text, finish and stop reason are the same, and its
+logprobs and prompt logprobs the same within float noise."""
+
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import anyio
+import pytest
+
+from asyncpaged import EngineStatistics, RequestOutput, SamplingParams
+from tests.engine.conftest import running_engine
+from tests.engine.test_engine import generate_all, make_prompts
+from tests.engine.test_jump_forward import COMPACT
+
+pytestmark = pytest.mark.anyio
+MODEL = "llama-gqa"
+NUM_REQUESTS = 24
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+def mixed_params(rng: random.Random, i: int) -> SamplingParams:
+    """One request's parameters, drawn from the menu above (every sampled one seeded)."""
+    kw: dict[str, Any] = {"max_tokens": rng.choice([1, 2, 5, 12, 24]), "temperature": 0.0}
+    if rng.random() < 0.5:
+        kw.update(temperature=0.9, top_p=rng.choice([1.0, 0.9]), top_k=rng.choice([0, 20]),
+                  seed=1000 + i)  # fmt: skip
+        if rng.random() < 0.3:
+            kw["n"] = 2
+    if rng.random() < 0.3:
+        kw.update(repetition_penalty=1.2, frequency_penalty=0.1)
+    if rng.random() < 0.25:
+        kw["stop"] = [rng.choice([" the", "e", "a", " memory"])]
+    if rng.random() < 0.2:
+        kw["stop_token_ids"] = [rng.randrange(4, 320)]
+    if rng.random() < 0.2:
+        kw["bad_words"] = ["the", "a cat"]
+    if rng.random() < 0.2:
+        kw["min_tokens"] = rng.randint(1, kw["max_tokens"])
+    if rng.random() < 0.3:
+        kw["logprobs"] = rng.choice([0, 2])
+    if rng.random() < 0.2:
+        kw["prompt_logprobs"] = rng.choice([0, 1])
+    if rng.random() < 0.15:
+        kw.update(structured_outputs=COMPACT, max_tokens=48)
+    kw["ignore_eos"] = rng.random() < 0.5
+    return SamplingParams(**kw)
+
+
+def _close(a: float, b: float) -> bool:
+    return (math.isinf(a) and a == b) or math.isclose(a, b, rel_tol=1e-4, abs_tol=1e-4)
+
+
+def assert_same(sync: RequestOutput, ahead: RequestOutput, i: int) -> None:
+    """The same completions (tokens, text, finish and stop reasons, logprobs within noise)
+    and prompt logprobs."""
+    assert len(ahead.outputs) == len(sync.outputs), i
+    for old, new in zip(sync.outputs, ahead.outputs, strict=True):
+        assert (new.token_ids, new.text, new.finish_reason, new.stop_reason) == (
+            old.token_ids, old.text, old.finish_reason, old.stop_reason,
+        ), i  # fmt: skip
+        assert (old.logprobs is None) == (new.logprobs is None), i
+        for x, y in zip(old.logprobs or [], new.logprobs or [], strict=True):
+            assert x.keys() == y.keys(), i
+            assert all(_close(x[t].logprob, y[t].logprob) and x[t].rank == y[t].rank
+                       for t in x), i  # fmt: skip
+    assert (sync.prompt_logprobs is None) == (ahead.prompt_logprobs is None), i
+    for x, y in zip(sync.prompt_logprobs or [], ahead.prompt_logprobs or [], strict=True):
+        assert (x is None) == (y is None), i
+        if x is not None and y is not None:
+            assert x.keys() == y.keys() and all(_close(x[t].logprob, y[t].logprob) for t in x), i
+
+
+async def _run(
+    path: Path,
+    prompts: list[tuple[int, ...]],
+    params: Callable[[int], SamplingParams],
+    **config: Any,
+) -> tuple[list[RequestOutput], EngineStatistics]:
+    with anyio.fail_after(240):
+        async with running_engine(path, **config) as engine:
+            outs = await generate_all(engine, prompts, params)
+            return outs, engine.statistics()
+
+
+@pytest.mark.parametrize("mix", [0, 1, 2])
+async def test_random_mixes_give_the_sync_engines_outputs(
+    mix: int, tiny_checkpoint: Callable[[str], Path]
+) -> None:
+    path = tiny_checkpoint(MODEL)
+    rng = random.Random(mix)
+    prompts = make_prompts(NUM_REQUESTS, seed=100 + mix, max_len=30)
+    chosen = [mixed_params(rng, i) for i in range(NUM_REQUESTS)]
+
+    def params(i: int) -> SamplingParams:
+        return chosen[i]
+
+    sync, _ = await _run(path, prompts, params, async_scheduling=False,
+                         executor_backend="thread", num_device_blocks=128)  # fmt: skip
+    configs: list[dict[str, Any]] = [
+        {"executor_backend": "process", "num_device_blocks": 16, "preemption_mode": "swap"},
+        {"executor_backend": "process", "num_device_blocks": 16, "preemption_mode": "recompute"},
+        {"executor_backend": "thread", "num_device_blocks": 128},
+    ]
+    for config in configs:
+        outs, stats = await _run(path, prompts, params, async_scheduling=True, **config)
+        assert stats.num_steps_planned_ahead > 0, (config, stats)
+        for i, (old, new) in enumerate(zip(sync, outs, strict=True)):
+            assert_same(old, new, i)
