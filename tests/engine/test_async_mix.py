@@ -1,10 +1,12 @@
 """Async scheduling against the engine without it, on random mixes of what a request may ask:
-greedy and seeded sampling (top-p, top-k), penalties, stop strings and stop token ids, bad
-words, ``min_tokens``, logprobs and prompt logprobs, n = 2, JSON schemas, short and long
-outputs, EOS honoured or not. Each mix runs once on the sync engine with plenty of blocks, then
-with async scheduling in the runner's process under memory pressure (swap and recompute) and
-on the thread: every completion's tokens, text, finish and stop reason are the same, and its
-logprobs and prompt logprobs the same within float noise."""
+greedy and seeded sampling (top-p, top-k), penalties, stop strings (kept in the output or not)
+and stop token ids, bad words, ``min_tokens``, logprobs and prompt logprobs, n = 2 and
+best_of, JSON schemas, choices and regexes, logit bias and allowed tokens, special tokens
+kept, no detokenizing, short and long outputs, EOS honoured or not. Each mix runs once on the
+sync engine with plenty of blocks, then with async scheduling in the runner's process under
+memory pressure (swap and recompute) and on the thread: every completion's tokens, text,
+finish and stop reason are the same, and its logprobs and prompt logprobs the same within
+float noise."""
 
 from __future__ import annotations
 
@@ -17,10 +19,16 @@ from typing import Any
 import anyio
 import pytest
 
-from asyncpaged import EngineStatistics, RequestOutput, SamplingParams
+from asyncpaged import EngineStatistics, RequestOutput, SamplingParams, StructuredOutputsParams
 from tests.engine.conftest import running_engine
 from tests.engine.test_engine import generate_all, make_prompts
 from tests.engine.test_jump_forward import COMPACT
+
+CONSTRAINTS = (
+    COMPACT,
+    StructuredOutputsParams(choice=["paged", "blocks", "copy on write"]),
+    StructuredOutputsParams(regex=r"[a-z]{2,6}( [0-9]{1,3})?"),
+)
 
 pytestmark = pytest.mark.anyio
 MODEL = "llama-gqa"
@@ -55,7 +63,20 @@ def mixed_params(rng: random.Random, i: int) -> SamplingParams:
     if rng.random() < 0.2:
         kw["prompt_logprobs"] = rng.choice([0, 1])
     if rng.random() < 0.15:
-        kw.update(structured_outputs=COMPACT, max_tokens=48)
+        kw.update(structured_outputs=rng.choice(CONSTRAINTS), max_tokens=48)
+    if rng.random() < 0.15:
+        kw["logit_bias"] = {rng.randrange(4, 320): 5.0, rng.randrange(4, 320): -100.0}
+    if rng.random() < 0.1:
+        kw["allowed_token_ids"] = [*sorted(rng.sample(range(4, 320), 40)), 2]
+    if kw.get("n") == 2 and rng.random() < 0.5:
+        kw["best_of"] = 3
+    if kw.get("stop") and rng.random() < 0.5:
+        kw["include_stop_str_in_output"] = True
+    if rng.random() < 0.1:
+        kw["skip_special_tokens"] = False
+    if rng.random() < 0.1:
+        kw["detokenize"] = False
+        kw.pop("stop", None)  # (stop strings need the text)
     kw["ignore_eos"] = rng.random() < 0.5
     return SamplingParams(**kw)
 
