@@ -13,14 +13,16 @@ changing anything; a broken internal invariant is an ``AssertionError``.
                                       block 5: t8 u9 .  .    b's copy-on-write of the old shared 3
 
 This module owns the :class:`BlockPool`: its tables, pins, swaps in flight and speculative
-tails, the checks every call makes before it changes anything, and its statistics. Its parts,
-functions of the pool's pieces that each call passes explicitly: core/block_pool_counts.py
+tails, and its statistics. Its parts, functions of the pool's pieces that each call passes
+explicitly: core/block_pool_checks.py (the checks a call makes before it changes anything: the
+sequence's table and where it is, the tokens, a late token), core/block_pool_counts.py
 (counting queries: what an allocation or appends take, what freeing a group releases, shared
 tails), core/block_pool_prefix.py (the hash chain, matching the prefix cache and the KV tiers,
-restoring and persisting tier blocks, pinning), core/block_pool_write.py (a new table,
-reserving slots, copy-on-write), core/block_pool_swap.py (swap groups, their in-flight moves
-and what they release), core/block_pool_speculative.py (speculative tails, truncation) and
-core/block_pool_report.py (statistics, the snapshot and the invariant check).
+restoring and persisting tier blocks, pinning and unpinning), core/block_pool_write.py (a new
+table, reserving slots, copy-on-write), core/block_pool_swap.py (swap groups, starting a swap
+and its in-flight moves, completing it, what it releases), core/block_pool_speculative.py
+(speculative tails, truncation) and core/block_pool_report.py (statistics, the snapshot and
+the invariant check).
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from asyncpaged.core import block_pool_report as report
 from asyncpaged.core import block_pool_speculative as spec
 from asyncpaged.core import block_pool_swap as swap
 from asyncpaged.core import block_pool_write as write
+from asyncpaged.core.block_pool_checks import check_settled, check_tokens, device_table, table_of
 from asyncpaged.core.block_table import (
     LATE_TOKEN,
     AppendResult,
@@ -161,13 +164,13 @@ class BlockPool:
         return seq_id in self._tables
 
     def block_ids(self, seq_id: SeqId) -> tuple[int, ...]:
-        return tuple(self._table(seq_id).block_ids)
+        return tuple(table_of(self._tables, seq_id).block_ids)
 
     def num_tokens(self, seq_id: SeqId) -> int:
-        return self._table(seq_id).num_tokens
+        return table_of(self._tables, seq_id).num_tokens
 
     def location(self, seq_id: SeqId) -> Location:
-        return self._table(seq_id).location
+        return table_of(self._tables, seq_id).location
 
     def lookup_prefix(self, token_ids: Sequence[int], extra_key: str | None = None) -> PrefixHit:
         """The cached full blocks that a prompt ``token_ids`` would reuse (never its last token)."""
@@ -185,8 +188,11 @@ class BlockPool:
         read_cache: bool = True,
     ) -> int:
         """Allocatable device blocks that :meth:`allocate` with these arguments would consume."""
-        _check_tokens(token_ids)
-        return self._plan_allocation(token_ids, max_new_tokens, extra_key, read_cache)[0].num_blocks
+        check_tokens(token_ids)
+        plan = counts.plan_allocation(self.device, self.tiers, self._prompt_hashes, token_ids,
+                                      max_new_tokens, extra_key, read_cache,
+                                      self.enable_prefix_caching)  # fmt: skip
+        return plan.num_blocks
 
     def can_allocate(
         self,
@@ -202,7 +208,7 @@ class BlockPool:
 
     def num_blocks_to_append(self, seq_id: SeqId, num_tokens: int) -> int:
         """Device blocks that appending ``num_tokens`` tokens takes, copy-on-write included."""
-        table = self._device_table(seq_id, "append to")
+        table = device_table(self._tables, seq_id, "append to")
         return counts.num_blocks_to_append(self.device.ref_cnt, self.block_size, table, num_tokens)
 
     def num_blocks_to_append_all(self, appends: Sequence[tuple[SeqId, int]]) -> int:
@@ -210,7 +216,7 @@ class BlockPool:
         exact for siblings sharing a partial last block (the last of its holders to append
         writes in place, the others copy it)."""
         return counts.num_blocks_to_append_all(
-            self._device_table, self.device.ref_cnt, self.block_size, appends
+            self._tables, self.device.ref_cnt, self.block_size, appends
         )
 
     @property
@@ -223,7 +229,7 @@ class BlockPool:
 
     def num_blocks_to_swap(self, seq_ids: Sequence[SeqId], direction: SwapDirection) -> int:
         """Blocks a swap of this group takes in the destination pool (shared blocks once)."""
-        tables = swap.swap_group(self._table, self._speculative, seq_ids, direction)
+        tables = swap.swap_group(self._tables, self._speculative, seq_ids, direction)
         return len(swap.distinct_blocks(tables))
 
     def can_swap_out(self, seq_ids: Sequence[SeqId]) -> bool:
@@ -236,7 +242,7 @@ class BlockPool:
 
     def has_speculative_tokens(self, seq_id: SeqId) -> bool:
         """Whether the sequence holds proposals not yet verified (see :meth:`truncate`)."""
-        self._table(seq_id)
+        table_of(self._tables, seq_id)
         return seq_id in self._speculative
 
     # ---- growing and sharing --------------------------------------------------------------
@@ -261,17 +267,19 @@ class BlockPool:
         """
         if seq_id in self._tables:
             raise BlockPoolError(f"sequence {seq_id!r} already exists.")
-        _check_tokens(token_ids)
-        plan, chain = self._plan_allocation(token_ids, max_new_tokens, extra_key, read_cache)
+        check_tokens(token_ids)
+        caching = self.enable_prefix_caching
+        plan = counts.plan_allocation(self.device, self.tiers, self._prompt_hashes, token_ids,
+                                      max_new_tokens, extra_key, read_cache, caching)  # fmt: skip
         if plan.num_blocks > self.device.num_allocatable:
             return None
-        num_cached, caching = plan.num_cached_tokens, self.enable_prefix_caching
+        num_cached = plan.num_cached_tokens
         if caching:
             self.prefix_query_tokens += len(token_ids)
             self.prefix_hit_tokens += num_cached
         table, slots = write.allocate_table(self.device, self.tiers, seq_id, token_ids, plan,
                                             extra_key, self.prefix_tier_hit_tokens,
-                                            caching=caching, chain=chain)  # fmt: skip
+                                            caching=caching)  # fmt: skip
         self._tables[seq_id] = table
         return SeqAllocation(
             block_ids=tuple(table.block_ids), num_cached_tokens=num_cached, slot_mapping=slots
@@ -290,11 +298,11 @@ class BlockPool:
         is registered in the prefix cache, and the sequence must be :meth:`truncate`-d (to the
         tokens it keeps) before it grows, forks or swaps out again.
         """
-        table = self._device_table(seq_id, "append to")
-        _check_tokens(token_ids)
+        table = device_table(self._tables, seq_id, "append to")
+        check_tokens(token_ids)
         if len(token_ids) > 1 and LATE_TOKEN in token_ids:
             raise BlockPoolError("a late token is appended alone.")
-        self._check_settled(table, "append to")
+        check_settled(table, "append to", caching=self.enable_prefix_caching)
         spec.check_num_speculative(num_speculative_tokens, len(token_ids))
         spec.check_verified(self._speculative, seq_id, "append to")
         need = counts.num_blocks_to_append(
@@ -334,7 +342,7 @@ class BlockPool:
         if self.enable_prefix_caching:
             partial = table.partial_token_ids
             if partial[-1] == LATE_TOKEN:  # (a partial block: never empty here)
-                self._check_settled(table, "append to")
+                check_settled(table, "append to", caching=True)
             partial.append(token)
             if offset + 1 == bs and token != LATE_TOKEN:
                 device.register(block, prefix.seal_full_block(table))
@@ -344,7 +352,7 @@ class BlockPool:
         """The value of the :data:`LATE_TOKEN` last appended to a device sequence (async
         scheduling: the step that sampled it returned after the next one was planned). A
         block it filled is hashed and registered in the prefix cache now."""
-        table = self._device_table(seq_id, "set a late token of")
+        table = device_table(self._tables, seq_id, "set a late token of")
         if token < 0:
             raise BlockPoolError(f"token ids must be >= 0, got {token}.")
         if not self.enable_prefix_caching:
@@ -356,9 +364,9 @@ class BlockPool:
 
     def fork(self, parent_id: SeqId, child_id: SeqId) -> None:
         """Give ``child_id`` the parent's table, sharing every block (never allocates)."""
-        parent = self._device_table(parent_id, "fork")
+        parent = device_table(self._tables, parent_id, "fork")
         spec.check_verified(self._speculative, parent_id, "fork")
-        self._check_settled(parent, "fork")
+        check_settled(parent, "fork", caching=self.enable_prefix_caching)
         if child_id in self._tables:
             raise BlockPoolError(f"cannot fork into {child_id!r}: that sequence already exists.")
         for block in parent.block_ids:
@@ -371,7 +379,7 @@ class BlockPool:
 
         Blocks of a swap in flight stay held by the swap until :meth:`complete_swap`.
         """
-        table = self._table(seq_id)
+        table = table_of(self._tables, seq_id)
         del self._tables[seq_id]
         self._forked.discard(seq_id)
         self._speculative.pop(seq_id, None)
@@ -391,8 +399,8 @@ class BlockPool:
         or in the blocks of the speculative tail; otherwise :class:`BlockPoolError`. Never
         allocates.
         """
-        table = self._device_table(seq_id, "truncate")
-        self._check_settled(table, "truncate")
+        table = device_table(self._tables, seq_id, "truncate")
+        check_settled(table, "truncate", caching=self.enable_prefix_caching)
         spec.check_truncate(table, num_tokens)
         tail = self._speculative.get(seq_id)
         dropped = spec.truncate_table(
@@ -410,40 +418,24 @@ class BlockPool:
         moves to SWAPPING_OUT; both ends of each copy stay in flight until :meth:`complete_swap`.
         Returns None, and changes nothing, when the host pool is short.
         """
-        return self._swap(seq_ids, SwapDirection.OUT)
+        return swap.start_swap(self.device, self.host, self._tables, self._speculative, self._swaps,
+                               self._ids, seq_ids, SwapDirection.OUT,
+                               caching=self.enable_prefix_caching)  # fmt: skip
 
     def swap_in(self, seq_ids: Sequence[SeqId]) -> SwapPlan | None:
         """The reverse of :meth:`swap_out`, for a group on the host; None if the device is short."""
-        return self._swap(seq_ids, SwapDirection.IN)
+        return swap.start_swap(self.device, self.host, self._tables, self._speculative, self._swaps,
+                               self._ids, seq_ids, SwapDirection.IN,
+                               caching=self.enable_prefix_caching)  # fmt: skip
 
     def num_blocks_freed_by_swap(self, swap_id: int) -> int:
         """Source blocks that completing this swap would release (their only holder is it)."""
-        if swap_id not in self._swaps:
-            raise BlockPoolError(f"no swap in flight with id {swap_id}.")
-        plan = self._swaps[swap_id].plan
-        return swap.num_blocks_freed(self._swap_pools(plan.direction)[0], plan)
+        return swap.num_blocks_freed(self.device, self.host, self._swaps, swap_id)
 
     def complete_swap(self, swap_id: int) -> None:
         """The copies of a swap are done: release the in-flight holds, finish the moves."""
-        if swap_id not in self._swaps:
-            raise BlockPoolError(f"no swap in flight with id {swap_id}.")
-        done = self._swaps.pop(swap_id)
-        src, dst = self._swap_pools(done.plan.direction)
-        swap.finish_swap(src, dst, done, self._tables, caching=self.enable_prefix_caching)
-
-    def _swap(self, seq_ids: Sequence[SeqId], direction: SwapDirection) -> SwapPlan | None:
-        tables = swap.swap_group(self._table, self._speculative, seq_ids, direction)
-        for table in tables:
-            self._check_settled(table, "swap")
-        src, dst = self._swap_pools(direction)
-        started = swap.start_swap(src, dst, seq_ids, tables, direction, self._ids)
-        if started is None:
-            return None
-        self._swaps[started.plan.swap_id] = started
-        return started.plan
-
-    def _swap_pools(self, direction: SwapDirection) -> tuple[PhysicalBlocks, PhysicalBlocks]:
-        return swap.swap_pools(self.device, self.host, direction)
+        swap.complete_swap(self.device, self.host, self._swaps, self._tables, swap_id,
+                           caching=self.enable_prefix_caching)  # fmt: skip
 
     # ---- explicit prefixes, eviction and the KV tiers -------------------------------------
 
@@ -455,18 +447,11 @@ class BlockPool:
         Returns None, and changes nothing, unless all those blocks are cached (compute the prefix
         first, for example as a request's prompt, and pin it before that request frees it).
         """
-        if not self.enable_prefix_caching:
-            raise BlockPoolError("pin_prefix needs enable_prefix_caching=True.")
-        _check_tokens(token_ids)
-        pin = prefix.pin_full_blocks(self.device, token_ids, extra_key, self._ids)
-        if pin is not None:
-            self._pins[pin.pin_id] = pin.block_ids
-        return pin
+        return prefix.pin_full_blocks(self.device, self._pins, self._ids, token_ids, extra_key,
+                                      caching=self.enable_prefix_caching)  # fmt: skip
 
     def unpin_prefix(self, pin_id: int) -> None:
-        if pin_id not in self._pins:
-            raise BlockPoolError(f"no pinned prefix with id {pin_id}.")
-        self.device.release(self._pins.pop(pin_id))
+        prefix.unpin(self.device, self._pins, pin_id)
 
     def evict_cached_blocks(self, num_blocks: int | None = None) -> int:
         """Evict up to ``num_blocks`` unheld cached blocks (all if None), least recently used
@@ -503,47 +488,3 @@ class BlockPool:
     def check_invariants(self) -> None:
         """Assert every invariant of the class docstring (O(pool); for tests)."""
         report.check_pool(self, self._tables, self._pins, self._swaps, self._speculative)
-
-    # ---- internals ------------------------------------------------------------------------
-
-    def _plan_allocation(
-        self,
-        token_ids: Sequence[int],
-        max_new_tokens: int | None,
-        extra_key: str | None,
-        read_cache: bool,
-    ) -> tuple[counts.AllocationPlan, prefix.HashChain | None]:
-        """The allocation plan of a prompt, and its block hashes (None: not known, or prefix
-        caching off) from the memo that hashes each prompt once (``PromptHashes``)."""
-        caching = self.enable_prefix_caching
-        chain = self._prompt_hashes.of(token_ids, extra_key) if caching else None
-        plan = counts.plan_allocation(self.device, self.tiers, token_ids, max_new_tokens,
-                                      extra_key, read_cache, caching, chain)  # fmt: skip
-        return plan, chain
-
-    def _check_settled(self, table: BlockTable, action: str) -> None:
-        """A sequence waiting for its late token's value cannot change otherwise."""
-        if self.enable_prefix_caching and table.partial_token_ids[-1:] == [LATE_TOKEN]:
-            raise BlockPoolError(
-                f"cannot {action} sequence {table.seq_id!r}: its last token is late "
-                "(set_late_token first)."
-            )
-
-    def _table(self, seq_id: SeqId) -> BlockTable:
-        table = self._tables.get(seq_id)
-        if table is None:
-            raise BlockPoolError(f"unknown sequence {seq_id!r}.")
-        return table
-
-    def _device_table(self, seq_id: SeqId, action: str) -> BlockTable:
-        table = self._table(seq_id)
-        if table.location is not Location.DEVICE:
-            raise BlockPoolError(
-                f"cannot {action} sequence {seq_id!r}: it is {table.location.value}, not on device."
-            )
-        return table
-
-
-def _check_tokens(token_ids: Sequence[int]) -> None:
-    if len(token_ids) == 0:
-        raise BlockPoolError("token_ids must not be empty.")

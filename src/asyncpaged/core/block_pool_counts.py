@@ -3,16 +3,18 @@
 freeing a group would release, which tables share their partial last block, and a pool's usage.
 
 Pure reads of the device pool, tier index and tables they are given: nothing here changes
-state; the :class:`~asyncpaged.core.block_pool.BlockPool` checks its arguments first.
+state (but for the prompt-hash memo, a cache of a pure function); the
+:class:`~asyncpaged.core.block_pool.BlockPool` checks its arguments first.
 """
 
 from __future__ import annotations
 
 import operator
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
-from asyncpaged.core.block_pool_prefix import HashChain, match_prefix, match_tiers
+from asyncpaged.core.block_pool_checks import device_table
+from asyncpaged.core.block_pool_prefix import HashChain, PromptHashes, match_prefix, match_tiers
 from asyncpaged.core.block_table import BlockTable, Location, PoolUsage, SeqId
 from asyncpaged.core.kv_tiers import TierIndex
 from asyncpaged.core.physical_blocks import PhysicalBlocks
@@ -24,7 +26,8 @@ from asyncpaged.errors import BlockPoolError
 class AllocationPlan:
     """What :meth:`BlockPool.allocate` does for a prompt: the cached device blocks it maps in
     (``hit``, with their ``hashes``), the tier hits it restores after them, the tokens it
-    reserves slots up to (``num_tokens``), and the allocatable device blocks it takes."""
+    reserves slots up to (``num_tokens``), and the allocatable device blocks it takes; and the
+    hash ``chain`` of the prompt's full blocks (None: not known, or prefix caching off)."""
 
     hit: list[int]
     hashes: list[BlockHash]
@@ -32,22 +35,24 @@ class AllocationPlan:
     num_cached_tokens: int
     num_tokens: int
     num_blocks: int
+    chain: HashChain | None
 
 
 def plan_allocation(
     device: PhysicalBlocks,
     tiers: TierIndex | None,
+    prompt_hashes: PromptHashes,
     token_ids: Sequence[int],
     max_new_tokens: int | None,
     extra_key: str | None,
     read_cache: bool,
     caching: bool,
-    chain: HashChain | None = None,
 ) -> AllocationPlan:
     """The :class:`AllocationPlan` of a prompt against the cache and tiers as they are now
-    (``read_cache=False``: no hit); raises for ``max_new_tokens < 1``. ``chain``: the
-    prompt's block hashes, if known (``block_pool_prefix.PromptHashes``)."""
+    (``read_cache=False``: no hit); raises for ``max_new_tokens < 1``. With ``caching`` the
+    prompt's block hashes come from ``prompt_hashes``, the memo that hashes each prompt once."""
     bs = device.block_size
+    chain = prompt_hashes.of(token_ids, extra_key) if caching else None
     hit, hashes = match_prefix(
         device, token_ids, extra_key, None if read_cache else 0, caching=caching, chain=chain
     )
@@ -63,6 +68,7 @@ def plan_allocation(
         num_cached_tokens=num_hit * bs,
         num_tokens=num_tokens,
         num_blocks=need,
+        chain=chain,
     )
 
 
@@ -92,20 +98,19 @@ def num_blocks_to_append(
 
 
 def num_blocks_to_append_all(
-    device_table: Callable[[SeqId, str], BlockTable],
+    tables: Mapping[SeqId, BlockTable],
     ref_cnt: list[int],
     block_size: int,
     appends: Iterable[tuple[SeqId, int]],
 ) -> int:
     """Device blocks that these appends (sequence, number of tokens), run in order, take:
     exact for siblings sharing a partial last block (the last of its holders to append writes
-    in place, the others copy it). ``device_table(seq_id, action)`` is the sequence's device
-    table (it raises for any other)."""
+    in place, the others copy it). Raises unless every sequence is on the device."""
     bs = block_size
     copied: dict[int, int] = {}  # shared tail block -> holders that copied it away so far
     need = 0
     for seq_id, num_tokens in appends:
-        table = device_table(seq_id, "append to")
+        table = device_table(tables, seq_id, "append to")
         need += -(-(table.num_tokens + num_tokens) // bs) - len(table.block_ids)
         if table.num_tokens % bs:
             tail = table.block_ids[-1]

@@ -1,9 +1,10 @@
 """The prefix cache's side of the block pool: the hash chain of a table's full blocks, matching
 a prompt's leading full blocks against the device cache and then the lower KV tiers
 (core/kv_tiers.py), restoring tier hits into new device blocks, registering full blocks, pinning a
-prefix's cached blocks, and copying the cached blocks down to the tiers at shutdown.
+prefix's cached blocks and unpinning them, and copying the cached blocks down to the tiers at
+shutdown.
 
-Functions of the device pool, tier index and tables they are given (the
+Functions of the device pool, tier index, tables and pins they are given (the
 :class:`~asyncpaged.core.block_pool.BlockPool` passes its own); with prefix caching off the
 pool has no tiers, nothing matches, and no block is hashed or registered.
 """
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Sequence
 
+from asyncpaged.core.block_pool_checks import check_tokens
 from asyncpaged.core.block_table import BlockTable, PinnedPrefix
 from asyncpaged.core.kv_tiers import TierIndex, TierOp
 from asyncpaged.core.physical_blocks import PhysicalBlocks
@@ -231,14 +233,33 @@ def persist_to_tiers(
 
 
 def pin_full_blocks(
-    device: PhysicalBlocks, token_ids: Sequence[int], extra_key: str | None, ids: Iterator[int]
+    device: PhysicalBlocks,
+    pins: dict[int, tuple[int, ...]],
+    ids: Iterator[int],
+    token_ids: Sequence[int],
+    extra_key: str | None,
+    *,
+    caching: bool,
 ) -> PinnedPrefix | None:
     """Hold the cached device blocks of every full block of ``token_ids`` (one reference each)
-    as a pin, its id the next of ``ids``; None, changing nothing, unless all are cached."""
+    as a pin, its id the next of ``ids``, recorded in ``pins``; None, changing nothing, unless
+    all are cached. Raises without prefix ``caching``."""
+    if not caching:
+        raise BlockPoolError("pin_prefix needs enable_prefix_caching=True.")
+    check_tokens(token_ids)
     blocks = match_full_blocks(device, token_ids, extra_key)
     if blocks is None:
         return None
     for block in blocks:
         device.incref(block)
     num_tokens = len(blocks) * device.block_size
-    return PinnedPrefix(pin_id=next(ids), block_ids=tuple(blocks), num_tokens=num_tokens)
+    pin = PinnedPrefix(pin_id=next(ids), block_ids=tuple(blocks), num_tokens=num_tokens)
+    pins[pin.pin_id] = pin.block_ids
+    return pin
+
+
+def unpin(device: PhysicalBlocks, pins: dict[int, tuple[int, ...]], pin_id: int) -> None:
+    """Drop pin ``pin_id`` from ``pins`` and release its blocks; raises for an unknown id."""
+    if pin_id not in pins:
+        raise BlockPoolError(f"no pinned prefix with id {pin_id}.")
+    device.release(pins.pop(pin_id))

@@ -1,17 +1,18 @@
 """Swap bookkeeping of the block pool: checking a swap group, moving its tables onto new blocks
-of the other pool with both ends of every copy held in flight, finishing the moves once the
-copies are done, and counting the source blocks that swaps in flight release.
+of the other pool with both ends of every copy held in flight, recording the swap in flight,
+finishing the moves once the copies are done, and counting the source blocks that swaps in
+flight release.
 
-Functions of the two pools (source and destination of the direction), the tables and the swaps
-they are given; the :class:`~asyncpaged.core.block_pool.BlockPool` keeps the swaps in flight
-and names their ids.
+Functions of the pools, the tables and the swaps in flight they are given (the
+:class:`~asyncpaged.core.block_pool.BlockPool` passes its own, and the iterator of its ids).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Container, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Container, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
+from asyncpaged.core.block_pool_checks import check_settled, table_of
 from asyncpaged.core.block_pool_prefix import register_full_blocks
 from asyncpaged.core.block_pool_speculative import check_verified
 from asyncpaged.core.block_table import BlockTable, Location, SeqId, SwapDirection, SwapPlan
@@ -33,28 +34,28 @@ def distinct_blocks(tables: Iterable[BlockTable]) -> list[int]:
 
 
 def swap_group(
-    table_of: Callable[[SeqId], BlockTable],
+    tables: Mapping[SeqId, BlockTable],
     speculative: Container[SeqId],
     seq_ids: Sequence[SeqId],
     direction: SwapDirection,
 ) -> tuple[BlockTable, ...]:
-    """The tables of a group that can swap in ``direction`` (``table_of`` raises for an unknown
-    sequence); raises :class:`BlockPoolError` for an empty group, a repeated sequence, one in
-    the wrong place or one holding speculative tokens."""
+    """The tables of a group that can swap in ``direction``; raises :class:`BlockPoolError` for
+    an empty group, an unknown or repeated sequence, one in the wrong place or one holding
+    speculative tokens."""
     if not seq_ids:
         raise BlockPoolError("a swap needs at least one sequence.")
     if len(set(seq_ids)) != len(seq_ids):
         raise BlockPoolError(f"duplicate sequence ids in swap group {list(seq_ids)!r}.")
     want = Location.DEVICE if direction is SwapDirection.OUT else Location.HOST
-    tables = tuple(table_of(sid) for sid in seq_ids)
-    for table in tables:
+    group = tuple(table_of(tables, sid) for sid in seq_ids)
+    for table in group:
         if table.location is not want:
             raise BlockPoolError(
                 f"cannot swap {direction.value} sequence {table.seq_id!r}: it is "
                 f"{table.location.value}, not {want.value}."
             )
         check_verified(speculative, table.seq_id, "swap out")
-    return tables
+    return group
 
 
 def move_tables(
@@ -87,17 +88,26 @@ def move_tables(
 
 
 def start_swap(
-    src: PhysicalBlocks,
-    dst: PhysicalBlocks,
-    seq_ids: Sequence[SeqId],
-    tables: tuple[BlockTable, ...],
-    direction: SwapDirection,
+    device: PhysicalBlocks,
+    host: PhysicalBlocks,
+    tables: Mapping[SeqId, BlockTable],
+    speculative: Container[SeqId],
+    swaps: dict[int, SwapInFlight],
     ids: Iterator[int],
-) -> SwapInFlight | None:
-    """Start the swap of a group checked by :func:`swap_group` (its ``seq_ids`` and their
-    ``tables``; see :func:`move_tables`), its id the next of ``ids``; None, changing nothing,
-    when ``dst`` is short."""
-    mapping = move_tables(src, dst, tables, direction)
+    seq_ids: Sequence[SeqId],
+    direction: SwapDirection,
+    *,
+    caching: bool,
+) -> SwapPlan | None:
+    """Start the swap of a group in ``direction``: checked (:func:`swap_group`, and no late
+    token), its tables moved (:func:`move_tables`), and recorded in ``swaps`` under the next
+    id of ``ids``; returns its plan, or None, changing nothing, when the destination pool is
+    short."""
+    group = swap_group(tables, speculative, seq_ids, direction)
+    for table in group:
+        check_settled(table, "swap", caching=caching)
+    src, dst = swap_pools(device, host, direction)
+    mapping = move_tables(src, dst, group, direction)
     if mapping is None:
         return None
     plan = SwapPlan(
@@ -106,20 +116,33 @@ def start_swap(
         seq_ids=tuple(seq_ids),
         block_mapping=tuple(mapping.items()),
     )
-    return SwapInFlight(plan=plan, tables=tables)
+    swaps[plan.swap_id] = SwapInFlight(plan=plan, tables=group)
+    return plan
 
 
-def finish_swap(
-    src: PhysicalBlocks,
-    dst: PhysicalBlocks,
-    swap: SwapInFlight,
+def in_flight(swaps: Mapping[int, SwapInFlight], swap_id: int) -> SwapInFlight:
+    """The swap in flight with this id; raises for any other id."""
+    if swap_id not in swaps:
+        raise BlockPoolError(f"no swap in flight with id {swap_id}.")
+    return swaps[swap_id]
+
+
+def complete_swap(
+    device: PhysicalBlocks,
+    host: PhysicalBlocks,
+    swaps: dict[int, SwapInFlight],
     tables: Mapping[SeqId, BlockTable],
+    swap_id: int,
     *,
     caching: bool,
 ) -> None:
-    """Release a finished swap's in-flight holds and settle its tables that are still in
-    ``tables`` (a table freed while the copy ran is skipped); a table swapped in registers its
-    full blocks in the prefix cache again (with ``caching``)."""
+    """The copies of swap ``swap_id`` are done: drop it from ``swaps``, release its in-flight
+    holds and settle its tables that are still in ``tables`` (a table freed while the copy ran
+    is skipped); a table swapped in registers its full blocks in the prefix cache again (with
+    ``caching``)."""
+    swap = in_flight(swaps, swap_id)
+    del swaps[swap_id]
+    src, dst = swap_pools(device, host, swap.plan.direction)
     out = swap.plan.direction is SwapDirection.OUT
     src.release_in_flight(s for s, _ in swap.plan.block_mapping)
     dst.release_in_flight(d for _, d in swap.plan.block_mapping)
@@ -131,8 +154,12 @@ def finish_swap(
             register_full_blocks(dst, table)
 
 
-def num_blocks_freed(src: PhysicalBlocks, plan: SwapPlan) -> int:
-    """Source blocks that completing the swap would release (their only holder is it)."""
+def num_blocks_freed(
+    device: PhysicalBlocks, host: PhysicalBlocks, swaps: Mapping[int, SwapInFlight], swap_id: int
+) -> int:
+    """Source blocks that completing swap ``swap_id`` would release (their only holder is it)."""
+    plan = in_flight(swaps, swap_id).plan
+    src = swap_pools(device, host, plan.direction)[0]
     return sum(1 for b, _ in plan.block_mapping if src.ref_cnt[b] == src.in_flight[b])
 
 

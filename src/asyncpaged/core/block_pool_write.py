@@ -98,7 +98,6 @@ def allocate_table(
     tier_hit_tokens: dict[str, int],
     *,
     caching: bool,
-    chain: HashChain | None = None,
 ) -> tuple[BlockTable, tuple[int, ...]]:
     """The table of a new sequence whose prompt is ``token_ids``, as ``plan`` says (capacity
     already checked): its cached blocks mapped in (their references raised), its tier hits
@@ -114,7 +113,7 @@ def allocate_table(
     num_cached = plan.num_cached_tokens
     table.num_tokens = num_cached
     new_tokens = token_ids[num_cached : plan.num_tokens]
-    return table, write_slots(device, table, new_tokens, caching=caching, chain=chain)
+    return table, write_slots(device, table, new_tokens, caching=caching, chain=plan.chain)
 
 
 def set_late_token(device: PhysicalBlocks, table: BlockTable, token: int) -> None:

@@ -24,12 +24,13 @@ The plan, in order:
 Finished and aborted sequences are freed, and completed swaps confirmed, in the next
 transaction.
 
-This module owns the :class:`Scheduler` (the queues, request state, the transaction's pending
-work, and settling the allocator's result into a :class:`SchedulerOutput`). Its parts:
-core/scheduler_types.py (config and output values), core/scheduler_plan.py (what the running,
-swapped and waiting requests do in a step), core/scheduler_preempt.py (priority claims,
-settling preemptions) and core/scheduler_update.py (appending sampled tokens, stop rules,
-speculative verification, fan-out, beam steps).
+This module owns the :class:`Scheduler` (the queues, request state and the transaction's
+pending work). Its parts: core/scheduler_types.py (config and output values),
+core/scheduler_plan.py (what the running, swapped and waiting requests do in a step),
+core/scheduler_preempt.py (priority claims, settling preemptions), core/scheduler_apply.py
+(settling the allocator's result into a :class:`SchedulerOutput`: granted appends, swaps,
+admissions) and core/scheduler_update.py (appending sampled tokens, stop rules, speculative
+verification, fan-out, beam steps).
 """
 
 from __future__ import annotations
@@ -40,16 +41,16 @@ from collections.abc import Callable, Mapping
 from collections.abc import Sequence as SeqOf
 
 from asyncpaged.core.beam_search import Hypothesis
-from asyncpaged.core.block_table import LATE_TOKEN, SwapPlan
 from asyncpaged.core.policy import QueuePolicy
 from asyncpaged.core.request import Request, RequestStatus, Sequence
+from asyncpaged.core.scheduler_apply import apply_result
 from asyncpaged.core.scheduler_plan import (
     plan_admissions,
     plan_in_rank_order,
     plan_running,
     plan_swap_ins,
 )
-from asyncpaged.core.scheduler_preempt import claim_for_priority, settle_preemption
+from asyncpaged.core.scheduler_preempt import claim_for_priority
 from asyncpaged.core.scheduler_types import (
     PlanBudget,
     PreemptionMode,
@@ -59,7 +60,6 @@ from asyncpaged.core.scheduler_types import (
     SchedulerStatistics,
     SeqUpdate,
     insort,
-    new_tuple,
 )
 from asyncpaged.core.scheduler_update import append_forced, update_step
 from asyncpaged.core.txn import Admission, PinOp, PoolSnapshot, StepTxn, TxnResult
@@ -322,92 +322,7 @@ class Scheduler:
 
     def apply(self, txn: StepTxn, result: TxnResult) -> SchedulerOutput:
         """Settle admissions and swaps and build the step the executor runs."""
-        seqs: list[ScheduledSeq] = []
-        num_tokens = 0
-        # The allocator grants a prefix of the planned appends (all of them without pressure).
-        num_appended = len(result.append_slots)
-        appended = zip(
-            self._planned[:num_appended], txn.append_token_ids, result.append_slots,
-            result.append_tables, strict=False,
-        )  # fmt: skip
-        for (request, seq, num_draft), tokens, slots, table in appended:
-            num_tokens += self._schedule(
-                seqs, request, seq, seq.num_computed_tokens, tokens, slots, table, num_draft
-            )
-        preempted = self._victims[: len(result.preempted)]
-        for request, swapped in zip(preempted, result.preempted, strict=True):
-            settle_preemption(self, request, swapped)
-        self._settle_swaps(result)
-        for request_id, grants in result.admitted:
-            request = self.requests[request_id]
-            self.waiting.remove(request)
-            request.status = RequestStatus.RUNNING
-            insort(self.running, request)
-            by_id = {s.seq_id: s for s in request.live_seqs}
-            for grant in grants:
-                seq = by_id[grant.seq_id]
-                request.num_cached_tokens = max(request.num_cached_tokens, grant.num_cached_tokens)
-                start = grant.num_cached_tokens
-                tokens = tuple(seq.token_ids[start : start + len(grant.slot_mapping)])
-                num_tokens += self._schedule(
-                    seqs, request, seq, start, tokens, grant.slot_mapping, grant.block_table
-                )
-        return SchedulerOutput(
-            step_id=next(self._step_ids),
-            seqs=tuple(seqs),
-            copy_on_write=result.copy_on_write,
-            swap_outs=result.swap_outs,
-            swap_ins=result.swap_ins,
-            preempted=tuple(r.request_id for r in preempted),
-            num_batched_tokens=num_tokens,
-        )
-
-    def _settle_swaps(self, result: TxnResult) -> None:
-        """Record the swaps the allocator started: out (blocks mapped) and in."""
-        for plan in result.swap_outs:
-            request = self._swap_owner(plan)
-            request.swap_id = plan.swap_id
-            self._swaps[plan.swap_id] = request
-            request.num_swap_blocks = len(plan.block_mapping)
-        for plan in result.swap_ins:
-            request = self._swap_owner(plan)
-            assert request.status is RequestStatus.SWAPPED
-            request.status = RequestStatus.SWAPPING_IN
-            self.num_swap_ins += 1
-            request.swap_id = plan.swap_id
-            self._swaps[plan.swap_id] = request
-
-    def _schedule(
-        self,
-        out: list[ScheduledSeq],
-        request: Request,
-        seq: Sequence,
-        start: int,
-        tokens: tuple[int, ...],
-        slots: tuple[int, ...],
-        table: tuple[int, ...],
-        num_draft: int = 0,
-    ) -> int:
-        n = len(slots)
-        # Proposals are computed but not yet the sequence's: update() counts the kept ones.
-        seq.num_computed_tokens = start + n - num_draft
-        seq.has_blocks = True
-        if tokens[0] == LATE_TOKEN:  # the token the step in flight samples: one past the end
-            self._late.add(seq.seq_id)
-        # (a late token's row computes one past the end: the step in flight samples its input)
-        samples = seq.num_computed_tokens >= len(seq.token_ids)
-        fan_out = samples and len(request.seqs) == 1 and seq.num_generated == 0
-        row = (
-            request.request_id, seq.seq_id, tokens, start, slots, table, samples,
-            request.num_samples if fan_out else 1,
-            self._min_rope_len if request.long_rope else 0, num_draft,
-        )  # fmt: skip
-        out.append(new_tuple(ScheduledSeq, row))
-        return n
-
-    def _swap_owner(self, plan: SwapPlan) -> Request:
-        seq_id = plan.seq_ids[0]
-        return next(r for r in self.swapped if any(s.seq_id == seq_id for s in r.seqs))
+        return apply_result(self, txn, result)
 
     # ---- after the step -------------------------------------------------------------------
 
