@@ -10,8 +10,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from asyncpaged import InvalidRequestError, RequestFailedError, SamplingParams
+from asyncpaged import (
+    InvalidRequestError,
+    RequestFailedError,
+    SamplingParams,
+    StructuredOutputsParams,
+)
 from asyncpaged.actors.scheduler import bad_words_token_ids, banned_next_tokens
+from asyncpaged.model.sampler import NoTokenAllowedError
 from asyncpaged.testing.tiny_models import VOCAB_SIZE
 from tests.engine.conftest import running_engine
 from tests.model.reference import HFReference
@@ -187,3 +193,32 @@ async def test_logits_processors_run_per_request_and_fail_alone(
     assert seen[:3] == [[], [7], [7, 8]]
     with pytest.raises(InvalidRequestError, match="logits_processors"):
         SamplingParams(logits_processors=[3])  # type: ignore[list-item]
+
+
+@pytest.mark.parametrize("kind", ["sync", "async"])
+async def test_constraints_that_allow_no_token_fail_their_request_alone(
+    kind: str, tiny_checkpoint: Callable[[str], Path], hf_reference: Callable[[str], HFReference]
+) -> None:
+    """A grammar whose every token ``allowed_token_ids`` excludes, or allowed ids all banned
+    as bad words, greedy and seeded: the request fails with RequestFailedError (its cause
+    NoTokenAllowedError), before any token it ruled out is drawn; the others finish exactly.
+    The same with the runner in its own process and steps planned ahead."""
+    config = {"executor_backend": "process", "async_scheduling": True} if kind == "async" else {}
+    choice = StructuredOutputsParams(choice=["paged", "blocks"])
+    greedy = {"temperature": 0.0, "max_tokens": 6, "ignore_eos": True}
+    async with running_engine(tiny_checkpoint(MODEL), **config) as engine:
+        tokenizer = engine.tokenizer
+        word = tokenizer.decode([300]).strip()
+        innocent = engine.generate(PROMPT, SamplingParams(**greedy))
+        doomed = [
+            engine.generate(PROMPT, SamplingParams(structured_outputs=choice,
+                                                   allowed_token_ids=[5, 6], **greedy)),
+            engine.generate(PROMPT, SamplingParams(temperature=0.8, seed=1, max_tokens=6,
+                                                   allowed_token_ids=[300], bad_words=[word])),
+        ]  # fmt: skip
+        for stream in doomed:
+            with pytest.raises(RequestFailedError, match="allowed no token") as info:
+                await stream
+            assert isinstance(info.value.__cause__, NoTokenAllowedError)
+        want = hf_reference(MODEL).generate(tuple(PROMPT), 6)[0]
+        assert (await innocent).outputs[0].token_ids == want

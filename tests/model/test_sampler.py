@@ -25,7 +25,13 @@ from asyncpaged.model.logits_processors import (
     apply_top_k_top_p,
     penalize_rows_,
 )
-from asyncpaged.model.sampler import SamplingOptions, derive_generator_key, draw_tokens, sample
+from asyncpaged.model.sampler import (
+    NoTokenAllowedError,
+    SamplingOptions,
+    derive_generator_key,
+    draw_tokens,
+    sample,
+)
 
 VOCAB = 50
 
@@ -569,6 +575,20 @@ def test_logit_controls_in_vllms_order_and_never_screened() -> None:
     assert torch.allclose(out.logprobs, raw[torch.arange(2), out.token_ids])
     assert not any(is_screenable(o, 5) for o in opts)
     assert is_screenable(SamplingOptions(temperature=0.0), 5)
+
+
+def test_a_row_whose_constraints_allow_no_token_gets_an_error() -> None:
+    """Allowed ids all banned (greedy and random rows, on the full path): the row's error is
+    NoTokenAllowedError; rows that allow a token, or have no constraint, get none."""
+    logits = torch.randn(4, 16, generator=torch.Generator().manual_seed(1))
+    none = SamplingOptions(temperature=0.0, allowed_token_ids=(3, 4), banned_token_ids=(3, 4))
+    random_none = SamplingOptions(temperature=0.7, seed=5, allowed_token_ids=(6,),
+                                  banned_token_ids=(6,))  # fmt: skip
+    some = SamplingOptions(temperature=0.7, seed=5, allowed_token_ids=(6, 7), banned_token_ids=(6,))
+    out = sample(logits, [none, None, random_none, some])
+    assert set(out.errors) == {0, 2}
+    assert all(isinstance(e, NoTokenAllowedError) for e in out.errors.values())
+    assert out.token_ids[3].item() == 7 and out.token_ids[1].item() == logits[1].argmax().item()
 
 
 def test_options_pickle_only_their_own_bitmask_row() -> None:

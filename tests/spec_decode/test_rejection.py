@@ -25,6 +25,7 @@ from asyncpaged.model.sampler import (
     random_probs,
     sample,
 )
+from asyncpaged.model.sampler_stages import NoTokenAllowedError
 from asyncpaged.spec_decode.rejection import verify
 
 V = 8
@@ -344,6 +345,22 @@ def test_a_failing_logits_processor_fails_its_own_sequence() -> None:
     out = verify(logits, [[1], [2, 3]], [None, None, bad, bad, bad])
     assert set(out.errors) == {1}
     assert isinstance(out.errors[1], RuntimeError)
+
+
+def test_a_sequence_whose_kept_rows_allow_no_token_fails_alone() -> None:
+    """Sequence 1's constraints rule out every token (allowed ids all banned): it fails with
+    NoTokenAllowedError, greedy or seeded; sequence 0 and a rejected row's context do not."""
+    logits = torch.randn(5, 10, generator=torch.Generator().manual_seed(9))
+    for temperature, seed in ((0.0, None), (0.8, 3)):
+        none = SamplingOptions(temperature=temperature, seed=seed, allowed_token_ids=(4,),
+                               banned_token_ids=(4,))  # fmt: skip
+        some = SamplingOptions(temperature=temperature, seed=seed, allowed_token_ids=(4, 5))
+        out = verify(logits, [[1], [2, 3]], [some, some, none, none, none])
+        assert set(out.errors) == {1}
+        assert isinstance(out.errors[1], NoTokenAllowedError)
+        # a row past the first rejection is never kept, so it fails nothing
+        out = verify(logits, [[1], [2, 3]], [some, some, some, some, none])
+        assert not out.errors
 
 
 def test_inconsistent_inputs_are_assertion_errors() -> None:

@@ -16,7 +16,7 @@ from asyncpaged.errors import RequestFailedError
 from asyncpaged.messages import RequestInfo
 from asyncpaged.model.prompt_logprobs import PromptLogprobRows
 from asyncpaged.model.runner import SampledToken
-from asyncpaged.model.sampler import SamplingOptions
+from asyncpaged.model.sampler import NoTokenAllowedError, SamplingOptions
 from asyncpaged.structured_outputs import GrammarBackend
 
 Rows = dict[tuple[int, int], SampledToken]  # (seq id, sample index) -> its sampled token
@@ -85,9 +85,9 @@ def _tokens_by_seq(sampled: Sequence[SampledToken]) -> tuple[Rows, dict[int, Seq
 def failed_requests(
     out: SchedulerOutput, failed: list[SampledToken], scheduler: Scheduler, log: LibraryLogger
 ) -> list[tuple[str, RequestFailedError]]:
-    """Rows whose logits processor raised: each such request is aborted in the core (its
-    blocks are freed by the next transaction) and fails alone; returns them with the error
-    their waiters get."""
+    """Rows whose logits processor raised, or whose constraints allowed no token: each such
+    request is aborted in the core (its blocks are freed by the next transaction) and fails
+    alone; returns them with the error their waiters get."""
     if not failed:
         return []
     owner = {s.seq_id: s.request_id for s in out.seqs}
@@ -96,7 +96,12 @@ def failed_requests(
         rid = owner[token.seq_id]
         if scheduler.abort(rid) is None:
             continue  # another row of it failed first
-        error = RequestFailedError(f"request {rid!r}: its logits processor raised")
+        why = (
+            "its constraints allowed no token"
+            if isinstance(token.error, NoTokenAllowedError)
+            else "its logits processor raised"
+        )
+        error = RequestFailedError(f"request {rid!r}: {why}")
         error.__cause__ = token.error
         ended.append((rid, error))
         log.info("request_failed", request_id=rid, error=repr(token.error))

@@ -49,16 +49,19 @@ from asyncpaged.model.sampler_candidates import (
     screened_top_k,
 )
 from asyncpaged.model.sampler_stages import (
+    NoTokenAllowedError,
     _process,
     _random_probs,
     apply_logit_controls,
     process_logits,
     random_probs,
+    record_ruled_out,
 )
 
 __all__ = [
     "MAX_SCREENED_TOP_K",
     "SAMPLING_EPS",
+    "NoTokenAllowedError",
     "SamplerOutput",
     "SamplingOptions",
     "apply_logit_controls",
@@ -214,7 +217,8 @@ class SamplerOutput:
     ranks: torch.Tensor | None  # [N] int64, 1-based: number of tokens with logprob >= chosen
     top_token_ids: torch.Tensor | None  # [N, K] int64, K = max num_logprobs, best first
     top_logprobs: torch.Tensor | None  # [N, K] float32
-    # row -> what its logits processor raised (the row's token is then meaningless)
+    # row -> what its logits processor raised, or NoTokenAllowedError (the row's token is then
+    # meaningless)
     errors: Mapping[int, BaseException] = field(default_factory=dict)
 
 
@@ -263,6 +267,8 @@ def sample(
         rows = torch.tensor(random_rows, dtype=torch.int64, device=logits.device)
         chosen = [o for o in opts if o is not None and not o.is_greedy]
         token_ids[rows] = _sample_random(processed[rows], chosen, generator)
+    if processed is not logits:  # (unprocessed logits rule nothing out)
+        record_ruled_out(processed.gather(1, token_ids[:, None])[:, 0], errors)
     if raw_logprobs is None:
         return SamplerOutput(
             token_ids=token_ids, logprobs=None, ranks=None, top_token_ids=None,

@@ -140,6 +140,28 @@ def _run_processors(
         errors[r] = exc
 
 
+class NoTokenAllowedError(ValueError):
+    """A row whose constraints rule out every token (a grammar with ``allowed_token_ids`` or
+    bad words that exclude all it allows, say): its request fails alone, as a logits
+    processor that raises fails it, instead of drawing a token it ruled out."""
+
+
+def record_ruled_out(
+    chosen: torch.Tensor, errors: dict[int, BaseException], rows: Sequence[int] | None = None
+) -> None:
+    """``chosen`` [R]: the processed logit of each row's chosen token. Where it is -inf no
+    token was allowed (a random row draws only tokens of positive probability; a greedy
+    row's argmax is -inf only where all are): row ``rows[i]`` (or ``i``) gets a
+    :class:`NoTokenAllowedError` in ``errors``, unless it failed already."""
+    ruled_out = chosen == _NEG_INF
+    if bool(ruled_out.any()):
+        for i in torch.nonzero(ruled_out)[:, 0].tolist():
+            errors.setdefault(i if rows is None else rows[i], NoTokenAllowedError(
+                "every token is ruled out: the request's constraints (structured output, "
+                "allowed_token_ids, bad_words, min_tokens) leave none to sample"
+            ))  # fmt: skip
+
+
 def process_logits(
     logits: torch.Tensor,
     opts: Sequence[SamplingOptions | None],

@@ -51,6 +51,7 @@ from asyncpaged.model.sampler import (
     row_uniforms,
     salt_generator_key,
 )
+from asyncpaged.model.sampler_stages import record_ruled_out
 
 ACCEPT_SALT = 0x5EC_ACCE97
 """Salt of the generator key for the acceptance test's uniform (draft-model rows)."""
@@ -148,6 +149,9 @@ def verify(
     )
     row_indices = [off + j for off, a in zip(layout.offsets, num_accepted, strict=True)
                    for j in range(a + 1)]  # fmt: skip
+    if processed is not target_logits:  # the rows whose tokens are kept, none ruled out
+        kept = torch.tensor(row_indices, dtype=torch.int64, device=device)
+        record_ruled_out(processed[kept, chosen[kept]], row_errors, row_indices)
     errors: dict[int, BaseException] = {}
     for r in sorted(row_errors):
         errors.setdefault(_seq_of_row(r, layout), row_errors[r])
