@@ -10,6 +10,7 @@ from asyncpaged.errors import (
     EngineClosedError,
     EngineDeadError,
     InvalidRequestError,
+    NoTokenAllowedError,
     RequestFailedError,
     WorkerDiedError,
 )
@@ -37,6 +38,7 @@ __all__ = [
     "EngineStatistics",
     "InvalidRequestError",
     "Logprob",
+    "NoTokenAllowedError",
     "PromptType",
     "RequestFailedError",
     "RequestMetrics",

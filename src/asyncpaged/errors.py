@@ -6,8 +6,11 @@ AsyncPagedError
  |    duplicate live request id). The engine keeps serving.
  +-- BlockPoolError (also ValueError): a call the block pool refuses (unknown sequence,
  |    duplicate id, operation on a sequence in the wrong place); the pool is left unchanged.
- +-- RequestFailedError: one request failed while it ran (its logits processor raised); the
- |    cause is chained, the request's blocks are freed and every other request goes on.
+ +-- RequestFailedError: one request failed while it ran (its logits processor raised, or its
+ |    constraints allowed no token); the cause is chained, the request's blocks are freed and
+ |    every other request goes on.
+ +-- NoTokenAllowedError (also ValueError): the cause of such a failure where a request's
+ |    constraints (a grammar, allowed_token_ids, bad_words, min_tokens) ruled out every token.
  +-- EngineDeadError: the engine failed; every waiter gets it, with the cause chained.
  +-- EngineClosedError (also RuntimeError): a call on an engine that is not running (not started
  |    yet, or closed), or a second start of the same engine.
@@ -35,6 +38,11 @@ class BlockPoolError(AsyncPagedError, ValueError):
 
 class RequestFailedError(AsyncPagedError):
     """One request failed while running (``__cause__`` says why); the engine goes on."""
+
+
+class NoTokenAllowedError(AsyncPagedError, ValueError):
+    """A request's constraints ruled out every token at some step (a grammar whose every
+    token ``allowed_token_ids`` excludes, say): the ``__cause__`` of its RequestFailedError."""
 
 
 class EngineDeadError(AsyncPagedError):

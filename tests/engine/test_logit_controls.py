@@ -17,7 +17,7 @@ from asyncpaged import (
     StructuredOutputsParams,
 )
 from asyncpaged.actors.scheduler import bad_words_token_ids, banned_next_tokens
-from asyncpaged.model.sampler import NoTokenAllowedError
+from asyncpaged.errors import NoTokenAllowedError
 from asyncpaged.testing.tiny_models import VOCAB_SIZE
 from tests.engine.conftest import running_engine
 from tests.model.reference import HFReference

@@ -18,6 +18,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from transformers import RepetitionPenaltyLogitsProcessor
 
+from asyncpaged.errors import NoTokenAllowedError
 from asyncpaged.model import sampler as sampler_module
 from asyncpaged.model.logits_processors import (
     apply_min_p,
@@ -26,7 +27,6 @@ from asyncpaged.model.logits_processors import (
     penalize_rows_,
 )
 from asyncpaged.model.sampler import (
-    NoTokenAllowedError,
     SamplingOptions,
     derive_generator_key,
     draw_tokens,

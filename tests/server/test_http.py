@@ -96,6 +96,20 @@ def test_bad_requests_get_openais_error_body_before_any_stream(
     assert ok.status_code == 200 and ok.json()["choices"][0]["finish_reason"] == "length"
 
 
+def test_constraints_that_allow_no_token_get_a_400_and_harm_nothing(live: Live) -> None:
+    """A choice whose every token ``allowed_token_ids`` excludes fails at its first step: 400
+    with OpenAI's error body (the request's own fault), and the next request works."""
+    body = {**COMPLETION, "structured_outputs": {"choice": ["yes", "no"]},
+            "allowed_token_ids": [5, 6]}  # fmt: skip
+    response = _post(live, "/v1/completions", body)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["type"] == "invalid_request_error"
+    assert "every token is ruled out" in error["message"]
+    ok = _post(live, "/v1/completions", COMPLETION)
+    assert ok.status_code == 200 and ok.json()["choices"][0]["finish_reason"] == "length"
+
+
 def test_dropped_stream_aborts_its_request(live: Live) -> None:
     before = live.call(lambda: live.engine.statistics().num_aborted)  # type: ignore[union-attr]
     with httpx.stream("POST", live.base_url + "/v1/completions", json={**LONG, "stream": True},

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
+from asyncpaged.errors import NoTokenAllowedError
 from asyncpaged.model.sampler import (
     SamplingOptions,
     derive_generator_key,
@@ -25,7 +26,6 @@ from asyncpaged.model.sampler import (
     random_probs,
     sample,
 )
-from asyncpaged.model.sampler_stages import NoTokenAllowedError
 from asyncpaged.spec_decode.rejection import verify
 
 V = 8

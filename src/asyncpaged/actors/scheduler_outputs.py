@@ -12,11 +12,11 @@ from typing import Any
 
 from asyncpaged._log import LibraryLogger
 from asyncpaged.core.scheduler import Scheduler, SchedulerOutput, SeqUpdate
-from asyncpaged.errors import RequestFailedError
+from asyncpaged.errors import NoTokenAllowedError, RequestFailedError
 from asyncpaged.messages import RequestInfo
 from asyncpaged.model.prompt_logprobs import PromptLogprobRows
 from asyncpaged.model.runner import SampledToken
-from asyncpaged.model.sampler import NoTokenAllowedError, SamplingOptions
+from asyncpaged.model.sampler import SamplingOptions
 from asyncpaged.structured_outputs import GrammarBackend
 
 Rows = dict[tuple[int, int], SampledToken]  # (seq id, sample index) -> its sampled token

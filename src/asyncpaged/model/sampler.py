@@ -49,7 +49,6 @@ from asyncpaged.model.sampler_candidates import (
     screened_top_k,
 )
 from asyncpaged.model.sampler_stages import (
-    NoTokenAllowedError,
     _process,
     _random_probs,
     apply_logit_controls,
@@ -61,7 +60,6 @@ from asyncpaged.model.sampler_stages import (
 __all__ = [
     "MAX_SCREENED_TOP_K",
     "SAMPLING_EPS",
-    "NoTokenAllowedError",
     "SamplerOutput",
     "SamplingOptions",
     "apply_logit_controls",

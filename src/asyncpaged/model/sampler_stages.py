@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from asyncpaged.errors import NoTokenAllowedError
 from asyncpaged.model.logits_processors import (
     apply_min_p,
     apply_min_tokens_mask,
@@ -138,12 +139,6 @@ def _run_processors(
         logits[r] = row.to(logits.dtype)
     except Exception as exc:  # the user's code: it fails its own request
         errors[r] = exc
-
-
-class NoTokenAllowedError(ValueError):
-    """A row whose constraints rule out every token (a grammar with ``allowed_token_ids`` or
-    bad words that exclude all it allows, say): its request fails alone, as a logits
-    processor that raises fails it, instead of drawing a token it ruled out."""
 
 
 def record_ruled_out(

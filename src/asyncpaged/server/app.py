@@ -27,7 +27,12 @@ from starlette.routing import Route
 
 from asyncpaged._log import get_logger
 from asyncpaged.engine import AsyncEngine
-from asyncpaged.errors import EngineDeadError, InvalidRequestError, RequestFailedError
+from asyncpaged.errors import (
+    EngineDeadError,
+    InvalidRequestError,
+    NoTokenAllowedError,
+    RequestFailedError,
+)
 from asyncpaged.outputs import RequestOutput
 from asyncpaged.sampling_params import SamplingParams
 from asyncpaged.server.block_page import PAGE, block_map_json
@@ -158,6 +163,8 @@ class _Server:
             return ApiError(503, f"the engine stopped: {exc.__cause__ or exc}",
                             type_="server_error").response()  # fmt: skip
         except RequestFailedError as exc:
+            if isinstance(exc.__cause__, NoTokenAllowedError):  # the request's own constraints
+                return ApiError(400, f"the request failed: {exc.__cause__}").response()
             return ApiError(500, f"the request failed: {exc.__cause__ or exc}",
                             type_="server_error").response()  # fmt: skip
 
