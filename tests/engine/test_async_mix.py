@@ -6,7 +6,8 @@ kept, no detokenizing, short and long outputs, EOS honoured or not. Each mix run
 sync engine with plenty of blocks, then with async scheduling in the runner's process under
 memory pressure (swap and recompute) and on the thread: every completion's tokens, text,
 finish and stop reason are the same, and its logprobs and prompt logprobs the same within
-float noise."""
+float noise; a request whose constraints allow no token (a grammar and allowed tokens apart)
+fails alike in both."""
 
 from __future__ import annotations
 
@@ -14,14 +15,20 @@ import math
 import random
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeAlias
 
 import anyio
 import pytest
 
-from asyncpaged import EngineStatistics, RequestOutput, SamplingParams, StructuredOutputsParams
+from asyncpaged import (
+    EngineStatistics,
+    RequestFailedError,
+    RequestOutput,
+    SamplingParams,
+    StructuredOutputsParams,
+)
 from tests.engine.conftest import running_engine
-from tests.engine.test_engine import generate_all, make_prompts
+from tests.engine.test_engine import make_prompts
 from tests.engine.test_jump_forward import COMPACT
 
 CONSTRAINTS = (
@@ -85,9 +92,17 @@ def _close(a: float, b: float) -> bool:
     return (math.isinf(a) and a == b) or math.isclose(a, b, rel_tol=1e-4, abs_tol=1e-4)
 
 
-def assert_same(sync: RequestOutput, ahead: RequestOutput, i: int) -> None:
+Outcome: TypeAlias = RequestOutput | RequestFailedError
+
+
+def assert_same(sync: Outcome, ahead: Outcome, i: int) -> None:
     """The same completions (tokens, text, finish and stop reasons, logprobs within noise)
-    and prompt logprobs."""
+    and prompt logprobs, or the same failure (constraints that allowed no token)."""
+    if isinstance(sync, RequestFailedError) or isinstance(ahead, RequestFailedError):
+        assert isinstance(sync, RequestFailedError), (i, ahead)
+        assert isinstance(ahead, RequestFailedError), (i, sync)
+        assert type(ahead.__cause__) is type(sync.__cause__), i
+        return
     assert len(ahead.outputs) == len(sync.outputs), i
     for old, new in zip(sync.outputs, ahead.outputs, strict=True):
         assert (new.token_ids, new.text, new.finish_reason, new.stop_reason) == (
@@ -99,10 +114,10 @@ def assert_same(sync: RequestOutput, ahead: RequestOutput, i: int) -> None:
             assert all(_close(x[t].logprob, y[t].logprob) and x[t].rank == y[t].rank
                        for t in x), i  # fmt: skip
     assert (sync.prompt_logprobs is None) == (ahead.prompt_logprobs is None), i
-    for x, y in zip(sync.prompt_logprobs or [], ahead.prompt_logprobs or [], strict=True):
-        assert (x is None) == (y is None), i
-        if x is not None and y is not None:
-            assert x.keys() == y.keys() and all(_close(x[t].logprob, y[t].logprob) for t in x), i
+    for p, q in zip(sync.prompt_logprobs or [], ahead.prompt_logprobs or [], strict=True):
+        assert (p is None) == (q is None), i
+        if p is not None and q is not None:
+            assert p.keys() == q.keys() and all(_close(p[t].logprob, q[t].logprob) for t in p), i
 
 
 async def _run(
@@ -110,11 +125,23 @@ async def _run(
     prompts: list[tuple[int, ...]],
     params: Callable[[int], SamplingParams],
     **config: Any,
-) -> tuple[list[RequestOutput], EngineStatistics]:
+) -> tuple[list[Outcome], EngineStatistics]:
+    """Every prompt at once, each its own task: its output, or how it failed alone."""
+    outs: list[Outcome | None] = [None] * len(prompts)
+
+    async def one(i: int) -> None:
+        try:
+            outs[i] = await engine.generate(list(prompts[i]), params(i))
+        except RequestFailedError as exc:
+            outs[i] = exc
+
     with anyio.fail_after(240):
         async with running_engine(path, **config) as engine:
-            outs = await generate_all(engine, prompts, params)
-            return outs, engine.statistics()
+            async with anyio.create_task_group() as tg:
+                for i in range(len(prompts)):
+                    tg.start_soon(one, i)
+            assert all(o is not None for o in outs)
+            return [o for o in outs if o is not None], engine.statistics()
 
 
 @pytest.mark.parametrize("mix", [0, 1, 2])
