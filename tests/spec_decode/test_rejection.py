@@ -361,6 +361,14 @@ def test_a_sequence_whose_kept_rows_allow_no_token_fails_alone() -> None:
         # a row past the first rejection is never kept, so it fails nothing
         out = verify(logits, [[1], [2, 3]], [some, some, some, some, none])
         assert not out.errors
+    # drawn proposals (a draft model's distributions): the kept tokens are checked, not the
+    # rows' unused draws
+    draft_probs = torch.softmax(torch.randn(3, 10, generator=torch.Generator().manual_seed(2)), -1)
+    for fails in (False, True):
+        last = SamplingOptions(temperature=0.8, seed=3, allowed_token_ids=(4,),
+                               banned_token_ids=(4,) if fails else ())  # fmt: skip
+        out = verify(logits, [[1], [2, 3]], [last, last, last, last, last], draft_probs=draft_probs)
+        assert set(out.errors) == ({0, 1} if fails else set())
 
 
 def test_inconsistent_inputs_are_assertion_errors() -> None:

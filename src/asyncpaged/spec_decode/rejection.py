@@ -149,9 +149,10 @@ def verify(
     )
     row_indices = [off + j for off, a in zip(layout.offsets, num_accepted, strict=True)
                    for j in range(a + 1)]  # fmt: skip
-    if processed is not target_logits:  # the rows whose tokens are kept, none ruled out
+    if processed is not target_logits:  # the tokens kept (proposals, then the last), none ruled out
         kept = torch.tensor(row_indices, dtype=torch.int64, device=device)
-        record_ruled_out(processed[kept, chosen[kept]], row_errors, row_indices)
+        tokens = torch.tensor([t for kept_ids in token_ids for t in kept_ids], device=device)
+        record_ruled_out(processed[kept, tokens], row_errors, row_indices)
     errors: dict[int, BaseException] = {}
     for r in sorted(row_errors):
         errors.setdefault(_seq_of_row(r, layout), row_errors[r])
