@@ -1,4 +1,5 @@
-"""Keeping Python's cyclic GC off the host loop's tail latency (``EngineConfig.gc_freeze``).
+"""Keeping Python's cyclic GC off the host loop's tail latency (``EngineConfig.gc_freeze``)
+and off its steps (``EngineConfig.gc_threshold``).
 
 A generation-2 collection walks every tracked object; after a model, a tokenizer and
 transformers are loaded that is hundreds of thousands of them, and each walk stalls the event
@@ -8,6 +9,12 @@ object alive at that moment to a permanent generation that collections skip; obj
 cycles among them wait until they are unfrozen, so the engine unfreezes when the last engine
 that froze closes (``gc.unfreeze()`` is process-wide: it also unfreezes what the host froze
 itself; such a host sets ``gc_freeze=False``).
+
+A young (generation-0) collection runs every 700 new container objects by default, and a step
+at 256 sequences makes thousands: each pass walks the young objects still alive (the step's
+rows, outputs and messages), about 0.25 ms a step in all. While an engine runs the threshold is
+raised to ``gc_threshold`` (where the host's is lower), and the host's thresholds come back
+when the last such engine closes (what the host set meanwhile is overwritten then).
 """
 
 from __future__ import annotations
@@ -22,6 +29,27 @@ def freeze_after_start() -> None:
     gc.collect()
     gc.freeze()
     _frozen[0] += 1
+
+
+_raised: list[int] = [0]  # engines that raised the threshold and have not closed yet
+_host_threshold: list[tuple[int, int, int]] = []  # the host's, while raised
+
+
+def raise_threshold(gen0: int) -> None:
+    """Young collections every ``gen0`` new objects at least, while this engine runs."""
+    current = gc.get_threshold()
+    if _raised[0] == 0:
+        _host_threshold[:] = [current]
+    _raised[0] += 1
+    if current[0] < gen0:
+        gc.set_threshold(gen0, current[1], current[2])
+
+
+def restore_threshold_at_close() -> None:
+    """One engine that raised the threshold has closed; the last one restores the host's."""
+    _raised[0] -= 1
+    if _raised[0] == 0:
+        gc.set_threshold(*_host_threshold.pop())
 
 
 def unfreeze_at_close() -> None:

@@ -104,6 +104,12 @@ class EngineConfig:
     # gc.freeze() once started (every object alive then leaves the cyclic GC's walks, which
     # otherwise stall the host loop 100+ ms), gc.unfreeze() when the last such engine closes
     gc_freeze: bool = True
+    # While an engine runs, the cyclic GC's young collections come every gc_threshold new
+    # container objects at least (gc.set_threshold's first value; the host's own where it is
+    # higher), not every 700: a step makes thousands, and each young pass walks what is still
+    # alive (-8% of the loop's CPU at 256 sequences, docs/tuning.md "Session 24"). The host's
+    # thresholds come back when the last such engine closes. None: leave them alone.
+    gc_threshold: int | None = 10_000
     # Queue order (core/policy.py): "fcfs", or "priority" (generate(priority=N): lower first,
     # FCFS among equals; a waiting request preempts lower-ranked running ones; every
     # priority_aging_steps plans spent waiting improve its effective priority by 1)
@@ -162,6 +168,9 @@ class EngineConfig:
                             "fused_elementwise")),
             (self.scheduling_policy in ("fcfs", "priority"),
              f"scheduling_policy must be 'fcfs' or 'priority', got {self.scheduling_policy!r}."),
+            (self.gc_threshold is None
+             or (isinstance(self.gc_threshold, int) and self.gc_threshold >= 1),
+             f"gc_threshold must be a positive int or None, got {self.gc_threshold!r}."),
             (isinstance(self.priority_aging_steps, int) and self.priority_aging_steps >= 1,
              f"priority_aging_steps must be at least 1, got {self.priority_aging_steps!r}."),
             (self.kv_offload_host_bytes >= 0,

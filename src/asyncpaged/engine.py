@@ -18,7 +18,12 @@ from typing import Any
 
 import anyio
 
-from asyncpaged._gc import freeze_after_start, unfreeze_at_close
+from asyncpaged._gc import (
+    freeze_after_start,
+    raise_threshold,
+    restore_threshold_at_close,
+    unfreeze_at_close,
+)
 from asyncpaged._log import get_logger
 from asyncpaged.actors.output_processor import OutputProcessor
 from asyncpaged.config import EngineConfig, async_scheduling_for, executor_backend_for
@@ -95,6 +100,7 @@ class AsyncEngine:
         self._dead_event = anyio.Event()  # set with _dead
         self._started = False  # start() was called: an engine starts once
         self._gc_frozen = False  # EngineConfig.gc_freeze: froze at start, unfreezes at close
+        self._gc_raised = False  # EngineConfig.gc_threshold: raised at start, restored at close
         self._task = ActorTask()  # the engine's own task: holds the actors from start to close
         self._close_done = anyio.Event()  # aclose finished (a second aclose waits for it)
 
@@ -146,6 +152,9 @@ class AsyncEngine:
         if cfg.gc_freeze:  # the model, tokenizer and imports: out of every later GC walk
             freeze_after_start()
             self._gc_frozen = True
+        if cfg.gc_threshold is not None:  # fewer young collections while steps run
+            raise_threshold(cfg.gc_threshold)
+            self._gc_raised = True
 
     async def _start(
         self, plan: ModelPlan, step_runner: StepRunner | RunnerProcess, rope_switch_len: int | None
@@ -265,6 +274,9 @@ class AsyncEngine:
                 if self._gc_frozen:
                     self._gc_frozen = False
                     unfreeze_at_close()
+                if self._gc_raised:
+                    self._gc_raised = False
+                    restore_threshold_at_close()
                 # The stopped tasks' frames (held by their cancellation tracebacks, in cycles)
                 # still reference the engine: collect them now, so that the model and KV cache
                 # are freed with the engine's last reference, not at some later full collection.

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import torch
 
-from asyncpaged import InvalidRequestError, RequestOutput, SamplingParams
+from asyncpaged import EngineConfig, InvalidRequestError, RequestOutput, SamplingParams
 from asyncpaged.core.request import RequestStatus
 from asyncpaged.sampling_params import BeamSearchParams
 from tests.engine.conftest import running_engine
@@ -317,3 +317,37 @@ def test_gc_freeze_after_start_and_unfreeze_at_close(
             assert gc.get_freeze_count() == 0
 
     run("asyncio", main)
+
+
+def test_gc_threshold_raised_while_engines_run_and_the_hosts_restored(
+    tiny_checkpoint: Callable[[str], Path],
+) -> None:
+    """The young-collection threshold is ``gc_threshold`` while any engine runs (two nested
+    engines: until the second closes), never lowered below the host's, and the host's three
+    thresholds are back after the last close; ``gc_threshold=None`` leaves them alone."""
+    path = tiny_checkpoint(MODEL)
+    host = gc.get_threshold()
+
+    async def main() -> None:
+        gc.set_threshold(700, 11, 12)
+        async with running_engine(path, num_device_blocks=16) as engine:
+            assert gc.get_threshold() == (10_000, 11, 12)
+            async with running_engine(path, num_device_blocks=16, gc_threshold=20_000):
+                assert gc.get_threshold() == (20_000, 11, 12)
+            assert gc.get_threshold() == (20_000, 11, 12)  # (raised while any engine runs)
+            await finish(engine.generate([5, 6], SamplingParams(max_tokens=2)))
+        assert gc.get_threshold() == (700, 11, 12)
+        gc.set_threshold(50_000, 11, 12)
+        async with running_engine(path, num_device_blocks=16):
+            assert gc.get_threshold() == (50_000, 11, 12)  # the host's, higher, kept
+        async with running_engine(path, num_device_blocks=16, gc_threshold=None):
+            assert gc.get_threshold() == (50_000, 11, 12)
+        assert gc.get_threshold() == (50_000, 11, 12)
+
+    try:
+        run("asyncio", main)
+    finally:
+        gc.set_threshold(*host)
+    for bad in (0, -5, 2.5, "10"):
+        with pytest.raises(ValueError, match="gc_threshold"):
+            EngineConfig(model="m", gc_threshold=bad)  # type: ignore[arg-type]
