@@ -36,12 +36,13 @@ _host_threshold: list[tuple[int, int, int]] = []  # the host's, while raised
 
 
 def raise_threshold(gen0: int) -> None:
-    """Young collections every ``gen0`` new objects at least, while this engine runs."""
+    """Young collections every ``gen0`` new objects at least, while this engine runs (a host
+    threshold of 0, automatic collection off, stays 0)."""
     current = gc.get_threshold()
     if _raised[0] == 0:
         _host_threshold[:] = [current]
     _raised[0] += 1
-    if current[0] < gen0:
+    if 0 < current[0] < gen0:
         gc.set_threshold(gen0, current[1], current[2])
 
 

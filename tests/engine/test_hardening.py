@@ -324,7 +324,8 @@ def test_gc_threshold_raised_while_engines_run_and_the_hosts_restored(
 ) -> None:
     """The young-collection threshold is ``gc_threshold`` while any engine runs (two nested
     engines: until the second closes), never lowered below the host's, and the host's three
-    thresholds are back after the last close; ``gc_threshold=None`` leaves them alone."""
+    thresholds are back after the last close; ``gc_threshold=None`` leaves them alone, and so
+    does a host that turned automatic collection off (threshold 0)."""
     path = tiny_checkpoint(MODEL)
     host = gc.get_threshold()
 
@@ -343,6 +344,9 @@ def test_gc_threshold_raised_while_engines_run_and_the_hosts_restored(
         async with running_engine(path, num_device_blocks=16, gc_threshold=None):
             assert gc.get_threshold() == (50_000, 11, 12)
         assert gc.get_threshold() == (50_000, 11, 12)
+        gc.set_threshold(0, 11, 12)  # the host turned automatic collection off
+        async with running_engine(path, num_device_blocks=16):
+            assert gc.get_threshold() == (0, 11, 12)
 
     try:
         run("asyncio", main)
