@@ -106,7 +106,7 @@ def release_pin(
     if pinned is not None:
         msg = UnpinPrefix(pool_pin_id=pinned.pin_id, handled=anyio.Event())
     elif not slot:
-        msg = ForgetPin(pin_id=pin_id)
+        msg = ForgetPin(pin_id=pin_id, slot=slot)
     else:
         return  # the transaction came and pinned nothing
     with contextlib.suppress(anyio.ClosedResourceError, anyio.BrokenResourceError):

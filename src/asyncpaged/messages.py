@@ -167,9 +167,12 @@ class WatchPin:
 @dataclass(frozen=True, slots=True, kw_only=True)
 class ForgetPin:
     """The ``pin_prefix`` call of ``pin_id`` ended without its pin (refused, failed,
-    cancelled); a pin its transaction still makes is released at once."""
+    cancelled) while its ``slot`` (the WatchPin's) was empty; a pin its transaction makes is
+    released at once, also one handed out to ``slot`` after the call ended and before this
+    message came."""
 
     pin_id: int
+    slot: list[PinnedPrefix | None]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

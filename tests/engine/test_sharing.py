@@ -10,6 +10,9 @@ import anyio
 import pytest
 
 from asyncpaged import InvalidRequestError, RequestOutput, SamplingParams
+from asyncpaged._log import get_logger
+from asyncpaged.actors.scheduler_pins import PinWaiters, forget_pin, hand_out_pins
+from asyncpaged.core.block_table import PinnedPrefix
 from tests.engine.conftest import assert_no_leaks, running_engine
 from tests.engine.test_engine import MODEL, generate_all, make_prompts
 from tests.model.reference import HFReference
@@ -224,3 +227,40 @@ async def test_a_pin_prefix_that_does_not_return_leaves_nothing_pinned(
         assert out.outputs[0].token_ids == ref.generate((*prefix, 5), 4)[0]
         await engine.wait_idle()
         assert_no_leaks(engine)  # a leftover pin holds its blocks: neither free nor cached
+
+
+class _Unpins:
+    """The scheduler's ``unpin`` alone, recorded."""
+
+    def __init__(self) -> None:
+        self.unpinned: list[int] = []
+
+    def unpin(self, pool_pin_id: int) -> None:
+        self.unpinned.append(pool_pin_id)
+
+
+@pytest.mark.parametrize("order", ["forget_first", "handed_out_first", "kept"])
+def test_a_pin_whose_caller_is_gone_is_released_whichever_message_comes_first(
+    order: str,
+) -> None:
+    """``pin_prefix`` gives up while its slot is empty and sends ForgetPin; the pin's
+    transaction may hand the pin out before the actor reads that ForgetPin. Either way the
+    pin is released exactly once (handed out first, it used to stay pinned with nobody
+    holding it: a block held after the engine went idle); a caller that keeps its pin
+    releases nothing here."""
+    waiters: PinWaiters = {}
+    scheduler = _Unpins()
+    event, slot = anyio.Event(), []  # type: ignore[var-annotated]
+    waiters[7] = (event, slot)
+    pinned = ((7, PinnedPrefix(pin_id=3, block_ids=(1, 2), num_tokens=32)),)
+    log = get_logger("test")
+    if order == "forget_first":
+        forget_pin(7, [], waiters, scheduler)  # type: ignore[arg-type]
+        hand_out_pins(pinned, waiters, scheduler, log)  # type: ignore[arg-type]
+    else:
+        hand_out_pins(pinned, waiters, scheduler, log)  # type: ignore[arg-type]
+        assert event.is_set() and slot == [pinned[0][1]]
+        if order == "handed_out_first":
+            forget_pin(7, slot, waiters, scheduler)  # type: ignore[arg-type]
+    assert scheduler.unpinned == ([] if order == "kept" else [3])
+    assert not waiters

@@ -29,7 +29,7 @@ from asyncpaged.actors.scheduler_outputs import (
     prompt_logprob_progress,
     tokens_by_seq,
 )
-from asyncpaged.actors.scheduler_pins import PinWaiters, hand_out_pins
+from asyncpaged.actors.scheduler_pins import PinWaiters, forget_pin, hand_out_pins
 from asyncpaged.actors.scheduler_sampling import (
     BadWordsCache,
     bad_words_token_ids,
@@ -384,8 +384,8 @@ class SchedulerActor:
                 self.scheduler.complete_swap(swap_id)
             case WatchPin(pin_id=pin_id, event=event, slot=slot):
                 self._pins[pin_id] = (event, slot)
-            case ForgetPin(pin_id=pin_id):
-                self._pins.pop(pin_id, None)
+            case ForgetPin(pin_id=pin_id, slot=slot):
+                forget_pin(pin_id, slot, self._pins, self.scheduler)
             case UnpinPrefix(pool_pin_id=pool_pin_id, handled=handled):
                 self.scheduler.unpin(pool_pin_id)
                 self._log.info("prefix_unpinned", pool_pin_id=pool_pin_id)

@@ -1,6 +1,7 @@
 """``engine.pin_prefix``'s waiters at the scheduler actor: registered by ``WatchPin``, dropped
 by ``ForgetPin``, and answered once a transaction has pinned (or failed to pin) their prefix.
-A pin whose waiter is gone is released at once, so no pin outlives its caller's interest."""
+A pin whose waiter is gone is released at once, so no pin outlives its caller's interest: one
+made before the ForgetPin came, and one made after."""
 
 from __future__ import annotations
 
@@ -33,3 +34,18 @@ def hand_out_pins(
         event, slot = waiter
         slot.append(prefix)
         event.set()
+
+
+def forget_pin(
+    pin_id: int,
+    slot: list[PinnedPrefix | None],
+    waiters: PinWaiters,
+    scheduler: Scheduler,
+) -> None:
+    """A ``pin_prefix`` call ended while its slot was empty (ForgetPin): drop its waiter, so
+    a pin made later is released by :func:`hand_out_pins`; a pin handed out to the slot in
+    between (the call had already ended, so nobody will unpin it) is released now."""
+    waiters.pop(pin_id, None)
+    prefix = slot[0] if slot else None
+    if prefix is not None:
+        scheduler.unpin(prefix.pin_id)
