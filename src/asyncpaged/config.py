@@ -106,9 +106,10 @@ class EngineConfig:
     gc_freeze: bool = True
     # While an engine runs, the cyclic GC's young collections come every gc_threshold new
     # container objects at least (gc.set_threshold's first value; the host's own where it is
-    # higher, or 0), not every 700: a step makes thousands, and each young pass walks what is still
-    # alive (-8% of the loop's CPU at 256 sequences, docs/tuning.md "Session 24"). The host's
-    # thresholds come back when the last such engine closes. None: leave them alone.
+    # higher, or 0), not every 700: a step makes thousands, and each young pass walks what is
+    # still alive (the passes took ~9% of the loop's CPU at 256 sequences; docs/tuning.md
+    # "Session 24"). The host's thresholds come back when the last such engine closes. None:
+    # leave them alone.
     gc_threshold: int | None = 10_000
     # Queue order (core/policy.py): "fcfs", or "priority" (generate(priority=N): lower first,
     # FCFS among equals; a waiting request preempts lower-ranked running ones; every
