@@ -73,12 +73,13 @@ class EngineConfig:
     tensor_parallel_size: int = 1  # ranks the model is split over (torch.distributed)
     # Where the model runner runs: "thread", a worker thread of this process; "process", a
     # child process of its own, so the forward computes while the event loop runs Python (no
-    # GIL between them; docs/tuning.md). "process" takes no tensor parallelism, KV tiers or
-    # per-request logits_processors, and needs POSIX. "auto" (executor_backend_for): "process"
-    # on a CPU device with 2+ usable cores where it can, else "thread"; the environment
-    # variable ASYNCPAGED_EXECUTOR_BACKEND=thread|process decides "auto" instead. "auto" is the
-    # default: with async scheduling the process measured faster on both CPU workloads
-    # (tuning.md, "Async scheduling"); choose "thread" for per-request logits_processors.
+    # GIL between them; docs/tuning.md). "process" takes no tensor parallelism or per-request
+    # logits_processors, and needs POSIX (the KV tiers' store then lives in that process).
+    # "auto" (executor_backend_for): "process" on a CPU device with 2+ usable cores where it
+    # can, else "thread"; the environment variable ASYNCPAGED_EXECUTOR_BACKEND=thread|process
+    # decides "auto" instead. "auto" is the default: with async scheduling the process
+    # measured faster on both CPU workloads (tuning.md, "Async scheduling"); choose "thread"
+    # for per-request logits_processors.
     executor_backend: Literal["auto", "thread", "process"] = "auto"
     # Async scheduling (vLLM's async_scheduling): plan step N+1 while step N runs, so the
     # executor goes from one step to the next without waiting for the loop; a row whose input
@@ -193,8 +194,6 @@ class EngineConfig:
              f"{self.executor_backend!r}."),
             (self.executor_backend != "process" or self.tensor_parallel_size == 1,
              "executor_backend='process' needs tensor_parallel_size=1."),
-            (self.executor_backend != "process" or self.kv_offload_host_bytes == 0,
-             "executor_backend='process' does not take the KV tiers (kv_offload_*)."),
             (self.executor_backend != "process" or os.name == "posix",
              "executor_backend='process' needs a POSIX system."),
             (self.async_scheduling in (True, False, "auto"),
@@ -254,8 +253,8 @@ def executor_backend_for(config: EngineConfig) -> tuple[Literal["thread", "proce
     """Where the runner runs for ``config``, and why: its ``executor_backend`` unless "auto".
 
     "auto" takes the environment's ``ASYNCPAGED_EXECUTOR_BACKEND`` ("thread" or "process") if
-    set, then "thread" where the runner cannot leave this process (tensor parallelism, the KV
-    tiers, no POSIX) or where it is not measured to win (an accelerator: not yet measured; a
+    set, then "thread" where the runner cannot leave this process (tensor parallelism, no
+    POSIX) or where it is not measured to win (an accelerator: not yet measured; a
     single usable core: the two processes would take turns on it), else "process"."""
     chosen = config.executor_backend
     if chosen != "auto":
@@ -267,8 +266,6 @@ def executor_backend_for(config: EngineConfig) -> tuple[Literal["thread", "proce
         )
     if config.tensor_parallel_size > 1:
         return "thread", "tensor parallelism drives its ranks from this process"
-    if config.kv_offload_host_bytes:
-        return "thread", "the KV tiers copy through the runner in this process"
     if os.name != "posix":
         return "thread", "the runner process needs POSIX"
     if env:

@@ -66,7 +66,7 @@ from asyncpaged.messages import AbortRequest, ChatPrompt, UnpinPrefix
 from asyncpaged.model.draft import DraftProposals
 from asyncpaged.model.generation_config import GenerationDefaults
 from asyncpaged.model.hub import resolve_model_path
-from asyncpaged.model.kv_tier_store import KVTierStore
+from asyncpaged.model.kv_tier_remote import TierStore
 from asyncpaged.model.runner import StepRunner
 from asyncpaged.model.runner_process import RunnerProcess
 from asyncpaged.sampling_params import BeamSearchParams, SamplingParams
@@ -95,7 +95,7 @@ class AsyncEngine:
         self._ids = itertools.count()
         # tensor-parallel ranks (tensor_parallel_size > 1) or the runner's process
         self._workers: RemoteWorkers | None = None
-        self._tier_store: KVTierStore | None = None  # kv_offload_host_bytes > 0
+        self._tier_store: TierStore | None = None  # kv_offload_host_bytes > 0
         self._draft_proposals: DraftProposals | None = None  # speculative method "draft_model"
         self._dead_event = anyio.Event()  # set with _dead
         self._started = False  # start() was called: an engine starts once
@@ -169,7 +169,7 @@ class AsyncEngine:
         self._eos = self.generation_defaults.eos_token_ids
         self._limits = tokenizers.limits
         self.num_device_blocks, self.num_host_blocks = num_device, num_host
-        tiers, self._tier_store = await build_kv_tier_store(cfg, self.runner, self.model_path)
+        tiers, self._tier_store = await build_kv_tier_store(cfg, step_runner, self.model_path)
         pool = BlockPool(num_device, num_host, block_size=cfg.block_size,
                          enable_prefix_caching=cfg.enable_prefix_caching, tiers=tiers)  # fmt: skip
         self._seq_ids = itertools.count()  # shared by intake and scheduler (one event loop)

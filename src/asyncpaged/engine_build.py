@@ -46,7 +46,8 @@ from asyncpaged.messages import (
 from asyncpaged.model.cpu_plan import LEVERS, CpuPlan, plan_cpu
 from asyncpaged.model.draft import DraftProposals, DraftSpec, load_draft
 from asyncpaged.model.generation_config import GenerationDefaults, load_generation_defaults
-from asyncpaged.model.kv_tier_store import KVTierStore, build_kv_tiers
+from asyncpaged.model.kv_tier_remote import TierStore, start_remote_tiers
+from asyncpaged.model.kv_tier_store import build_kv_tiers
 from asyncpaged.model.loader import load_config, load_tokenizer, resolve_dtype, text_config
 from asyncpaged.model.runner import ModelRunner, StepRunner, select_attention_backend
 from asyncpaged.model.runner_process import RunnerLaunch, RunnerProcess
@@ -296,20 +297,36 @@ async def load_tokenizers(cfg: EngineConfig, path: Path, plan: ModelPlan) -> Tok
 
 
 async def build_kv_tier_store(
-    cfg: EngineConfig, runner: ModelRunner | None, path: Path
-) -> tuple[TierIndex | None, KVTierStore | None]:
+    cfg: EngineConfig, runner: StepRunner | RunnerProcess, path: Path
+) -> tuple[TierIndex | None, TierStore | None]:
     """The KV tiers' index and store (``kv_offload_host_bytes`` with prefix caching), else
-    ``(None, None)``; the disk tier is scanned in a worker thread."""
+    ``(None, None)``. The store lives beside the device cache: here, built in a worker thread
+    (it scans the disk tier), or in the runner's process (``model/kv_tier_remote.py``)."""
     if not (cfg.kv_offload_host_bytes and cfg.enable_prefix_caching):
         return None, None
-    assert runner is not None, "the KV tiers need the runner in this process (EngineConfig)"
-    return await anyio.to_thread.run_sync(
-        lambda: build_kv_tiers(
-            device_cache=runner.kv_cache, model_path=path,
-            host_bytes=cfg.kv_offload_host_bytes, disk_dir=cfg.kv_offload_dir,
-            disk_bytes=cfg.kv_offload_disk_bytes,
+    host, disk_dir, disk = cfg.kv_offload_host_bytes, cfg.kv_offload_dir, cfg.kv_offload_disk_bytes
+    index: TierIndex
+    store: TierStore
+    if isinstance(runner, RunnerProcess):
+        index, store = await start_remote_tiers(
+            runner, model_path=path, host_bytes=host, disk_dir=disk_dir, disk_bytes=disk
         )
-    )  # fmt: skip
+    else:
+        assert isinstance(runner, ModelRunner), "the KV tiers take one rank (EngineConfig)"
+        cache = runner.kv_cache
+        index, store = await anyio.to_thread.run_sync(
+            lambda: build_kv_tiers(
+                device_cache=cache,
+                model_path=path,
+                host_bytes=host,
+                disk_dir=disk_dir,
+                disk_bytes=disk,
+            )
+        )
+    log.info("kv_tiers_started", num_host_slots=index.num_host_slots,
+             disk_budget_entries=index.disk_budget_entries,
+             num_disk_entries=index.statistics().num_disk_entries)  # fmt: skip
+    return index, store
 
 
 def build_proposer(
@@ -380,7 +397,7 @@ def build_actors(
     intake_tokenizer: Any,
     limits: RequestLimits,
     seq_ids: Iterator[int],
-    tier_store: KVTierStore | None,
+    tier_store: TierStore | None,
     draft_proposals: DraftProposals | None,
 ) -> EngineActors:
     """The actors and the channels between them (none started yet)."""

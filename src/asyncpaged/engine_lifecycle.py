@@ -17,7 +17,7 @@ from asyncpaged._detached import spawn_detached
 from asyncpaged.actors.output_processor import OutputProcessor
 from asyncpaged.actors.scheduler import SchedulerActor
 from asyncpaged.core.block_pool import BlockPool
-from asyncpaged.model.kv_tier_store import KVTierStore
+from asyncpaged.model.kv_tier_remote import RemoteTierStore, TierStore
 
 __all__ = [
     "ActorTask",
@@ -142,14 +142,19 @@ async def close_workers(workers: RemoteWorkers | None, *, graceful: bool) -> Non
             await anyio.to_thread.run_sync(lambda: workers.close(graceful=graceful))
 
 
-async def persist_kv_tiers(store: KVTierStore | None, pool: BlockPool) -> None:
+async def persist_kv_tiers(store: TierStore | None, pool: BlockPool) -> None:
     """At close, with nothing running: write the cached device blocks and the host tier
-    to the disk tier (docs/architecture.md, "KV tiers"), in a worker thread."""
-    if store is None or store.disk is None:
+    to the disk tier (docs/architecture.md, "KV tiers"), in a worker thread (or in the
+    runner's process, where the store lives with ``executor_backend="process"``)."""
+    if store is None or not store.has_disk:
         return
     pool.begin_tier_txn(store.take_failed_spills())
     ops = pool.persist_tiers()
-    await anyio.to_thread.run_sync(store.run, ops, abandon_on_cancel=False)
+    if isinstance(store, RemoteTierStore):
+        with anyio.CancelScope(shield=True):
+            await store.run(ops)
+    else:
+        await anyio.to_thread.run_sync(store.run, ops, abandon_on_cancel=False)
 
 
 async def wait_actors_idle(scheduler: SchedulerActor, outputs: OutputProcessor) -> None:

@@ -81,12 +81,19 @@ def no_tier_tokens(long_llama: Path) -> list[int]:
     return anyio.run(main)
 
 
+# The tier store lives beside the device cache: in this process, or in the runner's own
+# (model/kv_tier_remote.py), where its ops go down the runner's pipe.
+BACKENDS = pytest.mark.parametrize("backend", ["thread", "process"])
+
+
+@BACKENDS
 async def test_host_tier_serves_a_prefix_the_device_evicted(
-    long_llama: Path, no_tier_tokens: list[int]
+    backend: str, long_llama: Path, no_tier_tokens: list[int]
 ) -> None:
     outs, stats = await run_turns(
-        long_llama, [[*PREFIX, 5], FLUSH[0], SECOND], kv_offload_host_bytes=1 << 20
-    )
+        long_llama, [[*PREFIX, 5], FLUSH[0], SECOND], kv_offload_host_bytes=1 << 20,
+        executor_backend=backend,
+    )  # fmt: skip
     assert outs[2] == no_tier_tokens
     # The device kept the prefix's head (the LRU evicts tails first), the host tier the rest.
     assert stats.prefix_cache_host_hit_tokens > 0
@@ -133,12 +140,15 @@ async def test_close_writes_the_cached_blocks_to_disk(
     assert stats.prefix_cache_disk_hit_tokens == NUM_PREFIX_BLOCKS * BS
 
 
+@BACKENDS
 async def test_restart_hits_the_disk_tier(
-    long_llama: Path, no_tier_tokens: list[int], tmp_path: Path
+    backend: str, long_llama: Path, no_tier_tokens: list[int], tmp_path: Path
 ) -> None:
-    await fill_disk(long_llama, tmp_path)
+    await fill_disk(long_llama, tmp_path, executor_backend=backend)
     assert all(block_file(tmp_path, i).exists() for i in range(NUM_PREFIX_BLOCKS))
-    outs, stats = await run_turns(long_llama, [SECOND], **disk_kw(tmp_path))
+    outs, stats = await run_turns(
+        long_llama, [SECOND], **disk_kw(tmp_path), executor_backend=backend
+    )
     assert outs[0] == no_tier_tokens
     assert stats.prefix_cache_disk_hit_tokens == NUM_PREFIX_BLOCKS * BS
     assert stats.prefix_cache_device_hit_tokens == stats.prefix_cache_host_hit_tokens == 0
@@ -207,6 +217,26 @@ async def test_a_full_disk_is_a_miss(
     assert stats.num_kv_spills > 0
     assert stats.prefix_cache_disk_hit_tokens == 0
     assert not list(tmp_path.rglob("*.*"))
+
+
+@BACKENDS
+async def test_a_removed_directory_is_a_miss(
+    backend: str, long_llama: Path, no_tier_tokens: list[int], tmp_path: Path
+) -> None:
+    """The tier's folder removed under the running engine: every spill fails, and the store
+    reports it (from the runner's process too) before anything could restore the block; a
+    spill taken as written would fail the engine (KVTierError) at SECOND's restore."""
+    with anyio.fail_after(120):
+        config = engine_config(**disk_kw(tmp_path), executor_backend=backend)
+        async with running_engine(long_llama, **config) as engine:
+            shutil.rmtree(tmp_path)
+            for prompt in ([*PREFIX, 5], *FLUSH):
+                await engine.generate(prompt, GREEDY)
+            out = await engine.generate(SECOND, GREEDY)
+            stats = engine.statistics()
+    assert list(out.outputs[0].token_ids) == no_tier_tokens
+    assert stats.num_kv_spills > 0
+    assert stats.prefix_cache_disk_hit_tokens == 0
 
 
 def test_disk_entries_round_trip_and_reject_other_identities(tmp_path: Path) -> None:
@@ -278,3 +308,28 @@ async def test_async_scheduling_orders_tier_copies_after_the_step_in_flight(
         assert during_copy, "no tier copies"
         assert not any(during_copy), f"a tier copy while a step ran (ahead={ahead})"
         assert (stats.num_steps_planned_ahead > 0) == ahead, stats
+
+
+async def test_the_runner_process_with_async_scheduling(long_llama: Path) -> None:
+    """The runner's process plans ahead with the KV tiers (their ops go down its pipe after
+    the step in flight): greedy tokens equal the sync thread's, with offloads, host-tier hits
+    and steps planned ahead; an aborted stream frees its blocks (the leak oracle)."""
+    runs = []
+    longer = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    for backend, ahead in (("thread", False), ("process", True)):
+        config = engine_config(kv_offload_host_bytes=1 << 20, async_scheduling=ahead,
+                               executor_backend=backend)  # fmt: skip
+        with anyio.fail_after(180):
+            async with running_engine(long_llama, **config) as engine:
+                outs = [(await engine.generate([*PREFIX, 5], longer)).outputs[0].token_ids]
+                async for out in engine.generate(tokens(3, 600), longer):
+                    if len(out.outputs[0].token_ids) >= 3:
+                        break  # closed: aborted with the next steps planned
+                for prompt in (*FLUSH, SECOND):
+                    outs.append((await engine.generate(prompt, longer)).outputs[0].token_ids)
+                stats = engine.statistics()
+        assert stats.num_kv_offloads > 0, stats
+        assert stats.prefix_cache_host_hit_tokens > 0, stats
+        assert (stats.num_steps_planned_ahead > 0) == ahead, stats
+        runs.append([list(o) for o in outs])
+    assert runs[0] == runs[1]

@@ -185,7 +185,6 @@ def test_what_the_mode_cannot_take_is_refused_at_config(tmp_path: Path) -> None:
     base = EngineConfig(model=str(tmp_path), executor_backend="process")
     for change, what in [
         ({"tensor_parallel_size": 2}, "tensor_parallel_size=1"),
-        ({"kv_offload_host_bytes": 1 << 20}, "KV tiers"),
         ({"executor_backend": "processes"}, "'auto', 'thread' or 'process'"),
     ]:  # fmt: skip
         with pytest.raises(InvalidRequestError, match=what):
@@ -246,9 +245,11 @@ def test_auto_chooses_the_process_on_a_cpu_with_two_cores(
     assert base.executor_backend == "auto"  # the default
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
     assert executor_backend_for(base)[0] == "process"
+    # the KV tiers' store goes into the runner's process (tests/engine/test_kv_tiers.py)
+    tiers = dataclasses.replace(base, kv_offload_host_bytes=1 << 20, enable_prefix_caching=True)
+    assert executor_backend_for(tiers)[0] == "process"
     for change, why in [
         ({"tensor_parallel_size": 2}, "tensor parallelism"),
-        ({"kv_offload_host_bytes": 1 << 20, "enable_prefix_caching": True}, "KV tiers"),
         ({"device": "cuda"}, "not measured"),
         ({"executor_backend": "thread"}, "configured"),
     ]:  # fmt: skip

@@ -11,7 +11,7 @@ from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStre
 from asyncpaged.actors.worker_thread import WorkerThread
 from asyncpaged.core.block_table import SwapDirection
 from asyncpaged.messages import CopyTierBlocks, SchedulerInbox, SwapBlocks, SwapDone, SwapSpaceInbox
-from asyncpaged.model.kv_tier_store import KVTierStore
+from asyncpaged.model.kv_tier_remote import RemoteTierStore, TierStore
 from asyncpaged.model.runner import StepRunner
 from asyncpaged.model.runner_process import RunnerProcess
 
@@ -25,8 +25,9 @@ class SwapSpaceActor:
     share of the same blocks), ordered with the steps. A :class:`RunnerProcess` runs the copies
     in its own process, in order with the steps sent before them.
 
-    KV-tier copies (:class:`CopyTierBlocks`, with ``tier_store``) run in the same thread, after
-    every swap sent before them; the scheduler waits for them before it starts their step, so
+    KV-tier copies (:class:`CopyTierBlocks`, with ``tier_store``) run in the same thread (or
+    the runner's process, where a :class:`RemoteTierStore` sends them), after every swap sent
+    before them; the scheduler waits for them before it starts their step, so
     they never race a forward (an offloaded block is about to be reused, a restored one read).
     """
 
@@ -35,7 +36,7 @@ class SwapSpaceActor:
         runner: StepRunner | RunnerProcess,
         inbox: MemoryObjectReceiveStream[SwapSpaceInbox],
         events: MemoryObjectSendStream[SchedulerInbox],
-        tier_store: KVTierStore | None = None,
+        tier_store: TierStore | None = None,
     ) -> None:
         self.runner = runner
         self.tier_store = tier_store
@@ -55,7 +56,10 @@ class SwapSpaceActor:
                         case CopyTierBlocks(ops=ops, done=done):
                             store = self.tier_store
                             assert store is not None, "KV-tier copies without a tier store"
-                            await self._thread.run(store.run, ops)
+                            if isinstance(store, RemoteTierStore):  # in the runner's process
+                                await store.run(ops)
+                            else:
+                                await self._thread.run(store.run, ops)
                             done.set()
                         case _:
                             assert_never(msg)

@@ -203,6 +203,10 @@ class KVTierStore:
         self._failed_spills: list[BlockHash] = []
         self._lock = threading.Lock()
 
+    @property
+    def has_disk(self) -> bool:
+        return self.disk is not None
+
     def take_failed_spills(self) -> list[BlockHash]:
         with self._lock:
             failed, self._failed_spills = self._failed_spills, []
@@ -312,10 +316,7 @@ def build_kv_tiers(
         disk = DiskTier(disk_dir, identity, len(payload))
         budget = disk_bytes // disk.entry_bytes
         disk_entries = disk.scan(budget)
-    index = TierIndex(num_host, budget, disk_entries)
-    log.info("kv_tiers_started", num_host_slots=num_host, disk_budget_entries=budget,
-             num_disk_entries=len(disk_entries))  # fmt: skip
-    return index, KVTierStore(device_cache, num_host, disk)
+    return TierIndex(num_host, budget, disk_entries), KVTierStore(device_cache, num_host, disk)
 
 
 __all__ = [

@@ -16,6 +16,7 @@ Python while the other process computes.
    executor actor: pickle plan ─── pipe ───────────► execute (forward, sampling)
                    await readable ◄──────────────── sampled rows (or the error it raised)
    swap actor:     pickle pairs ─────────────────────► swap_out / swap_in
+                   KV-tier ops ──────────────────────► the tier store (model/kv_tier_remote.py)
    watchdog task:  lifeline pipe at EOF ─► engine dead
 
 The child is a fresh interpreter (``subprocess``, POSIX), not a ``multiprocessing`` spawn: it
@@ -54,6 +55,7 @@ from asyncpaged._log import get_logger
 from asyncpaged.distributed.commands import WorkerSpec
 from asyncpaged.errors import WorkerDiedError
 from asyncpaged.model.draft import DraftSpec, load_draft
+from asyncpaged.model.kv_tier_remote import tier_calls
 from asyncpaged.model.late_inputs import LateDelivery, checked
 from asyncpaged.model.runner import (
     ModelRunner,
@@ -244,10 +246,15 @@ class RunnerProcess:
         return StepResult(sampled=sampled, compute_s=compute_s, prompt_logprobs=prompt_logprobs)
 
     async def swap_out(self, pairs: tuple[tuple[int, int], ...]) -> None:
-        await self._receive(await self._send("swap_out", pairs))
+        await self.call("swap_out", pairs)
 
     async def swap_in(self, pairs: tuple[tuple[int, int], ...]) -> None:
-        await self._receive(await self._send("swap_in", pairs))
+        await self.call("swap_in", pairs)
+
+    async def call(self, method: str, arg: object) -> object:
+        """One request to the process (after every one sent before) and its reply: a swap,
+        or the KV tiers' ``"tiers_build"`` and ``"tier_ops"`` (``model/kv_tier_remote.py``)."""
+        return await self._receive(await self._send(method, arg))
 
     async def _send(self, method: str, arg: object) -> int:
         """Send one request; its ticket. Raises :class:`WorkerDiedError` if the process is
@@ -386,6 +393,7 @@ def _serve(conn: Connection, spec: WorkerSpec, device: str, draft: DraftSpec | N
 
     calls: dict[str, Callable[[Any], object]] = {
         "execute": execute, "swap_out": runner.swap_out, "swap_in": runner.swap_in,
+        **tier_calls(runner),
     }  # fmt: skip
     pipe = runner.late_inputs = _PipeInputs(conn)
     while True:
