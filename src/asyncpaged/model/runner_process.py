@@ -20,7 +20,7 @@ Python while the other process computes.
    watchdog task:  lifeline pipe at EOF ─► engine dead
 
 The child is a fresh interpreter (``subprocess``, POSIX), not a ``multiprocessing`` spawn: it
-imports this module and nothing of the host's, so a script needs no ``if __name__ ==
+imports its side (``model/runner_child.py``) and nothing of the host's, so a script needs no ``if __name__ ==
 "__main__":`` guard and its top level never runs twice. It is launched before the engine reads
 the checkpoint and plans, so its imports (~2 s, mostly torch and transformers) overlap that.
 
@@ -39,28 +39,21 @@ import json
 import multiprocessing
 import os
 import pickle
-import signal
 import subprocess
 import sys
-from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
-from typing import Any
 
 import anyio
-import torch
 
 from asyncpaged._log import get_logger
 from asyncpaged.distributed.commands import WorkerSpec
 from asyncpaged.errors import WorkerDiedError
-from asyncpaged.model.draft import DraftSpec, load_draft
-from asyncpaged.model.kv_tier_remote import tier_calls
-from asyncpaged.model.late_inputs import LateDelivery, checked
+from asyncpaged.model.draft import DraftSpec
+from asyncpaged.model.late_inputs import LateDelivery
 from asyncpaged.model.runner import (
-    ModelRunner,
     SampledToken,
-    SequenceStep,
     StepPlan,
     StepResult,
     select_attention_backend,
@@ -94,7 +87,7 @@ class RunnerReady:
 # and the lifeline's descriptors, then sys.path as JSON)
 _BOOTSTRAP = (
     "import json, sys; sys.path[:] = json.loads(sys.argv[3]); "
-    "from asyncpaged.model.runner_process import child_main; "
+    "from asyncpaged.model.runner_child import child_main; "
     "child_main(int(sys.argv[1]), int(sys.argv[2]))"
 )
 
@@ -349,116 +342,3 @@ def _stop(popen: subprocess.Popen[bytes], join_timeout_s: float | None) -> None:
     if popen.poll() is None:
         popen.kill()
         popen.wait()
-
-
-def child_main(conn_fd: int, life_fd: int) -> None:
-    """Entry of the runner process (``_BOOTSTRAP``): import what loading needs while the engine
-    plans, read what to load, load the runner, answer, then serve requests until told to stop
-    (``None``) or the engine's end of the pipe closes. ``life_fd``, the lifeline's write end, is
-    never touched: it closes when the process exits, whichever way."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the engine owns this process's lifetime
-    conn = Connection(conn_fd)
-    # What reading a checkpoint's config imports (its class's module pulls in most of it)
-    import transformers.activations
-    import transformers.models  # noqa: F401
-
-    try:
-        what = pickle.loads(conn.recv_bytes())
-    except EOFError:  # the engine's process is gone
-        return
-    if what is None:  # the engine's start failed before the load (RunnerLaunch.abandon)
-        return
-    _serve(conn, *what)
-
-
-def _serve(conn: Connection, spec: WorkerSpec, device: str, draft: DraftSpec | None) -> None:
-    try:
-        runner = _build(spec, device)
-        if draft is not None:
-            load_draft(runner, draft)
-    except BaseException as exc:  # reported: the engine's start raises it
-        conn.send_bytes(_dumps_reply(RunnerReady(pid=os.getpid(), error=exc)))
-        return
-    ready = RunnerReady(pid=os.getpid(), rope_switch_len=runner.model.rope_switch_len,
-                        kv_cache_bytes=runner.kv_cache.num_bytes)  # fmt: skip
-    conn.send_bytes(_dumps_reply(ready))
-
-    def execute(wire: tuple[tuple[tuple[Any, ...], ...], tuple[tuple[int, int], ...],
-                            tuple[int, ...]]) -> object:  # fmt: skip
-        seqs, copy_pairs, late_rows = wire
-        plan = StepPlan(seqs=tuple([_as_tuple_of(SequenceStep, s) for s in seqs]),
-                        copy_pairs=copy_pairs, late_rows=late_rows)  # fmt: skip
-        result = runner.execute(plan)
-        return tuple([tuple(t) for t in result.sampled]), result.compute_s, result.prompt_logprobs
-
-    calls: dict[str, Callable[[Any], object]] = {
-        "execute": execute, "swap_out": runner.swap_out, "swap_in": runner.swap_in,
-        **tier_calls(runner),
-    }  # fmt: skip
-    pipe = runner.late_inputs = _PipeInputs(conn)
-    while True:
-        try:
-            request = pipe.next_request()
-        except EOFError:  # the engine's process is gone
-            return
-        if request is None:  # done: skip the interpreter's teardown (~1 s of module cleanup)
-            sys.stdout.flush()
-            sys.stderr.flush()
-            os._exit(0)
-        method, arg = request
-        try:
-            reply: tuple[bool, object] = (True, calls[method](arg))
-        except Exception as exc:  # the engine raises it where the call was awaited
-            reply = (False, exc)
-        conn.send_bytes(_dumps_reply(reply))
-
-
-class _PipeInputs:
-    """The process's side of its pipe: requests in the order sent, and the late sampling
-    inputs a running step takes off the pipe before it samples (``late_inputs``). They
-    follow that step's own request; whatever comes between (nothing, as the engine plans: a
-    plan ahead starts no swap) is kept for after the step, in order."""
-
-    def __init__(self, conn: Connection) -> None:
-        self._conn = conn
-        self._held: deque[Any] = deque()  # requests read while a step looked for its inputs
-
-    def next_request(self) -> Any:
-        """The next request (None: stop); raises EOFError once the engine's end is closed."""
-        return self._held.popleft() if self._held else pickle.loads(self._conn.recv_bytes())
-
-    def take(self, rows: tuple[int, ...]) -> LateDelivery:
-        while True:
-            msg = pickle.loads(self._conn.recv_bytes())
-            if isinstance(msg, tuple) and msg[0] == "late_inputs":
-                return checked(msg[1], rows)
-            self._held.append(msg)
-            if msg is None:  # told to stop: the inputs will not come
-                raise RuntimeError("the engine stopped before a step's late sampling inputs came")
-
-
-def _dumps_reply(reply: RunnerReady | tuple[bool, object]) -> bytes:
-    """``reply`` pickled; one that does not pickle (an error of a type defined where the
-    engine cannot import it) goes as a RuntimeError with its text."""
-    try:
-        return pickle.dumps(reply, protocol=pickle.HIGHEST_PROTOCOL)
-    except Exception as exc:
-        what = reply.error if isinstance(reply, RunnerReady) else reply[1]
-        error = RuntimeError(f"the runner process's reply did not pickle ({exc!r}): {what!r}")
-        if isinstance(reply, RunnerReady):
-            return pickle.dumps(RunnerReady(pid=reply.pid, error=error))
-        return pickle.dumps((False, error))
-
-
-def _build(spec: WorkerSpec, device: str) -> ModelRunner:
-    torch.set_num_threads(spec.num_threads)
-    backend = select_attention_backend(device, spec.attention_backend)
-    runner = ModelRunner(
-        spec.model, getattr(torch, spec.dtype), spec.num_device_blocks, spec.block_size,
-        spec.num_host_blocks, device=device, attn_backend=backend, seed=spec.seed,
-        kv_cache_dtype=getattr(torch, spec.kv_cache_dtype), packed_linears=spec.packed_linears,
-        fused_elementwise=spec.fused_elementwise, screened_lm_head=spec.screened_lm_head,
-        int8_lm_head=spec.int8_lm_head,
-    )  # fmt: skip
-    runner.capture_cuda_graphs(spec.cuda_graph_sizes, spec.max_model_len)
-    return runner
