@@ -13,16 +13,15 @@ changing anything; a broken internal invariant is an ``AssertionError``.
                                       block 5: t8 u9 .  .    b's copy-on-write of the old shared 3
 
 This module owns the :class:`BlockPool`: its tables, pins, swaps in flight and speculative
-tails, and its statistics. Its parts, functions of the pool's pieces that each call passes
-explicitly: core/block_pool_checks.py (the checks a call makes before it changes anything: the
-sequence's table and where it is, the tokens, a late token), core/block_pool_counts.py
-(counting queries: what an allocation or appends take, what freeing a group releases, shared
-tails), core/block_pool_prefix.py (the hash chain, matching the prefix cache and the KV tiers,
-restoring and persisting tier blocks, pinning and unpinning), core/block_pool_write.py (a new
-table, reserving slots, copy-on-write), core/block_pool_swap.py (swap groups, starting a swap
-and its in-flight moves, completing it, what it releases), core/block_pool_speculative.py
-(speculative tails, truncation) and core/block_pool_report.py (statistics, the snapshot and
-the invariant check).
+tails, and its statistics. Its methods check and delegate to functions of the pool or its
+pieces, each passed explicitly: core/block_pool_checks.py (the checks before a change: the
+sequence's table and where it is, the tokens, a late token; a new pool's sizes),
+core/block_pool_counts.py (counting queries: allocations, appends, releases, shared tails),
+core/block_pool_prefix.py (the hash chain, prefix cache and KV tier matching, tier restores and
+persistence, pins), core/block_pool_write.py (a new or forked table, slots, copy-on-write, a
+late token's value), core/block_pool_swap.py (starting, tracking and completing swaps),
+core/block_pool_speculative.py (speculative tails, truncation) and core/block_pool_report.py
+(statistics, the snapshot and the invariant check). The one-token append stays inline.
 """
 
 from __future__ import annotations
@@ -37,7 +36,13 @@ from asyncpaged.core import block_pool_report as report
 from asyncpaged.core import block_pool_speculative as spec
 from asyncpaged.core import block_pool_swap as swap
 from asyncpaged.core import block_pool_write as write
-from asyncpaged.core.block_pool_checks import check_settled, check_tokens, device_table, table_of
+from asyncpaged.core.block_pool_checks import (
+    check_settled,
+    check_sizes,
+    check_tokens,
+    device_table,
+    table_of,
+)
 from asyncpaged.core.block_table import (
     LATE_TOKEN,
     AppendResult,
@@ -106,11 +111,7 @@ class BlockPool:
     ) -> None:
         """``tiers``: the host and disk KV tiers below the prefix cache (core/kv_tiers.py):
         evicted cached blocks are offloaded there, and allocations restore from there."""
-        if num_device_blocks < 1 or num_host_blocks < 0 or block_size < 1:
-            raise ValueError(
-                f"need num_device_blocks >= 1, num_host_blocks >= 0 and block_size >= 1, got "
-                f"{num_device_blocks}, {num_host_blocks} and {block_size}."
-            )
+        check_sizes(num_device_blocks, num_host_blocks, block_size)
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self._prompt_hashes = prefix.PromptHashes(block_size)  # a cache of a pure function
@@ -151,8 +152,6 @@ class BlockPool:
 
     def shared_tails(self) -> frozenset[SeqId]:
         """Device sequences whose partial last block is shared: their next append copies it."""
-        if not self._forked:
-            return frozenset()
         return counts.shared_tails(self._forked, self._tables, self.device)
 
     def release_counts(self, seq_ids: Sequence[SeqId]) -> tuple[int, int] | None:
@@ -174,10 +173,7 @@ class BlockPool:
 
     def lookup_prefix(self, token_ids: Sequence[int], extra_key: str | None = None) -> PrefixHit:
         """The cached full blocks that a prompt ``token_ids`` would reuse (never its last token)."""
-        blocks, _ = prefix.match_prefix(
-            self.device, token_ids, extra_key, caching=self.enable_prefix_caching
-        )
-        return PrefixHit(block_ids=tuple(blocks), num_tokens=len(blocks) * self.block_size)
+        return prefix.lookup(self.device, token_ids, extra_key, caching=self.enable_prefix_caching)
 
     def num_blocks_to_allocate(
         self,
@@ -209,15 +205,13 @@ class BlockPool:
     def num_blocks_to_append(self, seq_id: SeqId, num_tokens: int) -> int:
         """Device blocks that appending ``num_tokens`` tokens takes, copy-on-write included."""
         table = device_table(self._tables, seq_id, "append to")
-        return counts.num_blocks_to_append(self.device.ref_cnt, self.block_size, table, num_tokens)
+        return counts.num_blocks_to_append(self.device, table, num_tokens)
 
     def num_blocks_to_append_all(self, appends: Sequence[tuple[SeqId, int]]) -> int:
         """Device blocks that these appends (sequence, number of tokens), run in order, take:
         exact for siblings sharing a partial last block (the last of its holders to append
         writes in place, the others copy it)."""
-        return counts.num_blocks_to_append_all(
-            self._tables, self.device.ref_cnt, self.block_size, appends
-        )
+        return counts.num_blocks_to_append_all(self._tables, self.device, appends)
 
     @property
     def num_blocks_coming(self) -> int:
@@ -233,12 +227,10 @@ class BlockPool:
         return len(swap.distinct_blocks(tables))
 
     def can_swap_out(self, seq_ids: Sequence[SeqId]) -> bool:
-        need = self.num_blocks_to_swap(seq_ids, SwapDirection.OUT)
-        return need <= self.host.num_allocatable
+        return self.num_blocks_to_swap(seq_ids, SwapDirection.OUT) <= self.host.num_allocatable
 
     def can_swap_in(self, seq_ids: Sequence[SeqId]) -> bool:
-        need = self.num_blocks_to_swap(seq_ids, SwapDirection.IN)
-        return need <= self.device.num_allocatable
+        return self.num_blocks_to_swap(seq_ids, SwapDirection.IN) <= self.device.num_allocatable
 
     def has_speculative_tokens(self, seq_id: SeqId) -> bool:
         """Whether the sequence holds proposals not yet verified (see :meth:`truncate`)."""
@@ -268,22 +260,12 @@ class BlockPool:
         if seq_id in self._tables:
             raise BlockPoolError(f"sequence {seq_id!r} already exists.")
         check_tokens(token_ids)
-        caching = self.enable_prefix_caching
         plan = counts.plan_allocation(self.device, self.tiers, self._prompt_hashes, token_ids,
-                                      max_new_tokens, extra_key, read_cache, caching)  # fmt: skip
+                                      max_new_tokens, extra_key, read_cache,
+                                      self.enable_prefix_caching)  # fmt: skip
         if plan.num_blocks > self.device.num_allocatable:
             return None
-        num_cached = plan.num_cached_tokens
-        if caching:
-            self.prefix_query_tokens += len(token_ids)
-            self.prefix_hit_tokens += num_cached
-        table, slots = write.allocate_table(self.device, self.tiers, seq_id, token_ids, plan,
-                                            extra_key, self.prefix_tier_hit_tokens,
-                                            caching=caching)  # fmt: skip
-        self._tables[seq_id] = table
-        return SeqAllocation(
-            block_ids=tuple(table.block_ids), num_cached_tokens=num_cached, slot_mapping=slots
-        )
+        return write.allocate_table(self, self._tables, seq_id, token_ids, plan, extra_key)
 
     def append(
         self, seq_id: SeqId, token_ids: Sequence[int], *, num_speculative_tokens: int = 0
@@ -305,9 +287,7 @@ class BlockPool:
         check_settled(table, "append to", caching=self.enable_prefix_caching)
         spec.check_num_speculative(num_speculative_tokens, len(token_ids))
         spec.check_verified(self._speculative, seq_id, "append to")
-        need = counts.num_blocks_to_append(
-            self.device.ref_cnt, self.block_size, table, len(token_ids)
-        )
+        need = counts.num_blocks_to_append(self.device, table, len(token_ids))
         if need > self.device.num_allocatable:
             return None
         cow = write.copy_on_write(self.device, table)
@@ -353,26 +333,14 @@ class BlockPool:
         scheduling: the step that sampled it returned after the next one was planned). A
         block it filled is hashed and registered in the prefix cache now."""
         table = device_table(self._tables, seq_id, "set a late token of")
-        if token < 0:
-            raise BlockPoolError(f"token ids must be >= 0, got {token}.")
-        if not self.enable_prefix_caching:
-            return
-        partial = table.partial_token_ids
-        if not partial or partial[-1] != LATE_TOKEN:
-            raise BlockPoolError(f"sequence {seq_id!r} has no late token to set.")
-        write.set_late_token(self.device, table, token)
+        write.set_late_token(self.device, table, token, caching=self.enable_prefix_caching)
 
     def fork(self, parent_id: SeqId, child_id: SeqId) -> None:
         """Give ``child_id`` the parent's table, sharing every block (never allocates)."""
         parent = device_table(self._tables, parent_id, "fork")
         spec.check_verified(self._speculative, parent_id, "fork")
         check_settled(parent, "fork", caching=self.enable_prefix_caching)
-        if child_id in self._tables:
-            raise BlockPoolError(f"cannot fork into {child_id!r}: that sequence already exists.")
-        for block in parent.block_ids:
-            self.device.incref(block)
-        self._tables[child_id] = parent.copy(child_id)
-        self._forked.update((parent_id, child_id))
+        write.fork_table(self.device, self._tables, self._forked, parent, child_id)
 
     def free(self, seq_id: SeqId) -> None:
         """Drop the sequence and its references, tail first, wherever its blocks are.
@@ -400,14 +368,8 @@ class BlockPool:
         allocates.
         """
         table = device_table(self._tables, seq_id, "truncate")
-        check_settled(table, "truncate", caching=self.enable_prefix_caching)
-        spec.check_truncate(table, num_tokens)
-        tail = self._speculative.get(seq_id)
-        dropped = spec.truncate_table(
-            self.device, table, num_tokens, tail, self._forked, caching=self.enable_prefix_caching
-        )
-        self._speculative.pop(seq_id, None)
-        return dropped
+        return spec.truncate_table(self.device, table, num_tokens, self._speculative, self._forked,
+                                   caching=self.enable_prefix_caching)  # fmt: skip
 
     # ---- swap -----------------------------------------------------------------------------
 
@@ -462,8 +424,6 @@ class BlockPool:
         """Copy every cached device block (least recently used first, pinned ones last) and
         every host-tier entry down to the disk tier; the device cache is left as it is. For a
         shutdown with nothing running: returns the ops to run."""
-        if self.tiers is None:
-            return ()
         return prefix.persist_to_tiers(self.device, self.tiers, self._pins.values())
 
     def begin_tier_txn(self, failed_spills: Iterable[BlockHash] = ()) -> None:

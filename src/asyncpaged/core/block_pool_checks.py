@@ -1,8 +1,9 @@
 """The checks a block pool call makes before it changes anything, each raising
 :class:`~asyncpaged.errors.BlockPoolError`: the sequence's table exists (and is on the device,
 for a call that needs it there), a token list is not empty, and a table's last token is not a
-late one still waiting for its value (:meth:`BlockPool.set_late_token`). The speculative tails'
-checks are in core/block_pool_speculative.py.
+late one still waiting for its value (:meth:`BlockPool.set_late_token`); and the sizes a new
+pool is given (``ValueError``: user input). The speculative tails' checks are in
+core/block_pool_speculative.py.
 
 Functions of the tables they are given (the :class:`~asyncpaged.core.block_pool.BlockPool`
 passes its own); nothing here changes state.
@@ -49,3 +50,12 @@ def check_tokens(token_ids: Sequence[int]) -> None:
     """A call's token list is not empty."""
     if len(token_ids) == 0:
         raise BlockPoolError("token_ids must not be empty.")
+
+
+def check_sizes(num_device_blocks: int, num_host_blocks: int, block_size: int) -> None:
+    """A new pool has a device block, no negative host pool, and blocks of a token or more."""
+    if num_device_blocks < 1 or num_host_blocks < 0 or block_size < 1:
+        raise ValueError(
+            f"need num_device_blocks >= 1, num_host_blocks >= 0 and block_size >= 1, got "
+            f"{num_device_blocks}, {num_host_blocks} and {block_size}."
+        )

@@ -10,7 +10,7 @@ state (but for the prompt-hash memo, a cache of a pure function); the
 from __future__ import annotations
 
 import operator
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from asyncpaged.core.block_pool_checks import device_table
@@ -85,28 +85,23 @@ def num_tokens_after_allocate(
     return min(len(token_ids), num_cached + max_new_tokens)
 
 
-def num_blocks_to_append(
-    ref_cnt: list[int], block_size: int, table: BlockTable, num_tokens: int
-) -> int:
+def num_blocks_to_append(device: PhysicalBlocks, table: BlockTable, num_tokens: int) -> int:
     """Device blocks that appending ``num_tokens`` tokens to the device ``table`` takes, a copy
     of its shared partial last block included."""
-    bs = block_size
+    bs = device.block_size
     need = -(-(table.num_tokens + num_tokens) // bs) - len(table.block_ids)
-    if table.num_tokens % bs and ref_cnt[table.block_ids[-1]] > 1:
+    if table.num_tokens % bs and device.ref_cnt[table.block_ids[-1]] > 1:
         need += 1
     return need
 
 
 def num_blocks_to_append_all(
-    tables: Mapping[SeqId, BlockTable],
-    ref_cnt: list[int],
-    block_size: int,
-    appends: Iterable[tuple[SeqId, int]],
+    tables: Mapping[SeqId, BlockTable], device: PhysicalBlocks, appends: Iterable[tuple[SeqId, int]]
 ) -> int:
     """Device blocks that these appends (sequence, number of tokens), run in order, take:
     exact for siblings sharing a partial last block (the last of its holders to append writes
     in place, the others copy it). Raises unless every sequence is on the device."""
-    bs = block_size
+    bs, ref_cnt = device.block_size, device.ref_cnt
     copied: dict[int, int] = {}  # shared tail block -> holders that copied it away so far
     need = 0
     for seq_id, num_tokens in appends:
@@ -142,10 +137,12 @@ def release_counts(
 
 
 def shared_tails(
-    forked: Iterable[SeqId], tables: Mapping[SeqId, BlockTable], device: PhysicalBlocks
+    forked: Collection[SeqId], tables: Mapping[SeqId, BlockTable], device: PhysicalBlocks
 ) -> frozenset[SeqId]:
     """The sequences among ``forked`` whose table is on the device with a partial last block
     that other holders share."""
+    if not forked:  # the common case: no sequence was ever forked
+        return frozenset()
     bs, ref_cnt = device.block_size, device.ref_cnt
     return frozenset(
         sid

@@ -1,8 +1,8 @@
 """The prefix cache's side of the block pool: the hash chain of a table's full blocks, matching
-a prompt's leading full blocks against the device cache and then the lower KV tiers
-(core/kv_tiers.py), restoring tier hits into new device blocks, registering full blocks, pinning a
-prefix's cached blocks and unpinning them, and copying the cached blocks down to the tiers at
-shutdown.
+a prompt's leading full blocks against the device cache (a lookup's :class:`PrefixHit`) and
+then the lower KV tiers (core/kv_tiers.py), restoring tier hits into new device blocks,
+registering full blocks, pinning a prefix's cached blocks and unpinning them, and copying the
+cached blocks down to the tiers at shutdown.
 
 Functions of the device pool, tier index, tables and pins they are given (the
 :class:`~asyncpaged.core.block_pool.BlockPool` passes its own); with prefix caching off the
@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator, Sequence
 
 from asyncpaged.core.block_pool_checks import check_tokens
-from asyncpaged.core.block_table import BlockTable, PinnedPrefix
+from asyncpaged.core.block_table import BlockTable, PinnedPrefix, PrefixHit
 from asyncpaged.core.kv_tiers import TierIndex, TierOp
 from asyncpaged.core.physical_blocks import PhysicalBlocks
 from asyncpaged.core.prefix_hash import ROOT_HASH, BlockHash, hash_block
@@ -127,6 +127,14 @@ def match_prefix(
     return blocks, hashes
 
 
+def lookup(
+    device: PhysicalBlocks, token_ids: Sequence[int], extra_key: str | None, *, caching: bool
+) -> PrefixHit:
+    """The :class:`PrefixHit` of a prompt: the cached blocks :func:`match_prefix` maps in."""
+    blocks, _ = match_prefix(device, token_ids, extra_key, caching=caching)
+    return PrefixHit(block_ids=tuple(blocks), num_tokens=len(blocks) * device.block_size)
+
+
 def match_full_blocks(
     device: PhysicalBlocks, token_ids: Sequence[int], extra_key: str | None
 ) -> list[int] | None:
@@ -219,10 +227,12 @@ def register_full_blocks(device: PhysicalBlocks, table: BlockTable, first: int =
 
 
 def persist_to_tiers(
-    device: PhysicalBlocks, tiers: TierIndex, pinned: Iterable[tuple[int, ...]]
+    device: PhysicalBlocks, tiers: TierIndex | None, pinned: Iterable[tuple[int, ...]]
 ) -> tuple[TierOp, ...]:
     """Offload every cached device block (least recently used first, then the ``pinned``
-    ones) and persist the tiers; returns the tier copies to run."""
+    ones) and persist the tiers; returns the tier copies to run (none without tiers)."""
+    if tiers is None:
+        return ()
     pinned_blocks = [b for blocks in pinned for b in blocks]
     for block in (*device.evictable_blocks(), *dict.fromkeys(pinned_blocks)):
         block_hash = device.hash_of(block)

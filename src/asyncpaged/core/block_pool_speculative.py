@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Container, Mapping, Sequence
 from dataclasses import dataclass
 
+from asyncpaged.core.block_pool_checks import check_settled
 from asyncpaged.core.block_pool_prefix import register_full_blocks
 from asyncpaged.core.block_pool_write import set_filled
 from asyncpaged.core.block_table import BlockTable, Location, SeqId
@@ -89,16 +90,20 @@ def truncate_table(
     device: PhysicalBlocks,
     table: BlockTable,
     num_tokens: int,
-    tail: SpeculativeTail | None,
+    speculative: dict[SeqId, SpeculativeTail],
     forked: set[SeqId],
     *,
     caching: bool,
 ) -> tuple[int, ...]:
-    """Cut a device table (and its hash chain) to its first ``num_tokens`` tokens (``1 ..``
-    its length, checked by the caller); returns the blocks released, in table order. Raises,
-    changing nothing, unless :func:`kept_partial_tokens` knows the new last block's tokens.
-    With a ``tail``, the full blocks its kept tokens complete are registered. A table left
-    sharing its partial last block is added to ``forked``."""
+    """Cut a device table (and its hash chain) to its first ``num_tokens`` tokens and end its
+    tail in ``speculative``; returns the blocks released, in table order. Raises, changing
+    nothing, for a late last token, for ``num_tokens`` outside ``1 ..`` its length, or unless
+    :func:`kept_partial_tokens` knows the new last block's tokens. With a tail, the full
+    blocks its kept tokens complete are registered. A table left sharing its partial last
+    block is added to ``forked``."""
+    check_settled(table, "truncate", caching=caching)
+    check_truncate(table, num_tokens)
+    tail = speculative.get(table.seq_id)
     bs = device.block_size
     partial = kept_partial_tokens(table, tail, num_tokens, block_size=bs, caching=caching)
     keep = -(-num_tokens // bs)
@@ -113,6 +118,7 @@ def truncate_table(
         table.partial_token_ids = partial
         if tail is not None:  # the kept proposals are verified: cache their full blocks
             register_full_blocks(device, table, tail.start // bs)
+    speculative.pop(table.seq_id, None)
     return dropped
 
 

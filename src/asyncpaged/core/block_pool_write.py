@@ -1,23 +1,29 @@
 """Writing a device block table: reserving slots for new tokens at its end (a block is taken
 whenever the last one is full; each block that fills is hashed and, unless it holds a
 speculative token, registered in the prefix cache), copy-on-write of a shared partial last
-block, and a new sequence's table as its allocation plan says. (The one-token decode fast
-path, :meth:`BlockPool.append_token`, stays inline in the pool: it runs per token.)
+block, giving a late token its value, and a new sequence's table: as its allocation plan says
+(counted in the pool's prefix statistics), or a fork's copy of its parent's. (The one-token
+decode fast path, :meth:`BlockPool.append_token`, stays inline in the pool: it runs per token.)
 
-Functions of the device pool and the table they are given; the
-:class:`~asyncpaged.core.block_pool.BlockPool` checks the capacity and the table's state first,
-so nothing here fails for want of blocks.
+Functions of the device pool and the tables they are given (an allocation's: of the
+:class:`~asyncpaged.core.block_pool.BlockPool` itself and the tables it passes); the pool checks
+the capacity and the sequence's state first, so nothing here fails for want of blocks (a fork
+into an existing sequence, or a bad late token, raises before changing anything).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from asyncpaged.core.block_pool_counts import AllocationPlan
 from asyncpaged.core.block_pool_prefix import HashChain, restore_from_tiers, seal_full_block
-from asyncpaged.core.block_table import LATE_TOKEN, BlockTable, SeqId
-from asyncpaged.core.kv_tiers import TierIndex
+from asyncpaged.core.block_table import LATE_TOKEN, BlockTable, SeqAllocation, SeqId
 from asyncpaged.core.physical_blocks import PhysicalBlocks
+from asyncpaged.errors import BlockPoolError
+
+if TYPE_CHECKING:
+    from asyncpaged.core.block_pool import BlockPool
 
 
 def set_filled(device: PhysicalBlocks, block: int, num_slots: int) -> None:
@@ -89,37 +95,68 @@ def write_slots(
 
 
 def allocate_table(
-    device: PhysicalBlocks,
-    tiers: TierIndex | None,
+    pool: BlockPool,
+    tables: dict[SeqId, BlockTable],
     seq_id: SeqId,
     token_ids: Sequence[int],
     plan: AllocationPlan,
     extra_key: str | None,
-    tier_hit_tokens: dict[str, int],
-    *,
-    caching: bool,
-) -> tuple[BlockTable, tuple[int, ...]]:
-    """The table of a new sequence whose prompt is ``token_ids``, as ``plan`` says (capacity
-    already checked): its cached blocks mapped in (their references raised), its tier hits
-    restored after them, then slots reserved for the next uncached prompt tokens, up to
-    ``plan.num_tokens``; returns (table, slot mapping)."""
+) -> SeqAllocation:
+    """Add to the pool's ``tables`` the table of a new sequence whose prompt is ``token_ids``,
+    as ``plan`` says (capacity already checked): its cached blocks mapped in (their references
+    raised), its tier hits restored after them, then slots reserved for the next uncached
+    prompt tokens, up to ``plan.num_tokens``. With prefix caching, the pool's statistics count
+    the prompt's tokens and its hits."""
+    device, caching, num_cached = pool.device, pool.enable_prefix_caching, plan.num_cached_tokens
+    if caching:
+        pool.prefix_query_tokens += len(token_ids)
+        pool.prefix_hit_tokens += num_cached
     for block in plan.hit:
         device.incref(block)
     table = BlockTable(seq_id=seq_id, extra_key=extra_key, block_ids=plan.hit)
     table.block_hashes = plan.hashes
     if plan.restored:
-        assert tiers is not None
-        restore_from_tiers(device, tiers, table, plan.restored, tier_hit_tokens)
-    num_cached = plan.num_cached_tokens
+        assert pool.tiers is not None
+        restore_from_tiers(device, pool.tiers, table, plan.restored, pool.prefix_tier_hit_tokens)
     table.num_tokens = num_cached
     new_tokens = token_ids[num_cached : plan.num_tokens]
-    return table, write_slots(device, table, new_tokens, caching=caching, chain=plan.chain)
+    slots = write_slots(device, table, new_tokens, caching=caching, chain=plan.chain)
+    tables[seq_id] = table
+    return SeqAllocation(
+        block_ids=tuple(table.block_ids), num_cached_tokens=num_cached, slot_mapping=slots
+    )
 
 
-def set_late_token(device: PhysicalBlocks, table: BlockTable, token: int) -> None:
-    """Give the table's :data:`LATE_TOKEN` (its last token) its value; a block it filled is
-    hashed and registered in the prefix cache now (prefix caching on)."""
+def fork_table(
+    device: PhysicalBlocks,
+    tables: dict[SeqId, BlockTable],
+    forked: set[SeqId],
+    parent: BlockTable,
+    child_id: SeqId,
+) -> None:
+    """Add to ``tables`` the table of ``child_id``: a copy of the device table ``parent``
+    sharing every block (a reference more each; never allocates); both join ``forked``.
+    Raises, changing nothing, if ``child_id`` exists."""
+    if child_id in tables:
+        raise BlockPoolError(f"cannot fork into {child_id!r}: that sequence already exists.")
+    for block in parent.block_ids:
+        device.incref(block)
+    tables[child_id] = parent.copy(child_id)
+    forked.update((parent.seq_id, child_id))
+
+
+def set_late_token(device: PhysicalBlocks, table: BlockTable, token: int, *, caching: bool) -> None:
+    """Give the table's :data:`LATE_TOKEN` (its last token) its value ``token``; a block it
+    filled is hashed and registered in the prefix cache now. Raises, changing nothing, for a
+    negative token, or (with prefix ``caching``) for a table whose last token is not late;
+    without caching the pool keeps no tokens, so nothing changes."""
+    if token < 0:
+        raise BlockPoolError(f"token ids must be >= 0, got {token}.")
+    if not caching:
+        return
     partial = table.partial_token_ids
+    if not partial or partial[-1] != LATE_TOKEN:
+        raise BlockPoolError(f"sequence {table.seq_id!r} has no late token to set.")
     partial[-1] = token
     if len(partial) == device.block_size:
         device.register(table.block_ids[-1], seal_full_block(table))
