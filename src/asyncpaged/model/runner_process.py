@@ -20,9 +20,10 @@ Python while the other process computes.
    watchdog task:  lifeline pipe at EOF ─► engine dead
 
 The child is a fresh interpreter (``subprocess``, POSIX), not a ``multiprocessing`` spawn: it
-imports its side (``model/runner_child.py``) and nothing of the host's, so a script needs no ``if __name__ ==
-"__main__":`` guard and its top level never runs twice. It is launched before the engine reads
-the checkpoint and plans, so its imports (~2 s, mostly torch and transformers) overlap that.
+imports its side (``model/runner_child.py``) and nothing of the host's, so a script needs no
+``if __name__ == "__main__":`` guard and its top level never runs twice. It is launched before
+the engine reads the checkpoint and plans, so its imports (~2 s, mostly torch and
+transformers) overlap that.
 
 The process runs requests one at a time, in the order they were sent; the engine may send a
 step while the one before runs (async scheduling plans it ahead), and reads the replies in the
