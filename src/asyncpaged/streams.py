@@ -1,4 +1,5 @@
-"""Per-request output state, its single-slot sink, and the :class:`RequestStream` users hold.
+"""Per-request output state, its single-slot sink, and the :class:`RequestStream` users hold
+(the sink wakes the one reader with :class:`~asyncpaged.streams_wakeup.Wakeup`).
 
 The engine writes into a request's :class:`RequestState` and wakes its sink; it never waits for
 the reader. The reader builds what it sees when it looks: the whole output so far (CUMULATIVE),
@@ -8,10 +9,9 @@ everything new since its last look (DELTA, so a slow reader gets merged deltas),
 
 from __future__ import annotations
 
-import asyncio
 import itertools
 import time
-from collections.abc import Awaitable, Callable, Generator
+from collections.abc import Callable, Generator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -27,51 +27,10 @@ from asyncpaged.outputs import (
     RequestOutput,
 )
 from asyncpaged.sampling_params import RequestOutputKind, SamplingParams
+from asyncpaged.streams_wakeup import Wakeup
 
 if TYPE_CHECKING:
     from asyncpaged.model.prompt_logprobs import PromptLogprobRows
-
-
-class _Wakeup:
-    """Wakes the one reader of a request: ``wait`` returns at the first ``set`` after it began
-    (the reader re-checks its state around it, so a ``set`` with no reader waiting is moot).
-
-    On asyncio the reader awaits a bare future, the cheapest wake-up the loop has (a state is
-    woken once per step); on any other loop an ``anyio.Event``. Writer and reader share one
-    event loop."""
-
-    __slots__ = ("_event", "_future", "_loop")
-
-    def __init__(self) -> None:
-        self._future: asyncio.Future[None] | None = None
-        self._event: anyio.Event | None = None
-        self._loop: asyncio.AbstractEventLoop | bool | None = None  # False: not asyncio
-
-    def set(self) -> None:
-        future, event = self._future, self._event
-        if future is not None:
-            self._future = None
-            if not future.done():
-                future.set_result(None)
-        if event is not None:
-            self._event = None
-            event.set()
-
-    def wait(self) -> Awaitable[None]:
-        """What to await: the future itself (no coroutine frame of its own to make and resume
-        once a step per reader), or the event's wait."""
-        loop = self._loop
-        if loop is None:
-            try:
-                loop = self._loop = asyncio.get_running_loop()
-            except RuntimeError:  # trio, or another loop anyio runs on
-                loop = self._loop = False
-        if loop:
-            assert isinstance(loop, asyncio.AbstractEventLoop)
-            future = self._future = loop.create_future()
-            return future
-        event = self._event = anyio.Event()
-        return event.wait()
 
 
 @dataclass(slots=True, eq=False)
@@ -144,7 +103,7 @@ class RequestState:
         # Set by the engine's abort (and a dropped stream) wherever the request is: the intake
         # then finishes it with "abort" instead of handing it to the scheduler.
         self.abort_requested = False
-        self._event = _Wakeup()
+        self._event = Wakeup()
         # The reader waits for the end only: new tokens alone do not wake it.
         self._reader_wants_end = False
         self._held = False  # recorded outputs hidden from the reader until release()
