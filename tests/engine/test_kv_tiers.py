@@ -13,10 +13,10 @@ from typing import Any
 import anyio
 import pytest
 
-from asyncpaged import SamplingParams
+from asyncpaged import AsyncEngine, EngineConfig, EngineDeadError, SamplingParams
 from asyncpaged.core.prefix_hash import hash_full_blocks
 from asyncpaged.model import kv_tier_store
-from asyncpaged.model.kv_tier_store import HEADER, KVTierStore
+from asyncpaged.model.kv_tier_store import HEADER, KVTierError, KVTierStore
 from asyncpaged.model.runner import ModelRunner, StepPlan
 from asyncpaged.testing.tiny_models import build_tiny_checkpoint
 from tests.engine.conftest import running_engine
@@ -237,6 +237,23 @@ async def test_a_removed_directory_is_a_miss(
     assert list(out.outputs[0].token_ids) == no_tier_tokens
     assert stats.num_kv_spills > 0
     assert stats.prefix_cache_disk_hit_tokens == 0
+
+
+@BACKENDS
+async def test_an_entry_gone_after_the_scan_fails_the_engine(
+    backend: str, long_llama: Path, tmp_path: Path
+) -> None:
+    """An entry verified at start that no longer reads back at its restore (deleted under
+    the running engine) fails the engine, never computes with wrong K/V: every waiter hears
+    ``EngineDeadError`` caused by ``KVTierError``, raised in the runner's process too."""
+    await fill_disk(long_llama, tmp_path, executor_backend=backend)
+    kw = engine_config(**disk_kw(tmp_path), executor_backend=backend)
+    config = EngineConfig(model=str(long_llama), dtype="float32", **kw)
+    with anyio.fail_after(120), pytest.raises(EngineDeadError) as info:
+        async with AsyncEngine(config) as engine:
+            block_file(tmp_path, 5).unlink()
+            await engine.generate(SECOND, GREEDY)
+    assert isinstance(info.value.__cause__, KVTierError), info.value.__cause__
 
 
 def test_disk_entries_round_trip_and_reject_other_identities(tmp_path: Path) -> None:
