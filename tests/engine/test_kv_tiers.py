@@ -4,22 +4,31 @@ greedy tokens identical to a run without tiers."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import anyio
 import pytest
 
-from asyncpaged import AsyncEngine, EngineConfig, EngineDeadError, SamplingParams
+from asyncpaged import (
+    AsyncEngine,
+    EngineConfig,
+    EngineDeadError,
+    RequestFailedError,
+    SamplingParams,
+)
 from asyncpaged.core.prefix_hash import hash_full_blocks
 from asyncpaged.model import kv_tier_store
 from asyncpaged.model.kv_tier_store import HEADER, KVTierError, KVTierStore
 from asyncpaged.model.runner import ModelRunner, StepPlan
 from asyncpaged.testing.tiny_models import build_tiny_checkpoint
 from tests.engine.conftest import running_engine
+from tests.engine.test_async_mix import assert_same, mixed_params
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 BS = 16
@@ -350,3 +359,50 @@ async def test_the_runner_process_with_async_scheduling(long_llama: Path) -> Non
         assert (stats.num_steps_planned_ahead > 0) == ahead, stats
         runs.append([list(o) for o in outs])
     assert runs[0] == runs[1]
+
+
+async def _mix(path: Path, prompts: list[list[int]], params: list[SamplingParams],
+               **config: Any) -> tuple[list[Any], Any]:  # fmt: skip
+    """Every prompt at once: each one's output, or how it failed alone."""
+    outs: list[Any] = [None] * len(prompts)
+
+    async def one(i: int) -> None:
+        try:
+            outs[i] = await engine.generate(prompts[i], params[i])
+        except RequestFailedError as exc:
+            outs[i] = exc
+
+    with anyio.fail_after(240):
+        async with running_engine(path, **engine_config(**config)) as engine:
+            async with anyio.create_task_group() as tg:
+                for i in range(len(prompts)):
+                    tg.start_soon(one, i)
+            return outs, engine.statistics()
+
+
+async def test_a_random_mix_over_shared_prefixes_in_the_runner_process(
+    tiny_checkpoint: Callable[[str], Path], tmp_path: Path
+) -> None:
+    """Random requests (tests/engine/test_async_mix.py's menu, logprobs left out: a prefix
+    hit changes the summation order, and a rank may swap at a near-tie) over three shared
+    prompt heads, at once: with the KV tiers in the runner's process, async scheduling and
+    swap preemption in 16 device blocks, the outputs equal the sync thread engine's without
+    tiers, with offloads, tier hits and preemptions on the way."""
+    rng = random.Random(15)
+    heads = [[rng.randrange(3, 200) for _ in range(n)] for n in (32, 40, 64)]
+    prompts = [[*rng.choice(heads), *tokens(100 + i, rng.randrange(1, 12))] for i in range(28)]
+    params = [dataclasses.replace(mixed_params(rng, i), logprobs=None, prompt_logprobs=None)
+              for i in range(28)]  # fmt: skip
+    path = tiny_checkpoint("llama-gqa")
+    sync, _ = await _mix(path, prompts, params, async_scheduling=False,
+                         executor_backend="thread", num_device_blocks=256)  # fmt: skip
+    outs, stats = await _mix(
+        path, prompts, params, async_scheduling=True, executor_backend="process",
+        num_device_blocks=16, preemption_mode="swap",
+        **(disk_kw(tmp_path, entries=4) | {"kv_offload_host_bytes": 4 * 8192}),
+    )  # fmt: skip
+    for i, (old, new) in enumerate(zip(sync, outs, strict=True)):
+        assert_same(old, new, i)
+    assert stats.num_kv_offloads > 0 and stats.num_kv_spills > 0, stats
+    assert stats.prefix_cache_host_hit_tokens + stats.prefix_cache_disk_hit_tokens > 0, stats
+    assert stats.num_preemptions > 0 and stats.num_steps_planned_ahead > 0, stats
