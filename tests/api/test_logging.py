@@ -67,6 +67,34 @@ def test_a_debug_level_host_gets_the_events_through_its_handler() -> None:
     assert "request_added" not in done.stderr  # nothing beside the host's handler
 
 
+def test_the_runner_process_events_go_through_the_hosts_handler() -> None:
+    """With the runner in its own process, what it logs (here the packed linears it builds
+    at load) reaches the host's handler in the engine's process (model/runner_logs.py), and
+    nothing of it goes to the runner's stderr."""
+    body = _GENERATE.replace("num_device_blocks=32", "num_device_blocks=32, "
+                             "executor_backend='process', packed_linears=True")  # fmt: skip
+    done = _run(
+        """
+        import logging, sys
+        logging.basicConfig(level=logging.DEBUG, stream=sys.stdout,
+                            format="HOST %(levelname)s %(name)s %(processName)s | %(message)s")
+        for noisy in ("urllib3", "filelock", "httpx", "transformers"):
+            logging.getLogger(noisy).setLevel(logging.WARNING)
+        """,
+        body,
+    )
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert any(
+        line.startswith("HOST DEBUG asyncpaged.model.packed_linear asyncpaged-runner | "
+                        "packed_linears count=")
+        or line.startswith("HOST INFO asyncpaged.model.packed_linear asyncpaged-runner | "
+                           "packed_linears_unavailable")
+        for line in lines
+    ), done.stdout  # fmt: skip
+    assert done.stderr == ""
+
+
 def test_an_unconfigured_host_still_sees_warnings_on_stderr() -> None:
     """The documented choice: no NullHandler, so stdlib's last-resort handler shows warnings."""
     done = _run(

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
+import os
 import random
 import shutil
 from collections.abc import Callable
@@ -182,6 +184,26 @@ async def test_a_damaged_entry_is_a_miss(
     # The chain stops at the damaged block: blocks 0-4 came from disk, the rest recomputed.
     assert stats.prefix_cache_disk_hit_tokens == 5 * BS
     assert not victim.exists() or victim.read_bytes() != bytes(data)  # dropped or rewritten
+
+
+@BACKENDS
+async def test_a_dropped_entry_is_logged_through_the_engines_process(
+    backend: str, long_llama: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The disk scan runs where the store lives; from the runner's process its warning
+    reaches the engine's process as a record of the same logger, with its structure and the
+    runner's pid (model/runner_logs.py), so the host's handlers see it there."""
+    await fill_disk(long_llama, tmp_path)
+    victim = block_file(tmp_path, 5)
+    victim.write_bytes(victim.read_bytes()[:20])
+    with caplog.at_level(logging.WARNING, logger="asyncpaged"):
+        await run_turns(long_llama, [SECOND], **disk_kw(tmp_path), executor_backend=backend)
+    dropped = [r for r in caplog.records if getattr(r, "event", None) == "kv_tier_entry_dropped"]
+    assert len(dropped) == 1, caplog.records
+    assert dropped[0].name == "asyncpaged.model.kv_tier_store"
+    assert dropped[0].levelno == logging.WARNING
+    assert dropped[0].event_fields == {"path": str(victim), "reason": "corrupt"}
+    assert (dropped[0].process != os.getpid()) == (backend == "process")
 
 
 async def test_another_model_never_reads_the_entries(

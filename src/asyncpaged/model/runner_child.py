@@ -1,10 +1,12 @@
 """The runner process's side of ``executor_backend="process"`` (``model/runner_process.py`` is
 the engine's): load the runner as told, then answer the engine's requests on the pipe, one at a
 time and in the order sent, taking a running step's late sampling inputs off the pipe when it
-asks for them (:class:`_PipeInputs`)."""
+asks for them (:class:`_PipeInputs`). The library's log events go to the engine's process
+before each reply (``model/runner_logs.py``)."""
 
 from __future__ import annotations
 
+import logging
 import os
 import pickle
 import signal
@@ -26,6 +28,7 @@ from asyncpaged.model.runner import (
     StepPlan,
     select_attention_backend,
 )
+from asyncpaged.model.runner_logs import LIBRARY_LOGGER, LogCapture, capture_library_logs
 from asyncpaged.model.runner_process import RunnerReady
 
 # A step's rows cross the pipe as plain tuples (``runner_process._as_tuple_of``)
@@ -38,6 +41,7 @@ def child_main(conn_fd: int, life_fd: int) -> None:
     (``None``) or the engine's end of the pipe closes. ``life_fd``, the lifeline's write end, is
     never touched: it closes when the process exits, whichever way."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the engine owns this process's lifetime
+    logs = capture_library_logs(logging.WARNING)  # the engine's level comes with the load
     conn = Connection(conn_fd)
     # What reading a checkpoint's config imports (its class's module pulls in most of it)
     import transformers.activations
@@ -49,20 +53,29 @@ def child_main(conn_fd: int, life_fd: int) -> None:
         return
     if what is None:  # the engine's start failed before the load (RunnerLaunch.abandon)
         return
-    _serve(conn, *what)
+    spec, device, draft, level = what
+    logging.getLogger(LIBRARY_LOGGER).setLevel(level)
+    _serve(conn, logs, spec, device, draft)
 
 
-def _serve(conn: Connection, spec: WorkerSpec, device: str, draft: DraftSpec | None) -> None:
+def _serve(
+    conn: Connection, logs: LogCapture, spec: WorkerSpec, device: str, draft: DraftSpec | None
+) -> None:
+    def send(reply: RunnerReady | tuple[bool, object]) -> None:
+        batch = logs.take()  # the events logged meanwhile go first (model/runner_logs.py)
+        if batch is not None:
+            conn.send_bytes(pickle.dumps(batch, protocol=pickle.HIGHEST_PROTOCOL))
+        conn.send_bytes(_dumps_reply(reply))
+
     try:
         runner = _build(spec, device)
         if draft is not None:
             load_draft(runner, draft)
     except BaseException as exc:  # reported: the engine's start raises it
-        conn.send_bytes(_dumps_reply(RunnerReady(pid=os.getpid(), error=exc)))
+        send(RunnerReady(pid=os.getpid(), error=exc))
         return
-    ready = RunnerReady(pid=os.getpid(), rope_switch_len=runner.model.rope_switch_len,
-                        kv_cache_bytes=runner.kv_cache.num_bytes)  # fmt: skip
-    conn.send_bytes(_dumps_reply(ready))
+    send(RunnerReady(pid=os.getpid(), rope_switch_len=runner.model.rope_switch_len,
+                     kv_cache_bytes=runner.kv_cache.num_bytes))  # fmt: skip
 
     def execute(wire: tuple[tuple[tuple[Any, ...], ...], tuple[tuple[int, int], ...],
                             tuple[int, ...]]) -> object:  # fmt: skip
@@ -91,7 +104,7 @@ def _serve(conn: Connection, spec: WorkerSpec, device: str, draft: DraftSpec | N
             reply: tuple[bool, object] = (True, calls[method](arg))
         except Exception as exc:  # the engine raises it where the call was awaited
             reply = (False, exc)
-        conn.send_bytes(_dumps_reply(reply))
+        send(reply)
 
 
 class _PipeInputs:

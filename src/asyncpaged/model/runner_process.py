@@ -18,6 +18,7 @@ Python while the other process computes.
    swap actor:     pickle pairs ─────────────────────► swap_out / swap_in
                    KV-tier ops ──────────────────────► the tier store (model/kv_tier_remote.py)
    watchdog task:  lifeline pipe at EOF ─► engine dead
+   (any reply)     ◄──────────────── log events first (model/runner_logs.py)
 
 The child is a fresh interpreter (``subprocess``, POSIX), not a ``multiprocessing`` spawn: it
 imports its side (``model/runner_child.py``) and nothing of the host's, so a script needs no
@@ -59,6 +60,7 @@ from asyncpaged.model.runner import (
     StepResult,
     select_attention_backend,
 )
+from asyncpaged.model.runner_logs import LogBatch, emit, library_level
 
 log = get_logger(__name__)
 
@@ -132,10 +134,16 @@ class RunnerLaunch:
             # The attention backend is selected (and the C++ kernel compiled) here first, so
             # the process finds it built and cached.
             select_attention_backend(device, spec.attention_backend)
-            self._conn.send_bytes(pickle.dumps((spec, device, draft)))
-            if not self._conn.poll(START_TIMEOUT_S):
-                raise WorkerDiedError(f"the runner process did not start in {START_TIMEOUT_S} s")
-            ready = pickle.loads(self._conn.recv_bytes())
+            self._conn.send_bytes(pickle.dumps((spec, device, draft, library_level())))
+            while True:  # (its log events come first: model/runner_logs.py)
+                if not self._conn.poll(START_TIMEOUT_S):
+                    raise WorkerDiedError(
+                        f"the runner process did not start in {START_TIMEOUT_S} s"
+                    )
+                ready = pickle.loads(self._conn.recv_bytes())
+                if not isinstance(ready, LogBatch):
+                    break
+                emit(ready)
         except (EOFError, BrokenPipeError, ConnectionResetError):
             _stop(self._popen, 5.0)
             proc.close(graceful=False)
@@ -274,8 +282,13 @@ class RunnerProcess:
                 turn = self._turns[ticket] = anyio.Event()
                 await turn.wait()
             try:
-                await anyio.wait_readable(self._conn.fileno())
-                ok, value = pickle.loads(self._conn.recv_bytes())
+                while True:  # the process's log events come before its reply
+                    await anyio.wait_readable(self._conn.fileno())
+                    reply = pickle.loads(self._conn.recv_bytes())
+                    if not isinstance(reply, LogBatch):
+                        break
+                    emit(reply)
+                ok, value = reply
             except (EOFError, OSError) as exc:
                 _reap(self._popen, 0.1)  # it is exiting: reap it for its exit code
                 raise _died(self._popen) from exc

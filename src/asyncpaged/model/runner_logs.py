@@ -1,0 +1,89 @@
+"""The runner process's log events, delivered through the engine's process.
+
+The library's events go to the stdlib logger ``asyncpaged`` and the host's logging configuration
+decides what shows (``_log.py``). The runner's process (``executor_backend="process"``) has no
+host configuration, so its events (the KV tiers' disk warnings, the CPU levers' fallbacks,
+CUDA graphs captured, a draft model loaded) would go to its stderr or nowhere. Instead it
+captures them (:func:`capture_library_logs`: one handler on its own ``asyncpaged`` logger, at
+the level the engine's process had for it at start) and sends them down its pipe as a
+:class:`LogBatch` before its next reply; the engine's process hands each record to the logger
+of the same name there (:func:`emit`), so the host's handlers, levels and filters apply. A
+record keeps its time, its process id and its structure (``event``, ``event_fields``).
+"""
+
+from __future__ import annotations
+
+import logging
+import pickle
+from dataclasses import dataclass
+from typing import Any
+
+LIBRARY_LOGGER = "asyncpaged"
+
+
+@dataclass(frozen=True, slots=True)
+class LogBatch:
+    """Records captured in the runner's process, as ``logging.makeLogRecord`` dicts."""
+
+    records: tuple[dict[str, Any], ...]
+
+
+class LogCapture(logging.Handler):
+    """Keeps each record as a picklable dict until :meth:`take`."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._records: list[dict[str, Any]] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            fields = getattr(record, "event_fields", None)
+            if fields is not None:
+                try:
+                    pickle.dumps(fields)
+                except Exception:  # a value that does not cross: the message still has it
+                    fields = None
+            self._records.append({
+                "name": record.name, "levelno": record.levelno, "levelname": record.levelname,
+                "msg": record.getMessage(), "created": record.created, "msecs": record.msecs,
+                "process": record.process, "processName": "asyncpaged-runner",
+                "event": getattr(record, "event", None), "event_fields": fields,
+                "exc_text": (logging.Formatter().formatException(record.exc_info)
+                             if record.exc_info else None),
+            })  # fmt: skip
+        except Exception:
+            self.handleError(record)
+
+    def take(self) -> LogBatch | None:
+        """What was captured since the last call (None if nothing)."""
+        if not self._records:
+            return None
+        batch, self._records = LogBatch(tuple(self._records)), []
+        return batch
+
+
+def capture_library_logs(level: int) -> LogCapture:
+    """In the runner's process: keep the library's events at ``level`` and above for the
+    engine's process (nothing of them reaches this process's stderr)."""
+    logger = logging.getLogger(LIBRARY_LOGGER)
+    handler = LogCapture()
+    logger.addHandler(handler)
+    logger.propagate = False
+    logger.setLevel(level)
+    return handler
+
+
+def library_level() -> int:
+    """In the engine's process: the level the runner's process captures at."""
+    return logging.getLogger(LIBRARY_LOGGER).getEffectiveLevel()
+
+
+def emit(batch: LogBatch) -> None:
+    """In the engine's process: each record to the logger of its name, as if logged here."""
+    for fields in batch.records:
+        logger = logging.getLogger(fields["name"])
+        if logger.isEnabledFor(fields["levelno"]):
+            logger.handle(logging.makeLogRecord(fields))
+
+
+__all__ = ["LogBatch", "LogCapture", "capture_library_logs", "emit", "library_level"]
