@@ -12,7 +12,8 @@ itself; such a host sets ``gc_freeze=False``).
 
 A young (generation-0) collection runs every 700 new container objects by default, and a step
 at 256 sequences makes thousands: each pass walks the young objects still alive (the step's
-rows, outputs and messages), about 0.25 ms a step in all. While an engine runs the threshold is
+rows, outputs and messages), about 0.3 ms a step in all (9% of the loop's CPU at 256
+sequences, docs/tuning.md "Session 24"). While an engine runs the threshold is
 raised to ``gc_threshold`` (where the host's is lower), and the host's thresholds come back
 when the last such engine closes (what the host set meanwhile is overwritten then).
 """
@@ -58,3 +59,31 @@ def unfreeze_at_close() -> None:
     _frozen[0] -= 1
     if _frozen[0] == 0:
         gc.unfreeze()
+
+
+class EngineGC:
+    """One engine's share of both settings: taken once the engine has started
+    (:meth:`start`), given back when it closes (:meth:`close`, which does nothing the second
+    time or for what was not taken)."""
+
+    __slots__ = ("_frozen", "_raised")
+
+    def __init__(self) -> None:
+        self._frozen = False  # froze at start: unfreezes at close
+        self._raised = False  # raised the threshold at start: restores it at close
+
+    def start(self, *, freeze: bool, threshold: int | None) -> None:
+        if freeze:  # the model, tokenizer and imports: out of every later GC walk
+            freeze_after_start()
+            self._frozen = True
+        if threshold is not None:  # fewer young collections while steps run
+            raise_threshold(threshold)
+            self._raised = True
+
+    def close(self) -> None:
+        if self._frozen:
+            self._frozen = False
+            unfreeze_at_close()
+        if self._raised:
+            self._raised = False
+            restore_threshold_at_close()

@@ -9,7 +9,6 @@ steps of a close in ``engine_lifecycle.py``; statistics in ``engine_stats.py``.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import gc
 import itertools
 from collections.abc import Awaitable, Callable, Mapping, Sequence
@@ -18,15 +17,10 @@ from typing import Any
 
 import anyio
 
-from asyncpaged._gc import (
-    freeze_after_start,
-    raise_threshold,
-    restore_threshold_at_close,
-    unfreeze_at_close,
-)
+from asyncpaged._gc import EngineGC
 from asyncpaged._log import get_logger
 from asyncpaged.actors.output_processor import OutputProcessor
-from asyncpaged.config import EngineConfig, async_scheduling_for, executor_backend_for
+from asyncpaged.config import EngineConfig
 from asyncpaged.core.block_map import BlockMap, build_block_map
 from asyncpaged.core.block_pool import BlockPool
 from asyncpaged.core.policy import check_priority
@@ -41,6 +35,7 @@ from asyncpaged.engine_build import (
     check_draft_model,
     load_model,
     load_tokenizers,
+    settle_auto,
 )
 from asyncpaged.engine_lifecycle import (
     ActorTask,
@@ -99,8 +94,7 @@ class AsyncEngine:
         self._draft_proposals: DraftProposals | None = None  # speculative method "draft_model"
         self._dead_event = anyio.Event()  # set with _dead
         self._started = False  # start() was called: an engine starts once
-        self._gc_frozen = False  # EngineConfig.gc_freeze: froze at start, unfreezes at close
-        self._gc_raised = False  # EngineConfig.gc_threshold: raised at start, restored at close
+        self._gc = EngineGC()  # EngineConfig.gc_freeze and gc_threshold: from start to close
         self._task = ActorTask()  # the engine's own task: holds the actors from start to close
         self._close_done = anyio.Event()  # aclose finished (a second aclose waits for it)
 
@@ -124,15 +118,7 @@ class AsyncEngine:
         if self._started:
             raise EngineClosedError("an AsyncEngine starts only once; create a new one.")
         self._started = True
-        backend, why = executor_backend_for(self.config)
-        if backend != self.config.executor_backend:  # "auto", settled for every part to read
-            log.info("executor_backend_chosen", executor_backend=backend, reason=why)
-            self.config = dataclasses.replace(self.config, executor_backend=backend)
-        ahead, why = async_scheduling_for(self.config)
-        if ahead != self.config.async_scheduling:  # "auto", settled likewise
-            log.info("async_scheduling_chosen", async_scheduling=ahead, reason=why)
-            self.config = dataclasses.replace(self.config, async_scheduling=ahead)
-        cfg = self.config
+        cfg = self.config = settle_auto(self.config)  # for every part to read
         # resolve_model_path is looked up here, at the call (the model's and the draft's)
         model = await load_model(cfg, resolve_model_path)
         self.model_path, plan = model.path, model.plan
@@ -149,12 +135,7 @@ class AsyncEngine:
                  num_host_blocks=plan.num_host_blocks, dtype=str(plan.dtype),
                  kv_cache_dtype=str(plan.kv_dtype),
                  tensor_parallel_size=cfg.tensor_parallel_size)  # fmt: skip
-        if cfg.gc_freeze:  # the model, tokenizer and imports: out of every later GC walk
-            freeze_after_start()
-            self._gc_frozen = True
-        if cfg.gc_threshold is not None:  # fewer young collections while steps run
-            raise_threshold(cfg.gc_threshold)
-            self._gc_raised = True
+        self._gc.start(freeze=cfg.gc_freeze, threshold=cfg.gc_threshold)
 
     async def _start(
         self, plan: ModelPlan, step_runner: StepRunner | RunnerProcess, rope_switch_len: int | None
@@ -271,12 +252,7 @@ class AsyncEngine:
                 await self._task.stop()  # the engine's task cancels the actors, exits their group
             finally:
                 await close_workers(self._workers, graceful=self._dead is None)
-                if self._gc_frozen:
-                    self._gc_frozen = False
-                    unfreeze_at_close()
-                if self._gc_raised:
-                    self._gc_raised = False
-                    restore_threshold_at_close()
+                self._gc.close()
                 # The stopped tasks' frames (held by their cancellation tracebacks, in cycles)
                 # still reference the engine: collect them now, so that the model and KV cache
                 # are freed with the engine's last reference, not at some later full collection.

@@ -27,7 +27,14 @@ from asyncpaged.actors.intake import IntakeActor, thread_copy
 from asyncpaged.actors.output_processor import OutputProcessor
 from asyncpaged.actors.scheduler import SchedulerActor
 from asyncpaged.actors.swap_space import SwapSpaceActor
-from asyncpaged.config import EngineConfig, KVShape, cuda_graph_sizes, num_blocks_for
+from asyncpaged.config import (
+    EngineConfig,
+    KVShape,
+    async_scheduling_for,
+    cuda_graph_sizes,
+    executor_backend_for,
+    num_blocks_for,
+)
 from asyncpaged.core.block_pool import BlockPool
 from asyncpaged.core.kv_tiers import TierIndex
 from asyncpaged.core.scheduler import Scheduler, SchedulerConfig
@@ -71,6 +78,7 @@ __all__ = [
     "load_tokenizers",
     "plan_levers",
     "plan_model",
+    "settle_auto",
 ]
 
 log = get_logger("asyncpaged.engine")  # its events are the engine's (its logger's name)
@@ -294,6 +302,20 @@ async def load_tokenizers(cfg: EngineConfig, path: Path, plan: ModelPlan) -> Tok
     return Tokenizers(tokenizer=tokenizer, intake_tokenizer=intake_tokenizer,
                       max_prompt_chars=max_chars, generation_defaults=defaults,
                       limits=limits)  # fmt: skip
+
+
+def settle_auto(config: EngineConfig) -> EngineConfig:
+    """``config`` with its "auto" executor backend and async scheduling settled (the second
+    reads the first), each choice logged with its reason."""
+    backend, why = executor_backend_for(config)
+    if backend != config.executor_backend:
+        log.info("executor_backend_chosen", executor_backend=backend, reason=why)
+        config = dataclasses.replace(config, executor_backend=backend)
+    ahead, why = async_scheduling_for(config)
+    if ahead != config.async_scheduling:
+        log.info("async_scheduling_chosen", async_scheduling=ahead, reason=why)
+        config = dataclasses.replace(config, async_scheduling=ahead)
+    return config
 
 
 async def build_kv_tier_store(
