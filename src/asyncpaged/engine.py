@@ -460,6 +460,14 @@ class AsyncEngine:
 
     # ---- statistics ---------------------------------------------------------------------------
 
+    @property
+    def runner_pid(self) -> int | None:
+        """The process id of the runner's own process (``executor_backend="process"``, once
+        started), else None: its CPU time and memory are not this process's (the KV cache
+        lives there), so a monitor reads them there too (``asyncpaged.tools.proc_stats``)."""
+        workers = self._workers
+        return workers.pid if isinstance(workers, RunnerProcess) else None
+
     def block_map(self) -> BlockMap:
         """Every device and host block as of the last step: free, cached, used (by which
         requests, how many holders) or in a swap in flight (``core/block_map.py``). A pure

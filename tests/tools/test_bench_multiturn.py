@@ -7,14 +7,18 @@ import argparse
 import json
 from pathlib import Path
 
+import pytest
+
 from asyncpaged.tools.bench_multiturn import run
 
 
-def test_bench_multiturn_small_run(tmp_path: Path) -> None:
+@pytest.mark.parametrize("backend", ["thread", "process"])
+def test_bench_multiturn_small_run(backend: str, tmp_path: Path) -> None:
     args = argparse.Namespace(
         users=6, turns=3, concurrency=2, system_tokens=16, context_tokens=64, message_tokens=16,
         max_tokens=8, device_blocks=20, host_blocks=64, small_host_blocks=2, repeats=1,
         warmup=0, threads=1, seed=0, output=str(tmp_path), progress=False,
+        executor_backend=backend,
     )  # fmt: skip
     assert run(args) == 0  # tokens identical across the modes
     report = json.loads((tmp_path / "multiturn.json").read_text())

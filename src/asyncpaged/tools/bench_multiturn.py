@@ -28,6 +28,8 @@ from typing import Any
 import anyio
 from tqdm import tqdm  # type: ignore[import-untyped]
 
+from asyncpaged.tools.proc_stats import engine_cpu_s
+
 MODES = ("off", "host", "host+disk")
 SUMMARY_KEYS = ("tok_per_s", "tok_per_cpu_s", "ttft_median_s", "ttft_p90_s", "ttft_mean_s",
                 "wall_s", "cpu_s", "step_time_s", "compute_time_s")  # fmt: skip
@@ -53,7 +55,8 @@ async def _one_run(args: argparse.Namespace, mode: str, block_bytes: int) -> dic
     with tempfile.TemporaryDirectory(prefix="asyncpaged-kv-") as tmp:
         config = EngineConfig(
             model=default_model(), seed=args.seed, num_device_blocks=args.device_blocks,
-            max_num_seqs=args.concurrency, **_tier_config(mode, block_bytes, args, tmp),
+            max_num_seqs=args.concurrency, executor_backend=args.executor_backend,
+            **_tier_config(mode, block_bytes, args, tmp),
         )  # fmt: skip
         async with AsyncEngine(config) as engine:
             vocab = engine.vocab_size
@@ -73,7 +76,7 @@ async def _one_run(args: argparse.Namespace, mode: str, block_bytes: int) -> dic
             answers: dict[tuple[int, int], list[int]] = {}
             bar = tqdm(total=args.users * args.turns, desc=mode, leave=False,
                        disable=not args.progress)  # fmt: skip
-            began, began_cpu = time.perf_counter(), time.process_time()
+            began, began_cpu = time.perf_counter(), engine_cpu_s(engine)
 
             async def user(u: int) -> None:
                 for t in range(args.turns):
@@ -92,7 +95,7 @@ async def _one_run(args: argparse.Namespace, mode: str, block_bytes: int) -> dic
             async with anyio.create_task_group() as tg:
                 for u in range(args.users):
                     tg.start_soon(user, u)
-            wall, cpu = time.perf_counter() - began, time.process_time() - began_cpu
+            wall, cpu = time.perf_counter() - began, engine_cpu_s(engine) - began_cpu
             bar.close()
             stats = engine.statistics()
     tokens = sum(len(a) for a in answers.values())
@@ -102,7 +105,7 @@ async def _one_run(args: argparse.Namespace, mode: str, block_bytes: int) -> dic
         "wall_s": wall,
         "output_tokens": tokens,
         "tok_per_s": tokens / wall,
-        "cpu_s": cpu,  # this process's CPU time: steadier than wall time on a shared machine
+        "cpu_s": cpu,  # the engine's processes' CPU time (tools/proc_stats.py): steadier than wall
         "tok_per_cpu_s": tokens / cpu,
         "computed_prompt_tokens": stats.prefix_cache_query_tokens - stats.prefix_cache_hit_tokens,
         "step_time_s": stats.step_time_s,  # the executor's time in steps (thread hop included)
@@ -244,6 +247,12 @@ def add_parser(modes: Any) -> None:
     p.add_argument("--repeats", type=int, default=3, help="measured runs of each mode")
     p.add_argument("--warmup", type=int, default=1, help="discarded passes over every mode")
     p.add_argument("--threads", type=int, default=min(2, os.cpu_count() or 1))
+    p.add_argument(
+        "--executor-backend",
+        choices=("auto", "thread", "process"),
+        default="auto",
+        help="where the model runner runs (EngineConfig.executor_backend)",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--output", default="bench-results", help="folder for multiturn.json/png")
     p.add_argument("--no-progress", dest="progress", action="store_false")

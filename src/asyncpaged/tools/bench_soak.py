@@ -7,8 +7,10 @@ out of ``async for`` without closing, never read), plus a share of invalid reque
 refused (``InvalidRequestError``). A small KV cache (``--num-device-blocks``) with swap keeps
 the engine under memory pressure (preemption by swap). Measured meanwhile:
 
-* RSS (``/proc/self/statm``) every ``--rss-every-s`` seconds; growth is the last sample over
-  the first after the warm-up (``--warmup-frac`` of the run).
+* RSS every ``--rss-every-s`` seconds: this process's plus, with the runner in its own
+  process (the default on a CPU with 2+ cores), that process's, where the KV cache and the
+  forward's buffers live (``tools/proc_stats.py``); growth is the last sample over the first
+  after the warm-up (``--warmup-frac`` of the run).
 * Host-loop lag: a probe task sleeps 5 ms in a loop and records how late it wakes (p50, p99,
   max), and every cyclic-GC pass is timed per generation (``gc.callbacks``). Both go into
   fixed-size histograms (:class:`Durations`): a list of every sample would itself grow the RSS
@@ -27,7 +29,6 @@ import argparse
 import gc
 import json
 import math
-import os
 import random
 import time
 from array import array
@@ -38,6 +39,8 @@ from pathlib import Path
 from typing import Any
 
 import anyio
+
+from asyncpaged.tools.proc_stats import engine_rss_mib
 
 PROBE_S = 0.005
 FATES = ("keep", "keep", "keep", "cancel", "abort", "close", "drop")
@@ -99,11 +102,7 @@ class SoakState:
     num_requests: int = 0
     num_tokens: int = 0
     gc_freeze_count: int = 0  # objects gc.freeze() took out of the GC's walks, while running
-
-
-def rss_mib() -> float:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+    runner_rss_mib: float = 0.0  # the runner process's share of the last RSS sample
 
 
 def percentile(values: list[float] | deque[float], q: float) -> float:
@@ -135,10 +134,10 @@ async def _probe(state: SoakState) -> None:
         state.recent_lags_s.append(lag)
 
 
-async def _sample_rss(state: SoakState, every_s: float, progress: bool) -> None:
+async def _sample_rss(state: SoakState, engine: Any, every_s: float, progress: bool) -> None:
     while time.monotonic() < state.deadline:
         now = time.monotonic() - state.started
-        state.rss.append((now, rss_mib()))
+        state.rss.append((now, sum(engine_rss_mib(engine))))
         if progress:
             p99 = percentile(state.recent_lags_s, 0.99) * 1e3
             print(f"[soak {now:6.0f}s] rss {state.rss[-1][1]:7.1f} MiB, "
@@ -262,14 +261,15 @@ async def _soak(args: argparse.Namespace) -> dict[str, Any]:
         try:
             async with anyio.create_task_group() as tg:
                 tg.start_soon(_probe, state)
-                tg.start_soon(_sample_rss, state, args.rss_every_s, args.progress)
+                tg.start_soon(_sample_rss, state, engine, args.rss_every_s, args.progress)
                 for i in range(args.concurrency):
                     tg.start_soon(_client, engine, state, args.seed, i)
             with anyio.fail_after(120):
                 await engine.wait_idle()
         finally:
             gc.callbacks.remove(timer)
-        state.rss.append((time.monotonic() - state.started, rss_mib()))
+        state.rss.append((time.monotonic() - state.started, sum(engine_rss_mib(engine))))
+        state.runner_rss_mib = engine_rss_mib(engine)[1]
         stats = engine.statistics()
     return _report(args, config, state, stats, seconds)
 
@@ -292,6 +292,7 @@ def _report(
         "num_output_tokens": state.num_tokens,
         "rss_mib": [(round(t, 1), round(m, 1)) for t, m in state.rss],
         "rss_growth_after_warmup": growth,
+        "runner_rss_mib": round(state.runner_rss_mib, 1),  # of the last sample; 0: no process
         "lag_ms": {"p50": lags.percentile(0.5) * 1e3, "p99": lags.percentile(0.99) * 1e3,
                    "max": lags.max_s * 1e3, "samples": lags.count},
         "gc_pauses": pauses, "gc_freeze_count": state.gc_freeze_count,
