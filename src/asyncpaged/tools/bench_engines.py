@@ -12,8 +12,8 @@ A worker rebuilds the workload from its seed, sets the torch thread count, then:
 3. **timed run** (``wall_s``): every request of the workload, greedy, EOS ignored;
 
 and writes ``tokens`` (one list per request, in workload order), ``wall_s``, ``setup_s`` and
-``peak_rss_mib`` (``ru_maxrss`` of the worker) as JSON to ``--result``. Progress over requests
-goes to stderr.
+``peak_rss_mib`` (``ru_maxrss`` of the worker and of its largest reaped child, the runner's
+process) as JSON to ``--result``. Progress over requests goes to stderr.
 
 Engines:
 
@@ -101,8 +101,12 @@ def blocks_for_workload(workload: Workload, block_size: int) -> int:
 
 
 def peak_rss_mib() -> float:
-    """This process's peak resident set size (Linux reports ``ru_maxrss`` in KiB)."""
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    """This process's peak resident set size plus its largest reaped child's: asyncpaged's
+    runner process (``executor_backend="process"``, reaped when the engine closes) holds the
+    KV cache and the forward's buffers. An upper bound of the two together, whose peaks need
+    not coincide (Linux reports ``ru_maxrss`` in KiB)."""
+    own = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return (own + resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss) / 1024
 
 
 def _progress(spec: WorkerSpec, total: int) -> Any:
