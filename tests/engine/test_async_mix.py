@@ -120,7 +120,7 @@ def assert_same(sync: Outcome, ahead: Outcome, i: int) -> None:
             assert p.keys() == q.keys() and all(_close(p[t].logprob, q[t].logprob) for t in p), i
 
 
-async def _run(
+async def run_mix(
     path: Path,
     prompts: list[tuple[int, ...]],
     params: Callable[[int], SamplingParams],
@@ -156,7 +156,7 @@ async def test_random_mixes_give_the_sync_engines_outputs(
     def params(i: int) -> SamplingParams:
         return chosen[i]
 
-    sync, _ = await _run(path, prompts, params, async_scheduling=False,
+    sync, _ = await run_mix(path, prompts, params, async_scheduling=False,
                          executor_backend="thread", num_device_blocks=128)  # fmt: skip
     configs: list[dict[str, Any]] = [
         {"executor_backend": "process", "num_device_blocks": 16, "preemption_mode": "swap"},
@@ -164,7 +164,7 @@ async def test_random_mixes_give_the_sync_engines_outputs(
         {"executor_backend": "thread", "num_device_blocks": 128},
     ]
     for config in configs:
-        outs, stats = await _run(path, prompts, params, async_scheduling=True, **config)
+        outs, stats = await run_mix(path, prompts, params, async_scheduling=True, **config)
         assert stats.num_steps_planned_ahead > 0, (config, stats)
         for i, (old, new) in enumerate(zip(sync, outs, strict=True)):
             assert_same(old, new, i)

@@ -21,7 +21,6 @@ from asyncpaged import (
     AsyncEngine,
     EngineConfig,
     EngineDeadError,
-    RequestFailedError,
     SamplingParams,
 )
 from asyncpaged.core.prefix_hash import hash_full_blocks
@@ -30,7 +29,7 @@ from asyncpaged.model.kv_tier_store import HEADER, KVTierError, KVTierStore
 from asyncpaged.model.runner import ModelRunner, StepPlan
 from asyncpaged.testing.tiny_models import build_tiny_checkpoint
 from tests.engine.conftest import running_engine
-from tests.engine.test_async_mix import assert_same, mixed_params
+from tests.engine.test_async_mix import assert_same, mixed_params, run_mix
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 BS = 16
@@ -304,11 +303,11 @@ def test_disk_entries_round_trip_and_reject_other_identities(tmp_path: Path) -> 
 
 
 async def _turns_ahead(
-    path: Path, ahead: bool, monkeypatch: pytest.MonkeyPatch
+    path: Path, ahead: bool, monkeypatch: pytest.MonkeyPatch, backend: str = "thread"
 ) -> tuple[list[list[int]], Any, list[bool]]:
     """The prefix, a stream aborted while steps run ahead (its blocks freed with a row in
-    flight), two flushes and the prefix again, on the runner's thread; whether a step was
-    executing at each KV-tier copy."""
+    flight), two flushes and the prefix again, on the runner's thread (or in its process);
+    whether a step was executing at each KV-tier copy (seen only on the thread)."""
     executing = [False]
     during_copy: list[bool] = []
     execute, run_ops = ModelRunner.execute, KVTierStore.run
@@ -328,7 +327,7 @@ async def _turns_ahead(
     monkeypatch.setattr(KVTierStore, "run", watched_run)
     longer = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
     config = engine_config(kv_offload_host_bytes=1 << 20, async_scheduling=ahead,
-                           executor_backend="thread")  # fmt: skip
+                           executor_backend=backend)  # fmt: skip
     with anyio.fail_after(180):
         async with running_engine(path, **config) as engine:
             outs = [list((await engine.generate([*PREFIX, 5], longer)).outputs[0].token_ids)]
@@ -358,48 +357,19 @@ async def test_async_scheduling_orders_tier_copies_after_the_step_in_flight(
         assert (stats.num_steps_planned_ahead > 0) == ahead, stats
 
 
-async def test_the_runner_process_with_async_scheduling(long_llama: Path) -> None:
+async def test_the_runner_process_with_async_scheduling(
+    long_llama: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The runner's process plans ahead with the KV tiers (their ops go down its pipe after
     the step in flight): greedy tokens equal the sync thread's, with offloads, host-tier hits
     and steps planned ahead; an aborted stream frees its blocks (the leak oracle)."""
-    runs = []
-    longer = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
-    for backend, ahead in (("thread", False), ("process", True)):
-        config = engine_config(kv_offload_host_bytes=1 << 20, async_scheduling=ahead,
-                               executor_backend=backend)  # fmt: skip
-        with anyio.fail_after(180):
-            async with running_engine(long_llama, **config) as engine:
-                outs = [(await engine.generate([*PREFIX, 5], longer)).outputs[0].token_ids]
-                async for out in engine.generate(tokens(3, 600), longer):
-                    if len(out.outputs[0].token_ids) >= 3:
-                        break  # closed: aborted with the next steps planned
-                for prompt in (*FLUSH, SECOND):
-                    outs.append((await engine.generate(prompt, longer)).outputs[0].token_ids)
-                stats = engine.statistics()
+    sync = await _turns_ahead(long_llama, False, monkeypatch)
+    ahead = await _turns_ahead(long_llama, True, monkeypatch, backend="process")
+    assert ahead[0] == sync[0]
+    for _, stats, _ in (sync, ahead):
         assert stats.num_kv_offloads > 0, stats
         assert stats.prefix_cache_host_hit_tokens > 0, stats
-        assert (stats.num_steps_planned_ahead > 0) == ahead, stats
-        runs.append([list(o) for o in outs])
-    assert runs[0] == runs[1]
-
-
-async def _mix(path: Path, prompts: list[list[int]], params: list[SamplingParams],
-               **config: Any) -> tuple[list[Any], Any]:  # fmt: skip
-    """Every prompt at once: each one's output, or how it failed alone."""
-    outs: list[Any] = [None] * len(prompts)
-
-    async def one(i: int) -> None:
-        try:
-            outs[i] = await engine.generate(prompts[i], params[i])
-        except RequestFailedError as exc:
-            outs[i] = exc
-
-    with anyio.fail_after(240):
-        async with running_engine(path, **engine_config(**config)) as engine:
-            async with anyio.create_task_group() as tg:
-                for i in range(len(prompts)):
-                    tg.start_soon(one, i)
-            return outs, engine.statistics()
+    assert sync[1].num_steps_planned_ahead == 0 < ahead[1].num_steps_planned_ahead
 
 
 async def test_a_random_mix_over_shared_prefixes_in_the_runner_process(
@@ -412,17 +382,18 @@ async def test_a_random_mix_over_shared_prefixes_in_the_runner_process(
     tiers, with offloads, tier hits and preemptions on the way."""
     rng = random.Random(15)
     heads = [[rng.randrange(3, 200) for _ in range(n)] for n in (32, 40, 64)]
-    prompts = [[*rng.choice(heads), *tokens(100 + i, rng.randrange(1, 12))] for i in range(28)]
+    prompts = [(*rng.choice(heads), *tokens(100 + i, rng.randrange(1, 12))) for i in range(28)]
     params = [dataclasses.replace(mixed_params(rng, i), logprobs=None, prompt_logprobs=None)
               for i in range(28)]  # fmt: skip
     path = tiny_checkpoint("llama-gqa")
-    sync, _ = await _mix(path, prompts, params, async_scheduling=False,
-                         executor_backend="thread", num_device_blocks=256)  # fmt: skip
-    outs, stats = await _mix(
-        path, prompts, params, async_scheduling=True, executor_backend="process",
-        num_device_blocks=16, preemption_mode="swap",
+    sync, _ = await run_mix(path, prompts, params.__getitem__, **engine_config(
+        async_scheduling=False, executor_backend="thread", num_device_blocks=256,
+    ))  # fmt: skip
+    outs, stats = await run_mix(path, prompts, params.__getitem__, **engine_config(
+        async_scheduling=True, executor_backend="process", num_device_blocks=16,
+        preemption_mode="swap",
         **(disk_kw(tmp_path, entries=4) | {"kv_offload_host_bytes": 4 * 8192}),
-    )  # fmt: skip
+    ))  # fmt: skip
     for i, (old, new) in enumerate(zip(sync, outs, strict=True)):
         assert_same(old, new, i)
     assert stats.num_kv_offloads > 0 and stats.num_kv_spills > 0, stats
