@@ -23,6 +23,7 @@ __all__ = [
     "ActorTask",
     "RemoteWorkers",
     "close_workers",
+    "failure_cause",
     "persist_kv_tiers",
     "supervise_actors",
     "wait_actors_idle",
@@ -106,8 +107,8 @@ async def supervise_actors(
     task_status: TaskStatus[None],
 ) -> None:
     """Start each actor's ``run`` in order (and the worker processes' watchdog) and run them; on
-    failure call ``fail`` with the cause (unwrapped from single-exception groups) instead of
-    cancelling the host."""
+    failure call ``fail`` with the cause (:func:`failure_cause`) instead of cancelling the
+    host."""
     try:
         async with anyio.create_task_group() as tg:
             for run in actor_runs:
@@ -116,9 +117,25 @@ async def supervise_actors(
                 tg.start_soon(workers.watch, fail)
             task_status.started()
     except Exception as exc:  # the engine failed: every waiter learns why
-        while isinstance(exc, ExceptionGroup) and len(exc.exceptions) == 1:
+        fail(failure_cause(exc))
+
+
+_CONSEQUENCES = (anyio.BrokenResourceError, anyio.ClosedResourceError)
+
+
+def failure_cause(exc: Exception) -> Exception:
+    """What failed the actors' task group: groups unwrapped down to one error where they hold
+    one, after dropping the broken or closed channels of actors whose peer had failed first
+    (those come only as its consequences, and race it: they may or may not be in the group)."""
+    while isinstance(exc, ExceptionGroup):
+        consequences, rest = exc.split(_CONSEQUENCES)
+        if consequences is not None and rest is not None:
+            exc = rest  # the consequences dropped
+        elif len(exc.exceptions) == 1:
             exc = exc.exceptions[0]
-        fail(exc)
+        else:
+            break
+    return exc
 
 
 async def wait_or_dead(wait: Callable[[], Awaitable[object]], dead: anyio.Event) -> None:

@@ -149,3 +149,21 @@ async def test_closed_engines_do_not_pile_up(tiny_checkpoint: Callable[[str], Pa
     assert sum(r() is not None for r in refs) == 0
     gc.collect()
     assert all(r() is None for r in refs), "a closed engine is kept alive"
+
+
+def test_the_failure_cause_drops_the_broken_channels_it_caused() -> None:
+    """An actor's error, with or without the broken or closed channels of the actors whose
+    peer it took down (they race it into the task group), is the engine's cause; a group of
+    several real errors stays a group, and one of consequences alone is kept as it came."""
+    from asyncpaged.engine_lifecycle import failure_cause
+
+    root = RuntimeError("injected")
+    broken = ExceptionGroup("inner", [anyio.BrokenResourceError(), anyio.BrokenResourceError()])
+    assert failure_cause(ExceptionGroup("g", [root])) is root
+    assert failure_cause(ExceptionGroup("g", [root, broken])) is root
+    assert failure_cause(ExceptionGroup("g", [anyio.ClosedResourceError(), root])) is root
+    two = ExceptionGroup("g", [root, ValueError("also")])
+    assert failure_cause(two) is two
+    only = failure_cause(ExceptionGroup("g", [broken]))
+    assert isinstance(only, ExceptionGroup) and len(only.exceptions) == 2
+    assert failure_cause(root) is root
