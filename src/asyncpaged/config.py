@@ -94,9 +94,12 @@ class EngineConfig:
     # (jump-forward), is computed in vain. A plan ahead preempts nothing (a priority claim
     # included): it waits for step N instead; so do the KV tiers' copies of a plan ahead.
     # Under tensor parallelism rank 0 sends the other ranks step N's tokens with step N+1.
-    # Not with speculative decoding.
-    # "auto" (async_scheduling_for): on with the runner in its own process where nothing of
-    # that is configured (it measured faster there), off with the thread (no gain measured:
+    # With speculative decoding a step goes ahead only where step N verifies no proposals and
+    # no sequence it samples would propose next (their proposals follow step N's token): the
+    # steps between proposals go ahead (a miss of the proposer backs off then, aligned so
+    # that sequences propose on the same steps).
+    # "auto" (async_scheduling_for): on with the runner in its own process (it measured
+    # faster there, with speculative decoding too), off with the thread (no gain measured:
     # the forward and the loop share the GIL) and on accelerators (not measured yet).
     async_scheduling: bool | Literal["auto"] = "auto"
     # Structured outputs: append the tokens a grammar forces (a schema's keys, punctuation)
@@ -198,8 +201,6 @@ class EngineConfig:
              "executor_backend='process' needs a POSIX system."),
             (self.async_scheduling in (True, False, "auto"),
              f"async_scheduling must be True, False or 'auto', got {self.async_scheduling!r}."),
-            (self.async_scheduling is not True or self.speculative_config is None,
-             "async_scheduling takes no speculative_config."),
             (isinstance(self.enforce_eager, bool),
              f"enforce_eager must be True or False, got {self.enforce_eager!r}."),
             (self.max_cudagraph_capture_size is None or self.max_cudagraph_capture_size >= 1,
@@ -316,8 +317,6 @@ def async_scheduling_for(config: EngineConfig) -> tuple[bool, str]:
     chosen = config.async_scheduling
     if chosen != "auto":
         return bool(chosen), "configured"
-    if config.speculative_config is not None:
-        return False, "not with speculative decoding"
     if config.executor_backend != "process":
         return False, "the runner's thread shares the GIL with the loop: no gain measured"
     if not config.device.startswith("cpu"):

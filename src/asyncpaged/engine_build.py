@@ -389,6 +389,7 @@ def build_scheduler(
             spec_disable_by_batch_size=cfg.speculative_config.disable_by_batch_size
             if cfg.speculative_config
             else None,
+            spec_async=cfg.async_scheduling is True and cfg.speculative_config is not None,
         ),
         new_seq_id=new_seq_id,
         propose=propose,

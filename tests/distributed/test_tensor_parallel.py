@@ -127,20 +127,27 @@ def test_moe_expert_width_is_checked_before_any_process_starts() -> None:
     check_tensor_parallel(config, 2)
 
 
+@pytest.mark.parametrize("async_scheduling", [False, True])
 def test_tp2_speculative_decoding_is_exact(
-    tiny_checkpoint: Callable[[str], Path], hf_reference: Callable[[str], HFReference]
+    async_scheduling: bool,
+    tiny_checkpoint: Callable[[str], Path],
+    hf_reference: Callable[[str], HFReference],
 ) -> None:
-    """Prompt lookup under TP=2: rank 0 verifies, the other rank runs the same k + 1 rows."""
+    """Prompt lookup under TP=2: rank 0 verifies, the other rank runs the same k + 1 rows;
+    with async scheduling the steps between proposals go ahead (rank 0 sends the late
+    tokens)."""
     path, ref = tiny_checkpoint("llama-gqa"), hf_reference("llama-gqa")
     spans = [tuple(range(40 + 7 * i, 46 + 7 * i)) for i in range(4)]
     prompts = [span * 4 for span in spans]  # repeated spans: the n-gram lookup proposes
     spec = SpeculativeConfig(method="ngram", num_speculative_tokens=3, prompt_lookup_min=1,
                              prompt_lookup_max=3)  # fmt: skip
-    run = run_engine(path, prompts, MAX_TOKENS, tensor_parallel_size=2, speculative_config=spec)
+    run = run_engine(path, prompts, MAX_TOKENS, tensor_parallel_size=2, speculative_config=spec,
+                     async_scheduling=async_scheduling)  # fmt: skip
     for prompt, out in zip(prompts, run.outputs, strict=True):
         assert out.outputs[0].token_ids == ref.generate(prompt, MAX_TOKENS)[0], prompt
     assert run.blocks_at_return[0] == run.blocks_at_return[1]
     assert run.num_draft_tokens > 0
+    assert (run.num_steps_planned_ahead > 0) == async_scheduling, run
 
 
 def test_tp2_with_async_scheduling_gives_the_same_tokens(

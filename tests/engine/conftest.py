@@ -2,17 +2,42 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
 import anyio
+import pytest
+import torch
 
 from asyncpaged import AsyncEngine, EngineConfig
+from asyncpaged.testing.tiny_models import build_tiny_model, build_tokenizer
 from tests.model.conftest import hf_reference, tiny_checkpoint
 
-__all__ = ["hf_reference", "running_engine", "tiny_checkpoint"]
+__all__ = ["hf_reference", "perturbed_draft", "running_engine", "tiny_checkpoint"]
+
+
+@pytest.fixture(scope="module")
+def perturbed_draft(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
+    """``perturbed_draft(name)``: tiny model ``name`` with noise (std 0.01) on every weight, so
+    the draft agrees with the target often but not always."""
+    built: dict[str, Path] = {}
+
+    def get(name: str) -> Path:
+        if name not in built:
+            model = build_tiny_model(name)
+            generator = torch.Generator().manual_seed(1)
+            with torch.no_grad():
+                for param in model.parameters():
+                    param.add_(torch.randn(param.shape, generator=generator) * 0.01)
+            path = tmp_path_factory.mktemp(f"{name}-draft")
+            model.save_pretrained(str(path))
+            build_tokenizer().save_pretrained(str(path))
+            built[name] = path
+        return built[name]
+
+    return get
 
 
 @asynccontextmanager

@@ -346,11 +346,11 @@ async def test_large_steps_wait_for_the_pipe_and_aborts_free_their_blocks(
         assert out.outputs[0].token_ids == ref.generate(prompt, 10)[0]
 
 
-def test_async_scheduling_refuses_what_it_cannot_combine_with() -> None:
+def test_async_scheduling_combines_with_everything_else() -> None:
+    """Tensor parallelism (rank 0 sends the late tokens), the KV tiers and speculative
+    decoding (the steps between proposals go ahead: test_async_speculative) are accepted."""
     spec = SpeculativeConfig(method="ngram", num_speculative_tokens=2)
-    with pytest.raises(ValueError, match="async_scheduling"):
-        EngineConfig(model="m", async_scheduling=True, speculative_config=spec)
-    # tensor parallelism (rank 0 sends the late tokens) and the KV tiers are accepted
+    EngineConfig(model="m", async_scheduling=True, speculative_config=spec)
     EngineConfig(model="m", async_scheduling=True, tensor_parallel_size=2)
     EngineConfig(model="m", async_scheduling=True, kv_offload_host_bytes=1 << 20)
 
@@ -440,7 +440,8 @@ def test_auto_plans_ahead_with_the_runner_in_its_process_only() -> None:
     assert settle(executor_backend="process", device="cuda")[0] is False
     assert settle(executor_backend="process", scheduling_policy="priority")[0] is True
     spec = SpeculativeConfig(method="ngram", num_speculative_tokens=2)
-    assert settle(executor_backend="process", speculative_config=spec)[0] is False
+    assert settle(executor_backend="process", speculative_config=spec)[0] is True
+    assert settle(executor_backend="thread", speculative_config=spec)[0] is False
     assert settle(executor_backend="thread", async_scheduling=True) == (True, "configured")
     assert settle(executor_backend="process", async_scheduling=False) == (False, "configured")
     with pytest.raises(ValueError, match="async_scheduling must be"):

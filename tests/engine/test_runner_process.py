@@ -34,7 +34,6 @@ from asyncpaged.model.runner_process import RunnerProcess
 from tests.engine.conftest import running_engine
 from tests.engine.test_engine import generate_all, make_prompts
 from tests.engine.test_speculative import Oracle
-from tests.engine.test_speculative_draft import perturbed_draft
 from tests.model.reference import HFReference
 from tests.worker_death import Death, assert_died_well, kill_worker
 
@@ -42,8 +41,6 @@ MODEL = "llama-gqa"
 GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
 
 pytestmark = pytest.mark.anyio
-
-__all__ = ["perturbed_draft"]  # a fixture, imported for the draft-model test
 
 
 @pytest.fixture

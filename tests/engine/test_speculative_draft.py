@@ -16,7 +16,6 @@ from pathlib import Path
 
 import anyio
 import pytest
-import torch
 
 from asyncpaged import AsyncEngine, EngineConfig, RequestOutput, SamplingParams, SpeculativeConfig
 from asyncpaged.errors import InvalidRequestError
@@ -36,28 +35,6 @@ def anyio_backend() -> str:
 
 def _spec(model: Path, k: int = 4) -> SpeculativeConfig:
     return SpeculativeConfig(method="draft_model", num_speculative_tokens=k, model=str(model))
-
-
-@pytest.fixture(scope="module")
-def perturbed_draft(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
-    """``perturbed_draft(name)``: tiny model ``name`` with noise (std 0.01) on every weight, so
-    the draft agrees with the target often but not always."""
-    built: dict[str, Path] = {}
-
-    def get(name: str) -> Path:
-        if name not in built:
-            model = build_tiny_model(name)
-            generator = torch.Generator().manual_seed(1)
-            with torch.no_grad():
-                for param in model.parameters():
-                    param.add_(torch.randn(param.shape, generator=generator) * 0.01)
-            path = tmp_path_factory.mktemp(f"{name}-draft")
-            model.save_pretrained(str(path))
-            build_tokenizer().save_pretrained(str(path))
-            built[name] = path
-        return built[name]
-
-    return get
 
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)

@@ -27,14 +27,16 @@ from asyncpaged.actors.scheduler_sampling import (
     bad_words_token_ids,
     banned_next_tokens,
 )
-from asyncpaged.actors.scheduler_steps import LateRows, build_sequence_steps
+from asyncpaged.actors.scheduler_steps import LateRows, build_sequence_steps, seq_of
 from asyncpaged.core.kv_tiers import TierOp
 from asyncpaged.core.request import RequestStatus
 from asyncpaged.core.scheduler import (
+    ScheduledSeq,
     Scheduler,
     SchedulerOutput,
     SchedulerStatistics,
 )
+from asyncpaged.core.scheduler_plan import next_proposals
 from asyncpaged.core.txn import PoolSnapshot, StepTxn, TxnResult
 from asyncpaged.messages import (
     AbortRequest,
@@ -275,10 +277,25 @@ class SchedulerActor:
         tracked = self._tracked
         for s in self._in_flight[0].seqs:
             t = tracked.get(s.request_id) if s.samples else None
+            if t is None:
+                continue
             # (a fan-out's new sequences do not exist until its tokens are back)
-            if t is not None and not (t.ahead and s.num_samples == 1):
+            if not (t.ahead and s.num_samples == 1):
+                return False
+            if t.speculates and (s.num_draft or self._proposes_next(s)):
                 return False
         return True
+
+    def _proposes_next(self, s: ScheduledSeq) -> bool:
+        """Speculative decoding: whether the sequence that ``s`` samples for proposes in its
+        next decode, which needs the token in flight (then the next plan waits for it).
+        A step with proposals is never planned ahead of: where its sequences' next rows
+        start depends on how many proposals it keeps."""
+        request = self.scheduler.requests.get(s.request_id)
+        if request is None:  # (ended meanwhile: no row)
+            return False
+        seq = seq_of(request, s.seq_id)
+        return not seq.is_finished and next_proposals(self.scheduler, request, seq) > 0
 
     async def _settle(self) -> None:
         """A transaction of the pending frees, late tokens, pins and swap confirmations alone,
@@ -348,8 +365,10 @@ class SchedulerActor:
                 rid = request.request_id
                 params = info.params
                 known = None if params.prompt_logprobs is None else 1
-                ahead = self._async and request.beam is None and not request.num_speculative_tokens
-                self._tracked[rid] = Tracked(info=info, prompt_known=known, ahead=ahead)
+                self._tracked[rid] = Tracked(
+                    info=info, prompt_known=known, ahead=self._async and request.beam is None,
+                    speculates=request.num_speculative_tokens > 0,
+                )  # fmt: skip
                 self.scheduler.add_request(request)
                 self._log.debug("request_added", request_id=rid)
             case AbortRequest(request_id=rid, serial=serial):

@@ -115,5 +115,6 @@ def _send_late(actor: SchedulerActor) -> None:
         return
     due, actor._late_due, actor._late_back = actor._late_due, (), False
     delivery = late_inputs(due, actor.scheduler, actor._tracked, actor._grammars,
-                           actor._eos, actor._bad_words)  # fmt: skip
+                           actor._eos, actor._bad_words,
+                           keeps_histories=actor._draft_proposals is None)  # fmt: skip
     actor._executor.send_nowait(DeliverLate(delivery=delivery))

@@ -27,13 +27,16 @@ def late_inputs(
     grammars: GrammarBackend | None,
     eos_token_ids: frozenset[int],
     bad_words: BadWordsCache,
+    *,
+    keeps_histories: bool = True,
 ) -> LateDelivery:
     """The late inputs of ``rows`` (the late rows of the step in flight), now that the step
     before it is back: its tokens are in the sequences and the matchers (and the tokens a
     grammar forced after them). Options are made as the sync engine makes them for the
     same output (a seeded row's generator key from its output length). A row whose sample
     is void or whose sequence has ended samples in vain: plain greedy (no logits processor
-    sees it), or as planned if its options read nothing."""
+    sees it), or as planned if its options read nothing. ``keeps_histories``: the runner
+    keeps penalty histories (not in a draft-model engine, whose rows carry their outputs)."""
     options: list[tuple[int, SamplingOptions | None]] = []
     masked: list[int] = []
     matchers: list[Any] = []
@@ -51,7 +54,8 @@ def late_inputs(
             params = info.params
             made = sampling_options(
                 params, seq.token_ids, seq.num_prompt_tokens, seq.index, eos_token_ids,
-                bad_words.ids(params.bad_words), None, info.prompt_token_ids, seq_id,
+                bad_words.ids(params.bad_words), None, info.prompt_token_ids,
+                seq_id if keeps_histories else None,
             )  # fmt: skip
             options.append((seq_id, made))
         matcher = t.matchers.get(seq.index)

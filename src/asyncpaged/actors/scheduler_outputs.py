@@ -39,10 +39,11 @@ class Tracked:
     prompt_known: int | None = None
     reported_cached: int | None = None
     fixed_options: dict[int, SamplingOptions] = field(default_factory=dict)
-    # Async scheduling may plan its decodes ahead (no beams or proposals;
-    # options that read the output come late)
+    # Async scheduling may plan its decodes ahead (no beams; options that read the output
+    # come late; with speculative decoding, not where it proposes: ``_plans_ahead``)
     ahead: bool = False
     options_ahead: bool = False
+    speculates: bool = False  # a request with num_speculative_tokens
 
 
 Tops = dict[int, tuple[tuple[int, float], ...]]

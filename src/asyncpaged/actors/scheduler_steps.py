@@ -18,6 +18,7 @@ from asyncpaged.core.block_table import LATE_TOKEN
 from asyncpaged.core.request import Request
 from asyncpaged.core.request import Sequence as Seq
 from asyncpaged.core.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
+from asyncpaged.core.scheduler_plan import next_proposals
 from asyncpaged.core.scheduler_types import new_tuple
 from asyncpaged.messages import Scheduled
 from asyncpaged.model.block_tables import TableDeltas
@@ -220,22 +221,12 @@ def _penalized(params: SamplingParams) -> bool:
 
 
 def _draft_k(scheduler: Scheduler, request: Request, s: ScheduledSeq) -> int:
-    """Draft-model proposals wanted after this step's token: the request's
-    ``num_speculative_tokens``, fewer near ``max_tokens`` or ``max_model_len`` (the next
-    step plans at most that many, see the core's ``_drafts``)."""
+    """Draft-model proposals wanted after this step's token: the core's
+    :func:`next_proposals` (none for a sequence backing off, above the batch limit, fewer near
+    ``max_tokens`` or ``max_model_len``), drawn at the end of this step."""
     if not s.samples or s.num_samples != 1:
         return 0
-    seq = seq_of(request, s.seq_id)
-    # No draft decodes for a next step that will not propose: a sequence backing off (a
-    # skipped step leaves its back-off as it is) or a batch over the speculation limit.
-    limit = scheduler.config.spec_disable_by_batch_size
-    if seq.spec_skip or (limit is not None and len(scheduler.running) > limit):
-        return 0
-    stop = request.stop
-    room = stop.max_tokens - seq.num_generated - 2
-    if stop.max_model_len is not None:
-        room = min(room, stop.max_model_len - len(seq.token_ids) - 2)
-    return max(0, min(request.num_speculative_tokens, room))
+    return next_proposals(scheduler, request, seq_of(request, s.seq_id))
 
 
 def grammar_bitmasks(

@@ -134,6 +134,7 @@ class Scheduler:
         # their sample was void
         self.num_rows_in_vain = 0
         self._step_ids = itertools.count()
+        self.num_plans = 0  # plans made (speculative back-offs under async scheduling align to it)
         # the last plan's appends: (request, sequence, proposals appended after its tokens)
         self._planned: list[tuple[Request, Sequence, int]] = []
         self._victims: list[Request] = []  # the last plan's victims, newest first
@@ -264,6 +265,7 @@ class Scheduler:
             gone = set(frees)
             truncates = [t for t in truncates if t[0] not in gone]
         num_draft = tuple(n for _, _, n in self._planned)
+        self.num_plans += 1
         return StepTxn(
             late_tokens=tuple(late),
             complete_swaps=tuple(completes),

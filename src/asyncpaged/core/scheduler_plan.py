@@ -104,6 +104,8 @@ def _late_step_of(
             stop.max_model_len is not None and num_tokens >= stop.max_model_len
         ):
             return [], {}, 0
+        if seq.spec_skip:  # a decode without proposals: one step less of its back-off
+            seq.spec_skip -= 1
         # (num_computed_tokens == len(token_ids): the token in flight comes next)
         return [(seq, 1)], {}, blocks_to_append(seq, 1, seq.seq_id in shared, bs)
     live = request.live_seqs
@@ -119,6 +121,8 @@ def _late_step_of(
             stop.max_model_len is not None and num_tokens >= stop.max_model_len
         ):
             continue
+        if seq.spec_skip:
+            seq.spec_skip -= 1
         chunks.append((seq, 1))
         need += blocks_to_append(seq, 1, seq.seq_id in shared, bs)
     return chunks, {}, need
@@ -176,8 +180,11 @@ def plan_drafts(sched: Scheduler, request: Request, chunks: Chunks, budget: int)
     budget -= sum(n for _, n in chunks)
     stop = request.stop
     drafts: Drafts = {}
+    fans_out = request.num_samples > 1 and len(request.seqs) == 1
     for seq, n in chunks:
         if n != 1 or seq.num_uncomputed != 1 or budget <= 0:
+            continue
+        if fans_out and not seq.num_generated:  # the prompt's end draws n: no proposals
             continue
         if seq.spec_skip:  # backing off after rounds that kept nothing
             seq.spec_skip -= 1
@@ -192,7 +199,39 @@ def plan_drafts(sched: Scheduler, request: Request, chunks: Chunks, budget: int)
         if draft:
             drafts[seq.seq_id] = draft
             budget -= len(draft)
+        elif sched.config.spec_async:  # found nothing: waiting for the token was in vain
+            back_off(sched, seq, sched.num_plans + 1)
     return drafts
+
+
+def back_off(sched: Scheduler, seq: Sequence, next_plan: int) -> None:
+    """Pause a sequence's proposals after a round that kept none (with async scheduling,
+    also one whose proposer found none): each such round in a row doubles the pause, 1, 2, 4
+    .. 16 of its decodes; ``next_plan``: the count of the next plan. With async scheduling the
+    pause is stretched (by less than its length) to end on a plan whose count is a multiple of
+    its length, so backed-off sequences propose on the same steps and the rest go ahead."""
+    pause = seq.spec_backoff = min(16, 2 * seq.spec_backoff or 1)
+    if sched.config.spec_async:
+        pause += -(next_plan + pause) % pause
+    seq.spec_skip = pause
+
+
+def next_proposals(sched: Scheduler, request: Request, seq: Sequence) -> int:
+    """How many proposals the decode after ``seq``'s token in flight may carry (the draft
+    model draws that many at the end of the step): none while it backs off, above
+    ``spec_disable_by_batch_size`` running requests, or near ``max_tokens`` or
+    ``max_model_len`` (see :func:`plan_drafts`)."""
+    k = request.num_speculative_tokens
+    if not k or seq.spec_skip or sched._propose is None:
+        return 0
+    limit = sched.config.spec_disable_by_batch_size
+    if limit is not None and len(sched.running) > limit:
+        return 0
+    stop = request.stop
+    room = stop.max_tokens - seq.num_generated - 2
+    if stop.max_model_len is not None:
+        room = min(room, stop.max_model_len - len(seq.token_ids) - 2)
+    return max(0, min(k, room))
 
 
 def chunks_of(request: Request, plan: PlanBudget) -> Chunks | None:

@@ -37,6 +37,12 @@ class SchedulerConfig:
     # ``disable_by_batch_size``: at large batches the verification rows cost more than they
     # save); None: at any batch size.
     spec_disable_by_batch_size: int | None = None
+    # Async scheduling with speculative decoding: a step goes ahead of the one in flight only
+    # where no sequence that one samples would propose next (its proposals need that token),
+    # so here a decode whose proposer finds nothing backs off as a round that keeps nothing
+    # does, and each back-off ends on a plan whose count is a multiple of its length: the
+    # sequences' attempts coincide and the steps between them go ahead (``back_off``).
+    spec_async: bool = False
 
 
 # Hot paths build the named tuples below with tuple.__new__ and every field in order (a named

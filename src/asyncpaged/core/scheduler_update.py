@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 
 from asyncpaged.core.block_table import LATE_TOKEN
 from asyncpaged.core.request import Request, Sequence
+from asyncpaged.core.scheduler_plan import back_off
 from asyncpaged.core.scheduler_types import SchedulerOutput, SeqUpdate, new_tuple
 
 if TYPE_CHECKING:
@@ -137,8 +138,7 @@ def verified(
     if accepted:
         seq.spec_backoff = 0
     else:  # each wasted round doubles the pause before the next proposal (at most 16)
-        seq.spec_backoff = min(16, 2 * seq.spec_backoff or 1)
-        seq.spec_skip = seq.spec_backoff
+        back_off(sched, seq, sched.num_plans)
     appended = _append_until_stop(sched, request, seq, tokens)
     if not seq.is_finished:
         seq.num_computed_tokens += accepted

@@ -9,7 +9,8 @@ stream.
 
 Modes (``--modes``): ``off``; ``ngram`` (prompt lookup, ``--k`` proposals,
 ``--lookup-min``/``--lookup-max``); ``draft`` (``--draft-model DIR``, a smaller checkpoint with
-the same tokenizer). For each batch size of ``--batches`` (1 and 8) the prompts run in waves of
+the same tokenizer); each with ``+async`` or ``+sync`` to force ``async_scheduling`` (else
+"auto"). For each batch size of ``--batches`` (1 and 8) the prompts run in waves of
 that many concurrent requests; each request's TPOT is (last chunk - first chunk) / (tokens - 1)
 as its client sees it (vLLM's definition); the run reports the median TPOT over requests and
 the output tokens per second. ``--throughput-batch`` (64) runs that many at once for the
@@ -26,7 +27,7 @@ import json
 import statistics
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import anyio
 
@@ -50,9 +51,16 @@ def grounded_prompts(num: int, passage_chars: int = 700, echo_chars: int = 160) 
     return out
 
 
+# a mode's suffix: async_scheduling
+LOOPS: dict[str, bool | Literal["auto"]] = {"": "auto", "async": True, "sync": False}
+
+
 def _config(args: argparse.Namespace, mode: str) -> Any:
     from asyncpaged import EngineConfig, SpeculativeConfig, default_model
 
+    mode, _, loop = mode.partition("+")
+    if loop not in LOOPS:
+        raise SystemExit(f"mode {mode}+{loop}: the suffix is +async or +sync")
     spec = None
     if mode == "ngram":
         spec = SpeculativeConfig(method="ngram", num_speculative_tokens=args.k,
@@ -66,7 +74,9 @@ def _config(args: argparse.Namespace, mode: str) -> Any:
     model = args.model or str(default_model.path())
     return EngineConfig(model=model, speculative_config=spec, seed=0,
                         max_num_seqs=max(64, args.throughput_batch),
-                        executor_backend=args.executor_backend)  # fmt: skip
+                        executor_backend=args.executor_backend,
+                        async_scheduling=LOOPS[loop],
+                        )  # fmt: skip
 
 
 async def _run(args: argparse.Namespace, mode: str, prompts: list[str]) -> dict[str, Any]:
@@ -141,7 +151,7 @@ def run(args: argparse.Namespace) -> int:
         cells = "  ".join(f"{k}: TPOT {v['tpot_ms']:.2f} ms ({v['tpot_speedup']:.2f}x), "
                           f"{v['tokens_per_s']:.0f} tok/s" for k, v in row.items()
                           if k.startswith("batch"))  # fmt: skip
-        print(f"{mode:6s} {cells}  acceptance {row['acceptance_rate']:.2f}, "
+        print(f"{mode:11s} {cells}  acceptance {row['acceptance_rate']:.2f}, "
               f"{row['tokens_per_round']:.2f} tokens/round")  # fmt: skip
     digests = {r["tokens_digest"] for rs in runs.values() for r in rs}
     same = len(digests) == 1
