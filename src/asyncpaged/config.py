@@ -84,8 +84,8 @@ class EngineConfig:
     # Async scheduling (vLLM's async_scheduling): plan step N+1 while step N runs, so the
     # executor goes from one step to the next without waiting for the loop; a row whose input
     # is step N's token takes it in the runner. A step is planned ahead only when no request
-    # step N samples has beams or fans out in step N (n > 1 goes ahead
-    # once its sequences exist); else the engine waits for step N as without it. The runner
+    # step N samples has beams (one that fans out in step N, n > 1, sits step N+1 out: its
+    # sequences exist once step N is back); else the engine waits for step N. The runner
     # adds step N's token to a penalty history itself, and what else a row's sampling reads
     # of it (a grammar's bitmask; bad words, min_tokens and logits processors, which read the
     # output) is made once step N is back and taken by the runner just before it samples

@@ -10,8 +10,8 @@ beside plain ones, draw exactly its tokens with the runner on the thread and in 
 jump-forward on and off, under preemption, and every JSON object that ends validates; so do
 requests with bad words, min_tokens and logits processors, each processor called once per
 token drawn. Parallel sampling (n > 1, best_of) goes ahead once it has fanned out, each
-sequence decoding a late token of its own (the fan-out step itself is not planned ahead of:
-its new sequences do not exist until its tokens are back); seeded draws, penalties, JSON
+sequence decoding a late token of its own (the step after the fan-out goes ahead without the
+request: its new sequences do not exist until its tokens are back); seeded draws, penalties, JSON
 with jump-forward and best_of ranking give the sync engine's completions too."""
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ import numpy as np
 import pytest
 import torch
 
-from asyncpaged import SamplingParams
+from asyncpaged import EngineStatistics, SamplingParams
 from asyncpaged.model import runner_process
 from asyncpaged.model.late_inputs import LateDelivery, LateInputs, with_late_inputs
 from asyncpaged.model.sampler import SamplingOptions
@@ -301,3 +301,44 @@ async def test_parallel_sampling_is_planned_ahead_with_the_same_completions(
         assert stats.num_steps_planned_ahead > 0, stats
     else:
         assert stats.num_steps_planned_ahead > stats.num_steps // 2, stats
+
+
+@pytest.mark.parametrize("backend", ["thread", "process"])
+async def test_a_fan_out_in_flight_sits_the_next_step_out(
+    backend: str, tiny_checkpoint: Callable[[str], Path]
+) -> None:
+    """n = 2 requests arriving one by one while a long request decodes: the step after each
+    fan-out goes ahead without that request (its sequences exist once the fan-out is back,
+    and the step after forks them), so only the first step waits (before, one per fan-out);
+    every completion is the sync engine's."""
+    path = tiny_checkpoint(MODEL)
+    prompts = make_prompts(7, seed=22)
+
+    def params(i: int) -> SamplingParams:
+        if i == 0:
+            return SamplingParams(temperature=0.8, seed=1, max_tokens=160, ignore_eos=True)
+        return SamplingParams(temperature=0.9, n=2, seed=10 + i, max_tokens=6, ignore_eos=True)
+
+    async def run(ahead: bool) -> tuple[dict[int, list[list[int]]], EngineStatistics]:
+        outs: dict[int, list[list[int]]] = {}
+        async with running_engine(path, async_scheduling=ahead,
+                                  executor_backend=backend) as engine:  # fmt: skip
+
+            async def one(i: int) -> None:
+                out = await engine.generate(list(prompts[i]), params(i))
+                outs[i] = [list(c.token_ids) for c in out.outputs]
+
+            async with anyio.create_task_group() as tg:
+                started = 1
+                async for out in engine.generate(list(prompts[0]), params(0)):
+                    if started < len(prompts) and len(out.outputs[0].token_ids) >= 16 * started:
+                        tg.start_soon(one, started)  # every 16 tokens of the long one
+                        started += 1
+                outs[0] = [list(out.outputs[0].token_ids)]
+            return outs, engine.statistics()
+
+    with anyio.fail_after(120):
+        results = {ahead: await run(ahead) for ahead in (False, True)}
+    assert results[True][0] == results[False][0]
+    stats = results[True][1]
+    assert stats.num_steps - stats.num_steps_planned_ahead <= 2, stats

@@ -5,8 +5,8 @@ Greedy tokens equal transformers' with the runner on the thread and in its proce
 memory pressure in both preemption modes (preemption waits for the step in flight); a stop
 token that ends a sequence leaves the row planned ahead for it computed in vain and nothing
 else; stop strings, seeds and penalties are planned ahead and give the engine's tokens without
-it; requests that cannot be (a fan-out of n > 1) run beside those that can; blocks are free when
-the last request returns; what it cannot combine with is refused."""
+it; n > 1 requests (which sit out the step after their fan-out) run beside the rest; blocks
+are free when the last request returns; what "auto" chooses."""
 
 from __future__ import annotations
 
@@ -139,7 +139,7 @@ async def test_a_stop_token_leaves_the_row_planned_ahead_computed_in_vain(
 async def test_requests_that_cannot_go_ahead_run_beside_those_that_can(
     tiny_checkpoint: Callable[[str], Path],
 ) -> None:
-    """Stop strings, seeded sampling with penalties, n = 2 (not planned ahead of its
+    """Stop strings, seeded sampling with penalties, n = 2 (sitting out the step after its
     fan-out) and unseeded sampling (its options fixed) among plain greedy requests: every
     output equals the engine's without async scheduling (seeded and greedy ones; the
     unseeded ones only finish, their draws depend on the order)."""
@@ -386,8 +386,8 @@ def test_a_late_token_takes_what_the_last_step_sampled(
 async def test_a_request_is_freed_before_its_final_output_while_steps_run_ahead(
     tiny_checkpoint: Callable[[str], Path], hf_reference: Callable[[str], HFReference]
 ) -> None:
-    """Requests ending on a stop token beside requests that cannot be planned ahead of
-    (a fan-out, n = 2) arriving over time, prompts prefilled in chunks: when a request's final
+    """Requests ending on a stop token beside n = 2 requests (sitting out the step after
+    their fan-out) arriving over time, prompts prefilled in chunks: when a request's final
     output reaches its reader, the pool holds no block of it (a finish while a step runs that the
     next cannot be planned ahead of is freed by a transaction of its own)."""
     path, ref = tiny_checkpoint(MODEL), hf_reference(MODEL)
@@ -397,7 +397,7 @@ async def test_a_request_is_freed_before_its_final_output_while_steps_run_ahead(
 
     def params(i: int) -> SamplingParams:
         kind = RequestOutputKind.DELTA
-        if i % 3 == 0:  # n = 2: a fan-out step cannot be planned ahead of
+        if i % 3 == 0:  # n = 2: a fan-out
             return SamplingParams(temperature=0.8, max_tokens=2, seed=i, ignore_eos=True,
                                   n=2, output_kind=kind)  # fmt: skip
         stop = wants[i][2 + i % 5]  # ends on a stop token, some steps apart

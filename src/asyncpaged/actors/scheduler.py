@@ -267,8 +267,9 @@ class SchedulerActor:
         """Async scheduling: whether to plan the next step now, while the one in flight runs:
         the core allows it (:meth:`Scheduler.can_plan_ahead`, and the last plan was not cut
         short), there is work, and every request the step in flight samples for may decode a
-        token it has not seen (``Tracked.ahead``, and not at its fan-out; what its sampling
-        reads of that token comes late: ``scheduler_late``)."""
+        token it has not seen (``Tracked.ahead``: no beams; what its sampling reads of that
+        token comes late: ``scheduler_late``; one at its fan-out sits the plan out), and none
+        verifies or is due to make speculative proposals."""
         if not self._async or len(self._in_flight) != 1 or not self._has_work():
             return False
         sched = self.scheduler
@@ -279,8 +280,7 @@ class SchedulerActor:
             t = tracked.get(s.request_id) if s.samples else None
             if t is None:
                 continue
-            # (a fan-out's new sequences do not exist until its tokens are back)
-            if not (t.ahead and s.num_samples == 1):
+            if not t.ahead:  # (a request at its fan-out sits the plan ahead out: the core)
                 return False
             if t.speculates and (s.num_draft or self._proposes_next(s)):
                 return False

@@ -222,9 +222,9 @@ class Scheduler:
         """Decide the next step against the allocator's snapshot.
 
         ``ahead``: the step in flight, whose sampled tokens are not back yet (async scheduling;
-        only when :meth:`can_plan_ahead`, and every sequence it samples belongs to a request
-        without beams or proposals, sampled once: no fan-out, whose new sequences do not
-        exist yet). Those sequences decode a late token
+        only when :meth:`can_plan_ahead`, and no sequence it samples belongs to a request with
+        beams or verifies proposals; a request at its fan-out there sits this plan out, its
+        new sequences do not exist yet). The other sequences decode a late token
         (``LATE_TOKEN``, the runner puts in the token it sampled), unless their length ends
         them; nothing is preempted, swapped or restarted: the plan stops where the sync rules
         would do that (:attr:`planned_cut`), and admits nothing then."""

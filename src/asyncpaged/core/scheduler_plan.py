@@ -90,15 +90,18 @@ def _late_step_of(
     """Planning ahead (async scheduling): the decodes of a request's sequences whose next
     tokens the step in flight is sampling, each as a late token; no chunk for one that its
     token ends by its length for sure (an end by a stop token is known only then: the row is
-    computed in vain). A parallel-sampling request with a sequence that has known tokens to
-    compute first (a grammar's forced ones after a void sample) waits for the step in flight:
-    no chunks now."""
+    computed in vain), nor for a request whose fan-out is in flight (it sits this step out:
+    its other sequences exist once that step is back, and its next plan forks them). A
+    parallel-sampling request with a sequence that has known tokens to compute first (a
+    grammar's forced ones after a void sample) waits for the step in flight: no chunks now."""
     stop = request.stop
     bs = sched.config.block_size
     if len(request.seqs) == 1:  # the common case, without the list building below
         if plan.seats_left < 1 or plan.budget_left < 1:
             return None
         seq = request.seqs[0]
+        if request.num_samples > 1 and not seq.num_generated:
+            return [], {}, 0  # its fan-out is in flight: its sequences exist once it is back
         num_tokens = len(seq.token_ids) + 1  # with the token in flight
         if num_tokens - seq.num_prompt_tokens >= stop.max_tokens or (
             stop.max_model_len is not None and num_tokens >= stop.max_model_len
