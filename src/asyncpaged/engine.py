@@ -1,15 +1,14 @@
 """The public engine: ``async with AsyncEngine(config) as engine: await engine.generate(...)``.
 
 This module holds the engine's state and public methods. Building it at start is in
-``engine_build.py``; the checks and shaping of a submitted request in ``engine_submit.py``;
-pinned prefixes in ``engine_prefix.py``; the engine's own task, the actors' supervision and the
-steps of a close in ``engine_lifecycle.py``; statistics in ``engine_stats.py``.
+``engine_build.py`` and ``engine_start.py`` (the actors); the checks, shaping, queueing and abort
+of a request in ``engine_submit.py``; pinned prefixes in ``engine_prefix.py``; the engine's own
+task, the actors' supervision, the alive check and the steps of a close in ``engine_lifecycle.py``;
+statistics in ``engine_stats.py``.
 """
 
 from __future__ import annotations
 
-import contextlib
-import gc
 import itertools
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from types import TracebackType
@@ -22,16 +21,12 @@ from asyncpaged._log import get_logger
 from asyncpaged.actors.output_processor import OutputProcessor
 from asyncpaged.config import EngineConfig
 from asyncpaged.core.block_map import BlockMap, build_block_map
-from asyncpaged.core.block_pool import BlockPool
 from asyncpaged.core.policy import check_priority
-from asyncpaged.core.scheduler import Scheduler
 from asyncpaged.engine_build import (
-    ModelPlan,
+    LoadedModel,
     Proposer,
-    build_actors,
     build_kv_tier_store,
     build_proposer,
-    build_scheduler,
     check_draft_model,
     load_model,
     load_tokenizers,
@@ -40,29 +35,33 @@ from asyncpaged.engine_build import (
 from asyncpaged.engine_lifecycle import (
     ActorTask,
     RemoteWorkers,
+    check_alive,
     close_workers,
-    persist_kv_tiers,
+    drain,
+    stop_engine,
     wait_actors_idle,
     wait_or_dead,
 )
-from asyncpaged.engine_prefix import PrefixHandle, pin_token_ids, prefix_token_ids
+from asyncpaged.engine_prefix import PrefixHandle, pin_token_ids, prefix_token_ids, unpin_handle
+from asyncpaged.engine_start import actor_runs, build_engine_actors, log_started
 from asyncpaged.engine_stats import EngineStatistics, collect_statistics
 from asyncpaged.engine_submit import (
+    abort_request,
     beam_prompt,
     beam_sampling_params,
     chat_prompt,
     generate_prompt,
+    queue_request,
     submission,
     with_model_defaults,
 )
 from asyncpaged.errors import EngineClosedError, EngineDeadError
 from asyncpaged.inputs import ChatMessage, PromptType
-from asyncpaged.messages import AbortRequest, ChatPrompt, UnpinPrefix
+from asyncpaged.messages import ChatPrompt
 from asyncpaged.model.draft import DraftProposals
 from asyncpaged.model.generation_config import GenerationDefaults
 from asyncpaged.model.hub import resolve_model_path
 from asyncpaged.model.kv_tier_remote import TierStore
-from asyncpaged.model.runner import StepRunner
 from asyncpaged.model.runner_process import RunnerProcess
 from asyncpaged.sampling_params import BeamSearchParams, SamplingParams
 from asyncpaged.streams import RequestState, RequestStream
@@ -127,21 +126,15 @@ class AsyncEngine:
         # the runner in this process (None with executor_backend="process"); rank 0's under TP
         self.runner, self._workers = model.runner, model.workers
         try:
-            await self._start(plan, model.step_runner, model.rope_switch_len)
+            await self._start(model)
         except BaseException:
             await close_workers(self._workers, graceful=True)
             raise
-        log.info("engine_started", model=cfg.model, num_device_blocks=plan.num_device_blocks,
-                 num_host_blocks=plan.num_host_blocks, dtype=str(plan.dtype),
-                 kv_cache_dtype=str(plan.kv_dtype),
-                 tensor_parallel_size=cfg.tensor_parallel_size)  # fmt: skip
+        log_started(cfg, plan)
         self._gc.start(freeze=cfg.gc_freeze, threshold=cfg.gc_threshold)
 
-    async def _start(
-        self, plan: ModelPlan, step_runner: StepRunner | RunnerProcess, rope_switch_len: int | None
-    ) -> None:
-        cfg = self.config
-        num_device, num_host = plan.num_device_blocks, plan.num_host_blocks
+    async def _start(self, model: LoadedModel) -> None:
+        cfg, plan, step_runner = self.config, model.plan, model.step_runner
         tokenizers = await load_tokenizers(cfg, self.model_path, plan)
         self.tokenizer = tokenizers.tokenizer  # the loop's; the intake encodes with its own copy
         self._intake_tokenizer = tokenizers.intake_tokenizer
@@ -149,18 +142,21 @@ class AsyncEngine:
         self.generation_defaults: GenerationDefaults = tokenizers.generation_defaults
         self._eos = self.generation_defaults.eos_token_ids
         self._limits = tokenizers.limits
-        self.num_device_blocks, self.num_host_blocks = num_device, num_host
+        self.num_device_blocks, self.num_host_blocks = plan.num_device_blocks, plan.num_host_blocks
         tiers, self._tier_store = await build_kv_tier_store(cfg, step_runner, self.model_path)
-        pool = BlockPool(num_device, num_host, block_size=cfg.block_size,
-                         enable_prefix_caching=cfg.enable_prefix_caching, tiers=tiers)  # fmt: skip
         self._seq_ids = itertools.count()  # shared by intake and scheduler (one event loop)
-        scheduler = build_scheduler(cfg, num_device, num_host, rope_switch_len,
-                                    self._seq_ids.__next__, self._proposer())  # fmt: skip
-        outputs = self._build_actors(pool, scheduler, step_runner)
-        actor_runs = [actor.run for actor in (self._allocator, self._executor, self._swap_space,
-                                              outputs, self._scheduler, self._intake)]  # fmt: skip
+        propose = self._proposer()  # (and the draft model's proposals)
+        actors = build_engine_actors(
+            cfg, plan, step_runner, rope_switch_len=model.rope_switch_len, tiers=tiers,
+            tokenizers=tokenizers, seq_ids=self._seq_ids, tier_store=self._tier_store,
+            propose=propose, draft_proposals=self._draft_proposals,
+        )  # fmt: skip
+        self._allocator, self._executor = actors.allocator, actors.executor
+        self._swap_space, self._scheduler = actors.swap_space, actors.scheduler
+        self._outputs, self._intake = actors.outputs, actors.intake
+        self._control, self._submit = actors.control, actors.submit  # aborts; new requests
         try:
-            await self._task.start(actor_runs, self._workers, self._fail)
+            await self._task.start(actor_runs(actors), self._workers, self._fail)
         except BaseException:  # cancelled while the actors start: stopped, then propagate
             self._closed = True
             self._close_done.set()
@@ -178,22 +174,6 @@ class AsyncEngine:
             self.config.speculative_config, self.max_model_len
         )
         return propose
-
-    def _build_actors(
-        self, pool: BlockPool, scheduler: Scheduler, runner: StepRunner | RunnerProcess
-    ) -> OutputProcessor:
-        actors = build_actors(
-            self.config, pool, scheduler, runner, tokenizer=self.tokenizer,
-            intake_tokenizer=self._intake_tokenizer, limits=self._limits, seq_ids=self._seq_ids,
-            tier_store=self._tier_store, draft_proposals=self._draft_proposals,
-        )  # fmt: skip
-        self._allocator, self._executor = actors.allocator, actors.executor
-        self._swap_space, self._scheduler = actors.swap_space, actors.scheduler
-        self._outputs = actors.outputs
-        self._intake = actors.intake
-        self._control = actors.control  # aborts
-        self._submit = actors.submit
-        return actors.outputs
 
     def _fail(self, exc: BaseException) -> None:
         """Mark the engine dead and fail every waiter (the first cause wins). The watchdog calls
@@ -240,24 +220,12 @@ class AsyncEngine:
         try:
             if self._dead is None:
                 assert self._outputs is not None
-                for state in list(self._outputs.live.values()):  # wherever, intake included
-                    self._abort_state(state)
-                with anyio.fail_after(60):
-                    await self._wait_or_dead(self._wait_idle)
-                await persist_kv_tiers(self._tier_store, self._allocator.pool)
-        finally:
-            self._submit.close()
-            self._control.close()
-            try:
-                await self._task.stop()  # the engine's task cancels the actors, exits their group
-            finally:
-                await close_workers(self._workers, graceful=self._dead is None)
-                self._gc.close()
-                # The stopped tasks' frames (held by their cancellation tracebacks, in cycles)
-                # still reference the engine: collect them now, so that the model and KV cache
-                # are freed with the engine's last reference, not at some later full collection.
-                gc.collect()
-                self._close_done.set()
+                await drain(self._outputs.live.values(), self._abort_state,
+                            lambda: self._wait_or_dead(self._wait_idle), self._tier_store,
+                            self._allocator.pool)  # fmt: skip
+        finally:  # the actors, then the workers; the stopped tasks' frames collected
+            await stop_engine((self._submit, self._control), self._task, self._workers, self._gc,
+                              dead=self._dead_event, done=self._close_done)  # fmt: skip
 
     def beam_search(
         self,
@@ -316,9 +284,7 @@ class AsyncEngine:
         Returns once the scheduler has taken the unpin: a ``wait_idle`` after it waits for the
         blocks to be released."""
         self._check_alive()
-        msg = UnpinPrefix(pool_pin_id=handle.pool_pin_id, handled=anyio.Event())
-        self._control.send_nowait(msg)
-        await self._wait_or_dead(msg.handled.wait)
+        await unpin_handle(handle, self._control, self._wait_or_dead)
 
     # ---- requests ---------------------------------------------------------------------------
 
@@ -411,17 +377,7 @@ class AsyncEngine:
             priority=priority, live=outputs.live, cfg=self.config, limits=self._limits,
             max_prompt_chars=self.max_prompt_chars,
         )  # fmt: skip
-        state = msg.state
-        outputs.register(state)
-        try:
-            self._submit.send_nowait(msg)
-        except (anyio.BrokenResourceError, anyio.ClosedResourceError) as exc:
-            # A failing engine's actors stop before it marks itself dead: not queued, so the
-            # caller hears that the engine is stopping (and the state is not left live).
-            outputs.forget(state)
-            raise EngineClosedError("the engine is not running: it is stopping.") from exc
-        self._scheduler.expect_request()
-        return RequestStream(state, self._abort_state, self._scheduler.dropped.append)
+        return queue_request(msg, outputs, self._submit, self._scheduler, self._abort_state)
 
     async def abort(self, request_id: str) -> None:
         """Abort a request (finish reason "abort"); its blocks are freed within one step.
@@ -435,28 +391,12 @@ class AsyncEngine:
             self._abort_state(state)
 
     def _abort_state(self, state: RequestState) -> None:
-        """Abort this request (not a later one that reuses its id): the flag makes the intake
-        drop it if it is still there; the message reaches the scheduler otherwise (one loop,
-        so one of the two sees it)."""
-        if state.is_done or state.abort_requested:
-            return
-        state.abort_requested = True
-        if self._dead is None and self._task.tg is not None:
-            with contextlib.suppress(anyio.ClosedResourceError, anyio.BrokenResourceError):
-                # closed: every request has finished, nothing is left to abort
-                msg = AbortRequest(request_id=state.request_id, serial=state.serial)
-                self._control.send_nowait(msg)
+        """Abort this request, not a later one that reuses its id (``abort_request``)."""
+        running = self._dead is None and self._task.tg is not None
+        abort_request(state, self._control, running=running)
 
     def _check_alive(self) -> None:
-        if self._dead is not None:
-            raise EngineDeadError("the engine stopped") from self._dead
-        if self._closed:
-            raise EngineClosedError("the engine is not running: it was closed.")
-        if self._task.tg is None:
-            raise EngineClosedError(
-                "the engine is not running: use `async with AsyncEngine(...)` or "
-                "`await AsyncEngine.start(...)`."
-            )
+        check_alive(self._dead, closed=self._closed, running=self._task.tg is not None)
 
     # ---- statistics ---------------------------------------------------------------------------
 

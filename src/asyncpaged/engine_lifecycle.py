@@ -1,30 +1,39 @@
 """The engine's actors at run time, for :class:`asyncpaged.engine.AsyncEngine`: the engine's own
 task that holds them (:class:`ActorTask`), the supervisor that turns an actor's failure into
-the engine's (every waiter learns why; the host is not cancelled), and the steps of a close
-beyond the engine's own state: the KV tiers written to disk, the worker processes (the
+the engine's (every waiter learns why; the host is not cancelled), the check that the engine
+runs, and the steps of a close beyond the engine's own state: unfinished requests aborted and
+waited for, the KV tiers written to disk, the actors stopped, the worker processes (the
 tensor-parallel ranks, or the runner's own process) joined.
 """
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, Coroutine, Sequence
+import gc
+from collections.abc import Awaitable, Callable, Coroutine, Iterable, Sequence
 from typing import Any, Protocol
 
 import anyio
 from anyio.abc import TaskGroup, TaskStatus
+from anyio.streams.memory import MemoryObjectSendStream
 
 from asyncpaged._detached import spawn_detached
+from asyncpaged._gc import EngineGC
 from asyncpaged.actors.output_processor import OutputProcessor
 from asyncpaged.actors.scheduler import SchedulerActor
 from asyncpaged.core.block_pool import BlockPool
+from asyncpaged.errors import EngineClosedError, EngineDeadError
 from asyncpaged.model.kv_tier_remote import RemoteTierStore, TierStore
+from asyncpaged.streams import RequestState
 
 __all__ = [
     "ActorTask",
     "RemoteWorkers",
+    "check_alive",
     "close_workers",
+    "drain",
     "failure_cause",
     "persist_kv_tiers",
+    "stop_engine",
     "supervise_actors",
     "wait_actors_idle",
     "wait_or_dead",
@@ -182,3 +191,60 @@ async def wait_actors_idle(scheduler: SchedulerActor, outputs: OutputProcessor) 
         await outputs.wait_idle()
         if scheduler.is_idle:
             return
+
+
+def check_alive(dead: BaseException | None, *, closed: bool, running: bool) -> None:
+    """Raise unless the engine runs: :class:`EngineDeadError` (``dead`` chained) once it failed,
+    :class:`EngineClosedError` once closed, or before its actors run (``running``)."""
+    if dead is not None:
+        raise EngineDeadError("the engine stopped") from dead
+    if closed:
+        raise EngineClosedError("the engine is not running: it was closed.")
+    if not running:
+        raise EngineClosedError(
+            "the engine is not running: use `async with AsyncEngine(...)` or "
+            "`await AsyncEngine.start(...)`."
+        )
+
+
+async def drain(
+    live: Iterable[RequestState],
+    abort: Callable[[RequestState], None],
+    wait_idle: Callable[[], Awaitable[object]],
+    tier_store: TierStore | None,
+    pool: BlockPool,
+) -> None:
+    """A close's first steps, on a live engine: abort every unfinished request (wherever it is,
+    intake included), wait (60 s at most) until ``wait_idle()`` returns, then write the KV tiers
+    to disk (:func:`persist_kv_tiers`)."""
+    for state in list(live):
+        abort(state)
+    with anyio.fail_after(60):
+        await wait_idle()
+    await persist_kv_tiers(tier_store, pool)
+
+
+async def stop_engine(
+    channels: Iterable[MemoryObjectSendStream[Any]],
+    task: ActorTask,
+    workers: RemoteWorkers | None,
+    engine_gc: EngineGC,
+    *,
+    dead: anyio.Event,
+    done: anyio.Event,
+) -> None:
+    """A close's last steps, even when cancelled or failing: close the engine's send ends
+    (``channels``), stop the actors, then the worker processes (gracefully unless ``dead`` is
+    set by then), give back the GC settings and set ``done``."""
+    for channel in channels:
+        channel.close()
+    try:
+        await task.stop()  # the engine's task cancels the actors, exits their group
+    finally:
+        await close_workers(workers, graceful=not dead.is_set())
+        engine_gc.close()
+        # The stopped tasks' frames (held by their cancellation tracebacks, in cycles) still
+        # reference the engine: collect them now, so that the model and KV cache are freed
+        # with the engine's last reference, not at some later full collection.
+        gc.collect()
+        done.set()

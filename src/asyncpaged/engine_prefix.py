@@ -1,5 +1,5 @@
 """Pinned prefixes, for ``engine.pin_prefix`` and ``engine.unpin_prefix``: the handle, and the
-exchange with the scheduler that pins a prefix's blocks.
+exchanges with the scheduler that pin a prefix's blocks and unpin them.
 
 A pin is a one-token greedy request tagged with a pin id: the scheduler is told to watch for
 it (:class:`WatchPin`) before the request is submitted, and the request's last transaction
@@ -27,7 +27,7 @@ from asyncpaged.messages import ForgetPin, SchedulerInbox, UnpinPrefix, WatchPin
 from asyncpaged.sampling_params import SamplingParams
 from asyncpaged.streams import RequestStream
 
-__all__ = ["PrefixHandle", "pin_token_ids", "prefix_token_ids", "release_pin"]
+__all__ = ["PrefixHandle", "pin_token_ids", "prefix_token_ids", "release_pin", "unpin_handle"]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -111,6 +111,18 @@ def release_pin(
         return  # the transaction came and pinned nothing
     with contextlib.suppress(anyio.ClosedResourceError, anyio.BrokenResourceError):
         control.send_nowait(msg)
+
+
+async def unpin_handle(
+    handle: PrefixHandle,
+    control: MemoryObjectSendStream[SchedulerInbox],
+    wait_or_dead: Callable[[Callable[[], Awaitable[object]]], Awaitable[None]],
+) -> None:
+    """Tell the scheduler to unpin the handle's blocks and wait (``wait_or_dead``) until it has
+    taken the unpin."""
+    msg = UnpinPrefix(pool_pin_id=handle.pool_pin_id, handled=anyio.Event())
+    control.send_nowait(msg)
+    await wait_or_dead(msg.handled.wait)
 
 
 @contextlib.contextmanager

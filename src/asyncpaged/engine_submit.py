@@ -1,5 +1,6 @@
 """The submission side of ``engine.generate``, ``engine.chat`` and ``engine.beam_search``: their
-arguments checked and turned into what :class:`asyncpaged.engine.AsyncEngine` queues.
+arguments checked and turned into what :class:`asyncpaged.engine.AsyncEngine` queues, the queueing
+itself and a request's abort.
 
 Every check here runs on the event loop before anything is built or queued for the request
 (types, group width, sizes, then values; docs/api.md, "Request validation"); the checks
@@ -8,15 +9,21 @@ themselves live in ``request_checks.py`` and ``inputs.py``, this module only ord
 
 from __future__ import annotations
 
+import contextlib
 import time
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+import anyio
+from anyio.streams.memory import MemoryObjectSendStream
+
+from asyncpaged.actors.output_processor import OutputProcessor
+from asyncpaged.actors.scheduler import SchedulerActor
 from asyncpaged.config import EngineConfig
-from asyncpaged.errors import InvalidRequestError
+from asyncpaged.errors import EngineClosedError, InvalidRequestError
 from asyncpaged.inputs import ChatMessage, PromptType, check_messages, parse_prompt, truncate_prompt
-from asyncpaged.messages import ChatPrompt, SubmitRequest
+from asyncpaged.messages import AbortRequest, ChatPrompt, SchedulerInbox, SubmitRequest
 from asyncpaged.model.generation_config import GenerationDefaults
 from asyncpaged.request_checks import (
     RequestLimits,
@@ -26,16 +33,18 @@ from asyncpaged.request_checks import (
     check_text_prompt,
 )
 from asyncpaged.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
-from asyncpaged.streams import RequestState
+from asyncpaged.streams import RequestState, RequestStream
 from asyncpaged.structured_outputs import EXTRA_HINT as STRUCTURED_EXTRA_HINT
 from asyncpaged.structured_outputs import is_available as structured_outputs_available
 
 __all__ = [
+    "abort_request",
     "beam_prompt",
     "beam_sampling_params",
     "chat_prompt",
     "check_submission",
     "generate_prompt",
+    "queue_request",
     "submission",
     "with_model_defaults",
 ]
@@ -187,3 +196,43 @@ def submission(
     return SubmitRequest(state=state, prompt=text, prompt_token_ids=ids, params=params,
                          cache_salt=cache_salt, priority=priority, pin_id=pin_id, beam=beam,
                          chat=chat)  # fmt: skip
+
+
+def queue_request(
+    msg: SubmitRequest,
+    outputs: OutputProcessor,
+    submit: MemoryObjectSendStream[SubmitRequest],
+    scheduler: SchedulerActor,
+    abort: Callable[[RequestState], None],
+) -> RequestStream:
+    """Queue a checked request (:func:`submission`) for the intake, its state registered with
+    the output processor first; its stream aborts it with ``abort``. A stopping engine's
+    closed channel raises :class:`EngineClosedError` (and the state is not left live)."""
+    state = msg.state
+    outputs.register(state)
+    try:
+        submit.send_nowait(msg)
+    except (anyio.BrokenResourceError, anyio.ClosedResourceError) as exc:
+        # A failing engine's actors stop before it marks itself dead: not queued, so the
+        # caller hears that the engine is stopping (and the state is not left live).
+        outputs.forget(state)
+        raise EngineClosedError("the engine is not running: it is stopping.") from exc
+    scheduler.expect_request()
+    return RequestStream(state, abort, scheduler.dropped.append)
+
+
+def abort_request(
+    state: RequestState, control: MemoryObjectSendStream[SchedulerInbox], *, running: bool
+) -> None:
+    """Abort this request (not a later one that reuses its id): the flag makes the intake
+    drop it if it is still there; the message reaches the scheduler otherwise (one loop,
+    so one of the two sees it). ``running``: the engine has started and not failed (else the
+    flag alone)."""
+    if state.is_done or state.abort_requested:
+        return
+    state.abort_requested = True
+    if running:
+        with contextlib.suppress(anyio.ClosedResourceError, anyio.BrokenResourceError):
+            # closed: every request has finished, nothing is left to abort
+            msg = AbortRequest(request_id=state.request_id, serial=state.serial)
+            control.send_nowait(msg)
