@@ -95,6 +95,34 @@ def test_the_runner_process_events_go_through_the_hosts_handler() -> None:
     assert done.stderr == ""
 
 
+def test_the_tensor_parallel_ranks_load_events_go_through_the_hosts_handler() -> None:
+    """Under TP=2 rank 1 loads in its own process: the events of its load (its packed
+    linears, its ready report) come to rank 0 with its report and reach the host's handler,
+    named after the rank; nothing of them goes to its stderr."""
+    body = _GENERATE.replace("num_device_blocks=32", "num_device_blocks=32, "
+                             "tensor_parallel_size=2, packed_linears=True")  # fmt: skip
+    done = _run(
+        """
+        import logging, sys
+        logging.basicConfig(level=logging.DEBUG, stream=sys.stdout,
+                            format="HOST %(levelname)s %(name)s %(processName)s | %(message)s")
+        for noisy in ("urllib3", "filelock", "httpx", "transformers", "torch"):
+            logging.getLogger(noisy).setLevel(logging.WARNING)
+        """,
+        body,
+    )
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    rank1 = [line for line in lines if " asyncpaged-tp-rank-1 | " in line]
+    assert any(" packed_linears" in line for line in rank1), done.stdout
+    assert any(
+        line.startswith("HOST DEBUG asyncpaged.distributed.worker asyncpaged-tp-rank-1 | "
+                        "tp_worker_ready")
+        for line in rank1
+    ), done.stdout  # fmt: skip
+    assert "packed_linears" not in done.stderr and "tp_worker_ready" not in done.stderr
+
+
 def test_an_unconfigured_host_still_sees_warnings_on_stderr() -> None:
     """The documented choice: no NullHandler, so stdlib's last-resort handler shows warnings."""
     done = _run(

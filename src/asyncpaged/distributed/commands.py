@@ -4,7 +4,9 @@
 
     rank 0                                   rank r (1 .. N-1)
     WorkerSpec ──────── once, at start ────► build its ModelRunner shard
-               ◄─────── WorkerReady ──────── (gathered: pid, KV bytes, or the load error)
+     (with the log level)
+               ◄─────── WorkerReady ──────── (gathered: pid, KV bytes, or the load error,
+                                              and the library's log events of the load)
     RunStep ─────────── every step ────────► execute_forward (all-reduces pair with rank 0's)
     SwapCommand ─────── every swap ────────► swap_out / swap_in of its share of the blocks
     Shutdown ────────── at close ──────────► leave the loop, destroy the group, exit
@@ -24,6 +26,7 @@ from dataclasses import dataclass
 
 from asyncpaged.core.block_table import LATE_TOKEN, SwapDirection
 from asyncpaged.model.runner import AttentionChoice, SequenceStep, StepPlan
+from asyncpaged.model.runner_logs import LogBatch
 
 # (seq_id, token_ids, num_computed_tokens, slot_mapping, table_start, block_table): the table
 # from entry table_start on, as the plan has it (each rank keeps its own persistent tables)
@@ -59,7 +62,8 @@ class WorkerSpec:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class WorkerReady:
-    """A rank's reply to the spec: its KV cache bytes, or the error that stopped its load."""
+    """A rank's reply to the spec: its KV cache bytes, or the error that stopped its load;
+    the library's log events of its load (rank 0 emits them in the engine's process)."""
 
     rank: int
     pid: int
@@ -67,6 +71,7 @@ class WorkerReady:
     host_kv_cache_bytes: int = 0
     num_kv_heads: int = 0
     error: BaseException | None = None
+    logs: LogBatch | None = None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -55,6 +55,7 @@ from asyncpaged.errors import InvalidRequestError, WorkerDiedError
 from asyncpaged.model.errors import UnsupportedModelError
 from asyncpaged.model.late_inputs import LateDelivery
 from asyncpaged.model.runner import ModelRunner, StepPlan, StepResult, select_attention_backend
+from asyncpaged.model.runner_logs import emit, library_level
 
 log = get_logger(__name__)
 
@@ -178,7 +179,7 @@ class TensorParallelRunner:
                 _wait_joined(store, workers)
             groups = ProcessGroups(rank=0, world_size=world_size, device_type=spec.device_type,
                                    store=store)  # fmt: skip
-            groups.broadcast_spec(spec)
+            groups.broadcast_spec((spec, library_level()))
             rank0_device = (
                 torch.device(device) if env is None else rank_device(spec.device_type, local_rank)
             )
@@ -192,6 +193,9 @@ class TensorParallelRunner:
             assert ready is not None
             replies = [r for r in ready if isinstance(r, WorkerReady)]
             assert len(replies) == world_size, f"bad ready replies {ready}"
+            for reply in replies:  # the ranks' load events, through the host's logging
+                if reply.logs is not None:
+                    emit(reply.logs)
             for reply in replies:
                 if reply.error is not None:
                     raise reply.error

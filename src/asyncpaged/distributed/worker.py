@@ -25,6 +25,7 @@ from asyncpaged.distributed.group import INIT_TIMEOUT_S, JOINED_KEY, ProcessGrou
 from asyncpaged.model.attention import AttentionBackend
 from asyncpaged.model.base import TensorShard
 from asyncpaged.model.runner import ModelRunner, select_attention_backend
+from asyncpaged.model.runner_logs import LogBatch, capture_library_logs, release_library_logs
 
 log = get_logger(__name__)
 
@@ -70,31 +71,46 @@ def build_runner(
     )
 
 
-def ready_reply(rank: int, runner: ModelRunner | None, error: BaseException | None) -> WorkerReady:
+def ready_reply(
+    rank: int,
+    runner: ModelRunner | None,
+    error: BaseException | None,
+    logs: LogBatch | None = None,
+) -> WorkerReady:
     if runner is None:
-        return WorkerReady(rank=rank, pid=os.getpid(), error=error)
+        return WorkerReady(rank=rank, pid=os.getpid(), error=error, logs=logs)
     return WorkerReady(
         rank=rank,
         pid=os.getpid(),
         kv_cache_bytes=runner.kv_cache.num_bytes,
         host_kv_cache_bytes=runner.host_kv_cache.num_bytes,
         num_kv_heads=runner.model.num_kv_heads,
+        logs=logs,
     )
 
 
 def _serve(groups: ProcessGroups, local_rank: int) -> None:
-    """Load this rank's shard, report, then run commands until ``Shutdown``."""
+    """Load this rank's shard, report, then run commands until ``Shutdown``. The library's
+    log events of the load go to rank 0 with the report, at the level the engine's process
+    has (so the host's logging configuration decides what shows); later ones stay in this
+    process, as its own configuration has them."""
     rank = groups.rank
-    spec = groups.broadcast_spec(None)
+    got = groups.broadcast_spec(None)
+    assert isinstance(got, tuple), f"expected (WorkerSpec, log level), got {type(got).__name__}"
+    spec, level = got
     assert isinstance(spec, WorkerSpec), f"expected a WorkerSpec, got {type(spec).__name__}"
-    try:
-        runner = build_runner(spec, groups, rank_device(spec.device_type, local_rank), rank)
-    except Exception as exc:  # reported to rank 0, which raises it from the engine's start
-        groups.gather(ready_reply(rank, None, exc))
-        raise
-    groups.gather(ready_reply(rank, runner, None))
+    logs = capture_library_logs(level, process_name=f"asyncpaged-tp-rank-{rank}")
     bound = log.bind(rank=rank, pid=os.getpid())
-    bound.debug("tp_worker_ready", kv_cache_bytes=runner.kv_cache.num_bytes)
+    try:
+        try:
+            runner = build_runner(spec, groups, rank_device(spec.device_type, local_rank), rank)
+        except Exception as exc:  # reported to rank 0, which raises it from the engine's start
+            groups.gather(ready_reply(rank, None, exc, logs.take()))
+            raise
+        bound.debug("tp_worker_ready", kv_cache_bytes=runner.kv_cache.num_bytes)
+        groups.gather(ready_reply(rank, runner, None, logs.take()))
+    finally:
+        release_library_logs(logs)
     while True:
         command = groups.receive()
         match command:

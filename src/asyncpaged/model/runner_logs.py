@@ -29,11 +29,14 @@ class LogBatch:
 
 
 class LogCapture(logging.Handler):
-    """Keeps each record as a picklable dict until :meth:`take`."""
+    """Keeps each record as a picklable dict until :meth:`take`; ``process_name`` names the
+    process in them (the runner's, or a tensor-parallel rank's)."""
 
-    def __init__(self) -> None:
+    def __init__(self, process_name: str = "asyncpaged-runner") -> None:
         super().__init__()
         self._records: list[dict[str, Any]] = []
+        self._process_name = process_name
+        self._before: tuple[bool, int] | None = None  # the logger's propagate and level
 
     def emit(self, record: logging.LogRecord) -> None:
         try:
@@ -46,7 +49,7 @@ class LogCapture(logging.Handler):
             self._records.append({
                 "name": record.name, "levelno": record.levelno, "levelname": record.levelname,
                 "msg": record.getMessage(), "created": record.created, "msecs": record.msecs,
-                "process": record.process, "processName": "asyncpaged-runner",
+                "process": record.process, "processName": self._process_name,
                 "event": getattr(record, "event", None), "event_fields": fields,
                 "exc_text": (logging.Formatter().formatException(record.exc_info)
                              if record.exc_info else None),
@@ -62,15 +65,27 @@ class LogCapture(logging.Handler):
         return batch
 
 
-def capture_library_logs(level: int) -> LogCapture:
-    """In the runner's process: keep the library's events at ``level`` and above for the
-    engine's process (nothing of them reaches this process's stderr)."""
+def capture_library_logs(level: int, process_name: str = "asyncpaged-runner") -> LogCapture:
+    """In the runner's process (or a tensor-parallel rank's): keep the library's events at
+    ``level`` and above for the engine's process (nothing of them reaches this process's
+    stderr) until :func:`release_library_logs`."""
     logger = logging.getLogger(LIBRARY_LOGGER)
-    handler = LogCapture()
+    handler = LogCapture(process_name)
+    handler._before = (logger.propagate, logger.level)
     logger.addHandler(handler)
     logger.propagate = False
     logger.setLevel(level)
     return handler
+
+
+def release_library_logs(handler: LogCapture) -> None:
+    """Stop capturing: the library's logger as it was before :func:`capture_library_logs`
+    (a torchrun rank's own logging configuration applies again)."""
+    logger = logging.getLogger(LIBRARY_LOGGER)
+    logger.removeHandler(handler)
+    if handler._before is not None:
+        logger.propagate, level = handler._before
+        logger.setLevel(level)
 
 
 def library_level() -> int:
@@ -86,4 +101,11 @@ def emit(batch: LogBatch) -> None:
             logger.handle(logging.makeLogRecord(fields))
 
 
-__all__ = ["LogBatch", "LogCapture", "capture_library_logs", "emit", "library_level"]
+__all__ = [
+    "LogBatch",
+    "LogCapture",
+    "capture_library_logs",
+    "emit",
+    "library_level",
+    "release_library_logs",
+]
