@@ -170,7 +170,14 @@ def test_planning_ahead_gives_each_request_its_output_alone(data: st.DataObject)
             and not stalled
             and data.draw(st.booleans(), label="plan ahead")
         )
-        if in_flight and not ahead:  # the oldest step's tokens come back
+        if (
+            in_flight
+            and not ahead
+            and sched.has_settle_work
+            and data.draw(st.booleans(), label="settle")
+        ):  # as the actor, while a step runs that the next is not planned ahead of
+            snap = apply_txn(pool, sched.plan_settle()).snapshot
+        elif in_flight and not ahead:  # the oldest step's tokens come back
             out, sampled = in_flight.popleft()
             stalled = False
             live = {s.seq_id for r in sched.requests.values() for s in r.seqs}

@@ -7,7 +7,8 @@ sync engine with plenty of blocks, then with async scheduling in the runner's pr
 memory pressure (swap and recompute) and on the thread: every completion's tokens, text,
 finish and stop reason are the same, and its logprobs and prompt logprobs the same within
 float noise; a request whose constraints allow no token (a grammar and allowed tokens apart)
-fails alike in both."""
+fails alike in both. Mixes over prompts that repeat themselves run with prompt-lookup
+speculation too."""
 
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ from asyncpaged import (
     RequestFailedError,
     RequestOutput,
     SamplingParams,
+    SpeculativeConfig,
     StructuredOutputsParams,
 )
 from tests.engine.conftest import running_engine
@@ -166,5 +168,40 @@ async def test_random_mixes_give_the_sync_engines_outputs(
     for config in configs:
         outs, stats = await run_mix(path, prompts, params, async_scheduling=True, **config)
         assert stats.num_steps_planned_ahead > 0, (config, stats)
+        for i, (old, new) in enumerate(zip(sync, outs, strict=True)):
+            assert_same(old, new, i)
+
+
+@pytest.mark.parametrize("mix", [0, 19])
+async def test_random_mixes_with_prompt_lookup_give_the_sync_engines_outputs(
+    mix: int, tiny_checkpoint: Callable[[str], Path]
+) -> None:
+    """The same menu over prompts that repeat themselves, with prompt-lookup speculation and
+    async scheduling (only the steps between proposals go ahead), in the runner's process
+    under memory pressure with the prefix cache and on the thread: the outputs of the sync
+    engine without speculation (greedy and prompt lookup's seeded tokens do not depend on
+    what was proposed; requests with logprobs or a grammar do not speculate)."""
+    path = tiny_checkpoint(MODEL)
+    rng = random.Random(1000 + mix)
+    base = make_prompts(NUM_REQUESTS, seed=200 + mix, max_len=12)
+    prompts = [tuple((list(p) * 4)[: rng.randint(len(p), 4 * len(p))]) for p in base]
+    chosen = [mixed_params(rng, i) for i in range(NUM_REQUESTS)]
+
+    def params(i: int) -> SamplingParams:
+        return chosen[i]
+
+    sync, _ = await run_mix(path, prompts, params, async_scheduling=False,
+                         executor_backend="thread", num_device_blocks=128)  # fmt: skip
+    spec = SpeculativeConfig(method="ngram", num_speculative_tokens=3, prompt_lookup_min=1,
+                             prompt_lookup_max=3)  # fmt: skip
+    configs: list[dict[str, Any]] = [
+        {"executor_backend": "process", "num_device_blocks": 16, "preemption_mode": "swap"},
+        {"executor_backend": "thread", "num_device_blocks": 16, "preemption_mode": "recompute",
+         "enable_prefix_caching": True},
+    ]  # fmt: skip
+    for config in configs:
+        outs, stats = await run_mix(path, prompts, params, async_scheduling=True,
+                                    speculative_config=spec, **config)  # fmt: skip
+        assert stats.num_steps_planned_ahead > 0 and stats.num_draft_tokens > 0, (config, stats)
         for i, (old, new) in enumerate(zip(sync, outs, strict=True)):
             assert_same(old, new, i)

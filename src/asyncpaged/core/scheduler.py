@@ -287,18 +287,21 @@ class Scheduler:
         )
 
     def plan_settle(self) -> StepTxn:
-        """A transaction of the pending frees, late tokens' values, pins, unpins and swap
-        confirmations alone (no step): with a step in flight that the next cannot be planned
-        ahead of, a finished request's blocks return to the pool at once."""
+        """A transaction of the pending frees, late tokens' values, forks, pins, unpins and
+        swap confirmations alone (no step): with a step in flight that the next cannot be
+        planned ahead of, a finished request's blocks return to the pool at once. (A fork is
+        pending here only from a fan-out that sat the step in flight out, so no block it
+        shares is being written; a sequence it makes may already be among the frees.)"""
         txn = StepTxn(
             late_tokens=tuple(self._pending_late),
             complete_swaps=tuple(self._pending_completes),
+            forks=tuple(self._pending_forks),
             pins=tuple(self._pending_pins),
             unpins=tuple(self._pending_unpins),
             frees=tuple(self._pending_frees),
         )
         self._pending_late, self._pending_completes, self._pending_pins = [], [], []
-        self._pending_unpins, self._pending_frees = [], []
+        self._pending_unpins, self._pending_frees, self._pending_forks = [], [], []
         return txn
 
     def _plan_queues(
