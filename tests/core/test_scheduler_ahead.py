@@ -6,12 +6,19 @@ ahead, under memory pressure (preemption then waits for the step in flight), pri
 claim waits too), swaps, aborts and stop tokens that make a planned-ahead row compute in vain,
 a fake grammar's forced tokens (jump-forward), which void a sample already in flight, and
 parallel sampling (a request at its fan-out sits a plan ahead out, the next plan, ahead
-too, forks its sequences; then each of them decodes a late token)."""
+too, forks its sequences; then each of them decodes a late token), and speculative decoding:
+a proposer offers the fake model's own continuation, corrupted at a random place or cut
+short, or nothing, and the executor verifies proposals as the runner does (the accepted
+ones, then the model's token). Steps are planned ahead at random wherever the actor may (not
+ahead of proposals in flight), whether or not a sequence would have proposed next (the actor
+waits for those, a policy choice; planning ahead anyway must stay exact), under the
+batch-size limit and the back-off that async scheduling aligns to the plan count."""
 
 from __future__ import annotations
 
 import hashlib
 import itertools
+import random
 from collections import deque
 
 import hypothesis.strategies as st
@@ -21,6 +28,7 @@ from asyncpaged.core import BlockPool
 from asyncpaged.core.block_table import LATE_TOKEN
 from asyncpaged.core.request import Request, Sequence, StopCriteria
 from asyncpaged.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from asyncpaged.core.scheduler_plan import back_off
 from asyncpaged.core.txn import apply_txn, snapshot
 from tests.core.test_scheduler_property import (
     BS,
@@ -70,35 +78,48 @@ def reference_forced(
 def execute(
     world: FakeWorld, out: SchedulerOutput, requests: dict[str, Request], late: dict[int, int]
 ) -> Sampled:
-    """``FakeWorld.execute`` for rows that may take a late token: ``late`` holds what the step
-    executed before this one sampled (the runner's memory); a fan-out row draws once per
-    sequence its request will have."""
+    """The fake runner: K/V for every slot the step hands out (a late token takes what the
+    step before sampled), then per sampling row the model's token, or for a row with
+    proposals the accepted ones and the model's token after them."""
     world.copy_blocks(world.device, world.device, out.copy_on_write)
     for plan in (*out.swap_outs, *out.swap_ins):
         world.swaps[plan.swap_id] = (plan.direction, plan.block_mapping)
-    tokens: dict[int, list[int]] = {}
+    contexts: dict[int, list[int]] = {}
     for sch in out.seqs:
         seq = next(s for s in requests[sch.request_id].seqs if s.seq_id == sch.seq_id)
-        tokens[sch.seq_id] = list(seq.token_ids)
         if LATE_TOKEN in sch.token_ids:
             assert sch.token_ids == (LATE_TOKEN,) and sch.start_pos == len(seq.token_ids)
-            tokens[sch.seq_id].append(late[sch.seq_id])
+            assert not sch.num_draft
+        new = [late[sch.seq_id] if t == LATE_TOKEN else t for t in sch.token_ids]
+        context = contexts[sch.seq_id] = [*seq.token_ids[: sch.start_pos], *new]
         salt = requests[sch.request_id].cache_salt
         for i, slot in enumerate(sch.slot_mapping):
             pos = sch.start_pos + i
-            world.device[slot] = (salt, tuple(tokens[sch.seq_id][: pos + 1]))
+            world.device[slot] = (salt, tuple(context[: pos + 1]))
     sampled: Sampled = {}
     for sch in out.seqs:
         if not sch.samples:
             continue
-        salt = requests[sch.request_id].cache_salt
-        context = tokens[sch.seq_id]
-        assert sch.start_pos + len(sch.token_ids) == len(context)
+        request = requests[sch.request_id]
+        salt, context = request.cache_salt, contexts[sch.seq_id]
         for pos in range(len(context)):
             slot = sch.block_table[pos // BS] * BS + pos % BS
             want = (salt, tuple(context[: pos + 1]))
             assert world.device.get(slot) == want, f"{sch.request_id} reads bad KV at {pos}"
-        first = len(context) == requests[sch.request_id].seqs[0].num_prompt_tokens
+        # (a sampling row ends where its sequence does, with the token in flight, proposals)
+        seq = next(s for s in request.seqs if s.seq_id == sch.seq_id)
+        late_row = sch.token_ids[0] == LATE_TOKEN
+        assert len(context) == len(seq.token_ids) + late_row + sch.num_draft, sch
+        kept = len(context) - sch.num_draft  # the context the proposals follow
+        if sch.num_draft:
+            tokens = []
+            for j in range(kept, len(context) + 1):
+                tokens.append(next_token(salt, context[:j]))
+                if j == len(context) or tokens[-1] != context[j]:
+                    break
+            sampled[sch.seq_id] = tokens
+            continue
+        first = len(context) == request.seqs[0].num_prompt_tokens
         sampled[sch.seq_id] = [
             next_token(salt, context, draw if first else 0) for draw in range(sch.num_samples)
         ]
@@ -118,11 +139,30 @@ def test_planning_ahead_gives_each_request_its_output_alone(data: st.DataObject)
         rope_switch_len=data.draw(st.sampled_from([None, None, 9]), label="rope switch"),
         scheduling_policy=data.draw(st.sampled_from(["fcfs", "priority"]), label="policy"),
         priority_aging_steps=data.draw(st.integers(1, 8), label="aging"),
+        spec_disable_by_batch_size=data.draw(st.sampled_from([None, None, 2]), label="limit"),
+        spec_async=data.draw(st.booleans(), label="aligned back-off"),
     )
     pool = BlockPool(
         num_device, num_host, block_size=BS, enable_prefix_caching=data.draw(st.booleans())
     )
-    sched = Scheduler(config)
+    rng = random.Random(data.draw(st.integers(0, 2**32 - 1), label="proposer seed"))
+    salts: dict[int, str | None] = {}
+
+    def propose(seq_id: int, token_ids: list[int], k: int) -> list[int]:
+        """The model's continuation (1 to k tokens), a token wrong at a random place a third
+        of the time; nothing a quarter of the time."""
+        if rng.random() < 0.25:
+            return []
+        tokens = list(token_ids)
+        for _ in range(rng.randint(1, k)):
+            tokens.append(next_token(salts[seq_id], tokens))
+        draft = tokens[len(token_ids) :]
+        if rng.random() < 0.33:
+            j = rng.randrange(len(draft))
+            draft[j] = (draft[j] + 1) % VOCAB
+        return draft
+
+    sched = Scheduler(config, propose=propose)
     grammar = data.draw(st.booleans(), label="a grammar forces tokens")
     priority_policy = config.scheduling_policy == "priority"
     snap = snapshot(pool)
@@ -142,9 +182,15 @@ def test_planning_ahead_gives_each_request_its_output_alone(data: st.DataObject)
                        num_prompt_tokens=len(prompt))  # fmt: skip
         priority = data.draw(st.integers(-2, 2), label="priority") if priority_policy else 0
         fork_ids = tuple(next(seq_ids) for _ in range(num_samples - 1))
+        for sid in (seq.seq_id, *fork_ids):
+            salts[sid] = salt
         request = Request(request_id=rid, arrival=int(rid[1:]), seqs=[seq], stop=stop,
                           cache_salt=salt, priority=priority, num_samples=num_samples,
                           fork_ids=fork_ids)  # fmt: skip
+        # (the engine speculates for no request with a grammar)
+        request.num_speculative_tokens = (
+            0 if grammar else data.draw(st.sampled_from([0, 0, 1, 3]), label="k")
+        )
         sched.add_request(request)
         every[rid] = request
         reference = reference_forced if grammar else reference_output
@@ -168,6 +214,8 @@ def test_planning_ahead_gives_each_request_its_output_alone(data: st.DataObject)
             and sched.can_plan_ahead()
             and not sched.planned_cut
             and not stalled
+            # (as the actor: not ahead of proposals, where the next rows start is unknown)
+            and not any(s.num_draft for s in in_flight[-1][0].seqs)
             and data.draw(st.booleans(), label="plan ahead")
         )
         if (
@@ -217,6 +265,8 @@ def test_planning_ahead_gives_each_request_its_output_alone(data: st.DataObject)
     else:
         raise AssertionError("the scheduler stopped making progress")
     event("planned ahead" if num_ahead else "never ahead")
+    if sched.spec_stats.num_draft_tokens:
+        event("proposals accepted" if sched.spec_stats.num_accepted_tokens else "none kept")
     if num_vain:
         event("a row computed in vain")
     if sched.statistics().num_preemptions:
@@ -230,3 +280,21 @@ def test_planning_ahead_gives_each_request_its_output_alone(data: st.DataObject)
     stats = pool.statistics()
     assert stats.num_seqs == 0
     assert stats.device.used == stats.device.in_flight == stats.host.used == 0
+
+
+def test_back_offs_end_on_shared_plans_with_async_scheduling() -> None:
+    """Each wasted round doubles the pause (1 .. 16 decodes); with async scheduling it is
+    stretched, by less than its length, to end on a plan whose count is a multiple of its
+    length, so the sequences backing off propose on the same steps."""
+    for spec_async in (False, True):
+        sched = Scheduler(SchedulerConfig(spec_async=spec_async))
+        for next_plan in range(50):
+            seq = Sequence(seq_id=0, index=0, token_ids=[1, 2], num_prompt_tokens=1)
+            for want in (1, 2, 4, 8, 16, 16):
+                back_off(sched, seq, next_plan)
+                assert seq.spec_backoff == want
+                if spec_async:  # it proposes at plan next_plan + spec_skip
+                    assert want <= seq.spec_skip < 2 * want
+                    assert (next_plan + seq.spec_skip) % want == 0
+                else:
+                    assert seq.spec_skip == want
