@@ -298,8 +298,8 @@ class SchedulerActor:
         return not seq.is_finished and next_proposals(self.scheduler, request, seq) > 0
 
     async def _settle(self) -> None:
-        """A transaction of the pending frees, late tokens, pins and swap confirmations alone,
-        while a step runs that the next cannot be planned ahead of."""
+        """A transaction of the pending frees, late tokens, forks, pins and swap
+        confirmations alone, while a step runs that the next cannot be planned ahead of."""
         self._planning = True
         await self._txns.send(self.scheduler.plan_settle())
         result = await self._results.receive()
