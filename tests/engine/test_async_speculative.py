@@ -122,32 +122,43 @@ async def test_prompt_lookup_goes_ahead_while_it_finds_nothing(
     assert stats.num_steps_planned_ahead > stats.num_steps // 2, stats
 
 
+@pytest.mark.parametrize("penalized", [False, True])
 @pytest.mark.parametrize("backend", BACKENDS)
 async def test_above_the_batch_limit_every_step_may_go_ahead(
     backend: str,
+    penalized: bool,
     tiny_checkpoint: Callable[[str], Path],
     hf_reference: Callable[[str], HFReference],
-    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """With the target as its own draft every greedy proposal is accepted, if the draft's
     cache holds what the target's does: above ``disable_by_batch_size`` nothing is proposed
     and steps go ahead (late tokens through the draft's forward too); as requests finish the
-    batch falls under the limit and the proposals made over those caches are all kept."""
+    batch falls under the limit and the proposals made over those caches are all kept.
+    Penalized too: the options of a row planned ahead come late, and the draft draws the
+    proposals after it with them (with the planned ones, plain greedy, it proposed tokens the
+    penalties then rejected)."""
     path, ref = tiny_checkpoint("llama-gqa"), hf_reference("llama-gqa")
     prompts = make_prompts(8, seed=12)
     lengths = [8 + 3 * i for i in range(len(prompts))]  # they finish one by one
     spec = SpeculativeConfig(method="draft_model", num_speculative_tokens=3, model=str(path),
                              disable_by_batch_size=3)  # fmt: skip
+
+    def params(i: int) -> SamplingParams:
+        return SamplingParams(temperature=0.0, max_tokens=lengths[i], ignore_eos=True,
+                              repetition_penalty=1.3 if penalized else 1.0)  # fmt: skip
+
     with anyio.fail_after(240):
+        if penalized:
+            async with running_engine(path, async_scheduling=False) as engine:
+                expected = [o.outputs[0].token_ids for o in await generate_all(engine, prompts,
+                                                                               params)]  # fmt: skip
+        else:
+            expected = [ref.generate(p, n)[0] for p, n in zip(prompts, lengths, strict=True)]
         async with running_engine(path, speculative_config=spec, async_scheduling=True,
                                   executor_backend=backend) as engine:  # fmt: skip
-            outs = await generate_all(
-                engine, prompts,
-                lambda i: SamplingParams(temperature=0.0, max_tokens=lengths[i], ignore_eos=True),
-            )  # fmt: skip
+            outs = await generate_all(engine, prompts, params)
             stats = engine.statistics()
-    for prompt, out, n in zip(prompts, outs, lengths, strict=True):
-        assert out.outputs[0].token_ids == ref.generate(prompt, n)[0], prompt
+    assert [o.outputs[0].token_ids for o in outs] == expected
     assert stats.num_steps_planned_ahead > 5, stats
     assert stats.num_draft_tokens > 0, stats
     assert stats.num_accepted_tokens == stats.num_draft_tokens, stats

@@ -358,10 +358,12 @@ class ModelRunner:
         plan = with_generator_keys(plan if seqs is plan.seqs else replace(plan, seqs=seqs))
         seen = self._histories.update(plan.seqs, self.late_tokens)
         inputs = self._inputs(plan)
-        result = self._target_step(plan, *inputs, seen=seen)
+        result, seqs = self._target_step(plan, *inputs, seen=seen)
         if self._graphed:
             result = replace(result, cuda_graph=True)
-        result = result if draft is None else draft.step(plan, inputs, result)
+        if draft is not None:  # (its proposals drawn with the late options too)
+            result = draft.step(plan if seqs is plan.seqs else replace(plan, seqs=seqs),
+                                inputs, result)  # fmt: skip
         self._last_sampled = result.sampled  # the inputs of the next step's late tokens
         return result
 
@@ -372,9 +374,10 @@ class ModelRunner:
         input_tensor: torch.Tensor,
         position_tensor: torch.Tensor,
         seen: dict[int, SeenTokens] | None = None,
-    ) -> StepResult:
+    ) -> tuple[StepResult, tuple[SequenceStep, ...]]:
         """The target's forward, prompt logprobs, verification and sampling; ``seen``: the
-        penalty histories the runner keeps, by sequence."""
+        penalty histories the runner keeps, by sequence. Also the rows as sampled: with
+        their late inputs put in (async scheduling)."""
         began = time.perf_counter()
         hidden = self._forward(input_tensor, position_tensor, metadata)  # [T, H]
         prompt = (
@@ -398,7 +401,7 @@ class ModelRunner:
             )  # fmt: skip
         if not sampling:
             compute_s = time.perf_counter() - began
-            return StepResult(sampled=verified, compute_s=compute_s, prompt_logprobs=prompt)
+            return StepResult(sampled=verified, compute_s=compute_s, prompt_logprobs=prompt), seqs
         draws = [
             (seqs[i], k, opt)
             for i in sampling
@@ -416,4 +419,4 @@ class ModelRunner:
         )  # fmt: skip
         compute_s = time.perf_counter() - began
         sampled = sampled_tokens(draws, out) + verified
-        return StepResult(sampled=sampled, compute_s=compute_s, prompt_logprobs=prompt)
+        return StepResult(sampled=sampled, compute_s=compute_s, prompt_logprobs=prompt), seqs
