@@ -7,13 +7,14 @@ row starts depends on how many it keeps); so steps go ahead while sequences back
 backs off too, aligned to the plan count). Tokens must equal the sync engine's (greedy:
 transformers'), with the runner on its thread and in its process, under swap and recompute
 preemption; a draft model's cache must take the late tokens (as the target's own draft every
-greedy proposal made after steps that went ahead is accepted). Every engine is leak-checked on
-exit (``running_engine``)."""
+greedy proposal made after steps that went ahead is accepted). Seeded sampling planned ahead
+is tested beside the sync case in test_speculative.py. Every engine is leak-checked on exit
+(``running_engine``)."""
 
 from __future__ import annotations
 
 import random
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from pathlib import Path
 
 import anyio
@@ -22,7 +23,13 @@ import pytest
 from asyncpaged import SamplingParams, SpeculativeConfig
 from tests.engine.conftest import running_engine
 from tests.engine.test_engine import generate_all, make_prompts
-from tests.engine.test_speculative import NGRAM, Oracle, _sampled, _with_oracle
+from tests.engine.test_speculative import (
+    NGRAM,
+    MissingOracle,
+    Oracle,
+    _with_oracle,
+    greedy_under_pressure,
+)
 from tests.engine.test_speculative_draft import _spec
 from tests.model.reference import HFReference
 
@@ -35,15 +42,6 @@ def anyio_backend() -> str:
     return "asyncio"
 
 
-class MissingOracle(Oracle):
-    """The oracle (the known continuation, corrupted at random), but finding nothing half
-    the time, as prompt lookup often does."""
-
-    def __call__(self, seq_id: int, token_ids: list[int], k: int) -> Sequence[int]:
-        draft = super().__call__(seq_id, token_ids, k)
-        return draft if self._rng.random() < 0.5 else []
-
-
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("mode", ["swap", "recompute"])
 async def test_greedy_speculation_planned_ahead_matches_transformers(
@@ -53,50 +51,12 @@ async def test_greedy_speculation_planned_ahead_matches_transformers(
     hf_reference: Callable[[str], HFReference],
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    path, ref = tiny_checkpoint("llama-gqa"), hf_reference("llama-gqa")
-    prompts = make_prompts(16, seed=7)
-    expected = {p: [ref.generate(p, 20)[0]] for p in prompts}
-    _with_oracle(monkeypatch, MissingOracle(expected, seed=1))
-    greedy = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
-    with anyio.fail_after(180):
-        async with running_engine(path, num_device_blocks=12, preemption_mode=mode,
-                                  speculative_config=NGRAM, async_scheduling=True,
-                                  executor_backend=backend) as engine:  # fmt: skip
-            outs = await generate_all(engine, prompts, greedy)
-            stats = engine.statistics()
-    for prompt, out in zip(prompts, outs, strict=True):
-        assert out.outputs[0].token_ids == expected[prompt][0], prompt
-    assert stats.num_preemptions > 0
+    stats = await greedy_under_pressure(
+        tiny_checkpoint("llama-gqa"), hf_reference("llama-gqa"), mode, MissingOracle,
+        monkeypatch, async_scheduling=True, executor_backend=backend,
+    )  # fmt: skip
     assert stats.num_steps_planned_ahead > 0, stats
     assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens, stats
-
-
-@pytest.mark.parametrize("backend", BACKENDS)
-async def test_seeded_sampling_planned_ahead_equals_the_sync_engine(
-    backend: str, tiny_checkpoint: Callable[[str], Path], monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """Temperature, top-k/p, min-p, penalties (their histories take the late tokens),
-    ``min_tokens`` with EOS, n = 2 and short outputs: the sync engine's tokens without
-    speculation."""
-    path = tiny_checkpoint("llama-gqa")
-    prompts = make_prompts(12, seed=9)
-    common = {"num_device_blocks": 16, "preemption_mode": "swap", "executor_backend": backend}
-    with anyio.fail_after(180):
-        async with running_engine(path, async_scheduling=False, **common) as engine:
-            plain = await generate_all(engine, prompts, _sampled)
-        known = {
-            p: [list(c.token_ids) for c in o.outputs] for p, o in zip(prompts, plain, strict=True)
-        }
-        _with_oracle(monkeypatch, MissingOracle(known, seed=2))
-        async with running_engine(path, speculative_config=NGRAM, async_scheduling=True,
-                                  **common) as engine:  # fmt: skip
-            spec = await generate_all(engine, prompts, _sampled)
-            stats = engine.statistics()
-    for i, (a, b) in enumerate(zip(plain, spec, strict=True)):
-        assert [c.token_ids for c in a.outputs] == [c.token_ids for c in b.outputs], i
-        assert [c.finish_reason for c in a.outputs] == [c.finish_reason for c in b.outputs], i
-    assert stats.num_steps_planned_ahead > 0, stats
-    assert stats.num_accepted_tokens > 0, stats
 
 
 async def test_prompt_lookup_goes_ahead_while_it_finds_nothing(

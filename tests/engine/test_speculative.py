@@ -19,7 +19,7 @@ from typing import Any
 import anyio
 import pytest
 
-from asyncpaged import AsyncEngine, SamplingParams, SpeculativeConfig
+from asyncpaged import AsyncEngine, EngineStatistics, SamplingParams, SpeculativeConfig
 from tests.engine.conftest import running_engine
 from tests.engine.test_engine import generate_all, make_prompts
 from tests.model.reference import HFReference
@@ -58,9 +58,43 @@ class Oracle:
         return []
 
 
+class MissingOracle(Oracle):
+    """The oracle, but finding nothing half the time, as prompt lookup often does."""
+
+    def __call__(self, seq_id: int, token_ids: list[int], k: int) -> Sequence[int]:
+        draft = super().__call__(seq_id, token_ids, k)
+        return draft if self._rng.random() < 0.5 else []
+
+
 def _with_oracle(monkeypatch: pytest.MonkeyPatch, oracle: Oracle | None) -> None:
     if oracle is not None:
         monkeypatch.setattr(AsyncEngine, "_proposer", lambda self: oracle)
+
+
+async def greedy_under_pressure(
+    path: Path,
+    ref: HFReference,
+    mode: str,
+    oracle: Callable[[dict[tuple[int, ...], list[list[int]]], int], Oracle],
+    monkeypatch: pytest.MonkeyPatch,
+    **config: Any,
+) -> EngineStatistics:
+    """16 greedy prompts in 12 blocks (``mode`` preemption, which must happen) with prompt
+    lookup replaced by ``oracle`` over transformers' outputs: every output must be
+    transformers'. Returns the engine's statistics."""
+    prompts = make_prompts(16, seed=7)
+    expected = {p: [ref.generate(p, 20)[0]] for p in prompts}
+    _with_oracle(monkeypatch, oracle(expected, 1))
+    greedy = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+    with anyio.fail_after(180):
+        async with running_engine(path, num_device_blocks=12, preemption_mode=mode,
+                                  speculative_config=NGRAM, **config) as engine:  # fmt: skip
+            outs = await generate_all(engine, prompts, greedy)
+            stats = engine.statistics()
+    for prompt, out in zip(prompts, outs, strict=True):
+        assert out.outputs[0].token_ids == expected[prompt][0], prompt
+    assert stats.num_preemptions > 0
+    return stats
 
 
 @pytest.mark.parametrize("model", ["llama-gqa", "opt", "gpt2"])
@@ -72,20 +106,9 @@ async def test_greedy_speculation_matches_transformers_under_memory_pressure(
     hf_reference: Callable[[str], HFReference],
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    path, ref = tiny_checkpoint(model), hf_reference(model)
-    prompts = make_prompts(16, seed=7)
-    expected = {p: [ref.generate(p, 20)[0]] for p in prompts}
-    oracle = Oracle(expected, seed=1)
-    _with_oracle(monkeypatch, oracle)
-    greedy = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
-    with anyio.fail_after(180):
-        async with running_engine(path, num_device_blocks=12, preemption_mode=mode,
-                                  speculative_config=NGRAM) as engine:  # fmt: skip
-            outs = await generate_all(engine, prompts, greedy)
-            stats = engine.statistics()
-    for prompt, out in zip(prompts, outs, strict=True):
-        assert out.outputs[0].token_ids == expected[prompt][0], prompt
-    assert stats.num_preemptions > 0
+    stats = await greedy_under_pressure(
+        tiny_checkpoint(model), hf_reference(model), mode, Oracle, monkeypatch
+    )
     assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens, stats
     # every position was reached and rejected sometimes
     assert len(stats.spec_acceptance_by_position) == NGRAM.num_speculative_tokens
@@ -127,25 +150,34 @@ def _sampled(i: int) -> SamplingParams:
     return SamplingParams(seed=100 + i, **kind)
 
 
-@pytest.mark.parametrize("prefix_caching", [False, True])
+@pytest.mark.parametrize(
+    ("prefix_caching", "loop"),
+    [(False, "sync"), (True, "sync"), (False, "thread"), (True, "process")],
+)
 async def test_seeded_sampling_is_token_identical_with_and_without_speculation(
-    prefix_caching: bool, tiny_checkpoint: Callable[[str], Path], monkeypatch: pytest.MonkeyPatch
+    prefix_caching: bool,
+    loop: str,
+    tiny_checkpoint: Callable[[str], Path],
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """Verification draws the target's own token at every position from the same seeded
-    stream, so a seeded request's output does not depend on what was proposed."""
+    stream, so a seeded request's output does not depend on what was proposed. With async
+    scheduling (``loop``: the runner's thread or process) too, the proposer finding nothing
+    half the time, so steps go ahead between proposals (penalty histories take late tokens):
+    the sync engine's tokens without speculation."""
     path = tiny_checkpoint("llama-gqa")
     prompts = make_prompts(12, seed=9)
     common = {"num_device_blocks": 16, "preemption_mode": "swap",
               "enable_prefix_caching": prefix_caching}  # fmt: skip
+    ahead = {} if loop == "sync" else {"async_scheduling": True, "executor_backend": loop}
     with anyio.fail_after(180):
-        async with running_engine(path, **common) as engine:
+        async with running_engine(path, async_scheduling=False, **common) as engine:
             plain = await generate_all(engine, prompts, _sampled)
         known = {
             p: [list(c.token_ids) for c in o.outputs] for p, o in zip(prompts, plain, strict=True)
         }
-        oracle = Oracle(known, seed=2)
-        _with_oracle(monkeypatch, oracle)
-        async with running_engine(path, speculative_config=NGRAM, **common) as engine:
+        _with_oracle(monkeypatch, (Oracle if loop == "sync" else MissingOracle)(known, seed=2))
+        async with running_engine(path, speculative_config=NGRAM, **common, **ahead) as engine:
             spec = await generate_all(engine, prompts, _sampled)
             if prefix_caching:  # again, now over blocks registered after verification
                 again = await generate_all(engine, prompts, _sampled)
@@ -160,6 +192,7 @@ async def test_seeded_sampling_is_token_identical_with_and_without_speculation(
         ]
     assert stats.num_accepted_tokens > 0, stats
     assert stats.num_draft_tokens > stats.num_accepted_tokens, stats
+    assert (stats.num_steps_planned_ahead > 0) == (loop != "sync"), stats
 
 
 async def test_stop_strings_and_aborts_under_speculation(

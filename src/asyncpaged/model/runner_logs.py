@@ -30,13 +30,14 @@ class LogBatch:
 
 class LogCapture(logging.Handler):
     """Keeps each record as a picklable dict until :meth:`take`; ``process_name`` names the
-    process in them (the runner's, or a tensor-parallel rank's)."""
+    process in them (the runner's, or a tensor-parallel rank's); ``before``: the library
+    logger's propagate and level before the capture (:func:`release_library_logs`)."""
 
-    def __init__(self, process_name: str = "asyncpaged-runner") -> None:
+    def __init__(self, process_name: str, before: tuple[bool, int]) -> None:
         super().__init__()
         self._records: list[dict[str, Any]] = []
         self._process_name = process_name
-        self._before: tuple[bool, int] | None = None  # the logger's propagate and level
+        self.before = before
 
     def emit(self, record: logging.LogRecord) -> None:
         try:
@@ -70,8 +71,7 @@ def capture_library_logs(level: int, process_name: str = "asyncpaged-runner") ->
     ``level`` and above for the engine's process (nothing of them reaches this process's
     stderr) until :func:`release_library_logs`."""
     logger = logging.getLogger(LIBRARY_LOGGER)
-    handler = LogCapture(process_name)
-    handler._before = (logger.propagate, logger.level)
+    handler = LogCapture(process_name, (logger.propagate, logger.level))
     logger.addHandler(handler)
     logger.propagate = False
     logger.setLevel(level)
@@ -83,9 +83,8 @@ def release_library_logs(handler: LogCapture) -> None:
     (a torchrun rank's own logging configuration applies again)."""
     logger = logging.getLogger(LIBRARY_LOGGER)
     logger.removeHandler(handler)
-    if handler._before is not None:
-        logger.propagate, level = handler._before
-        logger.setLevel(level)
+    logger.propagate, level = handler.before
+    logger.setLevel(level)
 
 
 def library_level() -> int:
