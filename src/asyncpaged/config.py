@@ -130,9 +130,10 @@ class EngineConfig:
     # CUDA graphs (vLLM's): a decode-only step of up to max_cudagraph_capture_size sequences
     # (None: max_num_seqs, at most 512) replays a graph captured at start for the next size of
     # 1, 2, 4, 8, 16, 24, ... (padded), so the host launches one graph instead of every
-    # kernel (``model/cuda_graphs.py``). Used on a CUDA device with the Triton attention
-    # backend, without tensor parallelism, for families that keep rows apart and read nothing
-    # back on the host (not MoE); elsewhere the forward runs eagerly. True: always eager.
+    # kernel (``model/cuda_graphs.py``; under tensor parallelism every rank captures and
+    # replays its shard's graphs). Used on a CUDA device with the Triton attention backend,
+    # for families that keep rows apart and read nothing back on the host (not MoE);
+    # elsewhere the forward runs eagerly. True: always eager.
     enforce_eager: bool = False
     max_cudagraph_capture_size: int | None = None
 
@@ -297,13 +298,12 @@ def blocks_for_tokens(num_tokens: int, block_size: int) -> int:
 def cuda_graph_sizes(config: EngineConfig) -> tuple[int, ...]:
     """The decode batch sizes ``config`` captures in CUDA graphs (vLLM's: 1, 2, 4, then every
     multiple of 8, and the largest itself); () where they do not apply: ``enforce_eager``, a
-    device other than CUDA, the torch attention backend or tensor parallelism. The runner may
-    still find the model unfit (``cuda_graphs.capture_decode_graphs``)."""
+    device other than CUDA or the torch attention backend. The runner may still find the
+    model unfit (``cuda_graphs.capture_decode_graphs``)."""
     if (
         config.enforce_eager
         or not config.device.startswith("cuda")
         or config.attention_backend == "torch"
-        or config.tensor_parallel_size > 1
     ):
         return ()
     top = config.max_cudagraph_capture_size or min(config.max_num_seqs, 512)

@@ -227,6 +227,12 @@ async def load_runner(
         tp = await anyio.to_thread.run_sync(
             TensorParallelRunner.start, spec, cfg.tensor_parallel_size, cfg.device
         )
+        try:
+            await anyio.to_thread.run_sync(tp.capture_cuda_graphs, spec.cuda_graph_sizes,
+                                           plan.max_model_len)  # fmt: skip
+        except BaseException:
+            tp.close(graceful=False)
+            raise
         return tp.runner, tp, tp
     backend = await anyio.to_thread.run_sync(  # may compile (g++)
         select_attention_backend, cfg.device, cfg.attention_backend

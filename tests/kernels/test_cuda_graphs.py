@@ -9,7 +9,6 @@ the buckets, the padding, the buffers and the bucket-fixed host facts are what i
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from pathlib import Path
 
 import anyio
@@ -19,27 +18,14 @@ from asyncpaged.kernels.backend import TritonAttentionBackend
 
 from asyncpaged import AsyncEngine, EngineConfig, SamplingParams
 from asyncpaged.config import cuda_graph_sizes
+from asyncpaged.distributed import TensorParallelRunner
 from asyncpaged.model.attention import AttentionMetadata
-from asyncpaged.model.cuda_graphs import Capture
+from asyncpaged.model.cuda_graphs import Capture, eager_capture
 from asyncpaged.model.runner import ModelRunner, StepPlan, StepResult
 from asyncpaged.testing.tiny_models import build_tiny_checkpoint
 from tests.kernels.conftest import NATIVE
 from tests.model.driver import Driver, SimSequence
 from tests.model.reference import HFReference
-
-
-def eager_capture(
-    forward: Callable[[], torch.Tensor], pool: object
-) -> tuple[Callable[[], None], torch.Tensor, object]:
-    """A graph's semantics without CUDA: replays read the buffers as they are then and write
-    the one output tensor."""
-    out = forward()
-
-    def replay() -> None:
-        out.copy_(forward())
-
-    return replay, out, pool
-
 
 CAPTURE: Capture | None = None if NATIVE else eager_capture
 
@@ -211,9 +197,10 @@ def test_capture_sizes_follow_the_config() -> None:
         EngineConfig(model="m", device="cuda", enforce_eager=True),
         EngineConfig(model="m", device="cpu"),
         EngineConfig(model="m", device="cuda", attention_backend="torch"),
-        EngineConfig(model="m", device="cuda", tensor_parallel_size=2),
     ):
         assert cuda_graph_sizes(off) == ()
+    tp = EngineConfig(model="m", device="cuda", tensor_parallel_size=2, max_num_seqs=16)
+    assert cuda_graph_sizes(tp) == (1, 2, 4, 8, 16)  # every rank captures them
 
 
 async def _engine_tokens(model: Path, enforce_eager: bool) -> tuple[list[list[int]], int]:
@@ -249,3 +236,58 @@ def test_engine_replays_graphs_on_cuda_only(checkpoints: dict[str, Path]) -> Non
         assert replays > 0
     else:
         assert replays == 0
+
+
+@pytest.mark.skipif(NATIVE and torch.cuda.device_count() < 2, reason="TP=2 needs two GPUs")
+def test_tensor_parallel_ranks_capture_and_replay_together(
+    checkpoints: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """TP=2 through the public API: both ranks capture the same buckets at start and replay
+    them in the same steps (a rank that ran a step eagerly while the other replayed a padded
+    bucket would all-reduce tensors of other shapes), and the tokens are transformers'
+    greedy ones. Three sequences decode together, padded into the graph of 4. On the CPU the
+    sizes the config gives only to CUDA are forced, and every rank captures with the eager
+    stand-in."""
+    from asyncpaged.distributed import driver
+
+    if not NATIVE:
+        monkeypatch.setattr(driver, "cuda_graph_sizes", lambda config: (1, 2, 4))
+        capture = TensorParallelRunner.capture_cuda_graphs
+
+        def eager(self: TensorParallelRunner, sizes: tuple[int, ...], max_len: int,
+                  _: Capture | None = None) -> tuple[int, ...]:  # fmt: skip
+            return capture(self, sizes, max_len, eager_capture)
+
+        monkeypatch.setattr(TensorParallelRunner, "capture_cuda_graphs", eager)
+    checkpoint = checkpoints["llama-gqa"]
+    prompts = [list(range(5 + 9 * i, 12 + 11 * i)) for i in range(3)]
+    max_tokens = (3, 6, 8)
+    config = EngineConfig(model=str(checkpoint), dtype="float32", num_device_blocks=48,
+                          device="cuda" if NATIVE else "cpu", attention_backend="triton",
+                          tensor_parallel_size=2)  # fmt: skip
+
+    async def main() -> tuple[list[list[int]], int, int]:
+        async with AsyncEngine(config) as engine:
+            assert isinstance(engine._workers, TensorParallelRunner)
+            outs: dict[int, list[int]] = {}
+
+            async def one(i: int) -> None:
+                params = SamplingParams(temperature=0.0, max_tokens=max_tokens[i],
+                                        ignore_eos=True)  # fmt: skip
+                outs[i] = (await engine.generate(prompts[i], params)).outputs[0].token_ids
+
+            with anyio.fail_after(120):  # (mismatched all-reduces may hang instead)
+                async with anyio.create_task_group() as tg:
+                    for i in range(len(prompts)):
+                        tg.start_soon(one, i)
+            graphs = engine.runner.graphs if engine.runner is not None else None
+            assert graphs is not None, "rank 0 captured nothing"
+            padded = graphs.replays[4]
+            replays = engine.statistics().num_cuda_graph_steps
+        return [outs[i] for i in range(len(prompts))], replays, padded
+
+    got, replays, padded = anyio.run(main)
+    reference = HFReference(checkpoint)
+    want = [reference.generate(tuple(p), n)[0] for p, n in zip(prompts, max_tokens, strict=True)]
+    assert got == want
+    assert replays > 0 and padded > 0  # three decoding sequences replayed the graph of 4

@@ -56,7 +56,9 @@ class WorkerSpec:
     fused_elementwise: bool = True
     screened_lm_head: bool = True  # rank 0 samples
     int8_lm_head: bool = True
-    cuda_graph_sizes: tuple[int, ...] = ()  # decode batch sizes to capture (one rank only)
+    # decode batch sizes a runner in its own process captures at load (tensor-parallel ranks
+    # capture together once every rank is ready: ``CaptureGraphs``)
+    cuda_graph_sizes: tuple[int, ...] = ()
     max_model_len: int = 0
 
 
@@ -118,8 +120,18 @@ class SwapCommand:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class CaptureGraphs:
+    """Capture the decode forward's graphs for these batch sizes, as rank 0 does at the same
+    time (``model/cuda_graphs.py``); ``eager``: the eager stand-in instead of CUDA graphs."""
+
+    sizes: tuple[int, ...]
+    max_model_len: int
+    eager: bool = False
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class Shutdown:
     """Leave the worker loop."""
 
 
-Command = RunStep | SwapCommand | Shutdown
+Command = RunStep | SwapCommand | CaptureGraphs | Shutdown

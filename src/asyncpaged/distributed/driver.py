@@ -29,7 +29,7 @@ import contextlib
 import multiprocessing
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from datetime import timedelta
 from multiprocessing.process import BaseProcess
 from typing import Any
@@ -42,6 +42,7 @@ from asyncpaged._log import get_logger
 from asyncpaged.config import EngineConfig, cuda_graph_sizes
 from asyncpaged.core.block_table import SwapDirection
 from asyncpaged.distributed.commands import (
+    CaptureGraphs,
     Command,
     RunStep,
     Shutdown,
@@ -52,6 +53,7 @@ from asyncpaged.distributed.commands import (
 from asyncpaged.distributed.group import INIT_TIMEOUT_S, JOINED_KEY, ProcessGroups, torchrun_env
 from asyncpaged.distributed.worker import _spawned_main, build_runner, rank_device, ready_reply
 from asyncpaged.errors import InvalidRequestError, WorkerDiedError
+from asyncpaged.model.cuda_graphs import Capture, eager_capture
 from asyncpaged.model.errors import UnsupportedModelError
 from asyncpaged.model.late_inputs import LateDelivery
 from asyncpaged.model.runner import ModelRunner, StepPlan, StepResult, select_attention_backend
@@ -209,6 +211,21 @@ class TensorParallelRunner:
                  pids=[r.pid for r in replies],
                  kv_cache_bytes=[r.kv_cache_bytes for r in replies])  # fmt: skip
         return cls(runner, groups, workers, replies)
+
+    def capture_cuda_graphs(
+        self, sizes: Sequence[int], max_model_len: int, capture: Capture | None = None
+    ) -> tuple[int, ...]:
+        """Every rank captures the decode graphs of these sizes together (their warm-ups and
+        captures run the all-reduces); the sizes captured, as ``ModelRunner``'s. ``capture``:
+        None (CUDA graphs) or :func:`eager_capture`, which the other ranks also use."""
+        if not sizes:
+            return ()
+        if capture not in (None, eager_capture):
+            raise ValueError("tensor-parallel ranks capture CUDA graphs or eager_capture only")
+        with self._naming_dead_worker():
+            self._send(CaptureGraphs(sizes=tuple(sizes), max_model_len=max_model_len,
+                                     eager=capture is eager_capture))  # fmt: skip
+            return self.runner.capture_cuda_graphs(sizes, max_model_len, capture)
 
     # ---- the StepRunner interface --------------------------------------------------------------
 

@@ -20,10 +20,18 @@ from torch.distributed import TCPStore  # type: ignore[attr-defined]  # public A
 
 from asyncpaged._log import get_logger
 from asyncpaged.core.block_table import SwapDirection
-from asyncpaged.distributed.commands import RunStep, Shutdown, SwapCommand, WorkerReady, WorkerSpec
+from asyncpaged.distributed.commands import (
+    CaptureGraphs,
+    RunStep,
+    Shutdown,
+    SwapCommand,
+    WorkerReady,
+    WorkerSpec,
+)
 from asyncpaged.distributed.group import INIT_TIMEOUT_S, JOINED_KEY, ProcessGroups, torchrun_env
 from asyncpaged.model.attention import AttentionBackend
 from asyncpaged.model.base import TensorShard
+from asyncpaged.model.cuda_graphs import eager_capture
 from asyncpaged.model.runner import ModelRunner, select_attention_backend
 from asyncpaged.model.runner_logs import LogBatch, capture_library_logs, release_library_logs
 
@@ -120,6 +128,9 @@ def _serve(groups: ProcessGroups, local_rank: int) -> None:
                 runner.swap_out(command.pairs)
             case SwapCommand():
                 runner.swap_in(command.pairs)
+            case CaptureGraphs():
+                capture = eager_capture if command.eager else None
+                runner.capture_cuda_graphs(command.sizes, command.max_model_len, capture)
             case Shutdown():
                 bound.debug("tp_worker_stopped")
                 return

@@ -13,7 +13,12 @@ count is then chosen for ``max_model_len`` and whose key loop stops at each row'
 length), and a model whose rows stay apart and which reads nothing back on the host
 (``CausalLM.cuda_graph_safe``: not MoE routing). The LM head and sampling run after the graph,
 eagerly, on the rows that sample. ``capture`` is a parameter so tests can check the padding and
-the buffers on a CPU with an eager stand-in for the graph.
+the buffers on a CPU with an eager stand-in for the graph (:func:`eager_capture`).
+
+Under tensor parallelism every rank captures the same sizes in the same order, at once (each
+warm-up and capture runs the layers' all-reduces, which pair across the ranks, and NCCL
+collectives are captured into the graphs), and every rank replays for the same steps: whether a
+step replays, and which bucket, follows from the step's plan alone, which every rank gets.
 """
 
 from __future__ import annotations
@@ -54,6 +59,20 @@ def cuda_capture(
     return graph.replay, out, graph.pool()
 
 
+def eager_capture(
+    forward: Callable[[], torch.Tensor], pool: object
+) -> tuple[Callable[[], None], torch.Tensor, object]:
+    """A graph's semantics without CUDA: a replay reruns ``forward`` on the buffers as they
+    are then and writes the one output tensor (the padding, the static buffers and the
+    bucket-fixed host facts are exercised on any device; the tests' stand-in)."""
+    out = forward()
+
+    def replay() -> None:
+        out.copy_(forward())
+
+    return replay, out, pool
+
+
 def capture_decode_graphs(
     model: CausalLM,
     kv_cache: PagedKVCache,
@@ -74,8 +93,6 @@ def capture_decode_graphs(
         reason = f"{type(model.attn_backend).__name__} cannot be captured"
     elif not model.cuda_graph_safe():
         reason = f"{type(model).__name__} reads device values on the host (MoE routing)"
-    elif model.shard.world_size > 1:
-        reason = "tensor parallelism"
     if reason is not None:
         _log.info("cuda_graphs_off", reason=reason)
         return None

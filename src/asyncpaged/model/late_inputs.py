@@ -85,11 +85,16 @@ def with_late_inputs(
     seqs: tuple[SequenceStep, ...], delivery: LateDelivery
 ) -> tuple[SequenceStep, ...]:
     """A step's rows with its late rows' inputs put in: options that read the output replace
-    the planned ones (None: plain greedy), and grammar bitmasks go into the options."""
+    the planned ones (None: plain greedy), and grammar bitmasks go into the options. The
+    same rows when the delivery holds neither."""
+    if not delivery.options and not delivery.masked:
+        return seqs
     options = dict(delivery.options)
     masks = delivery.masks_by_seq()
     out = list(seqs)
     for i, s in enumerate(seqs):
+        if s.seq_id not in options and s.seq_id not in masks:
+            continue
         opt = options.get(s.seq_id, s.sampling)
         mask = masks.get(s.seq_id)
         if mask is not None:
