@@ -116,3 +116,27 @@ def test_shards_hold_their_slices_packed(tiny_checkpoint: Callable[[str], Path])
     assert not torch.equal(first.fc1.bias, second.fc1.bias)  # different slices
     if packing_supported():  # the oneDNN packed weights are the shards' own
         assert PACKED_ATTR in first.fc1.__dict__ and PACKED_ATTR in second.fc2.__dict__
+
+
+def test_the_wire_step_keeps_what_every_rank_reads() -> None:
+    """A worker's forward reads a row's tokens, context, slots, table and RoPE length: the
+    wire form keeps each of them (a late token replaced by what rank 0 sampled), and the
+    rows sample nothing there."""
+    from asyncpaged.core.block_table import LATE_TOKEN
+    from asyncpaged.model.step import SequenceStep
+
+    seqs = (
+        SequenceStep(seq_id=3, token_ids=(5, 6, 7), num_computed_tokens=18,
+                     slot_mapping=(50, 51, 52), block_table=(9, 2), do_sample=True,
+                     min_rope_len=21, table_start=1),
+        SequenceStep(seq_id=8, token_ids=(LATE_TOKEN,), num_computed_tokens=4,
+                     slot_mapping=(68,), block_table=(4,), do_sample=True, want_logprob=True),
+    )  # fmt: skip
+    wire = RunStep.of(StepPlan(seqs=seqs, copy_pairs=((1, 2),)), lambda: {8: 77}).plan()
+    assert wire.copy_pairs == ((1, 2),)
+    fields = ("seq_id", "num_computed_tokens", "slot_mapping", "block_table", "table_start",
+              "min_rope_len")  # fmt: skip
+    for got, want in zip(wire.seqs, seqs, strict=True):
+        assert [getattr(got, f) for f in fields] == [getattr(want, f) for f in fields]
+        assert not got.do_sample and not got.wants_logprob
+    assert [s.token_ids for s in wire.seqs] == [(5, 6, 7), (77,)]

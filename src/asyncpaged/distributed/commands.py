@@ -28,9 +28,10 @@ from asyncpaged.core.block_table import LATE_TOKEN, SwapDirection
 from asyncpaged.model.runner import AttentionChoice, SequenceStep, StepPlan
 from asyncpaged.model.runner_logs import LogBatch
 
-# (seq_id, token_ids, num_computed_tokens, slot_mapping, table_start, block_table): the table
-# from entry table_start on, as the plan has it (each rank keeps its own persistent tables)
-WireSequence = tuple[int, tuple[int, ...], int, tuple[int, ...], int, tuple[int, ...]]
+# (seq_id, token_ids, num_computed_tokens, slot_mapping, table_start, block_table,
+# min_rope_len): the table from entry table_start on, as the plan has it (each rank keeps its
+# own persistent tables); what every rank's forward reads of a row
+WireSequence = tuple[int, tuple[int, ...], int, tuple[int, ...], int, tuple[int, ...], int]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -96,7 +97,7 @@ class RunStep:
                 late = late_tokens() if late is None else late
                 tokens = (late[s.seq_id],)
             seqs.append((s.seq_id, tokens, s.num_computed_tokens, s.slot_mapping,
-                         s.table_start, s.block_table))  # fmt: skip
+                         s.table_start, s.block_table, s.min_rope_len))  # fmt: skip
         return cls(seqs=tuple(seqs), copy_pairs=plan.copy_pairs)
 
     def plan(self) -> StepPlan:
@@ -104,8 +105,8 @@ class RunStep:
         seqs = tuple(
             SequenceStep(seq_id=seq_id, token_ids=tokens, num_computed_tokens=computed,
                          slot_mapping=slots, block_table=table, do_sample=False,
-                         table_start=start)
-            for seq_id, tokens, computed, slots, start, table in self.seqs
+                         table_start=start, min_rope_len=rope)
+            for seq_id, tokens, computed, slots, start, table, rope in self.seqs
         )  # fmt: skip
         return StepPlan(seqs=seqs, copy_pairs=self.copy_pairs)
 
