@@ -88,7 +88,8 @@ class ThreadedShards:
 
 
 @pytest.mark.parametrize(
-    ("name", "world_size"), [*((f, 2) for f in FAMILIES), ("llama-mha", 4), ("opt", 4)]
+    ("name", "world_size"),
+    [*((f, 2) for f in FAMILIES), ("phi3-swa", 2), ("llama-mha", 4), ("opt", 4)],
 )
 def test_sharded_greedy_matches_transformers(
     name: str,

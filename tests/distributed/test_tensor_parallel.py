@@ -187,3 +187,20 @@ def test_tp2_plans_grammar_requests_ahead_with_the_same_tokens(
     assert two.num_steps_planned_ahead > 0, two
     for a, b in zip(one.outputs, two.outputs, strict=True):
         assert b.outputs[0].token_ids == a.outputs[0].token_ids, a.prompt_token_ids
+
+
+def test_tp2_phi3_longrope_ranks_rotate_with_the_same_factors(
+    tiny_checkpoint: Callable[[str], Path],
+    hf_reference: Callable[[str], HFReference],
+) -> None:
+    """Phi-3 (fused q|k|v of unequal parts, split part by part) with longrope (switch at 20
+    tokens) under TP=2: a long prompt's first chunks and a restarted request's recompute
+    rotate with the long factors on every rank (the wire step carries the RoPE length the
+    scheduler set), so the tokens are transformers'."""
+    path, ref = tiny_checkpoint("phi3-longrope"), hf_reference("phi3-longrope")
+    base = tuple(range(40, 70))
+    prompts = [base[:30], base[:17], base[:24], base[:12]]
+    run = run_engine(path, prompts, 10, tensor_parallel_size=2, max_num_batched_tokens=8)
+    for prompt, out in zip(prompts, run.outputs, strict=True):
+        assert out.outputs[0].token_ids == ref.generate(prompt, 10)[0], len(prompt)
+    assert run.num_kv_heads == [2, 2]  # each rank holds half of the 4 KV heads

@@ -263,10 +263,16 @@ def test_unsupported_fields_fail_at_build(name: str, changes: dict[str, Any], fi
         Phi3ForCausalLM(_broken(name, **changes))
 
 
-def test_tensor_parallel_and_partial_rotary_elsewhere_are_refused() -> None:
-    shard = TensorShard(rank=0, world_size=2, all_reduce=lambda x: None)
-    with pytest.raises(UnsupportedModelError, match="tensor parallel"):
-        Phi3ForCausalLM(_config("phi3-swa"), shard)
+def test_shards_split_the_fused_parts_and_partial_rotary_elsewhere_is_refused() -> None:
+    """A rank of two holds half of the q heads, half of the KV heads and half of the MLP
+    width, within the fused projections (tests/distributed: the tokens)."""
+    config = _config("phi3-swa")
+    shard = TensorShard(rank=1, world_size=2, all_reduce=lambda x: None)
+    layer = Phi3ForCausalLM(config, shard).model.layers[0]
+    heads, kv_heads = config.num_attention_heads // 2, config.num_key_value_heads // 2
+    d = config.hidden_size // config.num_attention_heads
+    assert layer.self_attn.qkv_proj.weight.shape[0] == (heads + 2 * kv_heads) * d
+    assert layer.mlp.gate_up_proj.weight.shape[0] == config.intermediate_size
     config = _config("phi4-mini")
     assert rope_parameters(config)["partial_rotary_factor"] == 0.75
     # families that did not opt in

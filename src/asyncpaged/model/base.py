@@ -66,13 +66,14 @@ SHARD_ATTR = "tp_shard_kind"
 class ShardRule:
     """How the loader slices one checkpoint tensor for this rank.
 
-    ``dim`` is the split dimension in the model's layout; ``num_fused`` > 1 means the dimension
-    holds that many equal parts (GPT-2's fused q|k|v), each split on its own, so a rank gets its
-    share of every part, concatenated.
+    ``dim`` is the split dimension in the model's layout; ``parts`` are the relative widths of
+    the fused parts the dimension holds, in order (GPT-2's q|k|v: (1, 1, 1); Phi-3's q|k|v:
+    (heads, KV heads, KV heads)), each split on its own, so a rank gets its share of every
+    part, concatenated.
     """
 
     dim: int
-    num_fused: int = 1
+    parts: tuple[int, ...] = (1,)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -116,13 +117,17 @@ def column_parallel(
     shard: TensorShard,
     *,
     bias: bool = True,
-    num_fused: int = 1,
+    parts: tuple[int, ...] = (1,),
 ) -> Linear:
     """A linear whose output features are split: ``out_features`` is the full width; the rank
-    holds ``out_features / world_size`` rows (of each of ``num_fused`` fused parts)."""
-    layer = Linear(in_features, shard.split(out_features, "a layer's output width"), bias=bias)
+    holds ``1 / world_size`` of the rows of each fused part (``parts``: their relative widths,
+    see :class:`ShardRule`)."""
+    unit = out_features // sum(parts)
+    assert unit * sum(parts) == out_features, f"{out_features} output features, parts {parts}"
+    width = sum(shard.split(p * unit, "a fused layer part's width") for p in parts)
+    layer = Linear(in_features, width, bias=bias)
     kind: ShardKind = "column"
-    layer.__dict__[SHARD_ATTR] = (kind, num_fused)
+    layer.__dict__[SHARD_ATTR] = (kind, parts)
     return layer
 
 
@@ -135,7 +140,7 @@ def row_parallel(in_features: int, out_features: int, shard: TensorShard, *, bia
         bias=bias and shard.rank == 0,
     )  # fmt: skip
     kind: ShardKind = "row"
-    layer.__dict__[SHARD_ATTR] = (kind, 1)
+    layer.__dict__[SHARD_ATTR] = (kind, (1,))
     return layer
 
 
@@ -275,10 +280,10 @@ class CausalLM(nn.Module, metaclass=ABCMeta):
             tag = module.__dict__.get(SHARD_ATTR)
             if tag is None:
                 continue
-            kind, num_fused = tag
-            rules[f"{prefix}.weight"] = ShardRule(0 if kind == "column" else 1, num_fused)
+            kind, parts = tag
+            rules[f"{prefix}.weight"] = ShardRule(0 if kind == "column" else 1, parts)
             if kind == "column":
-                rules[f"{prefix}.bias"] = ShardRule(0, num_fused)
+                rules[f"{prefix}.bias"] = ShardRule(0, parts)
         return rules
 
     def dropped_checkpoint_keys(self) -> set[str]:

@@ -46,7 +46,7 @@ class GPT2Attention(nn.Module):
         self.num_heads = shard.split(config.num_attention_heads, "num_attention_heads")
         self.head_dim = hidden // config.num_attention_heads
         self.layer_idx, self.shard = layer_idx, shard
-        self.c_attn = column_parallel(hidden, 3 * hidden, shard, num_fused=3)
+        self.c_attn = column_parallel(hidden, 3 * hidden, shard, parts=(1, 1, 1))
         self.c_proj = row_parallel(hidden, hidden, shard)
         scale = self.head_dim**-0.5 if getattr(config, "scale_attn_weights", True) else 1.0
         if getattr(config, "scale_attn_by_inverse_layer_idx", False):

@@ -202,11 +202,13 @@ def iter_checkpoint_tensors(directory: str | Path) -> Iterator[tuple[str, torch.
 def _read_shard(entry: CheckpointEntry, rule: ShardRule, dim: int, shard: TensorShard
                 ) -> torch.Tensor:  # fmt: skip
     """This rank's slice of ``entry`` along stored dimension ``dim`` (of each fused part)."""
-    part = entry.shape[dim] // rule.num_fused
-    width = part // shard.world_size
+    unit = entry.shape[dim] // sum(rule.parts)
     pieces = []
-    for k in range(rule.num_fused):
-        start = k * part + shard.rank * width
+    begin = 0  # where the part starts
+    for size in rule.parts:
+        width = size * unit // shard.world_size
+        start = begin + shard.rank * width
+        begin += size * unit
         index = tuple(
             slice(start, start + width) if d == dim else slice(None)
             for d in range(len(entry.shape))

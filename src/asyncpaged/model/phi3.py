@@ -14,9 +14,10 @@ transformers fields honoured: ``hidden_size``, ``intermediate_size``, ``num_hidd
 (Phi-4-mini: 0.75; the leading ``int(D * factor)`` dims of each head rotate). Dropouts
 (``resid_pdrop``, ``embd_pdrop``, ``attention_dropout``) do nothing at inference.
 ``UnsupportedModelError`` at build time: another ``hidden_act``, another RoPE type, longrope
-factor lists missing or not of length rotary dim / 2, a partial factor giving an odd rotary dim,
-and tensor parallelism (``world_size > 1``: the fused qkv's parts are unequal, which the loader's
-``ShardRule`` cannot slice).
+factor lists missing or not of length rotary dim / 2, a partial factor giving an odd rotary dim.
+
+Tensor parallelism splits the fused projections part by part (``ShardRule.parts``): a rank holds
+its heads' rows of q, of k and of v, and its share of the gate rows and of the up rows.
 
 Fused elementwise work (``CausalLM.fused_ops``, float32 CPU): residual add + RMSNorm, RoPE in place
 on q/k when the rotation is full (a partial one takes ``apply_rotary``), SiLU x up.
@@ -35,9 +36,10 @@ from asyncpaged.model.base import (
     CausalLM,
     Embedding,
     FusedElementwise,
-    Linear,
     TensorShard,
+    column_parallel,
     linear,
+    row_parallel,
 )
 from asyncpaged.model.errors import UnsupportedModelError
 from asyncpaged.model.kv_cache import PagedKVCache
@@ -46,14 +48,17 @@ from asyncpaged.model.rotary import RotaryEmbedding, apply_rotary
 
 
 class Phi3Attention(nn.Module):
-    def __init__(self, config: Any, layer_idx: int, head_dim: int) -> None:
+    def __init__(self, config: Any, layer_idx: int, head_dim: int, shard: TensorShard) -> None:
         super().__init__()
-        self.num_heads, self.num_kv_heads = config.num_attention_heads, config.num_key_value_heads
-        self.head_dim, self.layer_idx = head_dim, layer_idx
+        heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+        self.num_heads = shard.split(heads, "num_attention_heads")  # this rank's heads
+        self.num_kv_heads = shard.split(kv_heads, "num_key_value_heads")
+        self.head_dim, self.layer_idx, self.shard = head_dim, layer_idx, shard
         self.sliding_window: int | None = getattr(config, "sliding_window", None)
-        width = (self.num_heads + 2 * self.num_kv_heads) * head_dim
-        self.qkv_proj = Linear(config.hidden_size, width, bias=False)
-        self.o_proj = Linear(self.num_heads * head_dim, config.hidden_size, bias=False)
+        width = (heads + 2 * kv_heads) * head_dim
+        self.qkv_proj = column_parallel(config.hidden_size, width, shard, bias=False,
+                                        parts=(heads, kv_heads, kv_heads))  # fmt: skip
+        self.o_proj = row_parallel(heads * head_dim, config.hidden_size, shard, bias=False)
         self.scale = head_dim**-0.5
 
     def forward(
@@ -81,17 +86,20 @@ class Phi3Attention(nn.Module):
             self.layer_idx, q, k, v, kv_cache, md,
             scale=self.scale, sliding_window=self.sliding_window,
         )  # fmt: skip
-        return linear(self.o_proj, o.reshape(num_tokens, -1))  # [T, Hq D] -> [T, H]
+        # [T, Hq D] -> partial [T, H] -> summed over the ranks
+        return self.shard.reduce(linear(self.o_proj, o.reshape(num_tokens, -1)))
 
 
 class Phi3MLP(nn.Module):
-    def __init__(self, config: Any) -> None:
+    def __init__(self, config: Any, shard: TensorShard) -> None:
         super().__init__()
         if getattr(config, "hidden_act", "silu") != "silu":
             raise UnsupportedModelError(f"hidden_act {config.hidden_act!r} is not supported.")
-        self.intermediate = config.intermediate_size
-        self.gate_up_proj = Linear(config.hidden_size, 2 * self.intermediate, bias=False)
-        self.down_proj = Linear(self.intermediate, config.hidden_size, bias=False)
+        full = config.intermediate_size
+        self.intermediate, self.shard = shard.split(full, "intermediate_size"), shard
+        self.gate_up_proj = column_parallel(config.hidden_size, 2 * full, shard, bias=False,
+                                            parts=(1, 1))  # fmt: skip
+        self.down_proj = row_parallel(full, config.hidden_size, shard, bias=False)
 
     def forward(self, x: torch.Tensor, ops: FusedElementwise | None = None) -> torch.Tensor:
         """x [T, H] -> [T, H]; ``ops``: fused SiLU x up for float32 CPU inputs."""
@@ -101,14 +109,14 @@ class Phi3MLP(nn.Module):
             gated = ops.silu_mul(gate.contiguous(), up.contiguous())  # [T, I]
         else:
             gated = up * torch.nn.functional.silu(gate)  # transformers' order
-        return linear(self.down_proj, gated)
+        return self.shard.reduce(linear(self.down_proj, gated))
 
 
 class Phi3DecoderLayer(nn.Module):
-    def __init__(self, config: Any, layer_idx: int, head_dim: int) -> None:
+    def __init__(self, config: Any, layer_idx: int, head_dim: int, shard: TensorShard) -> None:
         super().__init__()
-        self.self_attn = Phi3Attention(config, layer_idx, head_dim)
-        self.mlp = Phi3MLP(config)
+        self.self_attn = Phi3Attention(config, layer_idx, head_dim, shard)
+        self.mlp = Phi3MLP(config, shard)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -119,11 +127,11 @@ class Phi3DecoderLayer(nn.Module):
 
 
 class Phi3Model(nn.Module):
-    def __init__(self, config: Any, head_dim: int) -> None:
+    def __init__(self, config: Any, head_dim: int, shard: TensorShard) -> None:
         super().__init__()
         self.embed_tokens = Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
-            Phi3DecoderLayer(config, i, head_dim) for i in range(config.num_hidden_layers)
+            Phi3DecoderLayer(config, i, head_dim, shard) for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -133,17 +141,12 @@ class Phi3ForCausalLM(LlamaForCausalLM):
     forward (plain and fused) over Phi-3's layers and rotary."""
 
     def __init__(self, config: Any, shard: TensorShard = SINGLE_SHARD) -> None:
-        if shard.world_size > 1:
-            raise UnsupportedModelError(
-                "Phi3ForCausalLM does not support tensor parallelism (tensor_parallel_size > 1): "
-                "its fused qkv_proj has unequal q / k / v parts."
-            )
         super().__init__(config, shard)
         if self.rotary.long_inv_freq is not None:
             self.rope_switch_len = int(self.rotary.params["original_max_position_embeddings"])
 
     def _build_model(self, config: Any, head_dim: int, shard: TensorShard) -> Backbone:
-        return Phi3Model(config, head_dim)
+        return Phi3Model(config, head_dim, shard)
 
     def _build_rotary(self, config: Any, head_dim: int) -> RotaryEmbedding:
         return RotaryEmbedding(
