@@ -87,17 +87,12 @@ Proposer = Callable[[int, list[int], int], Sequence[int]]
 
 
 def check_draft_model(cfg: EngineConfig) -> None:
-    """Refuse what the draft-model method does not support yet: tensor parallelism (the
-    draft would need a shard per rank) and the KV tiers (they do not carry the draft's
-    cache)."""
+    """Refuse what the draft-model method does not support yet: the KV tiers (they do not
+    carry the draft's cache). Under tensor parallelism the draft runs whole on rank 0, which
+    samples and verifies."""
     spec = cfg.speculative_config
     if spec is None or spec.method != "draft_model":
         return
-    if cfg.tensor_parallel_size > 1:
-        raise InvalidRequestError(
-            "speculative method 'draft_model' needs tensor_parallel_size=1 (not supported with "
-            "tensor parallelism yet); use 'ngram'."
-        )
     if cfg.kv_offload_host_bytes:
         raise InvalidRequestError(
             "speculative method 'draft_model' does not support the KV tiers (kv_offload_*) yet."
@@ -228,6 +223,8 @@ async def load_runner(
             TensorParallelRunner.start, spec, cfg.tensor_parallel_size, cfg.device
         )
         try:
+            if draft is not None:  # whole, on rank 0 only: the ranks' forwards stay the target's
+                await anyio.to_thread.run_sync(load_draft, tp.runner, draft)
             await anyio.to_thread.run_sync(tp.capture_cuda_graphs, spec.cuda_graph_sizes,
                                            plan.max_model_len)  # fmt: skip
         except BaseException:

@@ -16,10 +16,12 @@ from asyncpaged import AsyncEngine, EngineConfig, RequestOutput, SamplingParams
 from asyncpaged.config import KVShape
 from asyncpaged.distributed import TensorParallelRunner
 from asyncpaged.model.loader import load_config
-from tests.engine.conftest import assert_no_leaks
+from tests.engine.conftest import assert_no_leaks, perturbed_draft
 from tests.model.conftest import hf_reference, tiny_checkpoint
 
-__all__ = ["EngineRun", "hf_reference", "make_prompts", "run_engine", "tiny_checkpoint"]
+__all__ = [
+    "EngineRun", "hf_reference", "make_prompts", "perturbed_draft", "run_engine", "tiny_checkpoint",
+]  # fmt: skip
 
 
 @pytest.fixture(autouse=True, scope="package")
@@ -60,6 +62,7 @@ class EngineRun:
     # (free, total) device blocks the moment the last request returned (before wait_idle)
     blocks_at_return: tuple[int, int] = (0, 0)
     num_draft_tokens: int = 0  # speculative decoding's proposals
+    num_accepted_tokens: int = 0
     num_steps_planned_ahead: int = 0  # async scheduling
 
 
@@ -130,6 +133,7 @@ def run_engine(
             worker_pids=[p.pid for p in workers if p.pid is not None],
             blocks_at_return=(at_return.num_free_device_blocks, at_return.num_device_blocks),
             num_draft_tokens=stats.num_draft_tokens,
+            num_accepted_tokens=stats.num_accepted_tokens,
             num_steps_planned_ahead=stats.num_steps_planned_ahead,
         )
 

@@ -204,3 +204,30 @@ def test_tp2_phi3_longrope_ranks_rotate_with_the_same_factors(
     for prompt, out in zip(prompts, run.outputs, strict=True):
         assert out.outputs[0].token_ids == ref.generate(prompt, 10)[0], len(prompt)
     assert run.num_kv_heads == [2, 2]  # each rank holds half of the 4 KV heads
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_tp2_draft_model_runs_whole_on_rank_0(
+    async_scheduling: bool,
+    tiny_checkpoint: Callable[[str], Path],
+    hf_reference: Callable[[str], HFReference],
+    perturbed_draft: Callable[[str], Path],
+) -> None:
+    """A draft model under TP=2: it runs whole on rank 0 after the target's sharded step and
+    proposes there; the other rank runs the target's rows, proposals included. Greedy tokens
+    are transformers', under swap preemption (the draft's blocks go with rank 0's), with the
+    draft both keeping and losing proposals."""
+    path, ref = tiny_checkpoint("llama-gqa"), hf_reference("llama-gqa")
+    prompts = make_prompts(12, seed=0)
+    spec = SpeculativeConfig(method="draft_model", num_speculative_tokens=3,
+                             model=str(perturbed_draft("llama-gqa")))  # fmt: skip
+    run = run_engine(path, prompts, MAX_TOKENS, tensor_parallel_size=2, speculative_config=spec,
+                     async_scheduling=async_scheduling, num_device_blocks=NUM_DEVICE_BLOCKS,
+                     preemption_mode="swap", max_num_batched_tokens=64,
+                     swap_space_bytes=host_bytes(path, NUM_HOST_BLOCKS, 2))  # fmt: skip
+    for prompt, out in zip(prompts, run.outputs, strict=True):
+        assert out.outputs[0].token_ids == ref.generate(prompt, MAX_TOKENS)[0], prompt
+    assert 0 < run.num_accepted_tokens < run.num_draft_tokens, run
+    assert run.num_swap_outs > 0, run
+    assert (run.num_steps_planned_ahead > 0) == async_scheduling, run
+    assert run.blocks_at_return[0] == run.blocks_at_return[1]
