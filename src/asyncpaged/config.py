@@ -238,7 +238,7 @@ class KVShape:
         the engine checks divisibility before it gets here)."""
         heads = int(config.num_attention_heads)
         kv_heads = int(getattr(config, "num_key_value_heads", None) or heads)
-        kv_heads //= tensor_parallel_size
+        kv_heads = kv_head_replicas(kv_heads, tensor_parallel_size)[0]
         head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // heads)
         return cls(
             num_layers=int(config.num_hidden_layers),
@@ -293,6 +293,17 @@ def num_blocks_for(config: EngineConfig, shape: KVShape) -> tuple[int, int]:
 
 def blocks_for_tokens(num_tokens: int, block_size: int) -> int:
     return math.ceil(num_tokens / block_size)
+
+
+def kv_head_replicas(num_kv_heads: int, world_size: int) -> tuple[int, int]:
+    """(KV heads per rank, ranks that hold each one) under tensor parallelism: each rank its
+    ``1 / world_size`` share, or, with fewer KV heads than ranks and ``world_size`` a multiple
+    of them, one head each, held by ``world_size / num_kv_heads`` ranks (vLLM replicates them
+    the same way). Other counts do not split: the share is ``num_kv_heads / world_size``
+    rounded down (``TensorShard.kv_heads`` refuses them)."""
+    if num_kv_heads < world_size and world_size % num_kv_heads == 0:
+        return 1, world_size // num_kv_heads
+    return num_kv_heads // world_size, 1
 
 
 def cuda_graph_sizes(config: EngineConfig) -> tuple[int, ...]:

@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from asyncpaged.config import KVShape
 from asyncpaged.distributed.commands import RunStep
 from asyncpaged.model.base import TensorShard
 from asyncpaged.model.late_inputs import LateDelivery
@@ -89,8 +90,9 @@ class ThreadedShards:
 
 @pytest.mark.parametrize(
     ("name", "world_size"),
-    [*((f, 2) for f in FAMILIES), ("phi3-swa", 2), ("llama-mha", 4), ("opt", 4)],
-)
+    [*((f, 2) for f in FAMILIES), ("phi3-swa", 2), ("llama-mha", 4), ("opt", 4),
+     ("llama-gqa", 4), ("gemma3", 2), ("qwen3-sliding-tied", 2)],  # KV heads replicated
+)  # fmt: skip
 def test_sharded_greedy_matches_transformers(
     name: str,
     world_size: int,
@@ -101,7 +103,9 @@ def test_sharded_greedy_matches_transformers(
     shards = ThreadedShards(path, world_size)
     config = load_config(path)
     kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-    assert [r.model.num_kv_heads for r in shards.runners] == [kv_heads // world_size] * world_size
+    per_rank = kv_heads // world_size or 1  # (fewer KV heads than ranks: one each, replicated)
+    assert [r.model.num_kv_heads for r in shards.runners] == [per_rank] * world_size
+    assert KVShape.from_hf_config(config, 4, world_size).num_kv_heads == per_rank
     seqs = _make_sequences(seed=1)
     Driver(shards, seed=7).run(seqs)  # type: ignore[arg-type]
     _assert_matches(seqs, hf_reference(name))

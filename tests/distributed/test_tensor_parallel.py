@@ -98,7 +98,7 @@ def test_shutdown_joins_every_rank(runs: tuple[str, EngineRun, EngineRun]) -> No
         assert not Path(f"/proc/{pid}").exists(), f"worker {pid} left as a zombie or alive"
 
 
-@pytest.mark.parametrize(("name", "size"), [("llama-gqa", 4), ("opt", 3)])
+@pytest.mark.parametrize(("name", "size"), [("llama-gqa", 3), ("opt", 3)])
 def test_indivisible_heads_are_refused_before_any_process_starts(
     name: str, size: int, tiny_checkpoint: Callable[[str], Path]
 ) -> None:
@@ -125,6 +125,23 @@ def test_moe_expert_width_is_checked_before_any_process_starts() -> None:
     with pytest.raises(UnsupportedModelError, match=r"moe_intermediate_size \(30\)"):
         check_tensor_parallel(config, 4)
     check_tensor_parallel(config, 2)
+
+
+def test_kv_heads_fewer_than_the_ranks_replicate_by_whole_factors() -> None:
+    from types import SimpleNamespace
+
+    from asyncpaged.config import KVShape, kv_head_replicas
+    from asyncpaged.distributed import check_tensor_parallel
+
+    assert kv_head_replicas(8, 2) == (4, 1)
+    assert kv_head_replicas(2, 4) == (1, 2)  # each head on two ranks
+    assert kv_head_replicas(1, 4) == (1, 4)
+    config = SimpleNamespace(num_attention_heads=12, num_key_value_heads=3, intermediate_size=96,
+                             hidden_size=48, num_hidden_layers=2)  # fmt: skip
+    check_tensor_parallel(config, 6)  # 3 KV heads on 6 ranks: each held twice
+    assert KVShape.from_hf_config(config, 4, 6).num_kv_heads == 1
+    with pytest.raises(UnsupportedModelError, match=r"num_key_value_heads \(3\)"):
+        check_tensor_parallel(config, 4)  # neither a share nor a whole factor
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True])
@@ -189,21 +206,25 @@ def test_tp2_plans_grammar_requests_ahead_with_the_same_tokens(
         assert b.outputs[0].token_ids == a.outputs[0].token_ids, a.prompt_token_ids
 
 
+@pytest.mark.parametrize(("name", "kv_heads"), [("phi3-longrope", [2, 2]), ("phi4-mini", [1, 1])])
 def test_tp2_phi3_longrope_ranks_rotate_with_the_same_factors(
+    name: str,
+    kv_heads: list[int],
     tiny_checkpoint: Callable[[str], Path],
     hf_reference: Callable[[str], HFReference],
 ) -> None:
     """Phi-3 (fused q|k|v of unequal parts, split part by part) with longrope (switch at 20
     tokens) under TP=2: a long prompt's first chunks and a restarted request's recompute
     rotate with the long factors on every rank (the wire step carries the RoPE length the
-    scheduler set), so the tokens are transformers'."""
-    path, ref = tiny_checkpoint("phi3-longrope"), hf_reference("phi3-longrope")
+    scheduler set), so the tokens are transformers'. phi4-mini (partial rotary, tied
+    embeddings) has one KV head: both ranks hold it."""
+    path, ref = tiny_checkpoint(name), hf_reference(name)
     base = tuple(range(40, 70))
     prompts = [base[:30], base[:17], base[:24], base[:12]]
     run = run_engine(path, prompts, 10, tensor_parallel_size=2, max_num_batched_tokens=8)
     for prompt, out in zip(prompts, run.outputs, strict=True):
         assert out.outputs[0].token_ids == ref.generate(prompt, 10)[0], len(prompt)
-    assert run.num_kv_heads == [2, 2]  # each rank holds half of the 4 KV heads
+    assert run.num_kv_heads == kv_heads  # per rank: half of phi3's 4, phi4-mini's 1 on both
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True])

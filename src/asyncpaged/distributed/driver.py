@@ -39,7 +39,7 @@ import torch
 from torch.distributed import Store, TCPStore  # type: ignore[attr-defined]  # public API
 
 from asyncpaged._log import get_logger
-from asyncpaged.config import EngineConfig, cuda_graph_sizes
+from asyncpaged.config import EngineConfig, cuda_graph_sizes, kv_head_replicas
 from asyncpaged.core.block_table import SwapDirection
 from asyncpaged.distributed.commands import (
     CaptureGraphs,
@@ -99,12 +99,13 @@ def worker_spec(
 
 def check_tensor_parallel(hf_config: Any, world_size: int) -> None:
     """Raise UnsupportedModelError unless ``world_size`` divides the attention heads, the KV
-    heads and the MLP width (checked before any process starts)."""
+    heads (or is a multiple of them: each rank then holds one, replicated) and the MLP width
+    (checked before any process starts)."""
     heads = int(hf_config.num_attention_heads)
-    sizes = {
-        "num_attention_heads": heads,
-        "num_key_value_heads": int(getattr(hf_config, "num_key_value_heads", None) or heads),
-    }
+    kv_heads = int(getattr(hf_config, "num_key_value_heads", None) or heads)
+    sizes = {"num_attention_heads": heads}
+    if kv_head_replicas(kv_heads, world_size)[1] == 1:  # (else each rank holds one, replicated)
+        sizes["num_key_value_heads"] = kv_heads
     for name in ("intermediate_size", "ffn_dim", "n_inner"):
         value = getattr(hf_config, name, None)
         if value:
@@ -119,7 +120,8 @@ def check_tensor_parallel(hf_config: Any, world_size: int) -> None:
         raise UnsupportedModelError(
             f"tensor_parallel_size={world_size} must divide the model's "
             + ", ".join(f"{k} ({v})" for k, v in bad.items())
-            + "; KV heads are split, never replicated."
+            + "; KV heads are split, or replicated where tensor_parallel_size is a multiple "
+            "of them."
         )
 
 

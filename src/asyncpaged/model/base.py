@@ -10,11 +10,13 @@ from __future__ import annotations
 from abc import ABCMeta, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
+from fractions import Fraction
 from typing import Any, ClassVar, Literal, Protocol
 
 import torch
 from torch import nn
 
+from asyncpaged.config import kv_head_replicas
 from asyncpaged.model.attention import AttentionBackend, AttentionMetadata, TorchAttentionBackend
 from asyncpaged.model.errors import UnsupportedModelError
 from asyncpaged.model.kv_cache import PagedKVCache
@@ -69,11 +71,24 @@ class ShardRule:
     ``dim`` is the split dimension in the model's layout; ``parts`` are the relative widths of
     the fused parts the dimension holds, in order (GPT-2's q|k|v: (1, 1, 1); Phi-3's q|k|v:
     (heads, KV heads, KV heads)), each split on its own, so a rank gets its share of every
-    part, concatenated.
+    part, concatenated. ``replicas[i]``: how many ranks hold each slice of part ``i`` (KV heads
+    fewer than the ranks: rank ``r`` holds slice ``r // replicas[i]``); 1 for every part when
+    empty.
     """
 
     dim: int
     parts: tuple[int, ...] = (1,)
+    replicas: tuple[int, ...] = ()
+
+    def slices(self, world_size: int) -> tuple[tuple[int, int, int], ...]:
+        """(part width in units, distinct slices of it, ranks per slice) for each part."""
+        replicas = self.replicas or (1,) * len(self.parts)
+        return tuple((p, world_size // r, r) for p, r in zip(self.parts, replicas, strict=True))
+
+    def full_width(self, width: int, world_size: int) -> int:
+        """The checkpoint's width of the split dimension, from one rank's ``width``."""
+        share = sum(Fraction(p, ways) for p, ways, _ in self.slices(world_size))
+        return int(width / share * sum(self.parts))
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -101,6 +116,18 @@ class TensorShard:
             )
         return total // self.world_size
 
+    def kv_heads(self, total: int) -> int:
+        """This rank's KV heads (``config.kv_head_replicas``): its share, or one replicated
+        head where the ranks outnumber the heads by a whole factor."""
+        num, replicas = kv_head_replicas(total, self.world_size)
+        if replicas == 1:
+            return self.split(total, "num_key_value_heads")
+        return num
+
+    def kv_replicas(self, total: int) -> int:
+        """How many ranks hold each of this model's KV heads (1: each its own share)."""
+        return kv_head_replicas(total, self.world_size)[1]
+
     def reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum the partial outputs of a row-parallel layer over the ranks (in place)."""
         if self.all_reduce is not None:
@@ -118,16 +145,25 @@ def column_parallel(
     *,
     bias: bool = True,
     parts: tuple[int, ...] = (1,),
+    replicas: tuple[int, ...] = (),
 ) -> Linear:
     """A linear whose output features are split: ``out_features`` is the full width; the rank
-    holds ``1 / world_size`` of the rows of each fused part (``parts``: their relative widths,
-    see :class:`ShardRule`)."""
+    holds one slice of the rows of each fused part (``parts``: their relative widths;
+    ``replicas``: ranks per slice; see :class:`ShardRule`)."""
+    rule = ShardRule(0, parts, replicas)
     unit = out_features // sum(parts)
     assert unit * sum(parts) == out_features, f"{out_features} output features, parts {parts}"
-    width = sum(shard.split(p * unit, "a fused layer part's width") for p in parts)
+    width = 0
+    for size, ways, _ in rule.slices(shard.world_size):
+        if ways < 1 or (size * unit) % ways:
+            raise UnsupportedModelError(
+                f"tensor_parallel_size={shard.world_size} cannot split a layer part of "
+                f"{size * unit} features {ways} ways."
+            )
+        width += size * unit // ways
     layer = Linear(in_features, width, bias=bias)
     kind: ShardKind = "column"
-    layer.__dict__[SHARD_ATTR] = (kind, parts)
+    layer.__dict__[SHARD_ATTR] = (kind, rule)
     return layer
 
 
@@ -140,7 +176,7 @@ def row_parallel(in_features: int, out_features: int, shard: TensorShard, *, bia
         bias=bias and shard.rank == 0,
     )  # fmt: skip
     kind: ShardKind = "row"
-    layer.__dict__[SHARD_ATTR] = (kind, (1,))
+    layer.__dict__[SHARD_ATTR] = (kind, ShardRule(1))
     return layer
 
 
@@ -280,10 +316,10 @@ class CausalLM(nn.Module, metaclass=ABCMeta):
             tag = module.__dict__.get(SHARD_ATTR)
             if tag is None:
                 continue
-            kind, parts = tag
-            rules[f"{prefix}.weight"] = ShardRule(0 if kind == "column" else 1, parts)
+            kind, rule = tag
+            rules[f"{prefix}.weight"] = rule
             if kind == "column":
-                rules[f"{prefix}.bias"] = ShardRule(0, parts)
+                rules[f"{prefix}.bias"] = rule
         return rules
 
     def dropped_checkpoint_keys(self) -> set[str]:

@@ -173,7 +173,7 @@ class GemmaForCausalLM(CausalLM):
         super().__init__(
             config,
             num_layers=config.num_hidden_layers,
-            num_kv_heads=shard.split(config.num_key_value_heads, "num_key_value_heads"),
+            num_kv_heads=shard.kv_heads(config.num_key_value_heads),
             head_dim=head_dim,
             shard=shard,
         )

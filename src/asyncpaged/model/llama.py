@@ -109,14 +109,17 @@ class LlamaAttention(nn.Module):
             config.hidden_size, config.num_attention_heads, config.num_key_value_heads
         )  # fmt: skip
         self.num_heads = shard.split(heads, "num_attention_heads")  # this rank's heads
-        self.num_kv_heads = shard.split(kv_heads, "num_key_value_heads")
+        self.num_kv_heads = shard.kv_heads(kv_heads)  # (one, replicated, past the KV heads)
+        kv_replicas = (shard.kv_replicas(kv_heads),)
         self.head_dim, self.shard = head_dim, shard
         self.layer_idx, self.sliding_window = layer_idx, window
         qkv_bias = config.model_type == "qwen2" or bool(getattr(config, "attention_bias", False))
         o_bias = config.model_type != "qwen2" and bool(getattr(config, "attention_bias", False))
         self.q_proj = column_parallel(hidden, heads * head_dim, shard, bias=qkv_bias)
-        self.k_proj = column_parallel(hidden, kv_heads * head_dim, shard, bias=qkv_bias)
-        self.v_proj = column_parallel(hidden, kv_heads * head_dim, shard, bias=qkv_bias)
+        self.k_proj = column_parallel(hidden, kv_heads * head_dim, shard, bias=qkv_bias,
+                                      replicas=kv_replicas)  # fmt: skip
+        self.v_proj = column_parallel(hidden, kv_heads * head_dim, shard, bias=qkv_bias,
+                                      replicas=kv_replicas)  # fmt: skip
         self.o_proj = row_parallel(heads * head_dim, hidden, shard, bias=o_bias)
         if qk_norm is None and config.model_type in _QK_NORM_MODEL_TYPES:
             qk_norm = RMSNorm
@@ -269,7 +272,7 @@ class LlamaForCausalLM(CausalLM):
         super().__init__(
             config,
             num_layers=config.num_hidden_layers,
-            num_kv_heads=shard.split(config.num_key_value_heads, "num_key_value_heads"),
+            num_kv_heads=shard.kv_heads(config.num_key_value_heads),
             head_dim=head_dim,
             shard=shard,
         )

@@ -205,9 +205,9 @@ def _read_shard(entry: CheckpointEntry, rule: ShardRule, dim: int, shard: Tensor
     unit = entry.shape[dim] // sum(rule.parts)
     pieces = []
     begin = 0  # where the part starts
-    for size in rule.parts:
-        width = size * unit // shard.world_size
-        start = begin + shard.rank * width
+    for size, ways, replicas in rule.slices(shard.world_size):
+        width = size * unit // ways
+        start = begin + shard.rank // replicas * width
         begin += size * unit
         index = tuple(
             slice(start, start + width) if d == dim else slice(None)
@@ -246,7 +246,7 @@ def load_weights(
         rule = rules.get(name)
         want = list(expected[name])  # the full (unsharded) shape, in the model's layout
         if rule is not None:
-            want[rule.dim] *= model.shard.world_size
+            want[rule.dim] = rule.full_width(want[rule.dim], model.shard.world_size)
         if transposed:
             want.reverse()
         if entry.shape != torch.Size(want):

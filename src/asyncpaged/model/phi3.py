@@ -52,12 +52,14 @@ class Phi3Attention(nn.Module):
         super().__init__()
         heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
         self.num_heads = shard.split(heads, "num_attention_heads")  # this rank's heads
-        self.num_kv_heads = shard.split(kv_heads, "num_key_value_heads")
+        self.num_kv_heads = shard.kv_heads(kv_heads)  # (one, replicated, past the KV heads)
         self.head_dim, self.layer_idx, self.shard = head_dim, layer_idx, shard
         self.sliding_window: int | None = getattr(config, "sliding_window", None)
         width = (heads + 2 * kv_heads) * head_dim
+        kv_replicas = shard.kv_replicas(kv_heads)
         self.qkv_proj = column_parallel(config.hidden_size, width, shard, bias=False,
-                                        parts=(heads, kv_heads, kv_heads))  # fmt: skip
+                                        parts=(heads, kv_heads, kv_heads),
+                                        replicas=(1, kv_replicas, kv_replicas))  # fmt: skip
         self.o_proj = row_parallel(heads * head_dim, config.hidden_size, shard, bias=False)
         self.scale = head_dim**-0.5
 
