@@ -9,6 +9,7 @@ the buckets, the padding, the buffers and the bucket-fixed host facts are what i
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import anyio
@@ -240,7 +241,7 @@ def test_engine_replays_graphs_on_cuda_only(checkpoints: dict[str, Path]) -> Non
 
 @pytest.mark.skipif(NATIVE and torch.cuda.device_count() < 2, reason="TP=2 needs two GPUs")
 def test_tensor_parallel_ranks_capture_and_replay_together(
-    checkpoints: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+    checkpoints: dict[str, Path], monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     """TP=2 through the public API: both ranks capture the same buckets at start and replay
     them in the same steps (a rank that ran a step eagerly while the other replayed a padded
@@ -286,7 +287,11 @@ def test_tensor_parallel_ranks_capture_and_replay_together(
             replays = engine.statistics().num_cuda_graph_steps
         return [outs[i] for i in range(len(prompts))], replays, padded
 
-    got, replays, padded = anyio.run(main)
+    with caplog.at_level(logging.INFO, logger="asyncpaged"):
+        got, replays, padded = anyio.run(main)
+    captured = [r for r in caplog.records if getattr(r, "event", None) == "cuda_graphs_captured"]
+    # rank 1's capture event reached this process's logging through rank 0
+    assert sorted(r.processName for r in captured) == ["MainProcess", "asyncpaged-tp-rank-1"]
     reference = HFReference(checkpoint)
     want = [reference.generate(tuple(p), n)[0] for p, n in zip(prompts, max_tokens, strict=True)]
     assert got == want

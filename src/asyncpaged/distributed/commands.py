@@ -131,6 +131,17 @@ class CaptureGraphs:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class GraphsCaptured:
+    """A rank's reply to :class:`CaptureGraphs`: the sizes it captured and the library's log
+    events of the capture (rank 0 emits them in the engine's process). A rank whose capture
+    raises exits instead (its peers may wait in a capture's all-reduce)."""
+
+    rank: int
+    sizes: tuple[int, ...]
+    logs: LogBatch | None = None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class Shutdown:
     """Leave the worker loop."""
 

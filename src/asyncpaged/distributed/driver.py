@@ -44,6 +44,7 @@ from asyncpaged.core.block_table import SwapDirection
 from asyncpaged.distributed.commands import (
     CaptureGraphs,
     Command,
+    GraphsCaptured,
     RunStep,
     Shutdown,
     SwapCommand,
@@ -218,16 +219,29 @@ class TensorParallelRunner:
         self, sizes: Sequence[int], max_model_len: int, capture: Capture | None = None
     ) -> tuple[int, ...]:
         """Every rank captures the decode graphs of these sizes together (their warm-ups and
-        captures run the all-reduces); the sizes captured, as ``ModelRunner``'s. ``capture``:
-        None (CUDA graphs) or :func:`eager_capture`, which the other ranks also use."""
+        captures run the all-reduces); the sizes captured, as ``ModelRunner``'s, after each
+        rank has reported the same ones (the other ranks' capture events are emitted here).
+        ``capture``: None (CUDA graphs) or :func:`eager_capture`, which the others also use."""
         if not sizes:
             return ()
         if capture not in (None, eager_capture):
             raise ValueError("tensor-parallel ranks capture CUDA graphs or eager_capture only")
-        with self._naming_dead_worker():
-            self._send(CaptureGraphs(sizes=tuple(sizes), max_model_len=max_model_len,
-                                     eager=capture is eager_capture))  # fmt: skip
-            return self.runner.capture_cuda_graphs(sizes, max_model_len, capture)
+        command = CaptureGraphs(sizes=tuple(sizes), max_model_len=max_model_len,
+                                eager=capture is eager_capture)  # fmt: skip
+        with self._naming_dead_worker(), self._lock:
+            assert not self._closed, "command after close"
+            self._groups.broadcast(command)
+            captured = self.runner.capture_cuda_graphs(sizes, max_model_len, capture)
+            replies = self._groups.gather(GraphsCaptured(rank=0, sizes=captured))
+        assert replies is not None
+        for reply in replies:
+            assert isinstance(reply, GraphsCaptured), f"bad capture reply {reply!r}"
+            if reply.logs is not None:
+                emit(reply.logs)
+            if reply.sizes != captured:  # (a bug: each rank decides from the same facts)
+                raise RuntimeError(f"rank {reply.rank} captured CUDA graphs of sizes "
+                                   f"{reply.sizes}, rank 0 of {captured}")  # fmt: skip
+        return captured
 
     # ---- the StepRunner interface --------------------------------------------------------------
 

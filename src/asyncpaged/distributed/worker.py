@@ -22,6 +22,7 @@ from asyncpaged._log import get_logger
 from asyncpaged.core.block_table import SwapDirection
 from asyncpaged.distributed.commands import (
     CaptureGraphs,
+    GraphsCaptured,
     RunStep,
     Shutdown,
     SwapCommand,
@@ -99,9 +100,9 @@ def ready_reply(
 
 def _serve(groups: ProcessGroups, local_rank: int) -> None:
     """Load this rank's shard, report, then run commands until ``Shutdown``. The library's
-    log events of the load go to rank 0 with the report, at the level the engine's process
-    has (so the host's logging configuration decides what shows); later ones stay in this
-    process, as its own configuration has them."""
+    log events of the load and of a graph capture go to rank 0 with the replies, at the level
+    the engine's process has (so the host's logging configuration decides what shows); the
+    steps' ones stay in this process, as its own configuration has them."""
     rank = groups.rank
     got = groups.broadcast_spec(None)
     assert isinstance(got, tuple), f"expected (WorkerSpec, log level), got {type(got).__name__}"
@@ -129,11 +130,25 @@ def _serve(groups: ProcessGroups, local_rank: int) -> None:
             case SwapCommand():
                 runner.swap_in(command.pairs)
             case CaptureGraphs():
-                capture = eager_capture if command.eager else None
-                runner.capture_cuda_graphs(command.sizes, command.max_model_len, capture)
+                _capture_graphs(runner, command, groups, level)
             case Shutdown():
                 bound.debug("tp_worker_stopped")
                 return
+
+
+def _capture_graphs(
+    runner: ModelRunner, command: CaptureGraphs, groups: ProcessGroups, level: int
+) -> None:
+    """Capture with rank 0 and the other ranks, then report the sizes and the capture's log
+    events to rank 0 (an error propagates: this process exits, which rank 0's all-reduce
+    notices)."""
+    logs = capture_library_logs(level, process_name=f"asyncpaged-tp-rank-{groups.rank}")
+    try:
+        capture = eager_capture if command.eager else None
+        sizes = runner.capture_cuda_graphs(command.sizes, command.max_model_len, capture)
+        groups.gather(GraphsCaptured(rank=groups.rank, sizes=sizes, logs=logs.take()))
+    finally:
+        release_library_logs(logs)
 
 
 def serve_worker(device_type: str | None = None) -> None:
