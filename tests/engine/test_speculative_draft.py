@@ -192,8 +192,8 @@ async def test_seeded_sampling_is_reproducible_and_follows_stop_rules(
 
 
 async def test_draft_model_refusals(tiny_checkpoint: Callable[[str], Path], tmp_path: Path) -> None:
-    """Another vocabulary, fewer positions than max_model_len, tensor parallelism and the KV
-    tiers are refused at start."""
+    """Another vocabulary, fewer positions than max_model_len and the KV tiers are refused
+    at start (tensor parallelism runs it: tests/distributed)."""
     path = tiny_checkpoint("llama-gqa")
     model = build_tiny_model("gpt2")
     model.resize_token_embeddings(400)
@@ -201,7 +201,6 @@ async def test_draft_model_refusals(tiny_checkpoint: Callable[[str], Path], tmp_
     build_tokenizer().save_pretrained(str(tmp_path / "wide"))
     refused = [
         {"speculative_config": _spec(tmp_path / "wide")},
-        {"speculative_config": _spec(path), "tensor_parallel_size": 2},
         {"speculative_config": _spec(path), "kv_offload_host_bytes": 1 << 20},
         {"speculative_config": _spec(tiny_checkpoint("llama-rope-dynamic"))},  # 16 positions
     ]
