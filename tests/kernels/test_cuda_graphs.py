@@ -10,6 +10,7 @@ the buckets, the padding, the buffers and the bucket-fixed host facts are what i
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from pathlib import Path
 
 import anyio
@@ -24,11 +25,13 @@ from asyncpaged.model.attention import AttentionMetadata
 from asyncpaged.model.cuda_graphs import Capture, eager_capture
 from asyncpaged.model.runner import ModelRunner, StepPlan, StepResult
 from asyncpaged.testing.tiny_models import build_tiny_checkpoint
+from tests.engine.conftest import perturbed_draft
 from tests.kernels.conftest import NATIVE
 from tests.model.driver import Driver, SimSequence
 from tests.model.reference import HFReference
 
 CAPTURE: Capture | None = None if NATIVE else eager_capture
+__all__ = ["perturbed_draft"]  # (a fixture)
 
 
 @pytest.fixture(scope="module")
@@ -296,3 +299,58 @@ def test_tensor_parallel_ranks_capture_and_replay_together(
     want = [reference.generate(tuple(p), n)[0] for p, n in zip(prompts, max_tokens, strict=True)]
     assert got == want
     assert replays > 0 and padded > 0  # three decoding sequences replayed the graph of 4
+
+
+def test_draft_model_proposes_through_its_own_graphs(
+    checkpoints: dict[str, Path],
+    perturbed_draft: Callable[[str], Path],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A draft model's proposal decodes (and its pass over decode-only steps) replay the
+    draft's own graphs: the same proposals as eagerly (as many drafted and kept), and the
+    tokens are transformers' greedy ones. On the CPU the sizes the config gives only to CUDA
+    are forced, with the eager stand-in."""
+    from asyncpaged import SpeculativeConfig, engine_build
+
+    checkpoint = checkpoints["llama-gqa"]
+    spec = SpeculativeConfig(method="draft_model", num_speculative_tokens=3,
+                             model=str(perturbed_draft("llama-gqa")))  # fmt: skip
+    prompts = [list(range(5 + 9 * i, 12 + 11 * i)) for i in range(3)]
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+
+    async def run() -> tuple[list[list[int]], tuple[int, int], int]:
+        config = EngineConfig(model=str(checkpoint), dtype="float32", num_device_blocks=48,
+                              device="cuda" if NATIVE else "cpu", attention_backend="triton",
+                              speculative_config=spec, executor_backend="thread")  # fmt: skip
+        async with AsyncEngine(config) as engine:
+            outs: dict[int, list[int]] = {}
+
+            async def one(i: int) -> None:
+                outs[i] = (await engine.generate(prompts[i], params)).outputs[0].token_ids
+
+            async with anyio.create_task_group() as tg:
+                for i in range(len(prompts)):
+                    tg.start_soon(one, i)
+            stats = engine.statistics()
+            assert engine.runner is not None and engine.runner.draft is not None
+            graphs = engine.runner.draft.graphs
+            replays = 0 if graphs is None else sum(graphs.replays.values())
+        counts = (stats.num_draft_tokens, stats.num_accepted_tokens)
+        return [outs[i] for i in range(len(prompts))], counts, replays
+
+    eager, eager_counts, none = anyio.run(run)
+    if not NATIVE:
+        monkeypatch.setattr(engine_build, "cuda_graph_sizes", lambda config: (1, 2, 4))
+        capture = ModelRunner.capture_cuda_graphs
+
+        def stand_in(self: ModelRunner, sizes: tuple[int, ...], max_len: int,
+                     _: Capture | None = None) -> tuple[int, ...]:  # fmt: skip
+            return capture(self, sizes, max_len, eager_capture)
+
+        monkeypatch.setattr(ModelRunner, "capture_cuda_graphs", stand_in)
+    graphed, counts, replays = anyio.run(run)
+    reference = HFReference(checkpoint)
+    assert graphed == eager == [reference.generate(tuple(p), 8)[0] for p in prompts]
+    assert counts == eager_counts and 0 < counts[1] < counts[0]
+    assert none == 0 or NATIVE
+    assert replays > 0

@@ -81,9 +81,11 @@ def capture_decode_graphs(
     max_model_len: int,
     block_size: int,
     capture: Capture | None = None,
+    name: str = "model",
 ) -> DecodeGraphs | None:
     """The decode graphs of ``model`` for these batch sizes, or None where they cannot run
-    (no sizes, or a reason logged at INFO). ``capture`` None: CUDA graphs, on CUDA only."""
+    (no sizes, or a reason logged at INFO). ``capture`` None: CUDA graphs, on CUDA only.
+    ``name``: which model the log events are about ("model", "draft")."""
     if not sizes:
         return None
     reason = None
@@ -94,14 +96,14 @@ def capture_decode_graphs(
     elif not model.cuda_graph_safe():
         reason = f"{type(model).__name__} reads device values on the host (MoE routing)"
     if reason is not None:
-        _log.info("cuda_graphs_off", reason=reason)
+        _log.info("cuda_graphs_off", model=name, reason=reason)
         return None
     began = time.perf_counter()
     graphs = DecodeGraphs(
         model, kv_cache, sizes=sizes, max_model_len=max_model_len, block_size=block_size,
         capture=capture or cuda_capture,
     )  # fmt: skip
-    _log.info("cuda_graphs_captured", sizes=graphs.sizes,
+    _log.info("cuda_graphs_captured", model=name, sizes=graphs.sizes,
               seconds=round(time.perf_counter() - began, 2))  # fmt: skip
     return graphs
 

@@ -44,6 +44,7 @@ from asyncpaged.errors import InvalidRequestError
 from asyncpaged.model.attention import AttentionBackend, AttentionMetadata
 from asyncpaged.model.attention_select import AttentionChoice, select_attention_backend
 from asyncpaged.model.base import CausalLM
+from asyncpaged.model.cuda_graphs import Capture, DecodeGraphs, capture_decode_graphs
 from asyncpaged.model.kv_cache import PagedKVCache, swap_in, swap_out
 from asyncpaged.model.loader import load_model
 from asyncpaged.model.packed_linear import pack_linears, pack_weight
@@ -188,6 +189,30 @@ class DraftModel:
         self.host_kv_cache = make_cache(num_host_blocks, torch.device("cpu"))
         self.generator = torch.Generator(device=self.device).manual_seed(seed ^ DRAFT_SALT)
         self._draft_probs: dict[int, tuple[tuple[int, ...], torch.Tensor]] = {}
+        self.graphs: DecodeGraphs | None = None  # ``capture_cuda_graphs``
+
+    def capture_cuda_graphs(
+        self, sizes: Sequence[int], max_model_len: int, capture: Capture | None = None
+    ) -> tuple[int, ...]:
+        """Capture the draft's decode forward for these batch sizes (``cuda_graphs``): its
+        proposal decodes, and its pass over a decode-only step, replay them. Their tables
+        reach ``num_speculative_tokens`` positions past ``max_model_len`` (scratch blocks)."""
+        self.graphs = capture_decode_graphs(
+            self.model, self.kv_cache, sizes=sizes, max_model_len=max_model_len + self.max_k,
+            block_size=self.block_size, capture=capture, name="draft",
+        )  # fmt: skip
+        return () if self.graphs is None else self.graphs.sizes
+
+    def _forward(
+        self, ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata
+    ) -> torch.Tensor:
+        """Final hidden states [T, H]: a decode-only batch through its graph when one is
+        captured for it, else the eager forward."""
+        graphs = self.graphs
+        hidden = None if graphs is None else graphs.run(ids, positions, metadata)
+        if hidden is None:
+            hidden = self.model(ids, positions, metadata, self.kv_cache)
+        return hidden
 
     def check_target(
         self, vocab_size: int, num_blocks: int, block_size: int, max_model_len: int | None = None
@@ -241,7 +266,7 @@ class DraftModel:
         the proposals for the next step (in ``SampledToken.proposals``)."""
         began = time.perf_counter()
         metadata, input_tensor, position_tensor = inputs
-        self.model(input_tensor, position_tensor, metadata, self.kv_cache)
+        self._forward(input_tensor, position_tensor, metadata)
         sampled = self.propose(plan, result.sampled, metadata.block_tables_host)
         compute_s = result.compute_s + time.perf_counter() - began
         return dataclasses.replace(result, sampled=sampled, compute_s=compute_s)
@@ -347,8 +372,8 @@ class DraftModel:
         )
         ids = torch.tensor([tokens[i][-1] for i in live], dtype=torch.int64, device=self.device)
         positions = torch.tensor(lengths, dtype=torch.int64, device=self.device)
-        hidden = self.model(ids, positions, metadata, self.kv_cache)
-        return self.model.compute_logits(hidden)
+        hidden = self._forward(ids, positions, metadata)
+        return self.model.compute_logits(hidden)  # (before the next replay)
 
 
 def _roots(

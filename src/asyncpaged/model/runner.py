@@ -200,13 +200,16 @@ class ModelRunner:
     def capture_cuda_graphs(
         self, sizes: Sequence[int], max_model_len: int, capture: Capture | None = None
     ) -> tuple[int, ...]:
-        """Capture the decode forward for these batch sizes (``cuda_graphs``); the sizes
-        captured, () where graphs cannot run here (logged with the reason). ``capture``
-        replaces the CUDA capture (tests: an eager stand-in on the CPU)."""
+        """Capture the decode forward for these batch sizes (``cuda_graphs``), the draft
+        model's too when one is attached; the sizes captured for the target, () where graphs
+        cannot run here (logged with the reason). ``capture`` replaces the CUDA capture (tests:
+        an eager stand-in on the CPU)."""
         self.graphs = capture_decode_graphs(
             self.model, self.kv_cache, sizes=sizes, max_model_len=max_model_len,
             block_size=self.block_size, capture=capture,
         )  # fmt: skip
+        if self.draft is not None:
+            self.draft.capture_cuda_graphs(sizes, max_model_len, capture)
         return () if self.graphs is None else self.graphs.sizes
 
     def _forward(

@@ -71,6 +71,7 @@ def _serve(
         runner = _build(spec, device)
         if draft is not None:
             load_draft(runner, draft)
+        runner.capture_cuda_graphs(spec.cuda_graph_sizes, spec.max_model_len)  # (and the draft's)
     except BaseException as exc:  # reported: the engine's start raises it
         send(RunnerReady(pid=os.getpid(), error=exc))
         return
@@ -154,5 +155,4 @@ def _build(spec: WorkerSpec, device: str) -> ModelRunner:
         fused_elementwise=spec.fused_elementwise, screened_lm_head=spec.screened_lm_head,
         int8_lm_head=spec.int8_lm_head,
     )  # fmt: skip
-    runner.capture_cuda_graphs(spec.cuda_graph_sizes, spec.max_model_len)
     return runner
