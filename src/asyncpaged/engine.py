@@ -58,12 +58,12 @@ from asyncpaged.engine_submit import (
 from asyncpaged.errors import EngineClosedError, EngineDeadError
 from asyncpaged.inputs import ChatMessage, PromptType
 from asyncpaged.messages import ChatPrompt
-from asyncpaged.model.draft import DraftProposals
 from asyncpaged.model.generation_config import GenerationDefaults
 from asyncpaged.model.hub import resolve_model_path
 from asyncpaged.model.kv_tier_remote import TierStore
 from asyncpaged.model.runner_process import RunnerProcess
 from asyncpaged.sampling_params import BeamSearchParams, SamplingParams
+from asyncpaged.spec_decode.draft_proposals import DraftProposals
 from asyncpaged.streams import RequestState, RequestStream
 
 __all__ = ["AsyncEngine", "PrefixHandle", "check_draft_model"]

@@ -51,7 +51,7 @@ from asyncpaged.messages import (
     SwapSpaceInbox,
 )
 from asyncpaged.model.cpu_plan import LEVERS, CpuPlan, plan_cpu
-from asyncpaged.model.draft import DraftProposals, DraftSpec, load_draft
+from asyncpaged.model.draft import DraftSpec, load_draft
 from asyncpaged.model.generation_config import GenerationDefaults, load_generation_defaults
 from asyncpaged.model.kv_tier_remote import TierStore, start_remote_tiers
 from asyncpaged.model.kv_tier_store import build_kv_tiers
@@ -60,6 +60,7 @@ from asyncpaged.model.runner import ModelRunner, StepRunner, select_attention_ba
 from asyncpaged.model.runner_process import RunnerLaunch, RunnerProcess
 from asyncpaged.request_checks import RequestLimits, max_prompt_chars
 from asyncpaged.spec_decode import NgramProposer, SpeculativeConfig
+from asyncpaged.spec_decode.draft_proposals import DraftProposals
 from asyncpaged.structured_outputs import GrammarBackend
 
 __all__ = [

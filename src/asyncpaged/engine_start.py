@@ -20,10 +20,10 @@ from asyncpaged.engine_build import (
     build_scheduler,
 )
 from asyncpaged.engine_lifecycle import ActorRun
-from asyncpaged.model.draft import DraftProposals
 from asyncpaged.model.kv_tier_remote import TierStore
 from asyncpaged.model.runner import StepRunner
 from asyncpaged.model.runner_process import RunnerProcess
+from asyncpaged.spec_decode.draft_proposals import DraftProposals
 
 __all__ = ["actor_runs", "build_engine_actors", "log_started"]
 

@@ -60,11 +60,11 @@ from asyncpaged.messages import (
     WatchPin,
 )
 from asyncpaged.model.block_tables import TableDeltas
-from asyncpaged.model.draft import DraftProposals
 from asyncpaged.model.kept_options import OptionDeltas
 from asyncpaged.model.penalty_histories import HistoryDeltas
 from asyncpaged.model.prompt_logprobs import PromptLogprobRows
 from asyncpaged.model.runner import StepPlan
+from asyncpaged.spec_decode.draft_proposals import DraftProposals
 from asyncpaged.streams import RequestState
 from asyncpaged.structured_outputs import GrammarBackend
 

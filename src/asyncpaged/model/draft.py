@@ -23,15 +23,16 @@ stream of their generator key. ``q`` is kept per sequence for the next step's ve
 (``rejection.verify``'s ``draft_probs``); a sequence whose ``q`` is missing is verified as a
 one-hot proposal, which is exact too (any proposal independent of the verification's draws is).
 
-:class:`DraftProposals` is the scheduler side: the step's proposals, handed to the core's
-``propose(seq_id, token_ids, k)`` when the sequence's context still ends where the draft began.
+:class:`~asyncpaged.spec_decode.draft_proposals.DraftProposals` is the scheduler side: the
+step's proposals, handed to the core's ``propose(seq_id, token_ids, k)`` when the sequence's
+context still ends where the draft began.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, NamedTuple
@@ -58,7 +59,6 @@ from asyncpaged.model.sampler import (
 )
 
 if TYPE_CHECKING:
-    from asyncpaged.core.scheduler import ScheduledSeq
     from asyncpaged.model.runner import (
         ModelRunner,
         SampledToken,
@@ -434,37 +434,3 @@ def _draw(
     probs = random_probs(processed[index], random_opts)
     tokens[index] = draw_tokens(probs, random_opts, generator)
     return tokens.tolist(), dict(zip(random, probs.unbind(0), strict=True))
-
-
-class DraftProposals:
-    """The scheduler actor's side: the last step's proposals per sequence, with the context
-    length and last token they follow."""
-
-    def __init__(self) -> None:
-        self._by_seq: dict[int, tuple[int, int, tuple[int, ...]]] = {}
-
-    def propose(self, seq_id: int, token_ids: list[int], k: int) -> tuple[int, ...]:
-        """The core's proposer: the stored proposals if ``token_ids`` still ends where the
-        draft began, else none."""
-        entry = self._by_seq.get(seq_id)
-        if entry is None:
-            return ()
-        length, last, proposals = entry
-        if len(token_ids) != length or token_ids[-1] != last:
-            return ()
-        return proposals[:k]
-
-    def record(self, seqs: Iterable[ScheduledSeq], sampled: Iterable[SampledToken]) -> None:
-        """A step's results replace the stored proposals (a sequence that proposed nothing
-        this step proposes nothing next step)."""
-        by_id = {s.seq_id: s for s in seqs}
-        self._by_seq = {}
-        for t in sampled:
-            s = by_id.get(t.seq_id)
-            if not t.proposals or s is None:
-                continue
-            length = s.start_pos + len(s.token_ids) - s.num_draft + len(t.accepted) + 1
-            self._by_seq[t.seq_id] = (length, t.token_id, t.proposals)
-
-    def __len__(self) -> int:
-        return len(self._by_seq)
