@@ -9,7 +9,7 @@ from pathlib import Path
 import anyio
 import pytest
 
-from asyncpaged import SamplingParams
+from asyncpaged import SamplingParams, SpeculativeConfig
 from tests.engine.conftest import running_engine
 from tests.engine.test_engine import generate_all, make_prompts
 from tests.model.reference import HFReference
@@ -70,3 +70,31 @@ async def test_longrope_requests_match_transformers_generate(
     assert stats.num_rope_restarts == crossing
     # The short prompts share blocks with each other (same regime) but the long ones miss.
     assert stats.prefix_cache_hit_tokens > 0
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+@pytest.mark.parametrize("name", ["phi3-longrope", "phi4-mini"])
+async def test_longrope_speculation_never_verifies_past_the_switch(
+    name: str,
+    async_scheduling: bool,
+    tiny_checkpoint: Callable[[str], Path],
+    hf_reference: Callable[[str], HFReference],
+) -> None:
+    """Prompt lookup on repeating prompts: proposals stop at the longrope switch (20 tokens),
+    so no verification step computes positions past it in the short regime (transformers
+    rotates those with the long factors); the request restarts long when it crosses, as
+    without speculation. Greedy tokens equal transformers'."""
+    path, ref = tiny_checkpoint(name), hf_reference(name)
+    prompts = [(123,) * 4, (40, 41) * 3, (7, 8, 9) * 4, tuple(range(50, 60)) * 2]
+    spec = SpeculativeConfig(method="ngram", num_speculative_tokens=5, prompt_lookup_min=1,
+                             prompt_lookup_max=3)  # fmt: skip
+    with anyio.fail_after(120):
+        async with running_engine(path, speculative_config=spec,
+                                  async_scheduling=async_scheduling) as engine:  # fmt: skip
+            params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+            outs = await generate_all(engine, prompts, params)
+            stats = engine.statistics()
+    for prompt, out in zip(prompts, outs, strict=True):
+        assert out.outputs[0].token_ids == ref.generate(prompt, 24)[0], (name, prompt)
+    assert stats.num_draft_tokens > 0, stats
+    assert stats.num_rope_restarts == len(prompts)  # each crosses the switch

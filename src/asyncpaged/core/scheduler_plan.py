@@ -172,7 +172,9 @@ def _step_of(
 def plan_drafts(sched: Scheduler, request: Request, chunks: Chunks, budget: int) -> Drafts:
     """Speculative decoding: proposals for the decodes among ``chunks`` (sequences whose
     one new token is their last), within the token budget and never past ``max_tokens``
-    or ``max_model_len`` (a step emits at most its proposals + 1 tokens)."""
+    or ``max_model_len`` (a step emits at most its proposals + 1 tokens), nor, for a request
+    in longrope's short regime, past the switch (a verification row there would rotate with
+    the short factors where transformers uses the long ones: the next decode restarts it)."""
     k = request.num_speculative_tokens
     propose = sched._propose
     if not k or propose is None:
@@ -182,6 +184,7 @@ def plan_drafts(sched: Scheduler, request: Request, chunks: Chunks, budget: int)
         return {}
     budget -= sum(n for _, n in chunks)
     stop = request.stop
+    switch = sched.config.rope_switch_len
     drafts: Drafts = {}
     fans_out = request.num_samples > 1 and len(request.seqs) == 1
     for seq, n in chunks:
@@ -195,6 +198,8 @@ def plan_drafts(sched: Scheduler, request: Request, chunks: Chunks, budget: int)
         room = stop.max_tokens - seq.num_generated - 1
         if stop.max_model_len is not None:
             room = min(room, stop.max_model_len - len(seq.token_ids) - 1)
+        if switch is not None and not request.long_rope:
+            room = min(room, switch - len(seq.token_ids))  # (the row's context stays short)
         limit = min(k, budget, room)
         if limit <= 0:
             continue
@@ -223,7 +228,7 @@ def next_proposals(sched: Scheduler, request: Request, seq: Sequence) -> int:
     """How many proposals the decode after ``seq``'s token in flight may carry (the draft
     model draws that many at the end of the step): none while it backs off, above
     ``spec_disable_by_batch_size`` running requests, or near ``max_tokens`` or
-    ``max_model_len`` (see :func:`plan_drafts`)."""
+    ``max_model_len``, or, in longrope's short regime, the switch (see :func:`plan_drafts`)."""
     k = request.num_speculative_tokens
     if not k or seq.spec_skip or sched._propose is None:
         return 0
@@ -234,6 +239,9 @@ def next_proposals(sched: Scheduler, request: Request, seq: Sequence) -> int:
     room = stop.max_tokens - seq.num_generated - 2
     if stop.max_model_len is not None:
         room = min(room, stop.max_model_len - len(seq.token_ids) - 2)
+    switch = sched.config.rope_switch_len
+    if switch is not None and not request.long_rope:
+        room = min(room, switch - len(seq.token_ids) - 1)
     return max(0, min(k, room))
 
 
