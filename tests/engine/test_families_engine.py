@@ -98,3 +98,30 @@ async def test_longrope_speculation_never_verifies_past_the_switch(
         assert out.outputs[0].token_ids == ref.generate(prompt, 24)[0], (name, prompt)
     assert stats.num_draft_tokens > 0, stats
     assert stats.num_rope_restarts == len(prompts)  # each crosses the switch
+
+
+async def test_longrope_parallel_samples_cross_the_switch_in_their_own_step(
+    tiny_checkpoint: Callable[[str], Path],
+) -> None:
+    """n = 2 with prompt lookup: kept proposals set the two sequences apart, so one reaches
+    longrope's switch first. It waits there while the other catches up; then the request
+    restarts in the long regime. Each token is thus sampled in the regime its own sequence's
+    length picks, and the seeded samples equal the engine's without speculation (where the
+    sequences cross together)."""
+    path = tiny_checkpoint("phi4-mini")
+    prompts = [(241, 30, 167, 174, 110, 241, 30, 167), (40, 41) * 4, (7, 8, 9) * 3]
+    spec = SpeculativeConfig(method="ngram", num_speculative_tokens=3, prompt_lookup_min=1,
+                             prompt_lookup_max=3)  # fmt: skip
+    outs = []
+    for config in ({}, {"speculative_config": spec}):
+        with anyio.fail_after(120):
+            async with running_engine(path, **config) as engine:
+                results = []
+                for seed in range(1010, 1022):
+                    params = SamplingParams(n=2, temperature=0.9, seed=seed, max_tokens=24,
+                                            ignore_eos=True)  # fmt: skip
+                    results += await generate_all(engine, prompts, params)
+                stats = engine.statistics()
+        outs.append([[c.token_ids for c in r.outputs] for r in results])
+    assert outs[1] == outs[0]
+    assert stats.num_accepted_tokens > 0, stats

@@ -58,11 +58,15 @@ def plan_running(
             i += 1  # nothing to compute (beams that reported wait for their siblings)
             continue
         if _outgrows_short_rope(sched.config, request, chunks):
-            if pending is not None:  # (a request in flight keeps its blocks until it returns)
+            behind = _still_short(sched.config, chunks)
+            if behind:  # (its sequences apart, by kept proposals: these catch up first)
+                chunks, drafts, need = _only(sched, behind, drafts, shared)
+            elif pending is not None:  # (a request in flight keeps its blocks until it returns)
                 plan.cut = True
                 break
-            restart_long_rope(sched, request, frees)
-            continue  # the next request moved into index i
+            else:
+                restart_long_rope(sched, request, frees)
+                continue  # the next request moved into index i
         if need > plan.free:
             if pending is not None:  # no preemption with a step in flight: plan the rest later
                 plan.cut = True
@@ -276,6 +280,29 @@ def _outgrows_short_rope(config: SchedulerConfig, request: Request, chunks: Chun
         and not request.long_rope
         and any(s.num_computed_tokens + n > switch for s, n in chunks)
     )
+
+
+def _still_short(config: SchedulerConfig, chunks: Chunks) -> Chunks:
+    """The chunks that stay within longrope's short regime. A parallel-sampling request whose
+    sequences speculation has set apart computes these alone while the others wait at the
+    switch, so that each token is sampled in the regime its own sequence's length picks (as
+    without speculation, where they cross together); it restarts once all would cross."""
+    switch = config.rope_switch_len
+    assert switch is not None
+    return [(s, n) for s, n in chunks if s.num_computed_tokens + n <= switch]
+
+
+def _only(
+    sched: Scheduler, chunks: Chunks, drafts: Drafts, shared: AbstractSet[int | str]
+) -> tuple[Chunks, Drafts, int]:
+    """``chunks`` with their own proposals, and their block need."""
+    bs = sched.config.block_size
+    kept = {s.seq_id: drafts[s.seq_id] for s, _ in chunks if s.seq_id in drafts}
+    need = sum(
+        blocks_to_append(s, n + len(kept.get(s.seq_id, ())), s.seq_id in shared, bs)
+        for s, n in chunks
+    )
+    return chunks, kept, need
 
 
 def restart_long_rope(sched: Scheduler, request: Request, frees: list[int]) -> None:
