@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import anyio
 import pytest
@@ -242,6 +243,25 @@ def test_engine_replays_graphs_on_cuda_only(checkpoints: dict[str, Path]) -> Non
         assert replays == 0
 
 
+def graphs_on_the_cpu(
+    monkeypatch: pytest.MonkeyPatch,
+    module: object,
+    runner: type[ModelRunner] | type[TensorParallelRunner],
+) -> None:
+    """An engine on the CPU takes the graph path: ``module``'s ``cuda_graph_sizes`` gives
+    (1, 2, 4) unless ``enforce_eager`` (the config gives sizes to CUDA only), and ``runner``
+    captures with the eager stand-in."""
+    monkeypatch.setattr(module, "cuda_graph_sizes",
+                        lambda config: () if config.enforce_eager else (1, 2, 4))  # fmt: skip
+    capture = runner.capture_cuda_graphs
+
+    def stand_in(self: Any, sizes: tuple[int, ...], max_len: int,
+                 _: Capture | None = None) -> tuple[int, ...]:  # fmt: skip
+        return capture(self, sizes, max_len, eager_capture)
+
+    monkeypatch.setattr(runner, "capture_cuda_graphs", stand_in)
+
+
 @pytest.mark.skipif(NATIVE and torch.cuda.device_count() < 2, reason="TP=2 needs two GPUs")
 def test_tensor_parallel_ranks_capture_and_replay_together(
     checkpoints: dict[str, Path], monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
@@ -255,14 +275,7 @@ def test_tensor_parallel_ranks_capture_and_replay_together(
     from asyncpaged.distributed import driver
 
     if not NATIVE:
-        monkeypatch.setattr(driver, "cuda_graph_sizes", lambda config: (1, 2, 4))
-        capture = TensorParallelRunner.capture_cuda_graphs
-
-        def eager(self: TensorParallelRunner, sizes: tuple[int, ...], max_len: int,
-                  _: Capture | None = None) -> tuple[int, ...]:  # fmt: skip
-            return capture(self, sizes, max_len, eager_capture)
-
-        monkeypatch.setattr(TensorParallelRunner, "capture_cuda_graphs", eager)
+        graphs_on_the_cpu(monkeypatch, driver, TensorParallelRunner)
     checkpoint = checkpoints["llama-gqa"]
     prompts = [list(range(5 + 9 * i, 12 + 11 * i)) for i in range(3)]
     max_tokens = (3, 6, 8)
@@ -341,15 +354,7 @@ def test_draft_model_proposes_through_its_own_graphs(
 
     eager, eager_counts, none = anyio.run(run, True)
     if not NATIVE:
-        monkeypatch.setattr(engine_build, "cuda_graph_sizes",
-                            lambda config: () if config.enforce_eager else (1, 2, 4))  # fmt: skip
-        capture = ModelRunner.capture_cuda_graphs
-
-        def stand_in(self: ModelRunner, sizes: tuple[int, ...], max_len: int,
-                     _: Capture | None = None) -> tuple[int, ...]:  # fmt: skip
-            return capture(self, sizes, max_len, eager_capture)
-
-        monkeypatch.setattr(ModelRunner, "capture_cuda_graphs", stand_in)
+        graphs_on_the_cpu(monkeypatch, engine_build, ModelRunner)
     graphed, counts, replays = anyio.run(run, False)
     reference = HFReference(checkpoint)
     assert graphed == eager == [reference.generate(tuple(p), 8)[0] for p in prompts]
