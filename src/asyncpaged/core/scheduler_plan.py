@@ -60,7 +60,8 @@ def plan_running(
         if _outgrows_short_rope(sched.config, request, chunks):
             behind = _still_short(sched.config, chunks)
             if behind:  # (its sequences apart, by kept proposals: these catch up first)
-                chunks, drafts, need = _only(sched, behind, drafts, shared)
+                chunks = behind
+                drafts, need = _proposals_and_need(sched, chunks, drafts, shared)
             elif pending is not None:  # (a request in flight keeps its blocks until it returns)
                 plan.cut = True
                 break
@@ -292,17 +293,17 @@ def _still_short(config: SchedulerConfig, chunks: Chunks) -> Chunks:
     return [(s, n) for s, n in chunks if s.num_computed_tokens + n <= switch]
 
 
-def _only(
+def _proposals_and_need(
     sched: Scheduler, chunks: Chunks, drafts: Drafts, shared: AbstractSet[int | str]
-) -> tuple[Chunks, Drafts, int]:
-    """``chunks`` with their own proposals, and their block need."""
+) -> tuple[Drafts, int]:
+    """The proposals of ``chunks``' sequences among ``drafts``, and the chunks' block need."""
     bs = sched.config.block_size
     kept = {s.seq_id: drafts[s.seq_id] for s, _ in chunks if s.seq_id in drafts}
     need = sum(
         blocks_to_append(s, n + len(kept.get(s.seq_id, ())), s.seq_id in shared, bs)
         for s, n in chunks
     )
-    return chunks, kept, need
+    return kept, need
 
 
 def restart_long_rope(sched: Scheduler, request: Request, frees: list[int]) -> None:
