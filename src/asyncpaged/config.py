@@ -25,7 +25,8 @@ class EngineConfig:
     admitting new requests, so that running ones rarely need preempting right after.
 
     ``packed_linears``, ``screened_lm_head``, ``int8_lm_head`` and ``fused_elementwise`` are
-    exact CPU float32 speed-ups (see docs/tuning.md); turning them off changes speed, not tokens.
+    exact CPU float32 speed-ups (see docs/tuning.md; ``packed_linears`` also acts on bfloat16
+    models, keeping ``F.linear``'s bits); turning them off changes speed, not tokens.
     ``"auto"`` (the default) uses each where this CPU runs it fast and exactly
     (``asyncpaged.model.cpu_plan``: feature flags and a timed probe; ``engine.cpu_plan`` says
     what was chosen and why); ``True`` / ``False`` force it. They do nothing elsewhere.
@@ -64,7 +65,7 @@ class EngineConfig:
     # auto: Triton on CUDA; on CPU the native C++ decode kernel if it builds, else torch
     attention_backend: Literal["auto", "torch", "triton", "cpu"] = "auto"
     kv_cache_dtype: Literal["auto", "float32", "float16", "bfloat16"] = "auto"  # auto: model's
-    packed_linears: bool | Literal["auto"] = "auto"  # CPU fp32: oneDNN pre-packed weights
+    packed_linears: bool | Literal["auto"] = "auto"  # CPU fp32/bf16: oneDNN pre-packed weights
     screened_lm_head: bool | Literal["auto"] = "auto"  # CPU fp32: greedy / top-k via a bf16 screen
     int8_lm_head: bool | Literal["auto"] = "auto"  # CPU fp32: all-greedy steps via an int8 screen
     # CPU fp32: native fused residual add + RMSNorm, RoPE, SiLU x up (Llama family); exact up to

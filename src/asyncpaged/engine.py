@@ -122,7 +122,7 @@ class AsyncEngine:
         model = await load_model(cfg, resolve_model_path)
         self.model_path, plan = model.path, model.plan
         self.max_model_len, self.vocab_size = plan.max_model_len, plan.vocab_size
-        self.cpu_plan = model.cpu_plan  # a float32 CPU model: the levers' plan, and why
+        self.cpu_plan = model.cpu_plan  # a float32 / bfloat16 CPU model: the levers' plan, and why
         # the runner in this process (None with executor_backend="process"); rank 0's under TP
         self.runner, self._workers = model.runner, model.workers
         try:

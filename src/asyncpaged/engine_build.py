@@ -136,16 +136,16 @@ def plan_levers(
     cfg: EngineConfig, hf_config: Any, dtype: torch.dtype
 ) -> tuple[dict[str, bool], CpuPlan | None]:
     """The CPU levers' on/off, and the plan that chose them (``engine.cpu_plan`` says why);
-    they act on float32 CPU models only, so elsewhere nothing is probed, the plan is None and
-    "auto" is passed on as on."""
+    they act on float32 and bfloat16 CPU models only (bfloat16: the packed linears alone), so
+    elsewhere nothing is probed, the plan is None and "auto" is passed on as on."""
     settings = {name: getattr(cfg, name) for name in LEVERS}
-    if torch.device(cfg.device).type != "cpu" or dtype != torch.float32:
+    if torch.device(cfg.device).type != "cpu" or dtype not in (torch.float32, torch.bfloat16):
         return {name: setting is not False for name, setting in settings.items()}, None
     hidden = int(hf_config.hidden_size)
     width = next((int(v) for k in ("intermediate_size", "ffn_dim", "n_inner")
                   if (v := getattr(hf_config, k, None))), 4 * hidden)  # fmt: skip
     cpu_plan = plan_cpu(settings, hidden_size=hidden, intermediate_size=width,
-                        vocab_size=int(hf_config.vocab_size))  # fmt: skip
+                        vocab_size=int(hf_config.vocab_size), dtype=dtype)  # fmt: skip
     return cpu_plan.levers(), cpu_plan
 
 
@@ -155,7 +155,7 @@ class LoadedModel:
 
     path: Path  # the checkpoint's local directory
     plan: ModelPlan
-    cpu_plan: CpuPlan | None  # a float32 CPU model: the levers' plan (``engine.cpu_plan``)
+    cpu_plan: CpuPlan | None  # a float32 / bfloat16 CPU model: the levers' plan (engine.cpu_plan)
     runner: ModelRunner | None  # rank 0's under tensor parallelism; None in a runner process
     step_runner: StepRunner | RunnerProcess  # what the executor drives
     workers: RemoteWorkers | None  # tensor_parallel_size > 1, or executor_backend "process"

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import anyio
 import pytest
+import torch
 from structlog.testing import capture_logs
 
 from asyncpaged import AsyncEngine, EngineConfig, SamplingParams
@@ -29,8 +30,8 @@ class Timings:
     """A fake timer: (candidate, baseline) seconds per probe; records what it was asked."""
 
     def __init__(self, **results: tuple[float, float]) -> None:
-        self.results = {"packed_linear": (1.0, 2.0), "bf16_head": (1.0, 3.0),
-                        "int8_head": (1.0, 4.0), **results}  # fmt: skip
+        self.results = {"packed_linear": (1.0, 2.0), "packed_linear_bf16": (1.0, 2.0),
+                        "bf16_head": (1.0, 3.0), "int8_head": (1.0, 4.0), **results}  # fmt: skip
         self.calls: list[str] = []
 
     def __call__(self, probe: str, shapes: Mapping[str, int]) -> tuple[float, float]:
@@ -47,11 +48,12 @@ def _plan(
     int8_exact: Callable[[], bool] = lambda: True,
     target: str | None = "avx2",
     cache: Path | None = None,
+    dtype: torch.dtype = torch.float32,
 ) -> dict[str, bool]:
     plan = plan_cpu(
         settings, hidden_size=512, intermediate_size=1376, vocab_size=32000,
         features=features, timer=timer, int8_exact=int8_exact,
-        library_target=lambda: target, cache=False if cache is None else cache,
+        library_target=lambda: target, cache=False if cache is None else cache, dtype=dtype,
     )  # fmt: skip
     return plan.levers()
 
@@ -83,6 +85,35 @@ def test_timings_decide_where_features_allow() -> None:
     slow_int8 = Timings(int8_head=(2.0, 2.1))  # a small head: the screen does not pay
     assert _plan(ZEN4, slow_int8)["int8_lm_head"] is False
     assert _plan(ZEN4, slow_int8)["screened_lm_head"] is True  # decided on its own timing
+
+
+def test_a_bfloat16_model_times_bfloat16_packing_and_skips_the_float32_levers(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from asyncpaged.model import packed_linear
+
+    monkeypatch.setattr(packed_linear, "can_pack", lambda dtype: True)
+    monkeypatch.setattr(packed_linear, "packing_supported", lambda: True)
+    timer = Timings()
+    plan = plan_cpu(AUTO, hidden_size=512, intermediate_size=1376, vocab_size=32000,
+                    features=ZEN4, timer=timer, int8_exact=lambda: True,
+                    library_target=lambda: "avx512", cache=False,
+                    dtype=torch.bfloat16)  # fmt: skip
+    assert plan.dtype == "bfloat16"
+    assert plan.levers() == {"packed_linears": True, "screened_lm_head": False,
+                             "int8_lm_head": False, "fused_elementwise": False}  # fmt: skip
+    assert timer.calls == ["packed_linear_bf16"]  # its own probe: float32 timings don't tell
+    assert plan.fused_elementwise.reason == "acts on float32 models; this one is bfloat16"
+    slower = Timings(packed_linear_bf16=(2.0, 1.5), packed_linear=(1.0, 2.0))
+    assert _plan(ZEN4, slower, dtype=torch.bfloat16)["packed_linears"] is False
+    forced = dict(AUTO, screened_lm_head=True, fused_elementwise=True)
+    assert _plan(ZEN4, Timings(), settings=forced, dtype=torch.bfloat16) == plan.levers()
+    # oneDNN packs bfloat16 only where the CPU converts it natively (not AVX2-only): not timed
+    monkeypatch.setattr(packed_linear, "can_pack", lambda dtype: dtype == torch.float32)
+    timer = Timings()
+    assert _plan(AVX2, timer, dtype=torch.bfloat16)["packed_linears"] is False
+    assert timer.calls == []
+    assert _plan(AVX2, Timings())["packed_linears"] is True  # float32 packs there
 
 
 def test_explicit_settings_win_and_time_nothing() -> None:
@@ -166,6 +197,53 @@ def test_engine_reports_its_plan(tiny_checkpoint: Callable[[str], Path]) -> None
                 await engine.generate([5, 6, 7], params)
 
     anyio.run(main)
+
+
+def test_engine_plans_a_bfloat16_model(tiny_checkpoint: Callable[[str], Path]) -> None:
+    """The plan covers a bfloat16 model: its layers and head are packed where the plan says so
+    (on where this CPU packs bfloat16 faster), nothing float32-only runs."""
+    from asyncpaged.model.packed_linear import PACKED_ATTR
+
+    config = EngineConfig(model=str(tiny_checkpoint("llama-gqa")), dtype="bfloat16",
+                          executor_backend="thread")  # fmt: skip
+
+    async def main() -> None:
+        async with AsyncEngine(config) as engine:
+            plan = engine.cpu_plan
+            assert plan is not None and plan.dtype == "bfloat16"
+            runner = engine.runner
+            packed = [PACKED_ATTR in m.__dict__ for name, m in runner.model.named_modules()
+                      if isinstance(m, torch.nn.Linear) and name != "lm_head"]  # fmt: skip
+            assert packed and all(p == plan.packed_linears.enabled for p in packed)
+            assert (runner.model.packed_lm_head is not None) == plan.packed_linears.enabled
+            assert runner.screened_head is None and runner.model.fused_ops is None
+            with anyio.fail_after(30):
+                params = SamplingParams(temperature=0.0, max_tokens=3)
+                out = await engine.generate([5, 6, 7], params)
+            assert len(out.outputs[0].token_ids) == 3
+
+    anyio.run(main)
+
+
+def test_packed_bfloat16_runner_gives_the_unpacked_tokens(
+    tiny_checkpoint: Callable[[str], Path],
+) -> None:
+    """A bfloat16 runner packed and unpacked over the same chunked, staggered sequences: the
+    same tokens and logprobs where the CPU has bf16 dot products (packing keeps F.linear's
+    bits there); where this torch cannot pack bf16, nothing is packed."""
+    from asyncpaged.model.packed_linear import PACKED_ATTR, can_pack
+
+    outputs = []
+    for packed in (True, False):
+        runner = _runner(tiny_checkpoint("llama-gqa"), dtype="bfloat16", packed_linears=packed)
+        num_packed = sum(PACKED_ATTR in m.__dict__ for m in runner.model.modules())
+        assert (num_packed > 0) == (packed and can_pack(torch.bfloat16))
+        assert (runner.model.packed_lm_head is not None) == (num_packed > 0)
+        seqs = _make_sequences(seed=6)
+        Driver(runner, seed=3).run(seqs)
+        outputs.append([(s.output, s.logprobs) for s in seqs])
+    if CpuFeatures.detect().has_bf16_dot:
+        assert outputs[0] == outputs[1]
 
 
 def test_vector_flags_name_the_vector_units_only() -> None:

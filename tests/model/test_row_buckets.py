@@ -8,10 +8,12 @@ import pytest
 import torch
 
 from asyncpaged.model import row_buckets
+from asyncpaged.model.cpu_plan import CpuFeatures
 from asyncpaged.model.lm_head import ScreenedLMHead
 from asyncpaged.model.lm_head_int8 import Int8ScreenedArgmax, int8_screen_supported
 from asyncpaged.model.packed_linear import (
     PACKED_ATTR,
+    can_pack,
     linear,
     pack_linears,
     pack_weight,
@@ -92,6 +94,36 @@ def test_packed_linear_bucketed_is_bit_identical(monkeypatch: pytest.MonkeyPatch
         assert torch.equal(logits, unpadded(x, head, None, "none", [], ""))
     assert len(rows) == 3 * len(ROW_COUNTS)
     assert set(rows) <= set(buckets_up_to(max(ROW_COUNTS)))
+
+
+@pytest.mark.skipif(not can_pack(torch.bfloat16), reason="oneDNN packs no bf16 on this CPU")
+def test_packed_bfloat16_linears_keep_f_linear_values() -> None:
+    """A packed bf16 layer and head against bf16 ``F.linear`` (bucketed as the unpacked model
+    runs it) on random data: within one bf16 rounding of a float64 product everywhere, and
+    bit-identical where the CPU has bf16 dot products (both are oneDNN's bf16 GEMM; packing
+    only keeps the weight's layout: the claim docs/tuning.md makes)."""
+    gen = torch.Generator().manual_seed(2)
+    layer = torch.nn.Linear(96, 160, dtype=torch.bfloat16)
+    with torch.no_grad():
+        layer.weight.copy_(torch.randn(160, 96, generator=gen))
+    plain = torch.nn.Linear(96, 160, dtype=torch.bfloat16)
+    plain.load_state_dict(layer.state_dict())
+    assert pack_linears(torch.nn.Sequential(layer), batch_hint=64) == 1
+    head_weight = torch.randn(300, 96, generator=gen).bfloat16()
+    head = pack_weight(head_weight, 64)
+    assert head is not None and head.dtype == torch.bfloat16
+    native = CpuFeatures.detect().has_bf16_dot
+    for n in ROW_COUNTS[:13]:
+        x = torch.randn(n, 96, generator=gen).bfloat16()
+        plain_head = bucketed(lambda rows: torch.nn.functional.linear(rows, head_weight), x)
+        for got, want, weight, bias in (
+            (linear(layer, x), linear(plain, x), plain.weight, plain.bias),
+            (packed_matmul(x, head), plain_head, head_weight, None),
+        ):
+            exact = x.double() @ weight.double().T + (0 if bias is None else bias.double())
+            torch.testing.assert_close(got.double(), exact, rtol=2**-7, atol=2**-7)
+            if native:
+                assert torch.equal(got, want), n
 
 
 @needs_packing

@@ -275,8 +275,8 @@ class CausalLM(nn.Module, metaclass=ABCMeta):
         ``final_logit_softcap`` is set. oneDNN GEMMs run with the rows bucketed
         (``row_buckets``): one kept primitive per bucket, not per row count."""
         packed = self.packed_lm_head
-        if packed is not None and hidden.dtype == torch.float32 and hidden.device.type == "cpu":
-            logits = packed_matmul(hidden, packed)  # [N, V], bucketed
+        if packed is not None and hidden.device.type == "cpu":
+            logits = packed_matmul(hidden, packed).float()  # [N, V], bucketed
         else:
             weight = self.lm_head_weight()
             if runs_on_onednn(hidden):

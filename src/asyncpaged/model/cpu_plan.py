@@ -10,8 +10,10 @@ turns it into on or off with a reason:
 ==================  ==========================================================================
 lever               ``"auto"`` means on when
 ==================  ==========================================================================
-packed_linears      this torch has oneDNN's packed linear, and a timed GEMM at the model's decode
-                    shape (64 rows) runs faster packed than through ``F.linear``
+packed_linears      this torch has oneDNN's packed linear for the model's dtype (float32, or
+                    bfloat16 where oneDNN converts it natively), and a timed GEMM at the
+                    model's decode shape (64 rows) and dtype runs faster packed than through
+                    ``F.linear``
 screened_lm_head    the CPU has bf16 dot products (flags), and the screened greedy head, timed at
                     the model's LM-head shape, beats the fp32 head's argmax by
                     ``SCREEN_MIN_SPEEDUP`` (this catches emulation, e.g. ``ONEDNN_MAX_CPU_ISA``)
@@ -22,6 +24,10 @@ int8_lm_head        oneDNN's int8 sums check exact here, with 8-bit activations 
                     ``SCREEN_MIN_SPEEDUP`` (a small vocabulary or hidden size: it does not)
 fused_elementwise   the native kernel library builds here
 ==================  ==========================================================================
+
+A bfloat16 model is planned too: its linears and LM head pack (2x per GEMM on AMX, where
+packing keeps ``F.linear``'s bits); the screens and the fused ops act on float32 models only,
+so they are off for it, saying so.
 
 ``True`` / ``False`` force a lever (the reason says so). The native attention kernels' build
 target (the best the CPU runs, ``ASYNCPAGED_CPU_TARGET`` overrides) and the torch thread count
@@ -61,6 +67,7 @@ DECODE_ROWS = 64  # rows of the timed GEMMs: a decode step of a busy engine
 # Part of every cached timing's key: bump it when a probe's candidate or baseline code changes
 # (2: the fp32 head's argmax became numpy's), so a cache from older code is not read as this one's.
 PROBE_REVISION = 2
+PACKED_PROBES = {torch.bfloat16: "packed_linear_bf16"}  # the float32 one is "packed_linear"
 _BF16_FLAGS = frozenset({"avx512_bf16", "amx_bf16", "bf16"})  # x86; "bf16" on aarch64
 _VNNI_FLAGS = frozenset({"avx512_vnni", "avx_vnni", "amx_int8"})
 _VECTOR_FLAG = re.compile(r"(avx|fma|amx|asimd|sve|sme\d*$|.*vnni|.*bf16|.*fp16)")
@@ -125,6 +132,7 @@ class CpuPlan:
     num_threads: int
     cpu: str
     flags: tuple[str, ...] = field(default=())  # the flags the decisions read
+    dtype: str = "float32"  # the model's
 
     def levers(self) -> dict[str, bool]:
         """The ``ModelRunner`` keyword arguments."""
@@ -148,11 +156,13 @@ def plan_cpu(
     int8_exact: Callable[[], bool] | None = None,
     library_target: Callable[[], str | None] | None = None,
     cache: Path | Literal[False] | None = None,
+    dtype: torch.dtype = torch.float32,
 ) -> CpuPlan:
     """Decide every lever of ``settings`` (name -> True / False / "auto").
 
-    The model's sizes fix the timed shapes. ``features``, ``timer`` (name, shape -> seconds of
-    (candidate, baseline)), ``int8_exact`` and ``library_target`` default to this machine's;
+    The model's sizes and ``dtype`` (float32 or bfloat16) fix the timed shapes. ``features``,
+    ``timer`` (name, shape -> seconds of (candidate, baseline)), ``int8_exact`` and
+    ``library_target`` default to this machine's;
     tests pass forced ones. ``cache`` (default: ``cpu_plan.json`` in the kernel cache) keeps
     timings across restarts; ``False`` keeps them for this call only."""
     features = CpuFeatures.detect() if features is None else features
@@ -161,21 +171,26 @@ def plan_cpu(
     timings = _CachedTimings(features, cache if cache is not None else _default_cache(),
                              timer or measure)  # fmt: skip
     target = (library_target or _library_target)()
-    choices = {
-        "packed_linears": _packed(settings["packed_linears"], timings, shapes),
-        "screened_lm_head": _bf16_screen(settings["screened_lm_head"], features, timings, shapes),
-        "int8_lm_head": _int8_screen(
-            settings["int8_lm_head"], features, int8_exact, timings, shapes
-        ),
-        "fused_elementwise": _fused(settings["fused_elementwise"], target),
-    }
+    name = str(dtype).removeprefix("torch.")
+    choices = {"packed_linears": _packed(settings["packed_linears"], timings, shapes, dtype)}
+    if dtype == torch.float32:
+        choices.update({
+            "screened_lm_head": _bf16_screen(settings["screened_lm_head"], features, timings,
+                                             shapes),
+            "int8_lm_head": _int8_screen(settings["int8_lm_head"], features, int8_exact, timings,
+                                         shapes),
+            "fused_elementwise": _fused(settings["fused_elementwise"], target),
+        })  # fmt: skip
+    else:
+        float32_only = LeverChoice(False, f"acts on float32 models; this one is {name}")
+        choices.update(dict.fromkeys(LEVERS[1:], float32_only))
     timings.save()
     read = sorted(features.flags & (_BF16_FLAGS | _VNNI_FLAGS | {"avx2", "avx512f", "fma"}))
     plan = CpuPlan(**choices, attention_target=target, num_threads=torch.get_num_threads(),
-                   cpu=features.model_name, flags=tuple(read))  # fmt: skip
+                   cpu=features.model_name, flags=tuple(read), dtype=name)  # fmt: skip
     decisions = {k: f"{'on' if c.enabled else 'off'}: {c.reason}" for k, c in choices.items()}
-    log.info("cpu_plan", cpu=plan.cpu, flags=list(plan.flags), attention_target=target,
-             num_threads=plan.num_threads, **decisions)  # fmt: skip
+    log.info("cpu_plan", cpu=plan.cpu, flags=list(plan.flags), dtype=name,
+             attention_target=target, num_threads=plan.num_threads, **decisions)  # fmt: skip
     return plan
 
 
@@ -185,15 +200,20 @@ def _forced(setting: LeverSetting) -> LeverChoice | None:
     return LeverChoice(bool(setting), f"{'on' if setting else 'off'} in EngineConfig")
 
 
-def _packed(setting: LeverSetting, timings: _CachedTimings, shapes: dict[str, int]) -> LeverChoice:
-    from asyncpaged.model.packed_linear import packing_supported
+def _packed(
+    setting: LeverSetting, timings: _CachedTimings, shapes: dict[str, int], dtype: torch.dtype
+) -> LeverChoice:
+    from asyncpaged.model.packed_linear import can_pack, packing_supported
 
     forced = _forced(setting)
     if forced is not None:
         return forced
     if not packing_supported():
         return LeverChoice(False, "this torch build has no oneDNN packed linear")
-    packed, plain = timings.get("packed_linear", shapes)
+    if dtype != torch.float32 and not can_pack(dtype):
+        return LeverChoice(False, f"oneDNN cannot pack {dtype} weights on this CPU")
+    probe = "packed_linear" if dtype == torch.float32 else PACKED_PROBES[dtype]
+    packed, plain = timings.get(probe, shapes)
     wins = packed < plain
     return LeverChoice(wins, f"packed {packed * 1e3:.2f} ms vs F.linear {plain * 1e3:.2f} ms "
                              f"per [{shapes['rows']} x {shapes['hidden']}] GEMM")  # fmt: skip
@@ -308,10 +328,10 @@ class _CachedTimings:
 
 def measure(probe: str, shapes: Mapping[str, int]) -> tuple[float, float]:
     """Best-of seconds of (candidate, baseline) for ``probe``: "packed_linear" (oneDNN packed vs
-    ``F.linear``, the MLP up projection), "bf16_head" or "int8_head" (the bf16- or int8-screened
-    greedy head vs the fp32 head's argmax, packed where this torch packs). Timed on one thread:
-    a lever's win is per core, and on a shared VM a second thread's stalls would swamp it
-    (docs/tuning.md, hygiene)."""
+    ``F.linear``, the MLP up projection; "packed_linear_bf16" in bfloat16), "bf16_head" or
+    "int8_head" (the bf16- or int8-screened greedy head vs the fp32 head's argmax, packed where
+    this torch packs). Timed on one thread: a lever's win is per core, and on a shared VM a
+    second thread's stalls would swamp it (docs/tuning.md, hygiene)."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -325,11 +345,13 @@ def _measure(probe: str, shapes: Mapping[str, int]) -> tuple[float, float]:
     rows, hidden = shapes["rows"], shapes["hidden"]
     x = torch.randn(rows, hidden, generator=gen)
     with torch.inference_mode():
-        if probe == "packed_linear":
+        if probe in ("packed_linear", *PACKED_PROBES.values()):
             from asyncpaged.model.packed_linear import linear, pack_linears
 
+            dtype = next((d for d, p in PACKED_PROBES.items() if p == probe), torch.float32)
+            x = x.to(dtype)
             plain = torch.nn.Linear(hidden, shapes["inter"], bias=False)
-            plain.weight.data = torch.randn(shapes["inter"], hidden, generator=gen)
+            plain.weight.data = torch.randn(shapes["inter"], hidden, generator=gen).to(dtype)
             packed = copy.deepcopy(plain)
             pack_linears(packed, batch_hint=rows)
 

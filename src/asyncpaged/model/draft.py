@@ -167,14 +167,13 @@ class DraftModel:
         self.num_blocks = num_blocks
         self.max_k = num_speculative_tokens
         self.num_scratch_blocks = max_num_seqs * (num_speculative_tokens // block_size + 2)
-        if self.device.type == "cpu" and dtype == torch.float32:
-            if packed_linears:
-                pack_linears(self.model, batch_hint=64, keep=(self.model.lm_head_weight(),))
-                self.model.packed_lm_head = pack_weight(self.model.lm_head_weight(), 64)
-            if fused_elementwise:
-                from asyncpaged.kernels.cpu_fused import fused_ops
+        if self.device.type == "cpu" and packed_linears:  # (float32 and bfloat16 weights)
+            pack_linears(self.model, batch_hint=64, keep=(self.model.lm_head_weight(),))
+            self.model.packed_lm_head = pack_weight(self.model.lm_head_weight(), 64)
+        if self.device.type == "cpu" and dtype == torch.float32 and fused_elementwise:
+            from asyncpaged.kernels.cpu_fused import fused_ops
 
-                self.model.fused_ops = fused_ops()
+            self.model.fused_ops = fused_ops()
         kv_dtype = kv_cache_dtype or dtype
 
         def make_cache(n: int, on: torch.device) -> PagedKVCache:

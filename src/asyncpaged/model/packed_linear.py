@@ -1,13 +1,17 @@
-"""Pre-packed oneDNN fp32 linears for the CPU path (an exact lever, on by default).
+"""Pre-packed oneDNN linears for the CPU path (an exact lever, on by default).
 
 ``F.linear`` re-lays the weight out for oneDNN on every call; packing each weight once
 (``torch.ops.mkldnn._reorder_linear_weight``) and calling ``torch.ops.mkldnn._linear_pointwise``
 skips that. These are private torch ops, so everything falls back to ``F.linear``: when the ops
-are missing, the tensors are not fp32 on CPU, or packing fails. The packed weight replaces the
+are missing, the tensors are not float32 or bfloat16 on CPU, or packing fails (oneDNN packs
+bfloat16 only where the CPU converts it natively: ``can_pack``). The packed weight replaces the
 plain one (``layer.weight`` becomes an empty placeholder), so weights are not held twice.
 
-The result is fp32 math with a different summation order than ``F.linear``, which is how any two
-GEMM shapes already differ; greedy output stays equal to transformers (tests check both ways).
+In float32 the result is the same math with a different summation order than ``F.linear`` (which
+runs through MKL), which is how any two GEMM shapes already differ; greedy output stays equal to
+transformers (tests check both ways). In bfloat16 ``F.linear`` itself runs through oneDNN and
+packing only keeps its weight layout: bit-identical where measured (AMX and avx512_bf16, rows
+1-257), and 2x faster on AMX (docs/tuning.md).
 
 Every oneDNN GEMM here runs with its rows padded to a bucket (``row_buckets``): oneDNN keeps one
 primitive per distinct shape, and the step's token count changes every step. ``F.linear`` in
@@ -26,6 +30,7 @@ from asyncpaged.model.row_buckets import bucketed
 _log = get_logger(__name__)
 
 PACKED_ATTR = "packed_weight"
+PACKED_DTYPES = (torch.float32, torch.bfloat16)  # (fp16 packs, but not bit-identically)
 
 
 def packing_supported() -> bool:
@@ -37,8 +42,21 @@ def packing_supported() -> bool:
     )
 
 
+def can_pack(dtype: torch.dtype) -> bool:
+    """Whether this torch can pack ``dtype`` weights on this CPU (bfloat16 needs avx512 or
+    AVX-NE-CONVERT; oneDNN's ISA cap counts)."""
+    if dtype not in PACKED_DTYPES or not packing_supported():
+        return False
+    try:
+        torch.ops.mkldnn._reorder_linear_weight(torch.zeros(8, 8, dtype=dtype), 8)
+    except RuntimeError:
+        return False
+    return True
+
+
 def pack_linears(model: nn.Module, batch_hint: int, keep: tuple[torch.Tensor, ...] = ()) -> int:
-    """Pack every fp32 CPU ``nn.Linear`` of ``model`` in place; returns how many were packed.
+    """Pack every float32 or bfloat16 CPU ``nn.Linear`` of ``model`` in place; returns how many
+    were packed.
 
     Weights in ``keep`` (the LM head, read elsewhere) and weights shared by two modules (a tied
     embedding) are left alone.
@@ -47,12 +65,13 @@ def pack_linears(model: nn.Module, batch_hint: int, keep: tuple[torch.Tensor, ..
         _log.info("packed_linears_unavailable")
         return 0
     shared = _shared_weight_ids(model) | {id(w) for w in keep}
+    packable = {dtype: can_pack(dtype) for dtype in PACKED_DTYPES}
     count = 0
     for module in model.modules():
         if not isinstance(module, nn.Linear) or PACKED_ATTR in module.__dict__:
             continue
         weight = module.weight
-        if weight.dtype != torch.float32 or weight.device.type != "cpu" or id(weight) in shared:
+        if not packable.get(weight.dtype) or weight.device.type != "cpu" or id(weight) in shared:
             continue
         try:
             packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), batch_hint)
@@ -67,9 +86,9 @@ def pack_linears(model: nn.Module, batch_hint: int, keep: tuple[torch.Tensor, ..
 
 
 def pack_weight(weight: torch.Tensor, batch_hint: int) -> torch.Tensor | None:
-    """oneDNN's packed layout of a float32 CPU ``[out, in]`` weight (a copy), or None where
-    this torch cannot pack it; multiply with ``packed_matmul``."""
-    if not packing_supported() or weight.dtype != torch.float32 or weight.device.type != "cpu":
+    """oneDNN's packed layout of a float32 or bfloat16 CPU ``[out, in]`` weight (a copy), or
+    None where this torch cannot pack it; multiply with ``packed_matmul``."""
+    if weight.device.type != "cpu" or not can_pack(weight.dtype):
         return None
     try:
         packed: torch.Tensor = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), batch_hint)

@@ -107,9 +107,10 @@ class ModelRunner:
         """Load the checkpoint and allocate caches; ``kv_fill_value`` poisons them (tests: NaN).
 
         ``seed`` seeds the generator of random rows without a per-request seed.
-        ``kv_cache_dtype`` (None: the model's dtype) is the dtype K/V are stored in. The two exact
-        CPU levers apply to float32 models on CPU only: ``packed_linears`` pre-packs the layers'
-        weights for oneDNN (``packed_linear``), ``screened_lm_head`` picks greedy and top-k
+        ``kv_cache_dtype`` (None: the model's dtype) is the dtype K/V are stored in. The exact
+        CPU levers: ``packed_linears`` pre-packs the layers' and the unscreened head's
+        weights for oneDNN (float32 and bfloat16 models: ``packed_linear``); the rest apply to
+        float32 models only: ``screened_lm_head`` picks greedy and top-k
         tokens through a bf16 screen (``lm_head``) when every row of a step qualifies
         (``sampler.is_screenable``, no logprob asked): the full head's tokens;
         ``int8_lm_head`` screens all-greedy steps with an int8 GEMM (``lm_head_int8``, the same
@@ -133,8 +134,9 @@ class ModelRunner:
         self.dtype = self.model.lm_head_weight().dtype
         self.kv_cache_dtype = kv_cache_dtype or self.dtype
         self.block_size = block_size
-        cpu_fp32 = self.device.type == "cpu" and self.dtype == torch.float32
-        if packed_linears and cpu_fp32:
+        on_cpu = self.device.type == "cpu"
+        cpu_fp32 = on_cpu and self.dtype == torch.float32
+        if packed_linears and on_cpu:  # (float32 and bfloat16 weights: packed_linear)
             pack_linears(self.model, batch_hint=64, keep=(self.model.lm_head_weight(),))
         if fused_elementwise and cpu_fp32:
             from asyncpaged.kernels.cpu_fused import fused_ops
@@ -147,9 +149,10 @@ class ModelRunner:
         self.bf16_screen = screenable and screened_lm_head
         wants_head = self.bf16_screen or (screenable and int8_lm_head)
         self.screened_head = ScreenedLMHead(self.model.lm_head_weight()) if wants_head else None
-        if packed_linears and cpu_fp32 and shard.rank == 0 and not self.bf16_screen:
+        if packed_linears and on_cpu and shard.rank == 0 and not self.bf16_screen:
             # The full head then runs on every sampling step: oneDNN's packed layout, like the
-            # layers (with the screen off: +18% on an AVX2-capped Zen 4, +26% natively).
+            # layers (float32 with the screen off: +18% on an AVX2-capped Zen 4, +26% natively;
+            # a bfloat16 head, never screened: 2x on AMX).
             self.model.packed_lm_head = pack_weight(self.model.lm_head_weight(), 64)
         self.int8_head: Int8ScreenedArgmax | None = None
         limit = int8_activation_limit() if self.screened_head is not None and int8_lm_head else None
