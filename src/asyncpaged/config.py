@@ -26,7 +26,8 @@ class EngineConfig:
 
     ``packed_linears``, ``screened_lm_head``, ``int8_lm_head`` and ``fused_elementwise`` are
     exact CPU float32 speed-ups (see docs/tuning.md; ``packed_linears`` also acts on bfloat16
-    models, keeping ``F.linear``'s bits); turning them off changes speed, not tokens.
+    models, where on one thread it keeps ``F.linear``'s bits); turning them off changes speed,
+    not tokens.
     ``"auto"`` (the default) uses each where this CPU runs it fast and exactly
     (``asyncpaged.model.cpu_plan``: feature flags and a timed probe; ``engine.cpu_plan`` says
     what was chosen and why); ``True`` / ``False`` force it. They do nothing elsewhere.

@@ -228,9 +228,10 @@ def test_engine_plans_a_bfloat16_model(tiny_checkpoint: Callable[[str], Path]) -
 def test_packed_bfloat16_runner_gives_the_unpacked_tokens(
     tiny_checkpoint: Callable[[str], Path],
 ) -> None:
-    """A bfloat16 runner packed and unpacked over the same chunked, staggered sequences: the
-    same tokens and logprobs where the CPU has bf16 dot products (packing keeps F.linear's
-    bits there); where this torch cannot pack bf16, nothing is packed."""
+    """A bfloat16 runner packed and unpacked over the same chunked, staggered sequences, on one
+    thread (tests/model's): the same tokens and logprobs where the CPU has bf16 dot products
+    (packing keeps F.linear's bits there); where this torch cannot pack bf16, nothing is
+    packed."""
     from asyncpaged.model.packed_linear import PACKED_ATTR, can_pack
 
     outputs = []

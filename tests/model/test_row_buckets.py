@@ -100,8 +100,9 @@ def test_packed_linear_bucketed_is_bit_identical(monkeypatch: pytest.MonkeyPatch
 def test_packed_bfloat16_linears_keep_f_linear_values() -> None:
     """A packed bf16 layer and head against bf16 ``F.linear`` (bucketed as the unpacked model
     runs it) on random data: within one bf16 rounding of a float64 product everywhere, and
-    bit-identical where the CPU has bf16 dot products (both are oneDNN's bf16 GEMM; packing
-    only keeps the weight's layout: the claim docs/tuning.md makes)."""
+    bit-identical on one thread (tests/model's) where the CPU has bf16 dot products (both are
+    oneDNN's bf16 GEMM; packing only keeps the weight's layout: the claim docs/tuning.md
+    makes)."""
     gen = torch.Generator().manual_seed(2)
     layer = torch.nn.Linear(96, 160, dtype=torch.bfloat16)
     with torch.no_grad():

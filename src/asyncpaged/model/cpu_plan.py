@@ -25,9 +25,9 @@ int8_lm_head        oneDNN's int8 sums check exact here, with 8-bit activations 
 fused_elementwise   the native kernel library builds here
 ==================  ==========================================================================
 
-A bfloat16 model is planned too: its linears and LM head pack (2x per GEMM on AMX, where
-packing keeps ``F.linear``'s bits); the screens and the fused ops act on float32 models only,
-so they are off for it, saying so.
+A bfloat16 model is planned too: its linears and LM head pack (2x per GEMM on AMX; on one
+thread packing keeps ``F.linear``'s bits, see ``packed_linear``); the screens and the fused ops
+act on float32 models only, so they are off for it, saying so.
 
 ``True`` / ``False`` force a lever (the reason says so). The native attention kernels' build
 target (the best the CPU runs, ``ASYNCPAGED_CPU_TARGET`` overrides) and the torch thread count
