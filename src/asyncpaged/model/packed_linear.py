@@ -11,10 +11,10 @@ In float32 the result is the same math with a different summation order than ``F
 runs through MKL), which is how any two GEMM shapes already differ; greedy output stays equal to
 transformers (tests check both ways). In bfloat16 ``F.linear`` itself runs through oneDNN and
 packing keeps its weight layout: on one thread bit-identical where measured (AMX, and
-avx512_bf16 under oneDNN's ISA cap), 2x faster per GEMM on AMX (docs/tuning.md). On more threads oneDNN
-may split a large (prefill) GEMM's sums differently for the two primitives: about 1e-4 of the
-outputs one bf16 ulp apart, as ``F.linear``'s own outputs differ between 1 and 2 threads, so
-a bfloat16 model's tokens depend on the thread count with or without packing.
+avx512_bf16 under oneDNN's ISA cap), 2x faster per GEMM on AMX (docs/tuning.md). On more
+threads oneDNN may split a large (prefill) GEMM's sums differently for the two primitives:
+about 1e-4 of the outputs one bf16 ulp apart, as ``F.linear``'s own outputs differ between 1
+and 2 threads, so a bfloat16 model's tokens depend on the thread count with or without packing.
 
 Every oneDNN GEMM here runs with its rows padded to a bucket (``row_buckets``): oneDNN keeps one
 primitive per distinct shape, and the step's token count changes every step. ``F.linear`` in
