@@ -111,7 +111,12 @@ def test_a_bfloat16_model_times_bfloat16_packing_and_skips_the_float32_levers(
     # oneDNN packs bfloat16 only where the CPU converts it natively (not AVX2-only): not timed
     monkeypatch.setattr(packed_linear, "can_pack", lambda dtype: dtype == torch.float32)
     timer = Timings()
-    assert _plan(AVX2, timer, dtype=torch.bfloat16)["packed_linears"] is False
+    plan = plan_cpu(AUTO, hidden_size=512, intermediate_size=1376, vocab_size=32000,
+                    features=AVX2, timer=timer, int8_exact=lambda: True,
+                    library_target=lambda: "avx2", cache=False,
+                    dtype=torch.bfloat16)  # fmt: skip
+    assert plan.packed_linears.enabled is False
+    assert plan.packed_linears.reason == "oneDNN cannot pack bfloat16 weights on this CPU"
     assert timer.calls == []
     assert _plan(AVX2, Timings())["packed_linears"] is True  # float32 packs there
 

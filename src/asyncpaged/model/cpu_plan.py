@@ -211,7 +211,8 @@ def _packed(
     if not packing_supported():
         return LeverChoice(False, "this torch build has no oneDNN packed linear")
     if dtype != torch.float32 and not can_pack(dtype):
-        return LeverChoice(False, f"oneDNN cannot pack {dtype} weights on this CPU")
+        name = str(dtype).removeprefix("torch.")
+        return LeverChoice(False, f"oneDNN cannot pack {name} weights on this CPU")
     probe = "packed_linear" if dtype == torch.float32 else PACKED_PROBES[dtype]
     packed, plain = timings.get(probe, shapes)
     wins = packed < plain
