@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 from pathlib import Path
 from typing import Any
@@ -11,7 +12,7 @@ import pytest
 from structlog.testing import capture_logs
 
 from asyncpaged.tools import bench_throughput
-from asyncpaged.tools.bench_engines import EngineRun, WorkerSpec, run_one
+from asyncpaged.tools.bench_engines import EngineRun, WorkerSpec, engine_settings, run_one
 from asyncpaged.tools.bench_throughput import check_runs, compare_tokens, summarize
 from asyncpaged.tools.bench_workload import make_workload
 
@@ -53,6 +54,13 @@ def test_engine_options_are_config_fields_with_json_values() -> None:
     spec = WorkerSpec(engine="asyncpaged", model_dir="m", quick=True, num_requests=None,
                       threads=1, engine_options={"packed_linears": False})  # fmt: skip
     assert WorkerSpec.from_json(spec.to_json()) == spec  # travels to the worker intact
+    # An option may override the bench's own settings (the bf16 comparison sets dtype).
+    workload = make_workload(quick=True, num_requests=2)
+    bf16 = dataclasses.replace(spec, engine_options={"dtype": "bfloat16", "max_num_seqs": 3})
+    settings = engine_settings(bf16, workload)
+    assert (settings["dtype"], settings["max_num_seqs"]) == ("bfloat16", 3)
+    assert engine_settings(spec, workload)["dtype"] == "float32"
+    assert settings["num_device_blocks"] == engine_settings(spec, workload)["num_device_blocks"]
 
 
 def test_a_failed_worker_is_reported_not_raised(tmp_path: Path) -> None:

@@ -120,13 +120,9 @@ def _progress(spec: WorkerSpec, total: int) -> Any:
 # ---- asyncpaged -------------------------------------------------------------------------------
 
 
-async def _run_asyncpaged(spec: WorkerSpec, workload: Workload) -> dict[str, Any]:
-    import anyio
-
-    from asyncpaged.config import EngineConfig
-    from asyncpaged.engine import AsyncEngine
-    from asyncpaged.sampling_params import SamplingParams
-
+def engine_settings(spec: WorkerSpec, workload: Workload) -> dict[str, Any]:
+    """The ``EngineConfig`` fields asyncpaged runs the workload with: the bench's own (float32,
+    the block budget, the batching limits), each overridden by ``spec.engine_options``."""
     num_blocks = spec.num_device_blocks or blocks_for_workload(workload, spec.block_size)
     settings: dict[str, Any] = {
         "model": spec.model_dir,
@@ -136,7 +132,17 @@ async def _run_asyncpaged(spec: WorkerSpec, workload: Workload) -> dict[str, Any
         "max_num_seqs": spec.max_num_seqs,
         "max_num_batched_tokens": spec.max_num_batched_tokens,
     }
-    config = EngineConfig(**{**settings, **spec.engine_options})  # (an option may override)
+    return {**settings, **spec.engine_options}
+
+
+async def _run_asyncpaged(spec: WorkerSpec, workload: Workload) -> dict[str, Any]:
+    import anyio
+
+    from asyncpaged.config import EngineConfig
+    from asyncpaged.engine import AsyncEngine
+    from asyncpaged.sampling_params import SamplingParams
+
+    config = EngineConfig(**engine_settings(spec, workload))
     tokens: list[list[int]] = [[] for _ in workload.prompts]
     start = time.perf_counter()
     async with AsyncEngine(config) as engine:
@@ -160,9 +166,12 @@ async def _run_asyncpaged(spec: WorkerSpec, workload: Workload) -> dict[str, Any
                     tg.start_soon(one, i)
             wall_s = time.perf_counter() - start
             after = engine.statistics()
-    settings = {"num_device_blocks": num_blocks, "block_size": spec.block_size,
-                "max_num_seqs": spec.max_num_seqs,
-                "max_num_batched_tokens": spec.max_num_batched_tokens}  # fmt: skip
+    settings = {
+        "num_device_blocks": config.num_device_blocks,
+        "block_size": config.block_size,
+        "max_num_seqs": config.max_num_seqs,
+        "max_num_batched_tokens": config.max_num_batched_tokens,
+    }  # (as run)
     # The profile: how much of the timed wall went into the model forward, LM head and
     # sampling (compute), the rest of the executor's step (inputs, results, thread hop), and
     # everything else (scheduling, allocation, output processing, detokenization).
