@@ -119,6 +119,12 @@ def test_a_bfloat16_model_times_bfloat16_packing_and_skips_the_float32_levers(
     assert plan.packed_linears.reason == "oneDNN cannot pack bfloat16 weights on this CPU"
     assert timer.calls == []
     assert _plan(AVX2, Timings())["packed_linears"] is True  # float32 packs there
+    # oneDNN packs bf16 without bf16 dot products (avx512 alone), but not bit for bit: off
+    monkeypatch.setattr(packed_linear, "can_pack", lambda dtype: True)
+    timer = Timings()
+    assert _plan(ICELAKE, timer, dtype=torch.bfloat16)["packed_linears"] is False
+    assert timer.calls == []
+    assert _plan(ICELAKE, Timings())["packed_linears"] is True
 
 
 def test_explicit_settings_win_and_time_nothing() -> None:

@@ -11,7 +11,7 @@ turns it into on or off with a reason:
 lever               ``"auto"`` means on when
 ==================  ==========================================================================
 packed_linears      this torch has oneDNN's packed linear for the model's dtype (float32, or
-                    bfloat16 where oneDNN converts it natively), and a timed GEMM at the
+                    bfloat16 where the CPU has bf16 dot products), and a timed GEMM at the
                     model's decode shape (64 rows) and dtype runs faster packed than through
                     ``F.linear``
 screened_lm_head    the CPU has bf16 dot products (flags), and the screened greedy head, timed at
@@ -172,7 +172,9 @@ def plan_cpu(
                              timer or measure)  # fmt: skip
     target = (library_target or _library_target)()
     name = str(dtype).removeprefix("torch.")
-    choices = {"packed_linears": _packed(settings["packed_linears"], timings, shapes, dtype)}
+    choices = {
+        "packed_linears": _packed(settings["packed_linears"], features, timings, shapes, dtype)
+    }
     if dtype == torch.float32:
         choices.update({
             "screened_lm_head": _bf16_screen(settings["screened_lm_head"], features, timings,
@@ -201,7 +203,11 @@ def _forced(setting: LeverSetting) -> LeverChoice | None:
 
 
 def _packed(
-    setting: LeverSetting, timings: _CachedTimings, shapes: dict[str, int], dtype: torch.dtype
+    setting: LeverSetting,
+    features: CpuFeatures,
+    timings: _CachedTimings,
+    shapes: dict[str, int],
+    dtype: torch.dtype,
 ) -> LeverChoice:
     from asyncpaged.model.packed_linear import can_pack, packing_supported
 
@@ -210,9 +216,14 @@ def _packed(
         return forced
     if not packing_supported():
         return LeverChoice(False, "this torch build has no oneDNN packed linear")
+    name = str(dtype).removeprefix("torch.")
     if dtype != torch.float32 and not can_pack(dtype):
-        name = str(dtype).removeprefix("torch.")
         return LeverChoice(False, f"oneDNN cannot pack {name} weights on this CPU")
+    if dtype != torch.float32 and not features.has_bf16_dot:
+        # Without bf16 dot products the packed and plain bf16 GEMMs are neither the same bits
+        # (1 product in 36 differed under AVX512_CORE) nor apart in speed (2.36 vs 2.36 ms).
+        return LeverChoice(False, f"no bf16 dot products on this CPU: packing {name} neither "
+                                  "keeps F.linear's bits nor gains")  # fmt: skip
     probe = "packed_linear" if dtype == torch.float32 else PACKED_PROBES[dtype]
     packed, plain = timings.get(probe, shapes)
     wins = packed < plain
