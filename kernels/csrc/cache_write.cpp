@@ -26,28 +26,6 @@ namespace {
 
 constexpr int64_t kParallelElems = 1 << 16;  // fewer elements to write: one thread
 
-inline float to_float(float x) { return x; }
-inline float to_float(uint16_t x) {
-  const uint32_t u = static_cast<uint32_t>(x) << 16;
-  float f;
-  std::memcpy(&f, &u, sizeof f);
-  return f;
-}
-
-template <typename Dst>
-inline Dst convert(float x);
-template <>
-inline float convert<float>(float x) {
-  return x;
-}
-template <>
-inline uint16_t convert<uint16_t>(float x) {  // round to nearest even (c10::BFloat16)
-  uint32_t u;
-  std::memcpy(&u, &x, sizeof u);
-  if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;  // NaN
-  return static_cast<uint16_t>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
-}
-
 template <typename Src, typename Dst>
 inline Dst cast(Src x) {
   if constexpr (std::is_same_v<Src, Dst>) {

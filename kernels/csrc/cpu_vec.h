@@ -15,6 +15,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -84,6 +85,66 @@ inline vf load(const uint16_t* p) {
 }
 
 inline void store(float* p, vf v) { std::memcpy(p, &v, sizeof v); }
+
+// bf16 scalars: widening, and fp32 -> bf16 rounded to nearest even as c10::BFloat16 does (NaN
+// becomes the quiet NaN 0x7fc0), so a kernel stores the bits a torch bf16 op stores.
+inline float to_float(float x) { return x; }
+inline float to_float(uint16_t x) {
+  const uint32_t u = static_cast<uint32_t>(x) << 16;
+  float f;
+  std::memcpy(&f, &u, sizeof f);
+  return f;
+}
+
+template <typename Dst>
+inline Dst convert(float x);
+template <>
+inline float convert<float>(float x) {
+  return x;
+}
+template <>
+inline uint16_t convert<uint16_t>(float x) {  // round to nearest even (c10::BFloat16)
+  uint32_t u;
+  std::memcpy(&u, &x, sizeof u);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;  // NaN
+  return static_cast<uint16_t>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+// fp32 lanes rounded to the nearest bf16 (ties to even, as convert<uint16_t>), kept as fp32.
+inline vf round_bf16(vf v) {
+  vu u;
+  std::memcpy(&u, &v, sizeof u);
+  const vu rounded = (u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u;
+  const vu nan = (vu)((u & 0x7fffffffu) > 0x7f800000u);  // all ones where v is NaN
+  const vu bits = (nan & 0x7fc00000u) | (~nan & rounded);
+  vf f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+// W lanes stored as bf16, each rounded to nearest even.
+inline void store(uint16_t* p, vf v) {
+  vu u;
+  const vf r = round_bf16(v);
+  std::memcpy(&u, &r, sizeof u);
+  const vh h = __builtin_convertvector(u >> 16, vh);
+  std::memcpy(p, &h, sizeof h);
+}
+
+// What an op of element type T stores for an fp32 result: itself (float) or its bf16 rounding.
+template <typename T>
+inline vf round_to(vf v) {
+  if constexpr (std::is_same_v<T, uint16_t>) {
+    return round_bf16(v);
+  } else {
+    return v;
+  }
+}
+
+template <typename T>
+inline float round_to(float x) {
+  return to_float(convert<T>(x));
+}
 
 inline vf vmax(vf a, vf b) { return a > b ? a : b; }
 

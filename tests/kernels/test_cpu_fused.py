@@ -5,7 +5,10 @@ Each op runs on every build target the CPU runs (the others are skipped with the
 without g++ everything here skips) at 1 and 2 threads, on shapes that cover one token, a vector
 tail (hidden 37, head dim 80 at 16 lanes), and calls large enough to take the OpenMP path. The
 norm cases include rows small enough that ``eps`` matters, and an ``eps`` large enough to see
-where it is added; SiLU covers the whole float range of exp (overflow, subnormals, NaN).
+where it is added; SiLU covers the whole float range of exp (overflow, subnormals, NaN). In
+bfloat16 (the norms and RoPE) the kernels must store the model's own bf16 code's bits: RoPE and
+the residual sum everywhere, the norm's output everywhere but where an fp32 ulp of the sum of
+squares crosses a bf16 rounding boundary (none in these cases, a few in 10^4 allowed).
 """
 
 from __future__ import annotations
@@ -154,6 +157,59 @@ def test_silu_mul_over_the_whole_range_of_exp(target: str) -> None:
     assert torch.equal(got.nan_to_num(7.0), want.nan_to_num(7.0)), (got, want)
 
 
+BF16_ROUNDING = 2.0**-8  # bf16's unit roundoff (8 significant bits)
+
+
+def _bits_equal_share(got: torch.Tensor, want: torch.Tensor) -> float:
+    assert got.dtype == want.dtype == torch.bfloat16
+    return float((got.view(torch.int16) == want.view(torch.int16)).double().mean())
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_bfloat16_norms_store_the_models_bits(target: str, threads: int) -> None:
+    """rms_norm / add_rms_norm in bf16 against the model's RMSNorm in bf16 (bits) and float64
+    (two bf16 roundings: the normalised row, then its product with the weight)."""
+    eps = 1e-6
+    for num_tokens, hidden in NORM_SHAPES:
+        x, residual, weight = (t.bfloat16() for t in _norm_inputs(num_tokens, hidden, num_tokens))
+        norm = RMSNorm(hidden, eps)
+        norm.weight.data = weight
+        want_residual = residual + x  # the model's bf16 residual add
+        got_residual = residual.clone()
+        got = add_rms_norm(got_residual, x, weight, eps, num_threads=threads, target=target)
+        assert torch.equal(got_residual, want_residual), "the bf16 sum, rounded as torch does"
+        plain = rms_norm(want_residual, weight, eps, num_threads=threads, target=target)
+        assert torch.equal(plain, got)
+        with torch.inference_mode():
+            want = norm(want_residual)
+        assert got.dtype == torch.bfloat16
+        assert _bits_equal_share(got, want) >= 0.9995
+        want64 = reference_rms_norm(want_residual.double(), weight.double(), eps)
+        torch.testing.assert_close(got.double(), want64, rtol=2 * BF16_ROUNDING, atol=1e-30)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("head_dim", [64, 80])
+def test_bfloat16_rotary_stores_the_models_bits(target: str, threads: int, head_dim: int) -> None:
+    """RoPE in bf16 with the model's bf16 cos/sin: apply_rotary's bits exactly (each product
+    and the sum rounded to bf16), and float64 within those three roundings."""
+    for num_tokens in ROPE_TOKENS:
+        gen = torch.Generator().manual_seed(num_tokens + head_dim)
+        q = torch.randn(num_tokens, 8, head_dim, generator=gen).bfloat16()
+        k = torch.randn(num_tokens, 2, head_dim, generator=gen).bfloat16()
+        cos, sin = (t.bfloat16() for t in _cos_sin(num_tokens, head_dim, seed=num_tokens))
+        got_q, got_k = q.clone(), k.clone()
+        rotary_(got_q, got_k, cos, sin, num_threads=threads, target=target)
+        for got, x in ((got_q, q), (got_k, k)):
+            assert torch.equal(got, apply_rotary(x, cos, sin))
+            want64 = reference_rotary(x.double(), cos.double(), sin.double())
+            # |a c - b s| may cancel: bound each rounding by the products' size, not the result's
+            a, half = x.double().abs(), head_dim // 2
+            swapped = torch.cat((a[..., half:], a[..., :half]), dim=-1)
+            scale = a * cos.double().abs()[:, None] + swapped * sin.double().abs()[:, None]
+            assert bool(((got.double() - want64).abs() <= 3 * BF16_ROUNDING * scale).all())
+
+
 def test_inputs_are_checked() -> None:
     if cpu_build.find_compiler() is None:
         pytest.skip("g++ not found")
@@ -171,3 +227,11 @@ def test_inputs_are_checked() -> None:
         rotary_(q, None, cos[:, :8], cos[:, :8])
     with pytest.raises(ValueError, match="shaped"):
         silu_mul(x, x[:2])
+    with pytest.raises(ValueError, match="1-D bfloat16"):
+        rms_norm(x.bfloat16(), weight, 1e-6)  # the weight in the rows' dtype
+    with pytest.raises(ValueError, match="2-D bfloat16"):
+        add_rms_norm(x.bfloat16(), x, weight.bfloat16(), 1e-6)
+    with pytest.raises(ValueError, match="bfloat16"):
+        rotary_(q.bfloat16(), None, cos, cos)
+    with pytest.raises(ValueError, match="float32"):
+        silu_mul(x.bfloat16(), x.bfloat16())  # float32 only

@@ -87,7 +87,7 @@ def test_timings_decide_where_features_allow() -> None:
     assert _plan(ZEN4, slow_int8)["screened_lm_head"] is True  # decided on its own timing
 
 
-def test_a_bfloat16_model_times_bfloat16_packing_and_skips_the_float32_levers(
+def test_a_bfloat16_model_times_bfloat16_packing_fuses_and_skips_the_screens(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     from asyncpaged.model import packed_linear
@@ -101,12 +101,14 @@ def test_a_bfloat16_model_times_bfloat16_packing_and_skips_the_float32_levers(
                     dtype=torch.bfloat16)  # fmt: skip
     assert plan.dtype == "bfloat16"
     assert plan.levers() == {"packed_linears": True, "screened_lm_head": False,
-                             "int8_lm_head": False, "fused_elementwise": False}  # fmt: skip
+                             "int8_lm_head": False, "fused_elementwise": True}  # fmt: skip
     assert timer.calls == ["packed_linear_bf16"]  # its own probe: float32 timings don't tell
-    assert plan.fused_elementwise.reason == "acts on float32 models; this one is bfloat16"
+    assert plan.screened_lm_head.reason == "acts on float32 models; this one is bfloat16"
+    assert plan.int8_lm_head.reason == "acts on float32 models; this one is bfloat16"
+    assert _plan(ZEN4, Timings(), target=None, dtype=torch.bfloat16)["fused_elementwise"] is False
     slower = Timings(packed_linear_bf16=(2.0, 1.5), packed_linear=(1.0, 2.0))
     assert _plan(ZEN4, slower, dtype=torch.bfloat16)["packed_linears"] is False
-    forced = dict(AUTO, screened_lm_head=True, fused_elementwise=True)
+    forced = dict(AUTO, screened_lm_head=True, int8_lm_head=True)
     assert _plan(ZEN4, Timings(), settings=forced, dtype=torch.bfloat16) == plan.levers()
     # oneDNN packs bfloat16 only where the CPU converts it natively (not AVX2-only): not timed
     monkeypatch.setattr(packed_linear, "can_pack", lambda dtype: dtype == torch.float32)
@@ -212,7 +214,8 @@ def test_engine_reports_its_plan(tiny_checkpoint: Callable[[str], Path]) -> None
 
 def test_engine_plans_a_bfloat16_model(tiny_checkpoint: Callable[[str], Path]) -> None:
     """The plan covers a bfloat16 model: its layers and head are packed where the plan says so
-    (on where this CPU packs bfloat16 faster), nothing float32-only runs."""
+    (on where this CPU packs bfloat16 faster), the fused ops run where the library builds, and
+    no screen runs."""
     from asyncpaged.model.packed_linear import PACKED_ATTR
 
     config = EngineConfig(model=str(tiny_checkpoint("llama-gqa")), dtype="bfloat16",
@@ -227,7 +230,8 @@ def test_engine_plans_a_bfloat16_model(tiny_checkpoint: Callable[[str], Path]) -
                       if isinstance(m, torch.nn.Linear) and name != "lm_head"]  # fmt: skip
             assert packed and all(p == plan.packed_linears.enabled for p in packed)
             assert (runner.model.packed_lm_head is not None) == plan.packed_linears.enabled
-            assert runner.screened_head is None and runner.model.fused_ops is None
+            assert runner.screened_head is None and runner.int8_head is None
+            assert (runner.model.fused_ops is not None) == plan.fused_elementwise.enabled
             with anyio.fail_after(30):
                 params = SamplingParams(temperature=0.0, max_tokens=3)
                 out = await engine.generate([5, 6, 7], params)

@@ -25,6 +25,7 @@ from asyncpaged.testing.tiny_models import VOCAB_SIZE
 from tests.model.driver import Driver, SimSequence
 from tests.model.reference import HFReference
 
+BF16_NORM_LOGPROB_TOL = 1e-2
 FAMILIES = ["llama-gqa", "llama-mha", "mistral", "qwen2", "opt", "opt-post-ln", "gpt2"]
 ROPE_VARIANTS = ["llama-rope-linear", "llama-rope-dynamic", "llama-rope-llama3", "llama-rope-yarn"]
 PROMPT_LENS = (15, 16, 17, 1, 5, 31, 32, 33, 9, 40)
@@ -205,6 +206,42 @@ def test_fused_elementwise_keeps_greedy_equal_to_transformers(
             "rotary_": num_layers * steps,
             "silu_mul": num_layers * steps,
         }
+
+
+@pytest.mark.parametrize("name", ["llama-gqa", "qwen3", "qwen3-moe", "phi3-longrope"])
+def test_fused_elementwise_in_bfloat16_gives_the_torch_paths_tokens(
+    name: str, tiny_checkpoint: Callable[[str], Path]
+) -> None:
+    """A bfloat16 model with the fused norms and RoPE (SiLU x up stays torch's in bf16) and
+    without: the same tokens over chunked, staggered sequences, since the kernels round to bf16
+    where the torch code does (tests/kernels/test_cpu_fused.py checks the bits). The logprobs
+    agree to BF16_NORM_LOGPROB_TOL: the norm's sum of squares runs in another order, and where
+    that fp32 ulp crosses a bf16 rounding boundary one normalised value moves one bf16 ulp
+    (measured: phi3-longrope, one logprob in 1e-3)."""
+    if cpu_build.find_compiler() is None:
+        pytest.skip("g++ not found: no fused ops")
+    outputs = []
+    for fused in (True, False):
+        runner = _runner(tiny_checkpoint(name), dtype="bfloat16", fused_elementwise=fused)
+        assert (runner.model.fused_ops is not None) == fused
+        counting = None
+        if fused:
+            counting = runner.model.fused_ops = _CountingOps(runner.model.fused_ops)
+        seqs = _make_sequences(seed=6)
+        driver = Driver(runner, seed=8)
+        driver.run(seqs)
+        outputs.append([(s.output, s.logprobs) for s in seqs])
+        if counting is not None:
+            num_layers, steps = runner.model.num_layers, driver.step_index
+            assert counting.calls == {
+                "rms_norm": steps,
+                "add_rms_norm": 2 * num_layers * steps,
+                "rotary_": num_layers * steps,
+            }
+    for (fused_tokens, fused_logprobs), (tokens, logprobs) in zip(*outputs, strict=True):
+        assert fused_tokens == tokens
+        for got, want in zip(fused_logprobs, logprobs, strict=True):
+            assert abs(got - want) <= BF16_NORM_LOGPROB_TOL, (got, want)
 
 
 @pytest.mark.parametrize("name", FAMILIES)

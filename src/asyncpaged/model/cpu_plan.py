@@ -26,8 +26,9 @@ fused_elementwise   the native kernel library builds here
 ==================  ==========================================================================
 
 A bfloat16 model is planned too: its linears and LM head pack (2x per GEMM on AMX; on one
-thread packing keeps ``F.linear``'s bits, see ``packed_linear``); the screens and the fused ops
-act on float32 models only, so they are off for it, saying so.
+thread packing keeps ``F.linear``'s bits, see ``packed_linear``), and the fused ops take its norms
+and RoPE (rounding to bf16 where the torch code rounds, ``asyncpaged.kernels.cpu_fused``); the
+screens act on float32 models only, so they are off for it, saying so.
 
 ``True`` / ``False`` force a lever (the reason says so). The native attention kernels' build
 target (the best the CPU runs, ``ASYNCPAGED_CPU_TARGET`` overrides) and the torch thread count
@@ -181,11 +182,11 @@ def plan_cpu(
                                              shapes),
             "int8_lm_head": _int8_screen(settings["int8_lm_head"], features, int8_exact, timings,
                                          shapes),
-            "fused_elementwise": _fused(settings["fused_elementwise"], target),
         })  # fmt: skip
     else:
         float32_only = LeverChoice(False, f"acts on float32 models; this one is {name}")
-        choices.update(dict.fromkeys(LEVERS[1:], float32_only))
+        choices.update(dict.fromkeys(("screened_lm_head", "int8_lm_head"), float32_only))
+    choices["fused_elementwise"] = _fused(settings["fused_elementwise"], target)
     timings.save()
     read = sorted(features.flags & (_BF16_FLAGS | _VNNI_FLAGS | {"avx2", "avx512f", "fma"}))
     plan = CpuPlan(**choices, attention_target=target, num_threads=torch.get_num_threads(),

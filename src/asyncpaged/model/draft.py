@@ -44,7 +44,7 @@ from asyncpaged._log import get_logger
 from asyncpaged.errors import InvalidRequestError
 from asyncpaged.model.attention import AttentionBackend, AttentionMetadata
 from asyncpaged.model.attention_select import AttentionChoice, select_attention_backend
-from asyncpaged.model.base import CausalLM
+from asyncpaged.model.base import FUSED_DTYPES, CausalLM
 from asyncpaged.model.cuda_graphs import Capture, DecodeGraphs, capture_decode_graphs
 from asyncpaged.model.kv_cache import PagedKVCache, swap_in, swap_out
 from asyncpaged.model.loader import load_model
@@ -170,7 +170,7 @@ class DraftModel:
         if self.device.type == "cpu" and packed_linears:  # (float32 and bfloat16 weights)
             pack_linears(self.model, batch_hint=64, keep=(self.model.lm_head_weight(),))
             self.model.packed_lm_head = pack_weight(self.model.lm_head_weight(), 64)
-        if self.device.type == "cpu" and dtype == torch.float32 and fused_elementwise:
+        if self.device.type == "cpu" and dtype in FUSED_DTYPES and fused_elementwise:
             from asyncpaged.kernels.cpu_fused import fused_ops
 
             self.model.fused_ops = fused_ops()

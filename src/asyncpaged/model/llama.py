@@ -20,10 +20,11 @@ o_proj and down_proj are row-parallel, each followed by an all-reduce. Embedding
 LM head are replicated. MoE blocks split each expert the same way and keep the router replicated
 (``moe``).
 
-Fused elementwise work (``CausalLM.fused_ops``, set by the runner for float32 CPU models): the
-residual adds fused with the RMSNorm that reads each sum, RoPE on q/k in place, and SiLU x up,
-each one native call (``asyncpaged.kernels.cpu_fused``); the same math as the torch code up to
-fp32 summation order. Any other dtype or device takes the torch code.
+Fused elementwise work (``CausalLM.fused_ops``, set by the runner for float32 and bfloat16 CPU
+models): the residual adds fused with the RMSNorm that reads each sum, RoPE on q/k in place, and
+SiLU x up (float32 only), each one native call (``asyncpaged.kernels.cpu_fused``); the same math
+as the torch code up to fp32 summation order (bfloat16 rounds where the torch code rounds). Any
+other dtype or device takes the torch code.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from torch import nn
 
 from asyncpaged.model.attention import AttentionMetadata
 from asyncpaged.model.base import (
+    FUSED_DTYPES,
     SINGLE_SHARD,
     CausalLM,
     Embedding,
@@ -45,6 +47,7 @@ from asyncpaged.model.base import (
     column_parallel,
     linear,
     row_parallel,
+    silu_mul,
 )
 from asyncpaged.model.errors import UnsupportedModelError
 from asyncpaged.model.kv_cache import PagedKVCache
@@ -140,8 +143,8 @@ class LlamaAttention(nn.Module):
         kv_cache: PagedKVCache,
         ops: FusedElementwise | None = None,
     ) -> torch.Tensor:
-        """``ops``: fused RoPE (in place on the fresh q/k) for float32 CPU inputs; q/k norms
-        (Qwen3) are torch code before it."""
+        """``ops``: fused RoPE (in place on the fresh q/k) for float32 or bfloat16 CPU inputs;
+        q/k norms (Qwen3) are torch code before it."""
         num_tokens = x.shape[0]
         q = linear(self.q_proj, x).view(num_tokens, self.num_heads, self.head_dim)  # [T, Hq, D]
         k = linear(self.k_proj, x).view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
@@ -181,13 +184,9 @@ class LlamaMLP(nn.Module):
 
     def forward(self, x: torch.Tensor, ops: FusedElementwise | None = None) -> torch.Tensor:
         """x [T, H] -> [T, I/N] -> partial [T, H] -> summed over the ranks; ``ops``: fused
-        SiLU x up (into the fresh gate tensor) for float32 CPU inputs."""
+        SiLU x up (into the fresh gate tensor) for float32 CPU inputs (bfloat16: torch's)."""
         gate, up = linear(self.gate_proj, x), linear(self.up_proj, x)  # [T, I/N] each
-        if ops is not None and gate.is_contiguous() and up.is_contiguous():
-            gated = ops.silu_mul(gate, up, gate)
-        else:
-            gated = torch.nn.functional.silu(gate) * up
-        return self.shard.reduce(linear(self.down_proj, gated))
+        return self.shard.reduce(linear(self.down_proj, silu_mul(gate, up, ops)))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -328,7 +327,8 @@ class LlamaForCausalLM(CausalLM):
         """The forward with fused elementwise ops: ``h`` [T, H] (the embeddings, owned here) is
         the residual stream, updated in place; each residual add is fused with the norm that
         reads its sum (the next layer's input norm, or the final norm). The same math as the
-        torch path up to fp32 summation order."""
+        torch path up to fp32 summation order (in bfloat16, rounded where the torch path
+        rounds)."""
         norms = [self.model.norm]
         for layer in reversed(self._decoder_layers):
             norms += (layer.post_attention_layernorm, layer.input_layernorm)
@@ -345,19 +345,19 @@ class LlamaForCausalLM(CausalLM):
         return x
 
     def _usable_fused_ops(self, h: torch.Tensor) -> FusedElementwise | None:
-        """``fused_ops`` when this forward can take them: contiguous float32 CPU hidden states,
-        float32 contiguous CPU norm weights and an even head dim (checked once per ops object)."""
+        """``fused_ops`` when this forward can take them: contiguous float32 or bfloat16 CPU
+        hidden states, contiguous CPU norm weights of their dtype and an even head dim (checked
+        once per ops object and dtype)."""
         ops = self.fused_ops
-        if ops is None or h.dtype != torch.float32 or h.device.type != "cpu":
+        if ops is None or h.dtype not in FUSED_DTYPES or h.device.type != "cpu":
             return None
         if not h.is_contiguous():
             return None
         checked = self.__dict__.get("_fused_ops_check")
-        if checked is None or checked[0] is not ops:
+        if checked is None or checked[0] is not ops or checked[1] != h.dtype:
             weights = [m.weight for m in self.modules() if isinstance(m, RMSNorm)]
             fits = self.head_dim % 2 == 0 and all(
-                w.dtype == torch.float32 and w.device.type == "cpu" and w.is_contiguous()
-                for w in weights
+                w.dtype == h.dtype and w.device.type == "cpu" and w.is_contiguous() for w in weights
             )
-            checked = self.__dict__["_fused_ops_check"] = (ops, fits)
-        return ops if checked[1] else None
+            checked = self.__dict__["_fused_ops_check"] = (ops, h.dtype, fits)
+        return ops if checked[2] else None

@@ -37,6 +37,7 @@ from asyncpaged.model.base import (
     column_parallel,
     linear,
     row_parallel,
+    silu_mul,
 )
 from asyncpaged.model.errors import UnsupportedModelError
 
@@ -121,11 +122,7 @@ class SwiGLUExpert(nn.Module):
         assert isinstance(up_proj, Linear)
         assert isinstance(down_proj, Linear)
         gate, up = linear(gate_proj, x), linear(up_proj, x)  # [n, I/N] each
-        if ops is not None and gate.is_contiguous() and up.is_contiguous():
-            gated = ops.silu_mul(gate, up, gate)
-        else:
-            gated = torch.nn.functional.silu(gate) * up
-        return linear(down_proj, gated)  # [n, H]
+        return linear(down_proj, silu_mul(gate, up, ops))  # [n, H]
 
 
 class SparseMoeBlock(nn.Module):

@@ -19,8 +19,9 @@ factor lists missing or not of length rotary dim / 2, a partial factor giving an
 Tensor parallelism splits the fused projections part by part (``ShardRule.parts``): a rank holds
 its heads' rows of q, of k and of v, and its share of the gate rows and of the up rows.
 
-Fused elementwise work (``CausalLM.fused_ops``, float32 CPU): residual add + RMSNorm, RoPE in place
-on q/k when the rotation is full (a partial one takes ``apply_rotary``), SiLU x up.
+Fused elementwise work (``CausalLM.fused_ops``, float32 or bfloat16 CPU): residual add + RMSNorm,
+RoPE in place on q/k when the rotation is full (a partial one takes ``apply_rotary``), SiLU x up
+(float32; bfloat16 keeps torch's).
 """
 
 from __future__ import annotations
@@ -72,7 +73,8 @@ class Phi3Attention(nn.Module):
         kv_cache: PagedKVCache,
         ops: FusedElementwise | None = None,
     ) -> torch.Tensor:
-        """x [T, H] -> [T, H]; ``ops``: fused RoPE (full rotation only) for float32 CPU inputs."""
+        """x [T, H] -> [T, H]; ``ops``: fused RoPE (full rotation only) for float32 or bfloat16
+        CPU inputs."""
         num_tokens, d = x.shape[0], self.head_dim
         qkv = linear(self.qkv_proj, x)  # [T, (Hq + 2 Hkv) D]
         q_end, k_end = self.num_heads * d, (self.num_heads + self.num_kv_heads) * d
@@ -104,10 +106,11 @@ class Phi3MLP(nn.Module):
         self.down_proj = row_parallel(full, config.hidden_size, shard, bias=False)
 
     def forward(self, x: torch.Tensor, ops: FusedElementwise | None = None) -> torch.Tensor:
-        """x [T, H] -> [T, H]; ``ops``: fused SiLU x up for float32 CPU inputs."""
+        """x [T, H] -> [T, H]; ``ops``: fused SiLU x up for float32 CPU inputs (bfloat16:
+        torch's)."""
         gate_up = linear(self.gate_up_proj, x)  # [T, 2I]: gate | up
         gate, up = gate_up[:, : self.intermediate], gate_up[:, self.intermediate :]  # [T, I] views
-        if ops is not None:
+        if ops is not None and gate.dtype == torch.float32:
             gated = ops.silu_mul(gate.contiguous(), up.contiguous())  # [T, I]
         else:
             gated = up * torch.nn.functional.silu(gate)  # transformers' order

@@ -36,7 +36,7 @@ from asyncpaged._log import get_logger
 from asyncpaged.core.block_table import LATE_TOKEN
 from asyncpaged.model.attention import AttentionBackend, AttentionMetadata
 from asyncpaged.model.attention_select import AttentionChoice, select_attention_backend
-from asyncpaged.model.base import SINGLE_SHARD, CausalLM, TensorShard
+from asyncpaged.model.base import FUSED_DTYPES, SINGLE_SHARD, CausalLM, TensorShard
 from asyncpaged.model.block_tables import BlockTables
 from asyncpaged.model.cuda_graphs import Capture, DecodeGraphs, capture_decode_graphs
 from asyncpaged.model.head_sampling import sample_draws, verify_proposals
@@ -138,7 +138,7 @@ class ModelRunner:
         cpu_fp32 = on_cpu and self.dtype == torch.float32
         if packed_linears and on_cpu:  # (float32 and bfloat16 weights: packed_linear)
             pack_linears(self.model, batch_hint=64, keep=(self.model.lm_head_weight(),))
-        if fused_elementwise and cpu_fp32:
+        if fused_elementwise and on_cpu and self.dtype in FUSED_DTYPES:
             from asyncpaged.kernels.cpu_fused import fused_ops
 
             self.model.fused_ops = fused_ops()  # None (torch code) when it cannot be built
