@@ -1,7 +1,8 @@
 """Build the native CPU kernels with g++ on first use, cached on disk, loaded through ctypes.
 
 ``load_library(target)`` compiles the sources in ``csrc/`` (``paged_decode.cpp``,
-``paged_prefill.cpp``, ``cache_write.cpp``, ``fused_ops.cpp``, sharing ``cpu_vec.h``) into one
+``paged_prefill.cpp``, ``cache_write.cpp``, ``fused_ops.cpp``, ``argmax.cpp``, sharing
+``cpu_vec.h``) into one
 shared library for one build target and returns it loaded, or ``None`` when there is no
 compiler or the build fails (a warning is logged once; callers fall back to torch). Targets,
 best first:
@@ -52,7 +53,14 @@ TARGETS: Final = ("avx512", "avx2", "baseline")
 BUILD_NOTE: Final = "building native CPU kernels (one time, ~15 s)"  # logged with the cache path
 _CSRC: Final = Path(__file__).resolve().parent / "csrc"
 SOURCES: Final = tuple(
-    _CSRC / n for n in ("paged_decode.cpp", "paged_prefill.cpp", "cache_write.cpp", "fused_ops.cpp")
+    _CSRC / n
+    for n in (
+        "paged_decode.cpp",
+        "paged_prefill.cpp",
+        "cache_write.cpp",
+        "fused_ops.cpp",
+        "argmax.cpp",
+    )
 )
 HEADERS: Final = (_CSRC / "cpu_vec.h",)
 COMMON_FLAGS: Final = (

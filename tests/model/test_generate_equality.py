@@ -21,6 +21,7 @@ from asyncpaged.model.attention import AttentionBackend
 from asyncpaged.model.base import FusedElementwise
 from asyncpaged.model.runner import ModelRunner
 from asyncpaged.model.sampler import SamplingOptions
+from asyncpaged.model.step import SequenceStep, StepPlan
 from asyncpaged.testing.tiny_models import VOCAB_SIZE
 from tests.model.driver import Driver, SimSequence
 from tests.model.reference import HFReference
@@ -242,6 +243,81 @@ def test_fused_elementwise_in_bfloat16_gives_the_torch_paths_tokens(
         assert fused_tokens == tokens
         for got, want in zip(fused_logprobs, logprobs, strict=True):
             assert abs(got - want) <= BF16_NORM_LOGPROB_TOL, (got, want)
+
+
+def test_bfloat16_greedy_rows_take_the_native_argmax(
+    tiny_checkpoint: Callable[[str], Path],
+) -> None:
+    """A bfloat16 runner's plain greedy rows take the native argmax of the head's bf16 logits
+    (CausalLM.head_argmax) in every step, and give the tokens of the float32 logits' argmax
+    (native_argmax off)."""
+    if cpu_build.find_compiler() is None:
+        pytest.skip("g++ not found: no native argmax")
+    outputs, calls = [], []
+    for native in (True, False):
+        runner = _runner(tiny_checkpoint("llama-gqa"), dtype="bfloat16")
+        argmax = runner.model.native_argmax
+        assert argmax is not None
+        count = [0]
+
+        def counting(
+            logits: torch.Tensor,
+            argmax: Callable[[torch.Tensor], torch.Tensor] = argmax,
+            count: list[int] = count,
+        ) -> torch.Tensor:
+            count[0] += 1
+            assert logits.dtype == torch.bfloat16
+            return argmax(logits)
+
+        runner.model.native_argmax = counting if native else None
+        seqs = _make_sequences(seed=6)
+        driver = Driver(runner, seed=8, want_logprob=False)
+        driver.run(seqs)
+        outputs.append([s.output for s in seqs])
+        calls.append((count[0], driver.step_index))
+    assert outputs[0] == outputs[1]
+    assert calls[0][0] == calls[0][1] > 0 and calls[1][0] == 0
+
+
+def _slots(block: int, num_tokens: int) -> tuple[int, ...]:
+    return tuple(range(16 * block, 16 * block + num_tokens))
+
+
+def test_bfloat16_greedy_verification_takes_the_native_argmax(
+    tiny_checkpoint: Callable[[str], Path],
+) -> None:
+    """Plain greedy proposals of a bfloat16 model are verified on the native argmax of the
+    target's bf16 logits (one call over every sequence's num_draft + 1 rows): the same verdicts
+    as the float32 logits' argmax."""
+    if cpu_build.find_compiler() is None:
+        pytest.skip("g++ not found: no native argmax")
+    prompts = [(5, 9, 33, 2, 17, 8, 5, 9, 33), (40, 41, 42, 43, 40, 41)]
+    drafts = [(2, 17, 8), (42, 43)]
+    verdicts, rows = [], []
+    for native in (True, False):
+        runner = _runner(tiny_checkpoint("llama-gqa"), dtype="bfloat16")
+        argmax = runner.model.native_argmax
+        assert argmax is not None
+        seen: list[int] = []
+
+        def counting(
+            logits: torch.Tensor,
+            argmax: Callable[[torch.Tensor], torch.Tensor] = argmax,
+            seen: list[int] = seen,
+        ) -> torch.Tensor:
+            seen.append(logits.shape[0])
+            return argmax(logits)
+
+        runner.model.native_argmax = counting if native else None
+        seqs = tuple(
+            SequenceStep(i, p + d, 0, _slots(i, len(p + d)), (i,), True, num_draft=len(d))
+            for i, (p, d) in enumerate(zip(prompts, drafts, strict=True))
+        )
+        result = runner.execute(StepPlan(seqs=seqs))
+        verdicts.append([(t.seq_id, t.token_id, t.accepted) for t in result.sampled])
+        rows.append(seen)
+    assert verdicts[0] == verdicts[1]
+    assert rows == [[sum(len(d) + 1 for d in drafts)], []]
 
 
 @pytest.mark.parametrize("name", FAMILIES)

@@ -269,6 +269,9 @@ class CausalLM(nn.Module, metaclass=ABCMeta):
         # Set by the runner (packed linears on, bf16 screen off): the LM head in oneDNN's
         # packed layout for ``compute_logits`` (a copy; ``lm_head_weight`` stays as it is).
         self.packed_lm_head: torch.Tensor | None = None
+        #: set by the runner for bfloat16 CPU models (``asyncpaged.kernels.cpu_argmax``): the
+        #: row argmax ``head_argmax`` runs on the head's bf16 logits.
+        self.native_argmax: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     @abstractmethod
     def forward(
@@ -284,24 +287,42 @@ class CausalLM(nn.Module, metaclass=ABCMeta):
     def lm_head_weight(self) -> torch.Tensor:
         """[V, H] output embedding (the input embedding when tied)."""
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [N, H] (rows that sample) -> float32 logits [N, V], softcapped when
-        ``final_logit_softcap`` is set. oneDNN GEMMs run with the rows bucketed
-        (``row_buckets``): one kept primitive per bucket, not per row count."""
+    def head_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [N, H] (rows that sample) -> the LM head's logits [N, V] in the model's dtype,
+        before ``compute_logits`` widens and softcaps them. oneDNN GEMMs run with the rows
+        bucketed (``row_buckets``): one kept primitive per bucket, not per row count."""
         packed = self.packed_lm_head
         if packed is not None and hidden.device.type == "cpu":
-            logits = packed_matmul(hidden, packed).float()  # [N, V], bucketed
-        else:
-            weight = self.lm_head_weight()
-            if runs_on_onednn(hidden):
-                logits = bucketed(lambda rows: torch.nn.functional.linear(rows, weight), hidden)
-            else:
-                logits = torch.nn.functional.linear(hidden, weight)  # [N, V]
-            logits = logits.float()
+            return packed_matmul(hidden, packed)  # [N, V], bucketed
+        weight = self.lm_head_weight()
+        if runs_on_onednn(hidden):
+            return bucketed(lambda rows: torch.nn.functional.linear(rows, weight), hidden)
+        return torch.nn.functional.linear(hidden, weight)  # [N, V]
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [N, H] (rows that sample) -> float32 logits [N, V], softcapped when
+        ``final_logit_softcap`` is set."""
+        logits = self.head_logits(hidden).float()
         cap = self.final_logit_softcap
         if cap is not None:
             logits = torch.tanh(logits / cap) * cap
         return logits
+
+    def head_argmax(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """hidden [N, H] -> the greedy tokens [N] of ``compute_logits``' rows (their
+        ``torch.argmax``: the first maximal id, or the first NaN's) straight from the head's
+        bfloat16 logits through ``native_argmax``, without widening [N, V] to float32 (a
+        bf16 -> fp32 conversion is exact and keeps the order); None where that does not apply
+        (no native argmax, other logits, a final softcap)."""
+        argmax = self.native_argmax
+        if argmax is None or self.final_logit_softcap is not None:
+            return None
+        if hidden.dtype != torch.bfloat16 or hidden.device.type != "cpu" or hidden.dim() != 2:
+            return None
+        logits = self.head_logits(hidden)
+        if logits.dtype != torch.bfloat16 or logits.shape[1] == 0 or logits.stride(-1) != 1:
+            return None
+        return argmax(logits)
 
     def cuda_graph_safe(self) -> bool:
         """Whether a CUDA graph can capture the forward of a padded decode batch: no submodule

@@ -3,10 +3,12 @@
 
 Each takes the cheapest head that gives the full head's tokens: the int8 screen
 (``lm_head_int8``) for plain greedy rows, else the bf16 screen (``lm_head``), which also draws
-greedy and top-k rows from its candidates (``sampler.sample_from_candidates``); otherwise the
-full fp32 head (``CausalLM.compute_logits``) and ``sampler.sample`` or, for sampled proposals,
-``spec_decode.rejection.verify``. The runner builds the screens (``ModelRunner.screened_head``,
-``int8_head``, ``bf16_screen``) and passes them in, with its generator.
+greedy and top-k rows from its candidates (``sampler.sample_from_candidates``); a bfloat16
+model's plain greedy rows without a grammar take the native argmax of its bf16 logits
+(``CausalLM.head_argmax``); otherwise the full head (``CausalLM.compute_logits``, float32
+logits) and ``sampler.sample`` or, for sampled proposals, ``spec_decode.rejection.verify``.
+The runner builds the screens (``ModelRunner.screened_head``, ``int8_head``, ``bf16_screen``)
+and passes them in, with its generator.
 """
 
 from __future__ import annotations
@@ -58,6 +60,11 @@ def sample_draws(
     screened = _sample_screened(draws, hidden, head, bf16_screen, generator)
     if screened is not None:
         return screened
+    if all(plain_greedy(s, o) and (o is None or o.token_bitmask is None) for s, _, o in draws):
+        token_ids = model.head_argmax(hidden)
+        if token_ids is not None:
+            return SamplerOutput(token_ids=token_ids, logprobs=None, ranks=None,
+                                 top_token_ids=None, top_logprobs=None)  # fmt: skip
     logits = model.compute_logits(hidden)
     return sample(
         logits,
@@ -88,7 +95,7 @@ def verify_proposals(
     """Speculative decoding: score each sequence's proposals (its last ``num_draft + 1``
     rows; sequence ``i`` ends at row ``ends[i + 1]``) and keep what
     ``spec_decode.rejection.verify`` accepts. Plain greedy sequences take the target's argmax
-    per row (through a screen where one applies)."""
+    per row (through a screen, or a bfloat16 model's native argmax, where one applies)."""
     spec = [(i, s) for i, s in enumerate(seqs) if s.num_draft]
     rows = [r for i, s in spec for r in range(ends[i + 1] - 1 - s.num_draft, ends[i + 1])]
     states = hidden[torch.tensor(rows, device=hidden.device)]
@@ -98,6 +105,8 @@ def verify_proposals(
             (s, 0, None) for _, s in spec for _ in range(s.num_draft + 1)
         ]
         argmax = _screened_argmax(plain, states, head, int8_head, bf16_screen)
+        if argmax is None:
+            argmax = model.head_argmax(states)
         if argmax is None:
             argmax = greedy(model.compute_logits(states))
         return greedy_verdicts(spec, drafts, argmax.tolist())

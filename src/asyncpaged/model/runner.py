@@ -138,6 +138,10 @@ class ModelRunner:
         cpu_fp32 = on_cpu and self.dtype == torch.float32
         if packed_linears and on_cpu:  # (float32 and bfloat16 weights: packed_linear)
             pack_linears(self.model, batch_hint=64, keep=(self.model.lm_head_weight(),))
+        if on_cpu and self.dtype == torch.bfloat16:  # greedy rows skip widening the logits
+            from asyncpaged.kernels.cpu_argmax import native_argmax
+
+            self.model.native_argmax = native_argmax()  # None: the torch path
         if fused_elementwise and on_cpu and self.dtype in FUSED_DTYPES:
             from asyncpaged.kernels.cpu_fused import fused_ops
 
