@@ -55,7 +55,13 @@ from asyncpaged.model.draft import DraftSpec, load_draft
 from asyncpaged.model.generation_config import GenerationDefaults, load_generation_defaults
 from asyncpaged.model.kv_tier_remote import TierStore, start_remote_tiers
 from asyncpaged.model.kv_tier_store import build_kv_tiers
-from asyncpaged.model.loader import load_config, load_tokenizer, resolve_dtype, text_config
+from asyncpaged.model.loader import (
+    load_config,
+    load_tokenizer,
+    resolve_dtype,
+    stored_dtype,
+    text_config,
+)
 from asyncpaged.model.runner import ModelRunner, StepRunner, select_attention_backend
 from asyncpaged.model.runner_process import RunnerLaunch, RunnerProcess
 from asyncpaged.request_checks import RequestLimits, max_prompt_chars
@@ -118,6 +124,14 @@ def plan_model(cfg: EngineConfig, hf_config: Any) -> ModelPlan:
     """The dtypes, block counts and lengths, after refusing what cannot start (before any
     process starts)."""
     dtype = resolve_dtype(cfg.dtype, hf_config, torch.device(cfg.device))
+    stored = stored_dtype(hf_config)
+    if cfg.dtype == "auto" and stored is not None and stored != dtype:
+        # float16 / bfloat16 weights on a CPU: widened to float32, exact (docs/api.md)
+        log.info("dtype_auto", stored=str(stored).removeprefix("torch."),
+                 loaded=str(dtype).removeprefix("torch."),
+                 hint="dtype='bfloat16' keeps the checkpoint's 16 bits: about half the memory "
+                      "and faster where the CPU has bf16 dot products (cpu_plan's flags), but "
+                      "not token-identical to float32 (docs/tuning.md)")  # fmt: skip
     hf_config = text_config(hf_config)  # a multimodal checkpoint: its language model
     kv_dtype = dtype if cfg.kv_cache_dtype == "auto" else getattr(torch, cfg.kv_cache_dtype)
     tp_size = cfg.tensor_parallel_size
@@ -136,8 +150,9 @@ def plan_levers(
     cfg: EngineConfig, hf_config: Any, dtype: torch.dtype
 ) -> tuple[dict[str, bool], CpuPlan | None]:
     """The CPU levers' on/off, and the plan that chose them (``engine.cpu_plan`` says why);
-    they act on float32 and bfloat16 CPU models only (bfloat16: the packed linears alone), so
-    elsewhere nothing is probed, the plan is None and "auto" is passed on as on."""
+    they act on float32 and bfloat16 CPU models only (bfloat16: the packed linears and the
+    fused ops), so elsewhere nothing is probed, the plan is None and "auto" is passed on as
+    on."""
     settings = {name: getattr(cfg, name) for name in LEVERS}
     if torch.device(cfg.device).type != "cpu" or dtype not in (torch.float32, torch.bfloat16):
         return {name: setting is not False for name, setting in settings.items()}, None

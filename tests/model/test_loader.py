@@ -98,6 +98,35 @@ def test_dtype_resolution(
     assert {p.dtype for p in model.parameters()} == {expected}
 
 
+@pytest.mark.parametrize(
+    ("requested", "stored", "logged"),
+    [("auto", "bfloat16", True), ("auto", "float16", True), ("auto", "float32", False),
+     ("float32", "bfloat16", False), ("bfloat16", "bfloat16", False)],
+)  # fmt: skip
+def test_a_half_precision_checkpoint_widened_on_cpu_is_logged(
+    requested: str, stored: str, logged: bool, tiny_checkpoint: Callable[[str], Path]
+) -> None:
+    """dtype "auto" loads 16-bit weights as float32 on a CPU (exact); the engine says so once,
+    at INFO, naming the faster inexact opt-in; an explicit dtype or float32 weights say nothing."""
+    from structlog.testing import capture_logs
+    from transformers import AutoConfig
+
+    from asyncpaged import EngineConfig
+    from asyncpaged.engine_build import plan_model
+
+    hf_config = AutoConfig.from_pretrained(str(tiny_checkpoint("llama-gqa")))
+    hf_config.dtype = getattr(torch, stored)
+    with capture_logs() as logs:
+        plan = plan_model(EngineConfig(model="m", dtype=requested), hf_config)
+    events = [e for e in logs if e["event"] == "dtype_auto"]
+    assert plan.dtype == (torch.float32 if requested == "auto" else getattr(torch, requested))
+    assert len(events) == logged
+    if logged:
+        assert events[0]["log_level"] == "info"
+        assert events[0]["stored"] == stored and events[0]["loaded"] == "float32"
+        assert "dtype='bfloat16'" in events[0]["hint"]
+
+
 def test_unknown_dtype_is_rejected(tiny_checkpoint: Callable[[str], Path]) -> None:
     with pytest.raises(UnsupportedModelError, match="dtype must be one of"):
         load_model(tiny_checkpoint("llama-gqa"), "float8")

@@ -108,14 +108,18 @@ def resolve_dtype(dtype: str | torch.dtype, config: Any, device: torch.device) -
         return _DTYPES[dtype]
     if dtype != "auto":
         raise UnsupportedModelError(f"dtype must be one of {[*_DTYPES, 'auto']}, got {dtype!r}.")
+    stored = stored_dtype(config)
+    if stored is None or (device.type == "cpu" and stored in (torch.float16, torch.bfloat16)):
+        return torch.float32
+    return stored
+
+
+def stored_dtype(config: Any) -> torch.dtype | None:
+    """The dtype the checkpoint's config names (``dtype`` or ``torch_dtype``), if one we load."""
     stored = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
     if isinstance(stored, str):
         stored = _DTYPES.get(stored.removeprefix("torch."), torch.float32)
-    if not isinstance(stored, torch.dtype) or stored not in _DTYPES.values():
-        return torch.float32
-    if device.type == "cpu" and stored in (torch.float16, torch.bfloat16):
-        return torch.float32
-    return stored
+    return stored if isinstance(stored, torch.dtype) and stored in _DTYPES.values() else None
 
 
 def _weight_files(directory: Path) -> list[Path]:
