@@ -4,7 +4,8 @@
   library through ctypes;
 * ``reference_paged_decode``: the same attention in float64 with plain torch (tests);
 * ``CpuAttentionBackend``: ``TorchAttentionBackend`` with the K/V write, the decodes and the
-  prefills on the native kernels (``cpu_ops.py``); any call they cannot take stays on torch;
+  prefills on the native kernels (``cpu_ops.py``), but a bfloat16 model's whole prompts, which
+  take torch's bf16 SDPA as transformers does; any call they cannot take stays on torch;
 * ``make_cpu_attention_backend``: that backend when the library builds, else the torch one.
 
 Decode: one query token per sequence, at position ``context_len - 1``; with a sliding window
@@ -258,13 +259,17 @@ class CpuAttentionBackend(TorchAttentionBackend):
 
     The write stores the bits the parent's write stores (bf16 rounding included); decodes go to
     the decode kernel, prefills (full, chunked, prefix hits) to the prefill kernel, each once per
-    layer for the whole step. A call the kernels cannot take (library unavailable, non-CPU
-    tensors, a cache dtype other than float32/bfloat16, an unsupported head dim or block size)
-    goes to the parent whole; K/V in another dtype (float16) are written by the parent's write.
-    ``native_prefill=False`` keeps the parent's write and per-sequence prefill (A/B runs; default:
-    on unless ``ASYNCPAGED_CPU_NATIVE_PREFILL=0``). Per step the decode rows and prefill sequences
-    are turned into index tensors and a ``DecodePlan`` once (keyed on the metadata object,
-    reused by every layer with the same shapes, scale, window and softcap).
+    layer for the whole step. In a bfloat16 model a whole prompt (its rows are its whole context:
+    no cached prefix, no earlier chunk; no softcap, no window shorter than it) goes to torch's
+    causal SDPA in bf16 instead, on the step's own K/V rows: the call transformers makes, 2-4x
+    faster than the kernel's fp32 math (which reads the cache) and per sequence, so batch-free.
+    A call the kernels cannot take (library unavailable, non-CPU tensors, a cache dtype other
+    than float32/bfloat16, an unsupported head dim or block size) goes to the parent whole; K/V
+    in another dtype (float16) are written by the parent's write. ``native_prefill=False`` keeps
+    the parent's write and per-sequence prefill (A/B runs; default: on unless
+    ``ASYNCPAGED_CPU_NATIVE_PREFILL=0``). Per step the decode rows and prefill sequences are
+    turned into index tensors and a ``DecodePlan`` once (keyed on the metadata object, reused by
+    every layer with the same shapes, scale, window and softcap).
     """
 
     def __init__(
@@ -285,6 +290,8 @@ class CpuAttentionBackend(TorchAttentionBackend):
         self._rows_metadata: AttentionMetadata | None = None  # kept alive: identity is the key
         self._rows = (torch.empty(0, dtype=torch.int64), torch.empty(0, dtype=torch.int64))
         self._prefill_seqs = torch.empty(0, dtype=torch.int64)
+        # This step's (whole prompts for SDPA, the rest for the kernel), by sliding window.
+        self._splits: dict[int | None, tuple[tuple[int, ...], torch.Tensor]] = {}
 
     @property
     def is_native(self) -> bool:
@@ -333,11 +340,17 @@ class CpuAttentionBackend(TorchAttentionBackend):
                 self._decode_plans[plan_key] = plan
             plan.run(q, key_cache, value_cache, out)
         if metadata.prefill_indices and self.native_prefill:
-            launch_prefill(
-                lib, out, q, key_cache, value_cache, metadata.block_tables,
-                metadata.query_start_loc, metadata.context_lens, prefill_seqs, scale,
-                sliding_window, None, softcap=softcap,
-            )  # fmt: skip
+            sdpa = softcap is None and query.dtype == key.dtype == value.dtype == torch.bfloat16
+            whole, rest = self._prefill_split(metadata, sliding_window) if sdpa else ((), None)
+            for i in whole:
+                _sdpa_prompt(i, out, query, key, value, metadata, scale)
+            rest = prefill_seqs if rest is None else rest
+            if rest.numel():
+                launch_prefill(
+                    lib, out, q, key_cache, value_cache, metadata.block_tables,
+                    metadata.query_start_loc, metadata.context_lens, rest, scale,
+                    sliding_window, None, softcap=softcap,
+                )  # fmt: skip
         elif metadata.prefill_indices:
             for i in metadata.prefill_indices:
                 _prefill_one(
@@ -356,8 +369,45 @@ class CpuAttentionBackend(TorchAttentionBackend):
             )
             self._prefill_seqs = torch.tensor(md.prefill_indices, dtype=torch.int64)
             self._decode_plans.clear()
+            self._splits.clear()
             self._rows_metadata = md
         return (*self._rows, self._prefill_seqs)
+
+    def _prefill_split(
+        self, md: AttentionMetadata, window: int | None
+    ) -> tuple[tuple[int, ...], torch.Tensor]:
+        """This step's prefill sequences split into whole prompts (SDPA) and the rest (the
+        kernel); after ``_step_rows`` for ``md``."""
+        split = self._splits.get(window)
+        if split is None:
+            starts, ctx = md.query_start_loc_host, md.context_lens_host
+            whole = tuple(
+                i for i in md.prefill_indices
+                if starts[i + 1] - starts[i] == ctx[i] and (window is None or window >= ctx[i])
+            )  # fmt: skip
+            rest = [i for i in md.prefill_indices if i not in whole]
+            split = self._splits[window] = (whole, torch.tensor(rest, dtype=torch.int64))
+        return split
+
+
+def _sdpa_prompt(
+    i: int,
+    out: torch.Tensor,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    md: AttentionMetadata,
+    scale: float,
+) -> None:
+    """Sequence ``i``'s whole-prompt causal attention through torch's SDPA in the rows' dtype,
+    into its rows of ``out``: query [T, Hq, D], key / value [T, Hkv, D], the step's rows."""
+    start, end = md.query_start_loc_host[i], md.query_start_loc_host[i + 1]
+    q = query[start:end].transpose(0, 1)[None]  # [1, Hq, L, D]
+    k, v = key[start:end].transpose(0, 1)[None], value[start:end].transpose(0, 1)[None]
+    o = torch.nn.functional.scaled_dot_product_attention(
+        q, k, v, is_causal=True, scale=scale, enable_gqa=q.shape[1] != k.shape[1]
+    )  # [1, Hq, L, D]
+    out[start:end] = o[0].transpose(0, 1)
 
 
 def _kernel_fits(query: torch.Tensor, kv_cache: PagedKVCache) -> bool:

@@ -749,7 +749,9 @@ def test_backend_on_a_prefill_only_step(window: int | None, launches: list[str])
 
 @needs_compiler
 def test_backend_with_a_bf16_model(launches: list[str]) -> None:
-    """bf16 activations and cache: fp32 math inside, a bf16 output, as the parent does."""
+    """bf16 activations and cache: a bf16 output; fp32 math inside as the parent does, but the
+    whole prompt (0, 7), which takes torch's bf16 SDPA (bf16 probabilities: a bf16 ulp or two
+    apart, test_bf16_whole_prompts_take_torch_sdpa)."""
     outs = []
     for impl in (TorchAttentionBackend(), CpuAttentionBackend()):
         cache, md, query, key, value = _mixed_step(torch.bfloat16, 64, seed=6)
@@ -758,7 +760,41 @@ def test_backend_with_a_bf16_model(launches: list[str]) -> None:
     assert launches == ["write", "decode", "prefill"]
     want, got = outs
     assert got.dtype == want.dtype == torch.bfloat16
+    whole = slice(md.query_start_loc_host[1], md.query_start_loc_host[2])
+    torch.testing.assert_close(got[whole], want[whole], atol=2e-2, rtol=2e-2)
+    got[whole] = want[whole]
     torch.testing.assert_close(got, want)
+
+
+@needs_compiler
+@pytest.mark.parametrize("window", [None, 40, 10])
+def test_bf16_whole_prompts_take_torch_sdpa(window: int | None, launches: list[str]) -> None:
+    """In bf16, a prompt whose rows are its whole context (no window shorter than it) gets
+    torch's causal SDPA in bf16 on the step's K/V rows, bit for bit (transformers' call); chunks
+    on cached prefixes, decodes and prompts longer than the window stay on the kernels."""
+    shapes = ((0, 33), (16, 16), (0, 1), (0, 40), (48, 20), (5, 1))
+    cache, md, query, key, value = _mixed_step(torch.bfloat16, 64, seed=9, shapes=shapes)
+    query, key, value = (t.to(torch.bfloat16) for t in (query, key, value))
+    got = CpuAttentionBackend().forward(1, query, key, value, cache, md, scale=0.125,
+                                        sliding_window=window)  # fmt: skip
+    ref_cache, *_ = _mixed_step(torch.bfloat16, 64, seed=9, shapes=shapes)
+    want = TorchAttentionBackend().forward(1, query, key, value, ref_cache, md, scale=0.125,
+                                           sliding_window=window)  # fmt: skip
+    starts = md.query_start_loc_host
+    whole = [i for i, (cached, new) in enumerate(shapes)
+             if cached == 0 and new > 1 and (window is None or window >= new)]  # fmt: skip
+    assert whole == ([0, 3] if window != 10 else [])
+    for i in whole:
+        rows = slice(starts[i], starts[i + 1])
+        sdpa = torch.nn.functional.scaled_dot_product_attention(
+            query[rows].transpose(0, 1)[None], key[rows].transpose(0, 1)[None],
+            value[rows].transpose(0, 1)[None], is_causal=True, scale=0.125, enable_gqa=True,
+        )[0].transpose(0, 1)  # fmt: skip
+        assert torch.equal(got[rows], sdpa)
+    # everything else: the kernels' fp32 math, as the torch backend's (bf16 output)
+    torch.testing.assert_close(got, want, atol=2e-2, rtol=2e-2)
+    assert launches == ["write", "decode", "prefill"]  # the chunks still go to the kernel
+    assert torch.equal(cache.key.nan_to_num(7.0), ref_cache.key.nan_to_num(7.0))
 
 
 @needs_compiler

@@ -279,6 +279,45 @@ def test_bfloat16_greedy_rows_take_the_native_argmax(
     assert calls[0][0] == calls[0][1] > 0 and calls[1][0] == 0
 
 
+@pytest.mark.parametrize(
+    ("name", "lengths"),
+    [("llama-gqa", (5, 16, 37, 60)), ("qwen3", (5, 16, 37, 60)), ("qwen2", (9, 33)),
+     ("phi3-longrope", (5, 16, 37, 60)), ("mistral", (5, 12))],  # mistral: a 12-token window
+)  # fmt: skip
+def test_bfloat16_prompt_logits_equal_transformers_bits(
+    name: str, lengths: tuple[int, ...], tiny_checkpoint: Callable[[str], Path]
+) -> None:
+    """A bfloat16 prompt's last-row logits equal transformers' bf16 forward bit for bit: packed
+    linears (F.linear's bits on one thread), the CPU attention backend with whole prompts on
+    torch's bf16 SDPA (transformers' call), the native argmax's logits. Fused norms off: their
+    sum order may move one bf16 ulp (tests/kernels/test_cpu_fused.py). A prompt longer than a
+    sliding window stays on the kernel's fp32 math (not claimed here)."""
+    if cpu_build.find_compiler() is None:
+        pytest.skip("g++ not found: no CPU attention backend")
+    from asyncpaged.kernels.cpu_attention import CpuAttentionBackend
+    from transformers import AutoModelForCausalLM
+
+    from asyncpaged.model.attention import AttentionMetadata
+
+    path = tiny_checkpoint(name)
+    hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.bfloat16).eval()
+    runner = _runner(path, dtype="bfloat16", backend=CpuAttentionBackend(),
+                     fused_elementwise=False)  # fmt: skip
+    gen = torch.Generator().manual_seed(0)
+    for length in lengths:
+        prompt = torch.randint(4, VOCAB_SIZE, (length,), generator=gen)
+        md = AttentionMetadata.build(
+            query_lens=[length], context_lens=[length], block_tables=[list(range(4))],
+            slot_mapping=list(range(length)), device=torch.device("cpu"),
+        )  # fmt: skip
+        with torch.inference_mode():
+            want = hf(prompt[None]).logits[0, -1]
+            hidden = runner.model(prompt, torch.arange(length), md, runner.kv_cache)
+            got = runner.model.head_logits(hidden[-1:])[0]
+        assert got.dtype == want.dtype == torch.bfloat16
+        assert torch.equal(got, want), (name, length)
+
+
 def _slots(block: int, num_tokens: int) -> tuple[int, ...]:
     return tuple(range(16 * block, 16 * block + num_tokens))
 
