@@ -179,6 +179,13 @@ class _CountingOps:
         return self.ops.silu_mul(gate, up, out)
 
 
+def _fused_calls(runner: ModelRunner, steps: int, *, silu_mul: bool) -> dict[str, int]:
+    """The fused ops' calls in ``steps`` steps of a Llama-family model: each op once per use."""
+    layers = runner.model.num_layers
+    calls = {"rms_norm": steps, "add_rms_norm": 2 * layers * steps, "rotary_": layers * steps}
+    return {**calls, "silu_mul": layers * steps} if silu_mul else calls
+
+
 @pytest.mark.parametrize("fused", [True, False], ids=["fused", "torch-elementwise"])
 @pytest.mark.parametrize("name", ["llama-gqa", "mistral", "qwen2", "llama-rope-yarn"])
 def test_fused_elementwise_keeps_greedy_equal_to_transformers(
@@ -200,13 +207,7 @@ def test_fused_elementwise_keeps_greedy_equal_to_transformers(
     driver.run(seqs)
     _assert_matches(seqs, hf_reference(name))
     if counting is not None:
-        num_layers, steps = runner.model.num_layers, driver.step_index
-        assert counting.calls == {
-            "rms_norm": steps,
-            "add_rms_norm": 2 * num_layers * steps,
-            "rotary_": num_layers * steps,
-            "silu_mul": num_layers * steps,
-        }
+        assert counting.calls == _fused_calls(runner, driver.step_index, silu_mul=True)
 
 
 @pytest.mark.parametrize("name", ["llama-gqa", "qwen3", "qwen3-moe", "phi3-longrope"])
@@ -233,12 +234,7 @@ def test_fused_elementwise_in_bfloat16_gives_the_torch_paths_tokens(
         driver.run(seqs)
         outputs.append([(s.output, s.logprobs) for s in seqs])
         if counting is not None:
-            num_layers, steps = runner.model.num_layers, driver.step_index
-            assert counting.calls == {
-                "rms_norm": steps,
-                "add_rms_norm": 2 * num_layers * steps,
-                "rotary_": num_layers * steps,
-            }
+            assert counting.calls == _fused_calls(runner, driver.step_index, silu_mul=False)
     for (fused_tokens, fused_logprobs), (tokens, logprobs) in zip(*outputs, strict=True):
         assert fused_tokens == tokens
         for got, want in zip(fused_logprobs, logprobs, strict=True):
