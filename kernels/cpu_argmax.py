@@ -4,7 +4,8 @@
 first index of each row's largest value (the lowest id among ties), or of its first NaN. A
 bfloat16 model's greedy rows take it on the LM head's bf16 logits, where the alternative widens
 the whole [rows, vocab] block to float32 first (0.43 ms at [64 x 32000] on one thread, then
-0.34 ms of numpy argmax). ``None`` where the library does not build here (callers keep theirs).
+0.34 ms of numpy argmax). ``native_argmax()`` is None where the library does not build here
+(callers keep theirs); ``argmax_rows`` then raises.
 """
 
 from __future__ import annotations
@@ -15,10 +16,9 @@ import functools
 import torch
 
 from .cpu_build import load_library
+from .cpu_ops import KV_DTYPE_CODES as DTYPE_CODES  # the library's dtype codes
 
 __all__ = ["argmax_rows", "native_argmax"]
-
-DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
 
 
 class NativeArgmax:

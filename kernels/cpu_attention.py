@@ -324,10 +324,17 @@ class CpuAttentionBackend(TorchAttentionBackend):
             launch_write(lib, k, v, key_cache, value_cache, metadata.slot_mapping, None)
         else:
             _write(kv_cache, layer_idx, key, value, metadata)
-        q = query if query.dtype == torch.float32 and _rows_dense(query) else query.float()
-        q = q if _rows_dense(q) else q.contiguous()
-        out = torch.empty(query.shape, dtype=torch.float32)  # [T, Hq, D]
         seq_indices, query_rows, prefill_seqs = self._step_rows(metadata)
+        whole: tuple[int, ...] = ()
+        rest = prefill_seqs  # the prefills the kernel takes
+        bf16 = query.dtype == key.dtype == value.dtype == torch.bfloat16
+        if metadata.prefill_indices and self.native_prefill and softcap is None and bf16:
+            whole, rest = self._prefill_split(metadata, sliding_window)
+        # The kernels read dense fp32 query rows; a step of whole bf16 prompts needs none.
+        if metadata.decode_indices or (self.native_prefill and rest.numel()):
+            q = query if query.dtype == torch.float32 and _rows_dense(query) else query.float()
+            q = q if _rows_dense(q) else q.contiguous()
+        out = torch.empty(query.shape, dtype=torch.float32)  # [T, Hq, D]
         if metadata.decode_indices:
             plan_key = (scale, sliding_window, softcap, q.shape, key_cache.shape, key_cache.dtype)
             plan = self._decode_plans.get(plan_key)
@@ -340,11 +347,8 @@ class CpuAttentionBackend(TorchAttentionBackend):
                 self._decode_plans[plan_key] = plan
             plan.run(q, key_cache, value_cache, out)
         if metadata.prefill_indices and self.native_prefill:
-            sdpa = softcap is None and query.dtype == key.dtype == value.dtype == torch.bfloat16
-            whole, rest = self._prefill_split(metadata, sliding_window) if sdpa else ((), None)
             for i in whole:
                 _sdpa_prompt(i, out, query, key, value, metadata, scale)
-            rest = prefill_seqs if rest is None else rest
             if rest.numel():
                 launch_prefill(
                     lib, out, q, key_cache, value_cache, metadata.block_tables,

@@ -32,6 +32,7 @@ import functools
 import torch
 
 from .cpu_build import load_library
+from .cpu_ops import KV_DTYPE_CODES as DTYPE_CODES  # the library's dtype codes
 
 __all__ = [
     "FusedOps",
@@ -45,10 +46,6 @@ __all__ = [
     "rotary_",
     "silu_mul",
 ]
-
-
-#: the kernels' dtype codes (``silu_mul``: float32 only)
-DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
 
 
 class FusedOps:

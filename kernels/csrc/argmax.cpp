@@ -13,7 +13,6 @@
 
 #include "cpu_vec.h"
 
-#include <cmath>
 #include <cstdint>
 #include <limits>
 #include <utility>
