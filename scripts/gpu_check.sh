@@ -10,7 +10,9 @@
 # 5. `bench overhead` on CUDA (issue 22: host time per step at 256 sequences): the runner in a
 #    thread with async scheduling off, CUDA graphs on and off; in a thread and in its own
 #    process with async scheduling on
-# Budget: under 10 minutes (about 5 on an H200); each stage has its own timeout.
+# Run in the order 1+2, 5, 3, 4 (what has never run on a GPU first: a device lease that ends
+# early still brings those back). Budget: under 10 minutes (about 5 on an H200); each stage has
+# its own timeout.
 # Python: $PYTHON, else .venv if its torch sees CUDA, else python3. A package that Python lacks
 # (structlog, say) is installed from wheels in .whl/ when that folder exists.
 set -euo pipefail
@@ -64,7 +66,7 @@ log "1+2. kernel tests natively + end-to-end vs transformers, swap ordering on a
 export ASYNCPAGED_KERNELS_NATIVE=1
 unset TRITON_INTERPRET
 # -W default: a deprecation warning of another torch / transformers version is shown, not fatal.
-if timeout 240 "$PY" -m pytest tests/kernels tests/model/test_swap_ordering_cuda.py -q \
+if timeout 240 "$PY" -m pytest tests/kernels tests/model/test_swap_ordering_cuda.py -q -n 4 \
     -p no:cacheprovider --timeout 200 -W default \
     --ignore=tests/kernels/test_packaging.py --ignore=tests/kernels/test_cpu_attention.py \
     --ignore=tests/kernels/test_cpu_fused.py \
@@ -75,6 +77,23 @@ else
   echo "kernel tests: FAIL (see kernel_tests.log)" | tee -a "$RESULTS/summary.txt"
 fi
 tail -3 "$RESULTS/kernel_tests.log" >> "$RESULTS/summary.txt" || true
+
+log "5. engine overhead per step on CUDA, 256 sequences (issue 22): runner in a thread / a process,"
+log "   async scheduling off / on, CUDA graphs on (the default) / off (eager)"
+for run in thread:off:graphs thread:off:eager thread:on:graphs process:on:graphs; do
+  IFS=: read -r backend ahead graphs <<<"$run"
+  name="overhead_${backend}_async_${ahead}_${graphs}"
+  eager=()
+  [[ "$graphs" == eager ]] && eager=(--enforce-eager)
+  if timeout 75 "$PY" -m asyncpaged bench overhead --device cuda --repeats 2 ${eager[@]+"${eager[@]}"} \
+      --executor-backend "$backend" --async-scheduling "$ahead" --output "$RESULTS/$name" 2>&1 \
+      | tee "$RESULTS/$name.log"; then
+    grep -E '^median' "$RESULTS/$name.log" >> "$RESULTS/summary.txt" || true
+  else
+    status=1
+    echo "bench overhead ($run): FAIL (see $name.log)" | tee -a "$RESULTS/summary.txt"
+  fi
+done
 
 log "3. engine end-to-end on CUDA (scripts/gpu_e2e.py)"
 if timeout 180 "$PY" scripts/gpu_e2e.py --profile --out "$RESULTS/e2e.json" 2>&1 \
@@ -93,23 +112,6 @@ else
   status=1
   echo "benchmark: FAIL (see bench_decode.log)" | tee -a "$RESULTS/summary.txt"
 fi
-
-log "5. engine overhead per step on CUDA, 256 sequences (issue 22): runner in a thread / a process,"
-log "   async scheduling off / on, CUDA graphs on (the default) / off (eager)"
-for run in thread:off:graphs thread:off:eager thread:on:graphs process:on:graphs; do
-  IFS=: read -r backend ahead graphs <<<"$run"
-  name="overhead_${backend}_async_${ahead}_${graphs}"
-  eager=()
-  [[ "$graphs" == eager ]] && eager=(--enforce-eager)
-  if timeout 75 "$PY" -m asyncpaged bench overhead --device cuda --repeats 2 ${eager[@]+"${eager[@]}"} \
-      --executor-backend "$backend" --async-scheduling "$ahead" --output "$RESULTS/$name" 2>&1 \
-      | tee "$RESULTS/$name.log"; then
-    grep -E '^median' "$RESULTS/$name.log" >> "$RESULTS/summary.txt" || true
-  else
-    status=1
-    echo "bench overhead ($run): FAIL (see $name.log)" | tee -a "$RESULTS/summary.txt"
-  fi
-done
 
 log "done: status $status, results in $RESULTS"
 exit "$status"
