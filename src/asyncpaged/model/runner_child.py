@@ -29,7 +29,7 @@ from asyncpaged.model.runner import (
     select_attention_backend,
 )
 from asyncpaged.model.runner_logs import LIBRARY_LOGGER, LogCapture, capture_library_logs
-from asyncpaged.model.runner_process import RunnerReady
+from asyncpaged.model.runner_process import RunnerReady, result_to_wire
 
 # A step's rows cross the pipe as plain tuples (``runner_process._as_tuple_of``)
 _as_tuple_of = tuple.__new__
@@ -83,8 +83,7 @@ def _serve(
         seqs, copy_pairs, late_rows = wire
         plan = StepPlan(seqs=tuple([_as_tuple_of(SequenceStep, s) for s in seqs]),
                         copy_pairs=copy_pairs, late_rows=late_rows)  # fmt: skip
-        result = runner.execute(plan)
-        return tuple([tuple(t) for t in result.sampled]), result.compute_s, result.prompt_logprobs
+        return result_to_wire(runner.execute(plan))
 
     calls: dict[str, Callable[[Any], object]] = {
         "execute": execute, "swap_out": runner.swap_out, "swap_in": runner.swap_in,
