@@ -3,13 +3,13 @@
 #   scripts/gpu_check.sh            # results under $OUT if set, else ./results/gpu_check
 # 1. the kernel tests compiled natively (no TRITON_INTERPRET), incl. a >2^31-element cache test
 # 2. end-to-end greedy generation on tiny checkpoints vs transformers (tests/kernels/test_backend.py)
-# 3. the engine on CUDA through the public API (scripts/gpu_e2e.py): greedy tokens vs transformers
-#    on the built-in model, preemption by swap, fp32 / bf16 throughput, and a profiled fp32 run
-#    (cProfile of the event loop's and the forward's threads, the GPU's kernels)
+# 3. the engine on CUDA through the public API (scripts/gpu_e2e.py), the runner in a thread and in
+#    its own process: greedy tokens vs transformers on the built-in model, preemption by swap,
+#    fp32 / bf16 throughput, and (thread) a profiled fp32 run (cProfile, the GPU's kernels)
 # 4. paged decode attention benchmark: GB/s and the ratio to contiguous SDPA
 # 5. `bench overhead` on CUDA (issue 22: host time per step at 256 sequences): the runner in a
-#    thread with async scheduling off, CUDA graphs on and off; in a thread and in its own
-#    process with async scheduling on
+#    thread with async scheduling off, CUDA graphs on and off; async scheduling on in the thread;
+#    in its own process with async scheduling on and off, graphs on and off
 # Run in the order 1+2, 5, 3, 4 (what has never run on a GPU first: a device lease that ends
 # early still brings those back). Budget: under 10 minutes (about 5 on an H200); each stage has
 # its own timeout.
@@ -80,12 +80,13 @@ tail -3 "$RESULTS/kernel_tests.log" >> "$RESULTS/summary.txt" || true
 
 log "5. engine overhead per step on CUDA, 256 sequences (issue 22): runner in a thread / a process,"
 log "   async scheduling off / on, CUDA graphs on (the default) / off (eager)"
-for run in thread:off:graphs thread:off:eager thread:on:graphs process:on:graphs; do
+for run in thread:off:graphs thread:off:eager thread:on:graphs process:on:graphs process:off:graphs \
+    process:on:eager; do
   IFS=: read -r backend ahead graphs <<<"$run"
   name="overhead_${backend}_async_${ahead}_${graphs}"
   eager=()
   [[ "$graphs" == eager ]] && eager=(--enforce-eager)
-  if timeout 75 "$PY" -m asyncpaged bench overhead --device cuda --repeats 2 ${eager[@]+"${eager[@]}"} \
+  if timeout 75 "$PY" -m asyncpaged bench overhead --device cuda --repeats 3 ${eager[@]+"${eager[@]}"} \
       --executor-backend "$backend" --async-scheduling "$ahead" --output "$RESULTS/$name" 2>&1 \
       | tee "$RESULTS/$name.log"; then
     grep -E '^median' "$RESULTS/$name.log" >> "$RESULTS/summary.txt" || true
@@ -95,14 +96,18 @@ for run in thread:off:graphs thread:off:eager thread:on:graphs process:on:graphs
   fi
 done
 
-log "3. engine end-to-end on CUDA (scripts/gpu_e2e.py)"
-if timeout 180 "$PY" scripts/gpu_e2e.py --profile --out "$RESULTS/e2e.json" 2>&1 \
-    | tee "$RESULTS/e2e.log"; then
-  grep -E '^[0-9]\.' "$RESULTS/e2e.log" >> "$RESULTS/summary.txt" || true
-else
-  status=1
-  echo "end-to-end: FAIL (see e2e.log)" | tee -a "$RESULTS/summary.txt"
-fi
+log "3. engine end-to-end on CUDA (scripts/gpu_e2e.py), the runner in a thread (profiled) and in its process"
+for executor in thread process; do
+  profile=()
+  [[ "$executor" == thread ]] && profile=(--profile)
+  if timeout 150 "$PY" scripts/gpu_e2e.py --executor-backend "$executor" ${profile[@]+"${profile[@]}"} \
+      --out "$RESULTS/e2e_$executor.json" 2>&1 | tee "$RESULTS/e2e_$executor.log"; then
+    grep -E '^[0-9]\.' "$RESULTS/e2e_$executor.log" >> "$RESULTS/summary.txt" || true
+  else
+    status=1
+    echo "end-to-end ($executor): FAIL (see e2e_$executor.log)" | tee -a "$RESULTS/summary.txt"
+  fi
+done
 
 log "4. paged decode benchmark"
 if timeout 120 "$PY" -m asyncpaged.kernels.benchmark --out "$RESULTS/bench_decode.json" 2>&1 \

@@ -72,9 +72,11 @@ async def _engine_run(
         await engine.wait_idle()
         elapsed = time.perf_counter() - start
         stats = engine.statistics()
-        backend = type(engine.runner.model.attn_backend).__name__
+        runner = engine.runner  # None: the runner is in its own process
+        backend = type(runner.model.attn_backend).__name__ if runner else "runner process"
     info = {
         "backend": backend,
+        "executor": "thread" if runner else "process",
         "preemptions": stats.num_preemptions - before.num_preemptions,
         "swap_outs": stats.num_swap_outs - before.num_swap_outs,
         "swap_ins": stats.num_swap_ins - before.num_swap_ins,
@@ -106,10 +108,11 @@ def _hf_greedy(prompts: list[list[int]], max_tokens: int, device: str) -> list[l
     return result
 
 
-def _config(device: str, **overrides: Any) -> EngineConfig:
+def _config(device: str, executor: str, **overrides: Any) -> EngineConfig:
     settings: dict[str, Any] = {
         "model": str(default_model_path()),
         "device": device,
+        "executor_backend": executor,
         "dtype": "float32",
         "max_num_seqs": 256,
         "max_num_batched_tokens": 2048,
@@ -142,21 +145,27 @@ def _top(profile: cProfile.Profile, title: str, rows: int = 18) -> str:
 
 
 def _profile_run(config: EngineConfig, prompts: list[list[int]], max_tokens: int) -> None:
-    """The run again under cProfile (both threads) and, on CUDA, torch's profiler for the GPU's
-    kernels (its CPU side would see only this thread, not the forward's); prints the tables."""
+    """The run again under cProfile and, on CUDA, torch's profiler for the GPU's kernels (its
+    CPU side would see only this thread, not the forward's); prints the tables. Before Python
+    3.12 one profile per thread (the loop's, the forward's); from 3.12 cProfile is
+    ``sys.monitoring``'s one profiler tool, which sees every thread: one profile of both."""
+    per_thread = sys.version_info < (3, 12)
     loop_profile, forward_profile = cProfile.Profile(), cProfile.Profile()
     on_cuda = config.device == "cuda"
     gpu = torch.profiler.ProfilerActivity.CUDA
     with (
         torch.profiler.profile(activities=[gpu]) if on_cuda else contextlib.nullcontext() as prof,
-        _forward_profiled(forward_profile),
+        _forward_profiled(forward_profile) if per_thread else contextlib.nullcontext(),
     ):
         loop_profile.enable()
         _, elapsed, info = anyio.run(_engine_run, config, prompts, max_tokens)
         loop_profile.disable()
     print(f"4. profiled run: {elapsed:.2f} s, {info['steps']} steps (profilers add overhead)")
-    print(_top(loop_profile, "event loop thread: scheduling, allocation, streaming"))
-    print(_top(forward_profile, "forward thread: ModelRunner.execute"))
+    if per_thread:
+        print(_top(loop_profile, "event loop thread: scheduling, allocation, streaming"))
+        print(_top(forward_profile, "forward thread: ModelRunner.execute"))
+    else:
+        print(_top(loop_profile, "both threads (the loop's and the forward's)", rows=30))
     if prof is not None:
         print("--- GPU kernels (torch profiler, by self CUDA time) ---")
         print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=20))
@@ -168,6 +177,7 @@ def main() -> None:
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--load", type=int, default=256, help="requests of the throughput runs")
     parser.add_argument("--profile", action="store_true", help="4. profile the float32 run")
+    parser.add_argument("--executor-backend", default="auto", choices=["auto", "thread", "process"])
     args = parser.parse_args()
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))
     device = args.device
@@ -183,7 +193,10 @@ def main() -> None:
     prompts = _prompts(12, seed=0, low=5, high=120)
     max_tokens = 48
     got, _, info = anyio.run(
-        _engine_run, _config(device, num_device_blocks=512), prompts, max_tokens
+        _engine_run,
+        _config(device, args.executor_backend, num_device_blocks=512),
+        prompts,
+        max_tokens,
     )
     want = _hf_greedy(prompts, max_tokens, device)
     equal = sum(g == w for g, w in zip(got, want, strict=True))
@@ -193,7 +206,7 @@ def main() -> None:
     ]
     results["vs_transformers"] = {"requests": len(prompts), "equal": equal, **info}
     print(
-        f"1. greedy vs transformers on {device} (fp32, {info['backend']}): "
+        f"1. greedy vs transformers on {device} (fp32, {info['backend']}, {info['executor']}): "
         f"{equal}/{len(prompts)} requests token-identical ({max_tokens} tokens each)"
     )
     if equal != len(prompts):
@@ -203,7 +216,7 @@ def main() -> None:
     # 12 requests x up to 10 blocks each against 24 blocks: preemption is certain.
     swapped, _, sinfo = anyio.run(
         _engine_run,
-        _config(device, num_device_blocks=24, preemption_mode="swap"),
+        _config(device, args.executor_backend, num_device_blocks=24, preemption_mode="swap"),
         prompts,
         max_tokens,
     )
@@ -222,16 +235,19 @@ def main() -> None:
     results["throughput"] = {}
     for dtype in ("float32", "bfloat16"):
         tokens, elapsed, tinfo = anyio.run(
-            _engine_run, _config(device, dtype=dtype, num_device_blocks=8192), load, out_tokens
+            _engine_run,
+            _config(device, args.executor_backend, dtype=dtype, num_device_blocks=8192),
+            load,
+            out_tokens,
         )
         n = sum(len(t) for t in tokens)
         results["throughput"][dtype] = {"tokens": n, "seconds": elapsed, **tinfo}
         print(
             f"3. {len(load)} requests x {out_tokens} tokens, {dtype}: {n / elapsed:.0f} tok/s "
-            f"({elapsed:.2f} s, {tinfo['steps']} steps)"
+            f"({elapsed:.2f} s, {tinfo['steps']} steps, runner {tinfo['executor']})"
         )
     if args.profile:
-        _profile_run(_config(device, num_device_blocks=8192), load, out_tokens)
+        _profile_run(_config(device, "thread", num_device_blocks=8192), load, out_tokens)
     results["failed"] = failed
     if args.out:
         with open(args.out, "w") as f:

@@ -17,9 +17,18 @@ class HFReference:
         self._model: Any = None
 
     def _load(self) -> Any:
-        from transformers import AutoModelForCausalLM
+        from transformers import AutoConfig, AutoModelForCausalLM
 
-        model = AutoModelForCausalLM.from_pretrained(str(self.path), dtype=torch.float32)
+        # Attention softcapping (Gemma 2) is eager attention's alone: transformers 5.17 still ran
+        # Gemma 2 through SDPA by default, which drops the cap (an H100 run's reference diverged);
+        # 5.25 refuses SDPA for it. Ask for eager so every version computes the model's definition.
+        config = AutoConfig.from_pretrained(str(self.path))
+        softcapped = getattr(config, "attn_logit_softcapping", None) is not None
+        model = AutoModelForCausalLM.from_pretrained(
+            str(self.path),
+            dtype=torch.float32,
+            **({"attn_implementation": "eager"} if softcapped else {}),
+        )
         return model.eval()
 
     def generate(
