@@ -77,11 +77,11 @@ class EngineConfig:
     # child process of its own, so the forward computes while the event loop runs Python (no
     # GIL between them; docs/tuning.md). "process" takes no tensor parallelism or per-request
     # logits_processors, and needs POSIX (the KV tiers' store then lives in that process).
-    # "auto" (executor_backend_for): "process" on a CPU device with 2+ usable cores where it
-    # can, else "thread"; the environment variable ASYNCPAGED_EXECUTOR_BACKEND=thread|process
-    # decides "auto" instead. "auto" is the default: with async scheduling the process
-    # measured faster on both CPU workloads (tuning.md, "Async scheduling"); choose "thread"
-    # for per-request logits_processors.
+    # "auto" (executor_backend_for): "process" on a CPU or CUDA device with 2+ usable cores
+    # where it can, else "thread"; the environment variable ASYNCPAGED_EXECUTOR_BACKEND=
+    # thread|process decides "auto" instead. "auto" is the default: with async scheduling the
+    # process measured faster on both CPU workloads and on an H100 (tuning.md, "Async
+    # scheduling", "Attention on CUDA"); choose "thread" for per-request logits_processors.
     executor_backend: Literal["auto", "thread", "process"] = "auto"
     # Async scheduling (vLLM's async_scheduling): plan step N+1 while step N runs, so the
     # executor goes from one step to the next without waiting for the loop; a row whose input
@@ -101,8 +101,9 @@ class EngineConfig:
     # steps between proposals go ahead (a miss of the proposer backs off then, aligned so
     # that sequences propose on the same steps).
     # "auto" (async_scheduling_for): on with the runner in its own process (it measured
-    # faster there, with speculative decoding too), off with the thread (no gain measured:
-    # the forward and the loop share the GIL) and on accelerators (not measured yet).
+    # faster there, on CPUs and an H100, with speculative decoding too), off with the thread
+    # (no gain measured on CPUs: the forward and the loop share the GIL) and on devices other
+    # than CPU and CUDA (not measured).
     async_scheduling: bool | Literal["auto"] = "auto"
     # Structured outputs: append the tokens a grammar forces (a schema's keys, punctuation)
     # without sampling each one; they are computed in the next step like a prefill chunk
@@ -258,8 +259,8 @@ def executor_backend_for(config: EngineConfig) -> tuple[Literal["thread", "proce
 
     "auto" takes the environment's ``ASYNCPAGED_EXECUTOR_BACKEND`` ("thread" or "process") if
     set, then "thread" where the runner cannot leave this process (tensor parallelism, no
-    POSIX) or where it is not measured to win (an accelerator: not yet measured; a
-    single usable core: the two processes would take turns on it), else "process"."""
+    POSIX) or where it is not measured to win (a device other than CPU and CUDA; a single
+    usable core: the two processes would take turns on it), else "process"."""
     chosen = config.executor_backend
     if chosen != "auto":
         return chosen, "configured"
@@ -274,12 +275,19 @@ def executor_backend_for(config: EngineConfig) -> tuple[Literal["thread", "proce
         return "thread", "the runner process needs POSIX"
     if env:
         return env, EXECUTOR_BACKEND_ENV  # type: ignore[return-value]
-    if not config.device.startswith("cpu"):
+    if not _measured_device(config.device):
         return "thread", f"not measured on {config.device!r} yet"
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     if (cores or 1) < 2:
         return "thread", "one usable core: the loop and the runner would take turns on it"
-    return "process", f"{cores} usable cores: the forward computes beside the event loop"
+    return "process", f"{cores} usable cores: the forward runs beside the event loop"
+
+
+def _measured_device(device: str) -> bool:
+    """Where the runner's process (with async scheduling) measured faster than its thread:
+    CPUs (tuning.md, "Async scheduling") and CUDA (an H100's host: 2.6 against 4.1-4.3 ms
+    per step of ``bench overhead``, tuning.md "Attention on CUDA")."""
+    return device.partition(":")[0] in ("cpu", "cuda")
 
 
 def num_blocks_for(config: EngineConfig, shape: KVShape) -> tuple[int, int]:
@@ -332,6 +340,6 @@ def async_scheduling_for(config: EngineConfig) -> tuple[bool, str]:
         return bool(chosen), "configured"
     if config.executor_backend != "process":
         return False, "the runner's thread shares the GIL with the loop: no gain measured"
-    if not config.device.startswith("cpu"):
+    if not _measured_device(config.device):
         return False, f"not measured on {config.device!r} yet"
     return True, "the runner's process goes from step to step without waiting for the loop"

@@ -153,7 +153,7 @@ def check_submission(
     if params.logits_processors and cfg.executor_backend == "process":
         raise InvalidRequestError(
             "logits_processors run where the model runs: with executor_backend='process' (what "
-            "the default, 'auto', takes on a CPU with two or more cores) that is another "
+            "the default, 'auto', takes on a CPU or CUDA device with 2+ cores) that is another "
             "process, which a callable (and its state) cannot follow; use "
             "EngineConfig(executor_backend='thread')."
         )

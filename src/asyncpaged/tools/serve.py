@@ -99,7 +99,8 @@ def add_parser(sub: Any) -> None:
     serve.add_argument(
         "--executor-backend", choices=("auto", "thread", "process"), default="auto",
         help="where the model runner runs (EngineConfig.executor_backend; auto: its own "
-        "process on a CPU with 2+ cores, so the forward computes while the event loop serves)",
+        "process on a CPU or CUDA device with 2+ cores, so the forward runs while the event loop "
+        "serves)",
     )  # fmt: skip
     serve.add_argument("--uvicorn-log-level", default="warning")
     serve.set_defaults(func=lambda a: anyio.run(run_serve, a))
