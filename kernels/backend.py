@@ -19,7 +19,7 @@ from typing import ClassVar, Literal
 import torch
 
 from asyncpaged.model.attention import AttentionBackend, AttentionMetadata, TorchAttentionBackend
-from asyncpaged.model.kv_cache import PagedKVCache
+from asyncpaged.model.kv_cache import KVLayout, PagedKVCache
 
 from ._util import is_interpreted, max_shared_mem
 from .cache_ops import copy_blocks, reshape_and_cache
@@ -37,8 +37,11 @@ BackendName = Literal["torch", "triton"]
 def logical_cache_views(
     kv_cache: PagedKVCache, layer_idx: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """One layer of the runner cache as logical ``[num_blocks, block_size, Hkv, D]`` views."""
+    """One layer of the cache as logical ``[num_blocks, block_size, Hkv, D]`` views (the "nhd"
+    layout's own tensors; the runner layout's permuted)."""
     key, value = kv_cache.layer(layer_idx)
+    if kv_cache.layout == "nhd":
+        return key, value
     num_blocks, kv_heads, block_size, head_dim = value.shape
     assert key.shape == (num_blocks, kv_heads, head_dim, block_size), (
         f"unexpected cache layout: K {tuple(key.shape)}, V {tuple(value.shape)}"
@@ -55,6 +58,8 @@ class TritonAttentionBackend(AttentionBackend):
     # The forward reads device tensors, and from the host only the query layout and the
     # longest context (for the split-K count), which a CUDA graph's bucket fixes.
     graph_safe: ClassVar[bool] = True
+    # K like V, head_dim contiguous: read as vectors (K transposed per block takes scalar gathers)
+    kv_layout: ClassVar[KVLayout] = "nhd"
 
     def __init__(self, *, num_splits: int | None = None) -> None:
         if num_splits is not None and (num_splits < 1 or num_splits & (num_splits - 1)):

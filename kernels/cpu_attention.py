@@ -418,6 +418,7 @@ def _kernel_fits(query: torch.Tensor, kv_cache: PagedKVCache) -> bool:
     """Whether the kernel takes this layer's call (else the torch path does)."""
     return (
         query.device.type == "cpu"
+        and kv_cache.layout == "runner"
         and kv_cache.key.device.type == "cpu"
         and query.dim() == 3
         and query.is_floating_point()

@@ -11,16 +11,17 @@ head-dim tile is the next power of two, ``block_d_for``); tested at 64, 80 and 2
 Cache layout. The kernels read the cache through a *logical view* ``[num_blocks, block_size,
 kv_heads, head_dim]`` with arbitrary strides, so one kernel serves every physical layout:
 
-    runner layout (PagedKVCache, shared with the CPU path; CoW and swap copy whole blocks):
+    runner layout (PagedKVCache(layout="runner"), the CPU kernels'; CoW and swap copy blocks):
         K block [kv_heads, head_dim, block_size]  ->  logical view key.permute(0, 3, 1, 2)
         V block [kv_heads, block_size, head_dim]  ->  logical view value.permute(0, 2, 1, 3)
-    vLLM v1 layout (NHD, one tensor per layer):
-        [num_blocks, 2, block_size, kv_heads, head_dim] -> kv[:, 0] and kv[:, 1] as they are
+    NHD (PagedKVCache(layout="nhd"), what the runner allocates for TritonAttentionBackend):
+        K and V blocks [block_size, kv_heads, head_dim] -> the logical view as they are
 
 Either way a block is one contiguous piece of memory per layer, so copy-on-write and swap stay
 per-block copies. With head_dim contiguous (V in the runner layout, K and V in NHD) Triton
-vectorizes the loads along head_dim; K transposed per block is read with scalar gathers.
-``kernels/benchmark.py`` measures both on a GPU (``scripts/gpu_check.sh``).
+vectorizes the loads along head_dim; K transposed per block is read with scalar gathers, so
+NHD decodes 1.2-1.4x faster at batch 4-256 on an H100 (``kernels/benchmark.py``, run by
+``scripts/gpu_check.sh``; docs/tuning.md "Attention on CUDA").
 
 Tiling. A program owns one *q tile* (``BLOCK_Q`` consecutive new tokens of one sequence, from a
 host-built tile map) and one KV head. The ``G = Hq / Hkv`` query heads of that KV head are packed

@@ -5,17 +5,20 @@ greedy tokens identical to a run without tiers."""
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import logging
 import os
 import random
 import shutil
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import anyio
 import pytest
+import torch
 
 from asyncpaged import (
     AsyncEngine,
@@ -300,6 +303,32 @@ def test_disk_entries_round_trip_and_reject_other_identities(tmp_path: Path) -> 
     assert other.path(h).exists()  # not ours: left in place
     assert disk.scan(0) == []  # over the budget: dropped
     assert not disk.path(h).exists()
+
+
+def test_an_nhd_cache_keeps_its_layout_through_the_tiers(tmp_path: Path) -> None:
+    """The host tier copies the device cache's layout (its blocks are swapped whole), a block's
+    bytes load back in place, and the disk identity names the "nhd" layout (the runner
+    layout's identity is what it was before layouts existed: no new key in its document)."""
+    from asyncpaged.model.kv_cache import PagedKVCache
+
+    shape = {"num_layers": 2, "num_blocks": 4, "block_size": 16, "num_kv_heads": 2,
+             "head_dim": 8, "dtype": torch.float32}  # fmt: skip
+    device = PagedKVCache(**shape, layout="nhd")  # type: ignore[arg-type]
+    device.key.normal_()
+    device.value.normal_()
+    store = KVTierStore(device, num_host_slots=2)
+    assert store.host.layout == "nhd"
+    payload = kv_tier_store.block_bytes(device, 1)
+    want = device.key[:, 1].clone(), device.value[:, 1].clone()
+    kv_tier_store.load_block(device, 3, payload)
+    assert torch.equal(device.key[:, 3], want[0]) and torch.equal(device.value[:, 3], want[1])
+    (tmp_path / "config.json").write_text("{}")
+    ident = partial(kv_tier_store.model_identity, tmp_path, torch.float32, 16, (2, 2, 8))
+    assert ident() == ident("runner") != ident("nhd")
+    doc = {"format": kv_tier_store.FORMAT_VERSION, "model": str(tmp_path.resolve()),
+           "config_sha256": hashlib.sha256(b"{}").hexdigest(), "weights": [],
+           "kv_dtype": "torch.float32", "block_size": 16, "kv_shape": [2, 2, 8]}  # fmt: skip
+    assert ident() == hashlib.sha256(json.dumps(doc, sort_keys=True).encode()).digest()
 
 
 async def _turns_ahead(

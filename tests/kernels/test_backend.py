@@ -6,9 +6,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from asyncpaged.kernels.backend import TritonAttentionBackend, make_attention_backend
+from asyncpaged.kernels.backend import (
+    TritonAttentionBackend,
+    logical_cache_views,
+    make_attention_backend,
+)
 
-from asyncpaged.model.attention import TorchAttentionBackend
+from asyncpaged.model.attention import AttentionMetadata, TorchAttentionBackend
+from asyncpaged.model.kv_cache import PagedKVCache
 from asyncpaged.model.runner import ModelRunner
 from asyncpaged.testing.tiny_models import build_tiny_checkpoint
 from tests.kernels.conftest import NATIVE
@@ -124,3 +129,58 @@ def test_cuda_swap_round_trip_on_a_side_stream() -> None:
     assert torch.equal(back.value[:, 2], gpu.value[:, 1])
     assert torch.equal(back.key[:, 6], gpu.key[:, 3])
     assert back.key[:, 0].isnan().all()
+
+
+def test_runner_allocates_the_layout_its_backend_reads(tmp_path: Path) -> None:
+    """The Triton backend's caches are "nhd" (device and host: swaps copy whole blocks), the
+    torch path's the runner layout; tokens equal transformers' either way (tests above)."""
+    path = build_tiny_checkpoint("llama-gqa", tmp_path)
+    for backend, layout in ((TritonAttentionBackend(), "nhd"), (TorchAttentionBackend(), "runner")):
+        runner = ModelRunner(path, "float32", num_blocks=8, num_host_blocks=2, attn_backend=backend)
+        assert runner.kv_cache.layout == runner.host_kv_cache.layout == layout
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_both_layouts_write_and_attend_alike(dtype: torch.dtype) -> None:
+    """One layer's step (two decodes, a chunk over a cached prefix, a whole prompt) over the
+    same random cache in each layout: the new rows land in the same logical slots and the
+    outputs are bit-identical (the kernel reads the same values in the same order; only the
+    strides differ). Unused blocks are NaN, so a read outside the tables shows."""
+    device = torch.device("cuda" if NATIVE else "cpu")
+    heads, kv_heads, dim, blocks = 4, 2, 64, 12
+    g = torch.Generator(device="cpu").manual_seed(3)
+    content = (
+        torch.randn(blocks, 16, kv_heads, dim, generator=g).to(dtype),
+        torch.randn(blocks, 16, kv_heads, dim, generator=g).to(dtype),
+    )
+    used = [1, 2, 4, 5, 7, 8, 9, 10]
+    tables = [[1, 2], [4], [5, 7], [8, 9, 10]]
+    context, query = [20, 9, 30, 40], [1, 1, 14, 40]
+    slots = [
+        table[pos // 16] * 16 + pos % 16
+        for table, ctx, q in zip(tables, context, query, strict=True)
+        for pos in range(ctx - q, ctx)
+    ]
+    rows = sum(query)
+    q = torch.randn(rows, heads, dim, generator=g).to(dtype).to(device)
+    k = torch.randn(rows, kv_heads, dim, generator=g).to(dtype).to(device)
+    v = torch.randn(rows, kv_heads, dim, generator=g).to(dtype).to(device)
+    md = AttentionMetadata.build(
+        query_lens=query, context_lens=context, block_tables=tables, slot_mapping=slots,
+        device=device,
+    )  # fmt: skip
+    outs, caches = [], []
+    for layout in ("runner", "nhd"):
+        cache = PagedKVCache(num_layers=1, num_blocks=blocks, block_size=16, num_kv_heads=kv_heads,
+                             head_dim=dim, dtype=dtype, device=device, fill_value=float("nan"),
+                             layout=layout)  # type: ignore[arg-type]  # fmt: skip
+        key_view, value_view = logical_cache_views(cache, 0)
+        for b in used:
+            key_view[b], value_view[b] = content[0][b].to(device), content[1][b].to(device)
+        out = TritonAttentionBackend().forward(0, q, k, v, cache, md, scale=dim**-0.5)
+        outs.append(out.float().cpu())
+        caches.append([t.float().cpu() for t in logical_cache_views(cache, 0)])
+    assert not outs[0].isnan().any()
+    assert torch.equal(outs[0], outs[1])
+    for a, b in zip(caches[0], caches[1], strict=True):
+        assert torch.equal(a.isnan(), b.isnan()) and torch.equal(a.nan_to_num(), b.nan_to_num())

@@ -17,7 +17,7 @@ from typing import Any
 import anyio
 import pytest
 import torch
-from asyncpaged.kernels.backend import TritonAttentionBackend
+from asyncpaged.kernels.backend import TritonAttentionBackend, logical_cache_views
 
 from asyncpaged import AsyncEngine, EngineConfig, SamplingParams
 from asyncpaged.config import cuda_graph_sizes
@@ -158,16 +158,21 @@ def test_padded_rows_store_nothing_where_the_last_replay_stored(
     md, ids, positions = step([3, 5, 2, 4])
     assert runner.graphs.run(ids, positions, md) is not None
     stale = [(2, 1), (3, 3)]  # (block, offset) of the last replay's rows 2 and 3
+    assert cache.layout == TritonAttentionBackend.kv_layout == "nhd"
+
+    def slot(block: int, offset: int) -> list[torch.Tensor]:  # its K and V rows, every layer
+        views = [logical_cache_views(cache, layer) for layer in range(cache.num_layers)]
+        return [t[block, offset] for kv in views for t in kv]
+
     for block, offset in stale:
-        cache.key[:, block, :, :, offset] = 7.0
-        cache.value[:, block, :, offset, :] = 7.0
+        for rows in slot(block, offset):
+            rows.fill_(7.0)
     md, ids, positions = step([4, 6])
     hidden = runner.graphs.run(ids, positions, md)
     assert hidden is not None
     assert hidden.shape[0] == 2
     for block, offset in stale:
-        assert bool((cache.key[:, block, :, :, offset] == 7.0).all()), "a padded row stored K"
-        assert bool((cache.value[:, block, :, offset, :] == 7.0).all()), "a padded row stored V"
+        assert all(bool((rows == 7.0).all()) for rows in slot(block, offset)), "a padded row stored"
     want = runner.model(ids, positions, md, cache)  # rewrites the same two slots
     torch.testing.assert_close(hidden, want, rtol=1e-5, atol=1e-5)
 

@@ -26,7 +26,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from asyncpaged.model.kv_cache import PagedKVCache, SlotTargets
+from asyncpaged.model.kv_cache import KVLayout, PagedKVCache, SlotTargets
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -98,6 +98,9 @@ class AttentionBackend(ABC):
     #: Whether a CUDA graph can capture ``forward``: it reads only device tensors and the host
     #: facts a decode bucket fixes (``cuda_graphs``), and allocates nothing from the host.
     graph_safe: ClassVar[bool] = False
+    #: The cache layout the runner allocates for this backend (``kv_cache``): the one its
+    #: kernels read fastest. The CPU and torch paths read "runner" only.
+    kv_layout: ClassVar[KVLayout] = "runner"
 
     def pin_metadata(self, metadata: AttentionMetadata) -> None:
         """Keep what ``forward`` builds for ``metadata`` (kept by a CUDA graph, which replays
@@ -186,6 +189,9 @@ class TorchAttentionBackend(AttentionBackend):
         sliding_window: int | None = None,
         softcap: float | None = None,
     ) -> torch.Tensor:
+        assert kv_cache.layout == "runner", (
+            f"the torch path reads the runner layout, not {kv_cache.layout}"
+        )
         _write(kv_cache, layer_idx, key, value, metadata)
         key_cache, value_cache = kv_cache.layer(layer_idx)
         out = torch.empty_like(query)  # [T, Hq, D]

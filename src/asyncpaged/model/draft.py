@@ -182,6 +182,7 @@ class DraftModel:
                 num_kv_heads=self.model.num_kv_heads, head_dim=self.model.head_dim,
                 dtype=kv_dtype, device=on, fill_value=kv_fill_value,
                 pin_memory=self.device.type == "cuda" and on.type == "cpu",
+                layout=self.model.attn_backend.kv_layout,
             )  # fmt: skip
 
         self.kv_cache = make_cache(num_blocks + self.num_scratch_blocks, self.device)

@@ -19,8 +19,18 @@ the future kernel reads the cache the runner already owns, with no re-layout. Th
 ``attention.py`` pays one permute while gathering (it copies the gathered blocks anyway). Keeping
 all layers in one tensor makes copy-on-write and swap one indexed copy per K/V for every layer.
 
+The "nhd" layout (vLLM's; ``PagedKVCache(layout="nhd")``, which the runner takes for the Triton
+backend, ``AttentionBackend.kv_layout``) puts K like V, position-major within a block::
+
+    key, value: [num_layers, num_blocks, block_size, num_kv_heads, head_dim]
+
+The Triton kernels read either layout through strides; on GPUs K transposed per block is read
+with scalar gathers, and "nhd" made paged decode 1.2-1.4x faster at batch 4-256 on an H100 and
+1.2-1.7x at batch >= 64 on an H200 (``kernels/benchmark.py``; docs/tuning.md "Attention on
+CUDA"). The CPU and torch paths read the runner layout only.
+
 Slots: the slot of a token is ``block * block_size + offset``; slot ``-1`` means "do not write".
-Host (swap) caches use the same layout, so swap is a per-block copy.
+Host (swap, KV tier) caches use the device cache's layout, so swap is a per-block copy.
 """
 
 from __future__ import annotations
@@ -29,15 +39,19 @@ import ctypes
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
+
+#: How a block's K and V lie in memory (see the module docstring).
+KVLayout = Literal["runner", "nhd"]
 
 
 class PagedKVCache:
     """K/V blocks of every layer.
 
-    Invariants: ``key`` and ``value`` have the shapes in the module docstring; a block id indexes
-    the same block in both and in every layer.
+    Invariants: ``key`` and ``value`` have the shapes the module docstring gives for ``layout``;
+    a block id indexes the same block in both and in every layer.
     """
 
     def __init__(
@@ -52,16 +66,23 @@ class PagedKVCache:
         device: torch.device | str = "cpu",
         fill_value: float | None = None,
         pin_memory: bool = False,
+        layout: KVLayout = "runner",
     ) -> None:
         """Allocate the cache; ``fill_value`` (e.g. NaN in tests) poisons unused memory;
         ``pin_memory`` page-locks a host cache that swaps with a CUDA one (async copies)."""
+        if layout not in ("runner", "nhd"):
+            raise ValueError(f"layout must be 'runner' or 'nhd', got {layout!r}.")
         self.num_layers = num_layers
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
-        key_shape = (num_layers, num_blocks, num_kv_heads, head_dim, block_size)
-        value_shape = (num_layers, num_blocks, num_kv_heads, block_size, head_dim)
+        self.layout: KVLayout = layout
+        if layout == "nhd":
+            key_shape = value_shape = (num_layers, num_blocks, block_size, num_kv_heads, head_dim)
+        else:
+            key_shape = (num_layers, num_blocks, num_kv_heads, head_dim, block_size)
+            value_shape = (num_layers, num_blocks, num_kv_heads, block_size, head_dim)
         fill = 0.0 if fill_value is None else fill_value
         self.key = _allocate(key_shape, fill, dtype, torch.device(device), pin_memory)
         self.value = _allocate(value_shape, fill, dtype, torch.device(device), pin_memory)
@@ -75,7 +96,8 @@ class PagedKVCache:
         return self.key.nbytes + self.value.nbytes
 
     def layer(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Views of one layer: K [num_blocks, kv_heads, D, bs], V [num_blocks, kv_heads, bs, D]."""
+        """Views of one layer: K [num_blocks, kv_heads, D, bs], V [num_blocks, kv_heads, bs, D]
+        ("runner"), or both [num_blocks, bs, kv_heads, D] ("nhd")."""
         return self.key[layer_idx], self.value[layer_idx]
 
     def write(
@@ -92,6 +114,10 @@ class PagedKVCache:
             key, value = key[targets.rows], value[targets.rows]
         blocks, offsets = targets.blocks, targets.offsets
         key_cache, value_cache = self.layer(layer_idx)
+        if self.layout == "nhd":
+            key_cache[blocks, offsets] = key.to(key_cache.dtype)
+            value_cache[blocks, offsets] = value.to(value_cache.dtype)
+            return
         # Advanced indices on dims 0 and 3 (2) around a slice: the indexed view is [T, kv_heads, D].
         key_cache[blocks, :, :, offsets] = key.to(key_cache.dtype)
         value_cache[blocks, :, offsets, :] = value.to(value_cache.dtype)
@@ -172,8 +198,12 @@ def _pair_indices(
 
 
 def _check_compatible(a: PagedKVCache, b: PagedKVCache) -> None:
-    same_layout = a.key.shape[0] == b.key.shape[0] and a.key.shape[2:] == b.key.shape[2:]
-    assert same_layout, f"caches differ in layout: {tuple(a.key.shape)} vs {tuple(b.key.shape)}"
+    same_shape = a.key.shape[0] == b.key.shape[0] and a.key.shape[2:] == b.key.shape[2:]
+    same_layout = same_shape and a.layout == b.layout
+    assert same_layout, (
+        f"caches differ in layout: {a.layout} {tuple(a.key.shape)} vs {b.layout} "
+        f"{tuple(b.key.shape)}"
+    )
     assert a.dtype == b.dtype, f"caches differ in dtype: {a.dtype} vs {b.dtype}"
 
 

@@ -46,7 +46,7 @@ from asyncpaged.core.kv_tiers import (
     TierOp,
 )
 from asyncpaged.core.prefix_hash import BlockHash
-from asyncpaged.model.kv_cache import PagedKVCache, swap_blocks
+from asyncpaged.model.kv_cache import KVLayout, PagedKVCache, swap_blocks
 
 log = get_logger(__name__)
 
@@ -65,9 +65,12 @@ def model_identity(
     kv_dtype: torch.dtype,
     block_size: int,
     kv_shape: tuple[int, int, int],
+    layout: KVLayout = "runner",
 ) -> bytes:
     """What a disk entry must match to be reused: the checkpoint (path, config, weights files)
-    and the cache's layout (dtype, block size, layers / KV heads / head dim)."""
+    and the cache's layout (dtype, block size, layers / KV heads / head dim, and how a block's
+    K and V lie: an entry holds the block's bytes). The runner layout adds nothing to the
+    document, so the entries written before layouts existed stay valid."""
     path = Path(model_path).resolve()
     config = path / "config.json"
     config_hash = hashlib.sha256(config.read_bytes()).hexdigest() if config.exists() else ""
@@ -76,7 +79,7 @@ def model_identity(
         for p in path.iterdir()
         if p.suffix in (".safetensors", ".bin")
     )
-    doc = {
+    doc: dict[str, object] = {
         "format": FORMAT_VERSION,
         "model": str(path),
         "config_sha256": config_hash,
@@ -85,6 +88,8 @@ def model_identity(
         "block_size": block_size,
         "kv_shape": list(kv_shape),
     }
+    if layout != "runner":
+        doc["kv_layout"] = layout
     return hashlib.sha256(json.dumps(doc, sort_keys=True).encode()).digest()
 
 
@@ -198,6 +203,7 @@ class KVTierStore:
             dtype=device_cache.dtype,
             device="cpu",
             pin_memory=device_cache.key.device.type == "cuda",
+            layout=device_cache.layout,
         )
         self.disk = disk
         self._failed_spills: list[BlockHash] = []
@@ -312,7 +318,9 @@ def build_kv_tiers(
     budget = 0
     if disk_dir is not None:
         shape = (device_cache.num_layers, device_cache.num_kv_heads, device_cache.head_dim)
-        identity = model_identity(model_path, device_cache.dtype, device_cache.block_size, shape)
+        identity = model_identity(
+            model_path, device_cache.dtype, device_cache.block_size, shape, device_cache.layout
+        )
         disk = DiskTier(disk_dir, identity, len(payload))
         budget = disk_bytes // disk.entry_bytes
         disk_entries = disk.scan(budget)

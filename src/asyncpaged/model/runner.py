@@ -181,6 +181,7 @@ class ModelRunner:
                 device=device,
                 fill_value=kv_fill_value,
                 pin_memory=on_cuda and device.type == "cpu",
+                layout=self.model.attn_backend.kv_layout,  # the host cache's too: swaps copy blocks
             )
 
         self.kv_cache = make_cache(num_blocks, self.device)
