@@ -33,8 +33,9 @@ log() { printf '\n=== %s ===\n' "$*" | tee -a "$RESULTS/summary.txt"; }
 log "environment ($PY)"
 "$PY" - <<'PYEOF' 2>&1 | tee -a "$RESULTS/summary.txt"
 import sys
-import torch, triton
-print("python", sys.version.split()[0], "torch", torch.__version__, "triton", triton.__version__)
+import torch, transformers, triton
+print("python", sys.version.split()[0], "torch", torch.__version__, "triton", triton.__version__,
+      "transformers", transformers.__version__)
 if not torch.cuda.is_available():
     sys.exit("FAIL: torch sees no CUDA device (need a CUDA build of torch; set PYTHON=...)")
 print("device", torch.cuda.get_device_name(), "capability", torch.cuda.get_device_capability())
