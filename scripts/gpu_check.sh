@@ -63,6 +63,18 @@ fi
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv 2>&1 | tee -a "$RESULTS/summary.txt" || true
 
 status=0
+# run_stage LABEL LOG FILTER SECONDS CMD...: CMD under a timeout, its output shown and kept in
+# $RESULTS/LOG; then LOG's lines matching FILTER go to the summary, or a FAIL line and status 1.
+run_stage() {
+  local label=$1 logfile=$RESULTS/$2 filter=$3 limit=$4
+  shift 4
+  if timeout "$limit" "$@" 2>&1 | tee "$logfile"; then
+    grep -E "$filter" "$logfile" >> "$RESULTS/summary.txt" || true
+  else
+    status=1
+    echo "$label: FAIL (see $(basename "$logfile"))" | tee -a "$RESULTS/summary.txt"
+  fi
+}
 log "1+2. kernel tests natively + end-to-end vs transformers, swap ordering on a side stream"
 export ASYNCPAGED_KERNELS_NATIVE=1
 unset TRITON_INTERPRET
@@ -87,37 +99,23 @@ for run in thread:off:graphs thread:off:eager thread:on:graphs process:on:graphs
   name="overhead_${backend}_async_${ahead}_${graphs}"
   eager=()
   [[ "$graphs" == eager ]] && eager=(--enforce-eager)
-  if timeout 75 "$PY" -m asyncpaged bench overhead --device cuda --repeats 3 ${eager[@]+"${eager[@]}"} \
-      --executor-backend "$backend" --async-scheduling "$ahead" --output "$RESULTS/$name" 2>&1 \
-      | tee "$RESULTS/$name.log"; then
-    grep -E '^median' "$RESULTS/$name.log" >> "$RESULTS/summary.txt" || true
-  else
-    status=1
-    echo "bench overhead ($run): FAIL (see $name.log)" | tee -a "$RESULTS/summary.txt"
-  fi
+  run_stage "bench overhead ($run)" "$name.log" '^median' 75 \
+    "$PY" -m asyncpaged bench overhead --device cuda --repeats 3 ${eager[@]+"${eager[@]}"} \
+    --executor-backend "$backend" --async-scheduling "$ahead" --output "$RESULTS/$name"
 done
 
 log "3. engine end-to-end on CUDA (scripts/gpu_e2e.py), the runner in a thread (profiled) and in its process"
 for executor in thread process; do
   profile=()
   [[ "$executor" == thread ]] && profile=(--profile)
-  if timeout 150 "$PY" scripts/gpu_e2e.py --executor-backend "$executor" ${profile[@]+"${profile[@]}"} \
-      --out "$RESULTS/e2e_$executor.json" 2>&1 | tee "$RESULTS/e2e_$executor.log"; then
-    grep -E '^[0-9]\.' "$RESULTS/e2e_$executor.log" >> "$RESULTS/summary.txt" || true
-  else
-    status=1
-    echo "end-to-end ($executor): FAIL (see e2e_$executor.log)" | tee -a "$RESULTS/summary.txt"
-  fi
+  run_stage "end-to-end ($executor)" "e2e_$executor.log" '^[0-9]\.' 150 \
+    "$PY" scripts/gpu_e2e.py --executor-backend "$executor" ${profile[@]+"${profile[@]}"} \
+    --out "$RESULTS/e2e_$executor.json"
 done
 
 log "4. paged decode benchmark"
-if timeout 120 "$PY" -m asyncpaged.kernels.benchmark --out "$RESULTS/bench_decode.json" 2>&1 \
-    | tee "$RESULTS/bench_decode.log"; then
-  cat "$RESULTS/bench_decode.log" >> "$RESULTS/summary.txt"
-else
-  status=1
-  echo "benchmark: FAIL (see bench_decode.log)" | tee -a "$RESULTS/summary.txt"
-fi
+run_stage benchmark bench_decode.log '' 120 \
+  "$PY" -m asyncpaged.kernels.benchmark --out "$RESULTS/bench_decode.json"
 
 log "done: status $status, results in $RESULTS"
 exit "$status"
