@@ -18,7 +18,10 @@ DEFAULT_SWAP_SPACE_BYTES = 64 * 2**20
 class EngineConfig:
     """Settings of an :class:`~asyncpaged.AsyncEngine`.
 
-    KV memory: ``num_device_blocks`` wins over ``kv_cache_bytes``; with neither, 256 MiB. The
+    KV memory: ``num_device_blocks`` wins over ``kv_cache_bytes``; with neither, 256 MiB on a
+    CPU, and on CUDA what ``gpu_memory_utilization`` (vLLM's, 0.9: the share of the device's
+    memory this engine may use) leaves after the weights and a reserve for a step's activations
+    (``asyncpaged.memory_budget``; the ``kv_budget`` log line says how it split). The
     host (swap) pool is ``swap_space_bytes`` (64 MiB by default; 0 disables swapping, and
     preemption then always recomputes). ``max_model_len`` defaults to the model's
     ``max_position_embeddings``. ``watermark`` is the share of device blocks kept free when
@@ -53,6 +56,7 @@ class EngineConfig:
     block_size: int = 16
     num_device_blocks: int | None = None
     kv_cache_bytes: int | None = None
+    gpu_memory_utilization: float = 0.9  # CUDA without a KV size: see the docstring
     swap_space_bytes: int = DEFAULT_SWAP_SPACE_BYTES
     preemption_mode: Literal["recompute", "swap"] = "recompute"
     max_num_seqs: int = 256
@@ -154,6 +158,8 @@ class EngineConfig:
              f"num_device_blocks must be at least 1, got {self.num_device_blocks}."),
             (self.kv_cache_bytes is None or self.kv_cache_bytes > 0,
              f"kv_cache_bytes must be positive, got {self.kv_cache_bytes}."),
+            (0.0 < self.gpu_memory_utilization <= 1.0,
+             f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}."),
             (self.swap_space_bytes >= 0,
              f"swap_space_bytes must be non-negative, got {self.swap_space_bytes}."),
             (self.preemption_mode in ("recompute", "swap"),
@@ -290,11 +296,21 @@ def _measured_device(device: str) -> bool:
     return device.partition(":")[0] in ("cpu", "cuda")
 
 
-def num_blocks_for(config: EngineConfig, shape: KVShape) -> tuple[int, int]:
-    """(device blocks, host blocks) for this config and model."""
+def num_blocks_for(
+    config: EngineConfig,
+    shape: KVShape,
+    *,
+    cuda_kv_bytes: int | None = None,
+    extra_block_bytes: int = 0,
+) -> tuple[int, int]:
+    """(device blocks, host blocks) for this config and model. ``cuda_kv_bytes``: the budget
+    ``gpu_memory_utilization`` leaves (``memory_budget``), whose blocks also pay
+    ``extra_block_bytes`` each (a draft model's cache holds as many)."""
     per_block = shape.block_bytes(config.block_size)
     if config.num_device_blocks is not None:
         device = config.num_device_blocks
+    elif cuda_kv_bytes is not None:
+        device = max(1, cuda_kv_bytes // (per_block + extra_block_bytes))
     else:
         device = max(1, (config.kv_cache_bytes or DEFAULT_KV_CACHE_BYTES) // per_block)
     host = config.swap_space_bytes // per_block

@@ -42,6 +42,7 @@ from asyncpaged.core.txn import StepTxn, TxnResult
 from asyncpaged.distributed import TensorParallelRunner, check_tensor_parallel, worker_spec
 from asyncpaged.engine_lifecycle import RemoteWorkers
 from asyncpaged.errors import InvalidRequestError
+from asyncpaged.memory_budget import CudaMemory, cuda_kv_budget, cuda_memory
 from asyncpaged.messages import (
     ExecutorInbox,
     OutputsInbox,
@@ -120,9 +121,10 @@ class ModelPlan:
     vocab_size: int
 
 
-def plan_model(cfg: EngineConfig, hf_config: Any) -> ModelPlan:
+def plan_model(cfg: EngineConfig, hf_config: Any, memory: CudaMemory | None = None) -> ModelPlan:
     """The dtypes, block counts and lengths, after refusing what cannot start (before any
-    process starts)."""
+    process starts). ``memory``: the checkpoint as :func:`cuda_kv_budget` needs it, on CUDA
+    without a configured KV size."""
     dtype = resolve_dtype(cfg.dtype, hf_config, torch.device(cfg.device))
     stored = stored_dtype(hf_config)
     if cfg.dtype == "auto" and stored is not None and stored != dtype:
@@ -139,8 +141,13 @@ def plan_model(cfg: EngineConfig, hf_config: Any) -> ModelPlan:
     if tp_size > 1:
         check_tensor_parallel(hf_config, tp_size)  # before any process starts
     shape = KVShape.from_hf_config(hf_config, kv_dtype.itemsize, tp_size)  # one rank's share
-    num_device, num_host = num_blocks_for(cfg, shape)
     max_model_len = cfg.max_model_len or int(getattr(hf_config, "max_position_embeddings", 2048))
+    kv_bytes, draft_block = None, 0
+    if memory is not None:
+        kv_bytes, draft_block = cuda_kv_budget(cfg, memory, hf_config, dtype, shape, max_model_len)
+    num_device, num_host = num_blocks_for(
+        cfg, shape, cuda_kv_bytes=kv_bytes, extra_block_bytes=draft_block
+    )
     return ModelPlan(hf_config=hf_config, dtype=dtype, kv_dtype=kv_dtype,
                      num_device_blocks=num_device, num_host_blocks=num_host,
                      max_model_len=max_model_len, vocab_size=int(hf_config.vocab_size))  # fmt: skip
@@ -195,7 +202,8 @@ async def load_model(cfg: EngineConfig, resolve: Callable[[str, str | None], Pat
     try:
         path = await anyio.to_thread.run_sync(resolve, cfg.model, cfg.revision)
         hf_config = await anyio.to_thread.run_sync(load_config, path)
-        plan = plan_model(cfg, hf_config)
+        memory = await anyio.to_thread.run_sync(cuda_memory, cfg, path, resolve)
+        plan = await anyio.to_thread.run_sync(plan_model, cfg, hf_config, memory)
         levers, cpu_plan = await anyio.to_thread.run_sync(
             plan_levers, cfg, plan.hf_config, plan.dtype
         )
