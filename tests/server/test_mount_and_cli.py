@@ -80,3 +80,22 @@ def test_asyncpaged_serve_answers_and_stops_on_a_signal(signum: int, status: int
         _, err = proc.communicate(timeout=30)
     assert proc.returncode == status, err
     assert f"serving '{BUILTIN_MODEL_NAME}' on {base}/v1" in err
+
+
+def test_serve_takes_the_kv_size_options_as_vllm_names_them() -> None:
+    import argparse
+
+    from asyncpaged.tools.serve import add_parser, engine_config
+
+    parser = argparse.ArgumentParser()
+    add_parser(parser.add_subparsers())
+    args = parser.parse_args(["serve", "--model", "m", "--device", "cuda",
+                              "--gpu-memory-utilization", "0.7"])  # fmt: skip
+    config = engine_config(args)
+    assert (config.device, config.gpu_memory_utilization, config.kv_cache_bytes) == (
+        "cuda",
+        0.7,
+        None,
+    )
+    plain = engine_config(parser.parse_args(["serve", "--model", "m", "--kv-cache-mib", "64"]))
+    assert (plain.gpu_memory_utilization, plain.kv_cache_bytes) == (0.9, 64 << 20)

@@ -34,6 +34,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         "block_size": args.block_size,
         "num_device_blocks": args.num_device_blocks,
         "kv_cache_bytes": None if args.kv_cache_mib is None else int(args.kv_cache_mib * _MIB),
+        "gpu_memory_utilization": args.gpu_memory_utilization,
         "preemption_mode": args.preemption_mode,
         "max_num_seqs": args.max_num_seqs,
         "max_num_batched_tokens": args.max_num_batched_tokens,
@@ -88,7 +89,17 @@ def add_parser(sub: Any) -> None:
     serve.add_argument("--device", help="cpu (default) or cuda")
     serve.add_argument("--block-size", type=int, help="tokens per KV block (default 16)")
     serve.add_argument("--num-device-blocks", type=int, help="device KV blocks (wins over MiB)")
-    serve.add_argument("--kv-cache-mib", type=float, help="device KV cache size (default 256)")
+    serve.add_argument(
+        "--kv-cache-mib",
+        type=float,
+        help="device KV cache size (default: 256 on a CPU; on CUDA see the next)",
+    )
+    serve.add_argument(
+        "--gpu-memory-utilization",
+        type=float,
+        help="CUDA without a KV size: the share of the device's memory the engine "
+        "may use, weights and activations included (default 0.9)",
+    )
     serve.add_argument("--swap-space-mib", type=float, help="host swap pool (default 64)")
     serve.add_argument("--preemption-mode", choices=("recompute", "swap"))
     serve.add_argument("--max-num-seqs", type=int)
