@@ -120,7 +120,7 @@ class CudaBudget:
 
 
 def cuda_device_bytes(device: str) -> int:
-    """The device's total memory (its properties: no CUDA context is made for it)."""
+    """The device's total memory, from its properties."""
     return int(torch.cuda.get_device_properties(torch.device(device)).total_memory)
 
 
