@@ -13,6 +13,7 @@ before this package is imported).
 from __future__ import annotations
 
 import itertools
+import os
 from collections.abc import Sequence
 from typing import ClassVar, Literal
 
@@ -32,6 +33,7 @@ from .paged_attention import (
 )
 
 BackendName = Literal["torch", "triton"]
+KV_LAYOUT_ENV = "ASYNCPAGED_TRITON_KV_LAYOUT"
 
 
 def logical_cache_views(
@@ -58,13 +60,18 @@ class TritonAttentionBackend(AttentionBackend):
     # The forward reads device tensors, and from the host only the query layout and the
     # longest context (for the split-K count), which a CUDA graph's bucket fixes.
     graph_safe: ClassVar[bool] = True
-    # K like V, head_dim contiguous: read as vectors (K transposed per block takes scalar gathers)
-    kv_layout: ClassVar[KVLayout] = "nhd"
+    # K like V, head_dim contiguous: read as vectors (K transposed per block takes scalar
+    # gathers). ASYNCPAGED_TRITON_KV_LAYOUT=runner gives it the CPU's layout (the A/B switch).
+    kv_layout: KVLayout = "nhd"
 
     def __init__(self, *, num_splits: int | None = None) -> None:
         if num_splits is not None and (num_splits < 1 or num_splits & (num_splits - 1)):
             raise ValueError(f"num_splits must be a power of 2 >= 1, got {num_splits}.")
         self.num_splits = num_splits
+        layout = os.environ.get(KV_LAYOUT_ENV, "nhd")
+        if layout not in ("nhd", "runner"):
+            raise ValueError(f"{KV_LAYOUT_ENV} must be 'nhd' or 'runner', got {layout!r}.")
+        self.kv_layout = "runner" if layout == "runner" else "nhd"
         self._plan_metadata: AttentionMetadata | None = None  # kept alive: identity is the key
         self._plans: dict[int, TilePlan] = {}
         # CUDA graphs' metadata, kept with their plans (a graph replays the plans' tensors)

@@ -10,9 +10,13 @@
 # 5. `bench overhead` on CUDA (issue 22: host time per step at 256 sequences): the runner in a
 #    thread with async scheduling off, CUDA graphs on and off; async scheduling on in the thread;
 #    in its own process with async scheduling on and off, graphs on and off
-# Run in the order 1+2, 5, 3, 4 (what has never run on a GPU first: a device lease that ends
-# early still brings those back). Budget: under 10 minutes (about 5 on an H200); each stage has
-# its own timeout.
+# 6. the engine on a Qwen3-0.6B-shaped bf16 model with its defaults (the KV cache sized by
+#    gpu_memory_utilization, graphs, the runner's process): the Triton cache in NHD against the
+#    runner layout, tok/s (scripts/gpu_shape_bench.py)
+# Run in the order 1+2, 5, 3, 4, 6 (what has never run on a GPU first: a device lease that ends
+# early still brings those back). Budget: under 10 minutes (stages 1-5 took 141 s on an H100 in
+# session 30, before stage 5 grew to six runs and stage 3 to two; stage 6 may take 5); each
+# stage has its own timeout.
 # Python: $PYTHON, else .venv if its torch sees CUDA, else python3. A package that Python lacks
 # (structlog, say) is installed from wheels in .whl/ when that folder exists.
 set -euo pipefail
@@ -116,6 +120,10 @@ done
 log "4. paged decode benchmark"
 run_stage benchmark bench_decode.log '' 120 \
   "$PY" -m asyncpaged.kernels.benchmark --out "$RESULTS/bench_decode.json"
+
+log "6. the engine on a Qwen3-0.6B-shaped bf16 model (scripts/gpu_shape_bench.py): NHD vs runner layout"
+run_stage "shape bench" shape_bench.log '^(round|6\.)' 300 \
+  "$PY" scripts/gpu_shape_bench.py --out "$RESULTS/shape_bench.json"
 
 log "done: status $status, results in $RESULTS"
 exit "$status"

@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 from asyncpaged.kernels.backend import (
+    KV_LAYOUT_ENV,
     TritonAttentionBackend,
     logical_cache_views,
     make_attention_backend,
@@ -184,3 +185,18 @@ def test_both_layouts_write_and_attend_alike(dtype: torch.dtype) -> None:
     assert torch.equal(outs[0], outs[1])
     for a, b in zip(caches[0], caches[1], strict=True):
         assert torch.equal(a.isnan(), b.isnan()) and torch.equal(a.nan_to_num(), b.nan_to_num())
+
+
+def test_the_layout_switch_gives_triton_the_runner_layout(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """ASYNCPAGED_TRITON_KV_LAYOUT=runner (the A/B switch of a GPU benchmark) makes the runner
+    allocate K transposed per block for the Triton backend; a misspelling is refused."""
+    path = build_tiny_checkpoint("llama-gqa", tmp_path)
+    monkeypatch.setenv(KV_LAYOUT_ENV, "runner")
+    runner = ModelRunner(path, "float32", num_blocks=8, attn_backend=TritonAttentionBackend())
+    assert runner.kv_cache.layout == "runner"
+    assert TritonAttentionBackend.kv_layout == "nhd"  # the class default is untouched
+    monkeypatch.setenv(KV_LAYOUT_ENV, "hnd")
+    with pytest.raises(ValueError, match=KV_LAYOUT_ENV):
+        TritonAttentionBackend()

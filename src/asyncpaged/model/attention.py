@@ -100,7 +100,7 @@ class AttentionBackend(ABC):
     graph_safe: ClassVar[bool] = False
     #: The cache layout the runner allocates for this backend (``kv_cache``): the one its
     #: kernels read fastest. The CPU and torch paths read "runner" only.
-    kv_layout: ClassVar[KVLayout] = "runner"
+    kv_layout: KVLayout = "runner"
 
     def pin_metadata(self, metadata: AttentionMetadata) -> None:
         """Keep what ``forward`` builds for ``metadata`` (kept by a CUDA graph, which replays
