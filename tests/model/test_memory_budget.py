@@ -147,3 +147,19 @@ def test_a_device_too_small_for_one_sequence_is_refused_with_the_knobs(
 def test_the_utilization_must_be_a_share(bad: float) -> None:
     with pytest.raises(InvalidRequestError, match="gpu_memory_utilization"):
         EngineConfig(model="m", gpu_memory_utilization=bad)
+
+
+def test_a_cache_that_does_not_fit_is_a_typed_error_naming_the_knobs(
+    tiny_checkpoint: Callable[[str], Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The budget is an estimate (and another process may hold memory): an out-of-memory error
+    while allocating the KV cache becomes an InvalidRequestError that says what to turn."""
+    from asyncpaged.model import runner as runner_module
+
+    def no_room(**kwargs: object) -> object:
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory")
+
+    monkeypatch.setattr(runner_module, "PagedKVCache", no_room)
+    with pytest.raises(InvalidRequestError, match="gpu_memory_utilization") as info:
+        runner_module.ModelRunner(tiny_checkpoint("llama-gqa"), "float32", num_blocks=8)
+    assert isinstance(info.value.__cause__, torch.cuda.OutOfMemoryError)

@@ -34,6 +34,7 @@ import torch
 
 from asyncpaged._log import get_logger
 from asyncpaged.core.block_table import LATE_TOKEN
+from asyncpaged.errors import InvalidRequestError
 from asyncpaged.model.attention import AttentionBackend, AttentionMetadata
 from asyncpaged.model.attention_select import AttentionChoice, select_attention_backend
 from asyncpaged.model.base import FUSED_DTYPES, SINGLE_SHARD, CausalLM, TensorShard
@@ -184,7 +185,13 @@ class ModelRunner:
                 layout=self.model.attn_backend.kv_layout,  # the host cache's too: swaps copy blocks
             )
 
-        self.kv_cache = make_cache(num_blocks, self.device)
+        try:
+            self.kv_cache = make_cache(num_blocks, self.device)
+        except torch.cuda.OutOfMemoryError as exc:  # the budget's estimate, or another process
+            raise InvalidRequestError(
+                f"a KV cache of {num_blocks} blocks does not fit on {self.device} beside the "
+                "model: lower gpu_memory_utilization, or set kv_cache_bytes / num_device_blocks."
+            ) from exc
         self.host_kv_cache = make_cache(num_host_blocks, torch.device("cpu"))
         # Swaps on CUDA: pinned host blocks, non-blocking copies on a side stream.
         self._swap_stream = (
