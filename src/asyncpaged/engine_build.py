@@ -148,6 +148,12 @@ def plan_model(cfg: EngineConfig, hf_config: Any, memory: CudaMemory | None = No
     num_device, num_host = num_blocks_for(
         cfg, shape, cuda_kv_bytes=kv_bytes, extra_block_bytes=draft_block
     )
+    if num_device * cfg.block_size < max_model_len:  # such requests are refused one by one
+        log.warning("kv_cache_below_max_model_len", tokens=num_device * cfg.block_size,
+                    max_model_len=max_model_len,
+                    hint="a request whose prompt and max_tokens need more is refused; set "
+                         "kv_cache_bytes or num_device_blocks (or, on CUDA, "
+                         "gpu_memory_utilization) higher, or max_model_len lower")  # fmt: skip
     return ModelPlan(hf_config=hf_config, dtype=dtype, kv_dtype=kv_dtype,
                      num_device_blocks=num_device, num_host_blocks=num_host,
                      max_model_len=max_model_len, vocab_size=int(hf_config.vocab_size))  # fmt: skip

@@ -163,3 +163,22 @@ def test_a_cache_that_does_not_fit_is_a_typed_error_naming_the_knobs(
     with pytest.raises(InvalidRequestError, match="gpu_memory_utilization") as info:
         runner_module.ModelRunner(tiny_checkpoint("llama-gqa"), "float32", num_blocks=8)
     assert isinstance(info.value.__cause__, torch.cuda.OutOfMemoryError)
+
+
+def test_a_cache_smaller_than_max_model_len_is_warned_at_start(
+    tiny_checkpoint: Callable[[str], Path],
+) -> None:
+    """vLLM refuses to start then; here the requests that would not fit are refused one by one
+    (request_checks), and the start says so once, with what to set."""
+    path = tiny_checkpoint("llama-gqa")
+    hf_config = AutoConfig.from_pretrained(str(path))
+    for blocks, warned in ((3, True), (16, False)):  # 48 and 256 tokens against 256
+        with capture_logs() as logs:
+            plan_model(EngineConfig(model=str(path), num_device_blocks=blocks, max_model_len=256),
+                       hf_config)  # fmt: skip
+        events = [e for e in logs if e["event"] == "kv_cache_below_max_model_len"]
+        assert len(events) == warned
+        if warned:
+            assert events[0]["log_level"] == "warning"
+            assert (events[0]["tokens"], events[0]["max_model_len"]) == (48, 256)
+            assert "kv_cache_bytes" in events[0]["hint"]
