@@ -20,6 +20,7 @@ in. CPUs keep the fixed default (``config.DEFAULT_KV_CACHE_BYTES``).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,7 +35,8 @@ from asyncpaged.model.loader import load_config, text_config
 
 log = get_logger(__name__)
 
-CONTEXT_RESERVE_BYTES = 1 << 30
+GIB = 2**30
+CONTEXT_RESERVE_BYTES = GIB
 _SAMPLING_BYTES_PER_LOGIT = 4 + 4 + 4 + 8
 
 
@@ -55,9 +57,7 @@ def checkpoint_weight_bytes(
             with safe_open(str(file), framework="pt") as f:
                 for name in f.keys():  # noqa: SIM118 (safe_open is no mapping)
                     piece = f.get_slice(name)
-                    numel = 1
-                    for n in piece.get_shape():
-                        numel *= int(n)
+                    numel = math.prod(piece.get_shape())
                     stored = _SAFETENSORS_BYTES.get(piece.get_dtype(), 1)
                     floating = piece.get_dtype() in ("F64", "F32", "F16", "BF16")
                     size = numel * (dtype.itemsize if floating else stored)
@@ -106,11 +106,10 @@ class CudaBudget:
     def check(self, min_kv_bytes: int) -> int:
         """The KV bytes, or a typed error when they fall short of ``min_kv_bytes``."""
         if self.kv_bytes < min_kv_bytes:
-            gib = 2**30
             raise InvalidRequestError(
-                f"gpu_memory_utilization={self.utilization} of {self.device_bytes / gib:.1f} GiB "
-                f"leaves {max(self.kv_bytes, 0) / gib:.2f} GiB for the KV cache after "
-                f"{self.weights / gib:.1f} GiB of weights and a {self.reserve / gib:.1f} GiB "
+                f"gpu_memory_utilization={self.utilization} of {self.device_bytes / GIB:.1f} GiB "
+                f"leaves {max(self.kv_bytes, 0) / GIB:.2f} GiB for the KV cache after "
+                f"{self.weights / GIB:.1f} GiB of weights and a {self.reserve / GIB:.1f} GiB "
                 "reserve for a step's activations: less than one sequence of max_model_len "
                 "needs. Lower max_model_len, raise gpu_memory_utilization, lower "
                 "max_num_batched_tokens / max_num_seqs, or set kv_cache_bytes / "
@@ -172,9 +171,8 @@ def cuda_kv_budget(
     budget = CudaBudget(cuda_device_bytes(cfg.device), cfg.gpu_memory_utilization, weights, reserve)
     per_block = shape.block_bytes(cfg.block_size) + draft_block
     kv_bytes = budget.check(-(-max_model_len // cfg.block_size) * per_block)
-    gib = 2**30
-    log.info("kv_budget", device_gib=round(budget.device_bytes / gib, 2),
-             utilization=budget.utilization, weights_gib=round(weights / gib, 2),
-             reserve_gib=round(reserve / gib, 2), kv_cache_gib=round(kv_bytes / gib, 2),
+    log.info("kv_budget", device_gib=round(budget.device_bytes / GIB, 2),
+             utilization=budget.utilization, weights_gib=round(weights / GIB, 2),
+             reserve_gib=round(reserve / GIB, 2), kv_cache_gib=round(kv_bytes / GIB, 2),
              blocks=kv_bytes // per_block)  # fmt: skip
     return kv_bytes, draft_block

@@ -81,6 +81,7 @@ def result_to_wire(result: StepResult) -> ResultWire:
 
 
 def result_from_wire(wire: ResultWire) -> StepResult:
+    """The step's result from what :func:`result_to_wire` sent."""
     rows, compute_s, prompt_logprobs, cuda_graph = wire
     sampled = tuple([_as_tuple_of(SampledToken, row) for row in rows])
     return StepResult(sampled=sampled, compute_s=compute_s, prompt_logprobs=prompt_logprobs,
