@@ -49,6 +49,7 @@ from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
+
 from asyncpaged.kernels.cpu_attention import (
     CpuAttentionBackend,
     DecodePlan,
@@ -56,7 +57,6 @@ from asyncpaged.kernels.cpu_attention import (
 )
 from asyncpaged.kernels.cpu_build import load_library
 from asyncpaged.kernels.cpu_ops import launch_write, paged_prefill_attention
-
 from asyncpaged.model.attention import (
     AttentionMetadata,
     TorchAttentionBackend,

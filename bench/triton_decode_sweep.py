@@ -14,6 +14,8 @@ import json
 from typing import Any
 
 import torch
+from triton.testing import do_bench  # type: ignore[import-untyped]
+
 from asyncpaged.kernels.benchmark import _sdpa, decode_inputs
 from asyncpaged.kernels.paged_attention import (
     AttentionConfig,
@@ -21,7 +23,6 @@ from asyncpaged.kernels.paged_attention import (
     paged_attention,
     plan_tiles,
 )
-from triton.testing import do_bench  # type: ignore[import-untyped]
 
 SHAPES = [(1, 8192), (4, 4096), (16, 2048), (64, 1024), (256, 1024)]
 HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128

@@ -45,9 +45,6 @@ if not torch.cuda.is_available():
 print("device", torch.cuda.get_device_name(), "capability", torch.cuda.get_device_capability())
 PYEOF
 export PYTHONUNBUFFERED=1
-# The repo root is the working directory: -m and -c must not put it first on sys.path, where
-# its kernels/ folder would shadow the `kernels` distribution transformers >= 5.25 imports.
-export PYTHONSAFEPATH=1
 if [[ -d .whl ]] && ls .whl/*.whl >/dev/null 2>&1; then
   "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target /tmp/asyncpaged-site .whl/*.whl

@@ -382,7 +382,6 @@ async def test_without_a_compiler_auto_takes_the_torch_path_and_cpu_refuses(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     from asyncpaged.kernels import cpu_build
-
     from asyncpaged.model.attention import TorchAttentionBackend
 
     monkeypatch.setattr(cpu_build, "find_compiler", lambda: None)

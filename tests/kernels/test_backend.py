@@ -6,13 +6,13 @@ from pathlib import Path
 
 import pytest
 import torch
+
 from asyncpaged.kernels.backend import (
     KV_LAYOUT_ENV,
     TritonAttentionBackend,
     logical_cache_views,
     make_attention_backend,
 )
-
 from asyncpaged.model.attention import AttentionMetadata, TorchAttentionBackend
 from asyncpaged.model.kv_cache import PagedKVCache
 from asyncpaged.model.runner import ModelRunner

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from asyncpaged.kernels.cache_ops import (
     copy_blocks,
     copy_blocks_reference,
     reshape_and_cache,
     reshape_and_cache_reference,
 )
-
 from tests.kernels.cases import PAGE, Layout, make_cache
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from asyncpaged.kernels import cpu_build
 from asyncpaged.kernels.cpu_argmax import argmax_rows
 

@@ -24,6 +24,7 @@ from typing import Any
 import pytest
 import structlog
 import torch
+
 from asyncpaged.kernels import cpu_attention, cpu_build
 from asyncpaged.kernels.cpu_attention import (
     CpuAttentionBackend,
@@ -38,7 +39,6 @@ from asyncpaged.kernels.cpu_ops import (
     paged_prefill_attention,
     reference_paged_prefill,
 )
-
 from asyncpaged.model.attention import AttentionMetadata, TorchAttentionBackend
 from asyncpaged.model.kv_cache import PagedKVCache
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from asyncpaged.kernels import cpu_build
 from asyncpaged.kernels.cpu_fused import (
     add_rms_norm,
@@ -26,7 +27,6 @@ from asyncpaged.kernels.cpu_fused import (
     rotary_,
     silu_mul,
 )
-
 from asyncpaged.model.llama import RMSNorm
 from asyncpaged.model.rotary import RotaryEmbedding, apply_rotary
 

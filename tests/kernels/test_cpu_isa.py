@@ -12,6 +12,7 @@ import subprocess
 from functools import cache
 
 import pytest
+
 from asyncpaged.kernels import cpu_build
 
 pytestmark = pytest.mark.skipif(

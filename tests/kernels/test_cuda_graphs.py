@@ -17,11 +17,11 @@ from typing import Any
 import anyio
 import pytest
 import torch
-from asyncpaged.kernels.backend import TritonAttentionBackend, logical_cache_views
 
 from asyncpaged import AsyncEngine, EngineConfig, SamplingParams
 from asyncpaged.config import cuda_graph_sizes
 from asyncpaged.distributed import TensorParallelRunner
+from asyncpaged.kernels.backend import TritonAttentionBackend, logical_cache_views
 from asyncpaged.model.attention import AttentionMetadata
 from asyncpaged.model.cuda_graphs import Capture, eager_capture
 from asyncpaged.model.runner import ModelRunner, StepPlan, StepResult

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from asyncpaged.kernels.backend import TritonAttentionBackend
 
+from asyncpaged.kernels.backend import TritonAttentionBackend
 from asyncpaged.model.runner import ModelRunner
 from tests.model.conftest import hf_reference, tiny_checkpoint
 from tests.model.driver import Driver, SimSequence

@@ -1,6 +1,8 @@
-"""kernels/ ships as ``asyncpaged.kernels`` (never a top-level ``kernels``) in editable and wheel
-installs. The wheel is built from a copy of the sources with ``--no-build-isolation`` (no network)
-and installed with ``pip install --target``; about 10-20 s."""
+"""The kernels ship as ``asyncpaged.kernels`` (never a top-level ``kernels``) in editable and wheel
+installs: the Python under src/asyncpaged/kernels, the C++ sources of the top-level kernels/ folder
+as ``asyncpaged/kernels/csrc`` in a wheel. The wheel is built from a copy of the sources with
+``--no-build-isolation`` (no network) and installed into a scratch venv that borrows this one's
+dependencies (a ``.pth`` line); about 10-20 s."""
 
 from __future__ import annotations
 
@@ -8,24 +10,30 @@ import os
 import shutil
 import subprocess
 import sys
+import sysconfig
 import zipfile
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 _PROBE = (
     "import importlib.util, asyncpaged.kernels as k; "
     "from asyncpaged.kernels import paged_attention, reshape_and_cache, copy_blocks; "
+    "from asyncpaged.kernels import cpu_build; "
+    "assert all(p.is_file() for p in cpu_build.SOURCES + cpu_build.HEADERS), cpu_build.SOURCES; "
     "spec = importlib.util.find_spec('kernels'); "
     "print(k.__file__); print(spec.origin if spec else None)"
 )
 
 
-def _probe(env_path: str | None, cwd: Path) -> tuple[Path, str]:
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "TRITON_INTERPRET")}
-    if env_path is not None:
-        env["PYTHONPATH"] = env_path
+def _probe(cwd: Path, python: Path | None = None) -> tuple[Path, str]:
+    """``python -c`` from ``cwd`` (first on its ``sys.path``): where ``asyncpaged.kernels`` and a
+    top-level ``kernels`` come from."""
+    drop = ("PYTHONPATH", "TRITON_INTERPRET", "PYTHONSAFEPATH")
+    env = {k: v for k, v in os.environ.items() if k not in drop}
     done = subprocess.run(
-        [sys.executable, "-c", _PROBE],
+        [str(python or sys.executable), "-c", _PROBE],
         check=False,
         cwd=cwd,
         env=env,
@@ -44,9 +52,12 @@ def _not_ours(top_level: str, *ours: Path) -> bool:
     return top_level == "None" or not any(Path(top_level).is_relative_to(d) for d in ours)
 
 
-def test_editable_install_maps_kernels_into_the_package(tmp_path: Path) -> None:
-    kernels_file, top_level = _probe(None, tmp_path)
-    assert kernels_file == ROOT / "kernels" / "__init__.py"
+@pytest.mark.parametrize("where", ["root", "elsewhere"])
+def test_editable_install_imports_asyncpaged_kernels(tmp_path: Path, where: str) -> None:
+    """From the repository root too, where the README's commands run: ``import kernels`` there
+    is Hugging Face's, not our folder."""
+    kernels_file, top_level = _probe(ROOT if where == "root" else tmp_path)
+    assert kernels_file == ROOT / "src" / "asyncpaged" / "kernels" / "__init__.py"
     assert _not_ours(top_level, ROOT / "kernels", ROOT / "src"), (
         f"our kernels/ is importable as a top-level `kernels` package: {top_level}"
     )
@@ -80,10 +91,20 @@ def test_wheel_ships_asyncpaged_kernels_and_every_package(tmp_path: Path) -> Non
     shipped = {n.rsplit("/", 1)[0].replace("/", ".") for n in names if n.endswith("__init__.py")}
     missing = _packages_in_src() - shipped
     assert not missing, f"add {sorted(missing)} to [tool.setuptools] packages in pyproject.toml"
-    site = tmp_path / "site"
-    install = [*pip, "install", "--no-deps", "--target", str(site), str(wheel)]
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True,
+                   timeout=60)  # fmt: skip
+    python = venv / "bin" / "python"
+    site = Path(subprocess.run(
+        [python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+        check=True, capture_output=True, text=True, timeout=60,
+    ).stdout.strip())  # fmt: skip
+    # torch and the rest from this environment; a plain path entry, so the editable install's
+    # own .pth finder there is not run and asyncpaged comes from the wheel
+    (site / "dependencies.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
+    install = [*pip, "--python", str(python), "install", "--no-deps", str(wheel)]
     subprocess.run(install, check=True, capture_output=True, timeout=120)
-    kernels_file, top_level = _probe(str(site), tmp_path)
+    kernels_file, top_level = _probe(tmp_path, python)  # its csrc/ builds the CPU kernels
     assert kernels_file == site / "asyncpaged" / "kernels" / "__init__.py"
     assert _not_ours(top_level, site, ROOT / "kernels"), (
         f"the wheel installs a top-level `kernels` package: {top_level}"

@@ -7,6 +7,7 @@ from typing import Any
 
 import pytest
 import torch
+
 from asyncpaged.kernels._util import is_interpreted, max_shared_mem
 from asyncpaged.kernels.cache_ops import _reshape_and_cache_kernel, reshape_and_cache
 from asyncpaged.kernels.paged_attention import (
@@ -18,7 +19,6 @@ from asyncpaged.kernels.paged_attention import (
     paged_attention,
     paged_attention_reference,
 )
-
 from tests.kernels.cases import PAGE, TOLERANCE, Layout, PagedCase, make_case
 from tests.kernels.conftest import NATIVE
 

@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from asyncpaged.kernels import cpu_build
 from asyncpaged.kernels.backend import TritonAttentionBackend
 from asyncpaged.kernels.cpu_attention import DecodePlan
-
 from asyncpaged.model.attention import TorchAttentionBackend
 from tests.kernels.cases import make_case
 from tests.kernels.test_cpu_attention import (

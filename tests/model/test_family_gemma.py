@@ -16,8 +16,8 @@ from typing import Any
 
 import pytest
 import torch
-from asyncpaged.kernels.cpu_attention import CpuAttentionBackend
 
+from asyncpaged.kernels.cpu_attention import CpuAttentionBackend
 from asyncpaged.model.attention import AttentionBackend
 from asyncpaged.model.errors import CheckpointError, UnsupportedModelError
 from asyncpaged.model.gemma import GemmaForCausalLM

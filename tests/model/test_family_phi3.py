@@ -23,9 +23,9 @@ from typing import Any
 
 import pytest
 import torch
+
 from asyncpaged.kernels import cpu_build
 from asyncpaged.kernels.cpu_attention import CpuAttentionBackend
-
 from asyncpaged.model.base import TensorShard
 from asyncpaged.model.errors import UnsupportedModelError
 from asyncpaged.model.phi3 import Phi3ForCausalLM

@@ -19,8 +19,8 @@ from typing import Any
 
 import pytest
 import torch
-from asyncpaged.kernels import cpu_build
 
+from asyncpaged.kernels import cpu_build
 from asyncpaged.model import moe, packed_linear
 from asyncpaged.model.errors import UnsupportedModelError
 from asyncpaged.model.llama import LlamaDecoderLayer, LlamaForCausalLM

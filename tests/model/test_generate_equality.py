@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from asyncpaged.kernels import cpu_build
 
+from asyncpaged.kernels import cpu_build
 from asyncpaged.model.attention import AttentionBackend
 from asyncpaged.model.base import FusedElementwise
 from asyncpaged.model.runner import ModelRunner
@@ -290,9 +290,9 @@ def test_bfloat16_prompt_logits_equal_transformers_bits(
     sliding window stays on the kernel's fp32 math (not claimed here)."""
     if cpu_build.find_compiler() is None:
         pytest.skip("g++ not found: no CPU attention backend")
-    from asyncpaged.kernels.cpu_attention import CpuAttentionBackend
     from transformers import AutoModelForCausalLM
 
+    from asyncpaged.kernels.cpu_attention import CpuAttentionBackend
     from asyncpaged.model.attention import AttentionMetadata
 
     path = tiny_checkpoint(name)

@@ -7,10 +7,10 @@ import shutil
 from pathlib import Path
 
 import pytest
-from asyncpaged.kernels import cpu_build
 
 from asyncpaged import __version__
 from asyncpaged.__main__ import main
+from asyncpaged.kernels import cpu_build
 from asyncpaged.tools import cli_log
 
 

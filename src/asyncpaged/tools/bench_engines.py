@@ -369,9 +369,7 @@ def run_one(spec: WorkerSpec, repeat: int) -> EngineRun:
         result = Path(tmp) / "result.json"
         argv = ["--spec", spec.to_json(), "--result", str(result)]
         proc = subprocess.run(
-            # -P: the working directory is not put on sys.path; from a checkout, transformers
-            # would otherwise import its top-level kernels/ folder as the `kernels` package.
-            [sys.executable, "-P", "-m", WORKER_MODULE, *argv],
+            [sys.executable, "-m", WORKER_MODULE, *argv],
             stdout=subprocess.PIPE,
             env=worker_env(spec.threads, spec.malloc_tuning),
             text=True,

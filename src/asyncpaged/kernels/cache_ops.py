@@ -15,8 +15,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
-import triton  # type: ignore[import-untyped]
-import triton.language as tl  # type: ignore[import-untyped]
+import triton
+import triton.language as tl
 
 _BLOCK_T = 32  # tokens per reshape_and_cache program
 _COPY_CHUNK = 1024  # elements per copy_blocks inner step

@@ -20,7 +20,7 @@ kv_heads, head_dim]`` with arbitrary strides, so one kernel serves every physica
 Either way a block is one contiguous piece of memory per layer, so copy-on-write and swap stay
 per-block copies. With head_dim contiguous (V in the runner layout, K and V in NHD) Triton
 vectorizes the loads along head_dim; K transposed per block is read with scalar gathers, so
-NHD decodes 1.2-1.4x faster at batch 4-256 on an H100 (``kernels/benchmark.py``, run by
+NHD decodes 1.2-1.4x faster at batch 4-256 on an H100 (``asyncpaged/kernels/benchmark.py``, run by
 ``scripts/gpu_check.sh``; docs/tuning.md "Attention on CUDA").
 
 Tiling. A program owns one *q tile* (``BLOCK_Q`` consecutive new tokens of one sequence, from a
@@ -48,8 +48,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
-import triton  # type: ignore[import-untyped]
-import triton.language as tl  # type: ignore[import-untyped]
+import triton
+import triton.language as tl
 
 from ._util import is_interpreted, max_shared_mem, target_num_programs
 

@@ -31,7 +31,7 @@ def target_num_programs(device: torch.device) -> int:
 @functools.cache
 def _cuda_shared_mem(index: int) -> int:
     try:
-        from triton.runtime import driver  # type: ignore[import-untyped]
+        from triton.runtime import driver
 
         return int(driver.active.utils.get_device_properties(index)["max_shared_mem"])
     except (ImportError, AttributeError, KeyError, RuntimeError):

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from triton.testing import do_bench  # type: ignore[import-untyped]
+from triton.testing import do_bench
 
 from .paged_attention import TilePlan, attention_config, paged_attention, plan_tiles
 

@@ -1,4 +1,4 @@
-"""Kernels of asyncpaged, shipped as ``asyncpaged.kernels`` (source: the top-level kernels/).
+"""Kernels of asyncpaged (``asyncpaged.kernels``; the C++ sources are the top-level kernels/csrc).
 
 CUDA (Triton; tests run them under ``TRITON_INTERPRET=1``):
 

@@ -51,7 +51,17 @@ log = get_logger(__name__)
 
 TARGETS: Final = ("avx512", "avx2", "baseline")
 BUILD_NOTE: Final = "building native CPU kernels (one time, ~15 s)"  # logged with the cache path
-_CSRC: Final = Path(__file__).resolve().parent / "csrc"
+
+
+def _source_dir() -> Path:
+    """Where the C++ sources are: ``asyncpaged/kernels/csrc`` in a wheel, the repository's
+    top-level ``kernels/csrc`` in a checkout (an editable install maps no data folder)."""
+    here = Path(__file__).resolve().parent
+    shipped, checkout = here / "csrc", here.parents[2] / "kernels" / "csrc"
+    return shipped if shipped.is_dir() else checkout
+
+
+_CSRC: Final = _source_dir()
 SOURCES: Final = tuple(
     _CSRC / n
     for n in (
