@@ -1,12 +1,15 @@
 #!/usr/bin/env bash
-# Create .venv and install asyncpaged with its dev extra. Idempotent and offline-friendly:
-# torch is pinned to the CPU wheel first so that no multi-GB CUDA build is pulled.
+# Create .venv and install asyncpaged with its dev extra at the exact versions of
+# requirements.lock (torch: the CPU wheel), so every fresh machine gets the same environment.
+# Idempotent: a rerun moves an existing .venv back to the lock. scripts/lock.sh writes the lock;
+# scripts/check_latest.sh tries the newest releases before the lock moves forward.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
 if [ ! -x .venv/bin/python ]; then
     "$PYTHON" -m venv .venv
 fi
-.venv/bin/python -m pip install -q --disable-pip-version-check torch==2.13.0
-.venv/bin/python -m pip install -q --disable-pip-version-check -e '.[dev]'
-.venv/bin/python -c "import asyncpaged, torch; print('asyncpaged', asyncpaged.__version__, 'torch', torch.__version__)"
+pip=(.venv/bin/python -m pip install -q --disable-pip-version-check)
+"${pip[@]}" -r requirements.lock
+"${pip[@]}" --no-deps -e .
+.venv/bin/python -m asyncpaged --version

@@ -6,16 +6,17 @@ import argparse
 import sys
 import traceback
 from collections.abc import Sequence
-from importlib.metadata import PackageNotFoundError, version
 
 
-def _version() -> str:
-    try:
-        return version("asyncpaged")
-    except PackageNotFoundError:  # run from a source tree that is not installed
-        from asyncpaged import __version__
+class _Version(argparse.Action):
+    """``--version``: the versions it runs with, one per line (argparse's own action would
+    rewrap them), then exit."""
 
-        return __version__
+    def __call__(self, parser: argparse.ArgumentParser, *_: object) -> None:
+        from asyncpaged.versions import version_text
+
+        print(version_text())
+        parser.exit()
 
 
 def _error_line(exc: BaseException) -> str:
@@ -41,7 +42,9 @@ def _parser() -> argparse.ArgumentParser:
     )
 
     parser = argparse.ArgumentParser(prog="asyncpaged", description=__doc__)
-    parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
+    parser.add_argument("--version", action=_Version, nargs=0,
+                        help="the versions it runs with (torch, transformers, the kernels' "
+                             "build, ...), and exit")  # fmt: skip
     parser.add_argument("--log-level", default="warning", choices=cli_log.LEVELS,
                         help="engine events shown on stderr (default: warning)")  # fmt: skip
     parser.add_argument("--debug", action="store_true", help="show the traceback of an error")

@@ -65,6 +65,7 @@ from asyncpaged.model.runner_process import RunnerProcess
 from asyncpaged.sampling_params import BeamSearchParams, SamplingParams
 from asyncpaged.spec_decode.draft_proposals import DraftProposals
 from asyncpaged.streams import RequestState, RequestStream
+from asyncpaged.versions import runtime_versions
 
 __all__ = ["AsyncEngine", "PrefixHandle", "check_draft_model"]
 
@@ -117,6 +118,7 @@ class AsyncEngine:
         if self._started:
             raise EngineClosedError("an AsyncEngine starts only once; create a new one.")
         self._started = True
+        log.info("engine_versions", **runtime_versions())
         cfg = self.config = settle_auto(self.config)  # for every part to read
         # resolve_model_path is looked up here, at the call (the model's and the draft's)
         model = await load_model(cfg, resolve_model_path)

@@ -10,6 +10,8 @@ from typing import Any
 
 import anyio
 import pytest
+import torch
+import transformers
 
 from asyncpaged import (
     EngineDeadError,
@@ -371,6 +373,10 @@ async def test_lifecycle_events_are_logged(tiny_checkpoint: Callable[[str], Path
             await generate_all(engine, make_prompts(6, seed=7), GREEDY)
     events = [e["event"] for e in logs]
     assert "engine_started" in events
+    (versions,) = [e for e in logs if e["event"] == "engine_versions"]  # once, at start
+    assert versions["torch"] == torch.__version__
+    assert versions["transformers"] == transformers.__version__
+    assert {"python", "xgrammar", "cpu_kernels"} <= versions.keys()
     assert events.count("request_finished") == 6
     assert "request_preempted" in events
     assert all(e["log_level"] != "info" or "token" not in e["event"] for e in logs)

@@ -4,6 +4,7 @@ traceback), --log-level through stdlib logging, a line on stderr for the kernel 
 from __future__ import annotations
 
 import shutil
+from importlib.metadata import version
 from pathlib import Path
 
 import pytest
@@ -12,13 +13,33 @@ from asyncpaged import __version__
 from asyncpaged.__main__ import main
 from asyncpaged.kernels import cpu_build
 from asyncpaged.tools import cli_log
+from asyncpaged.versions import NOT_INSTALLED, distribution_version
 
 
 def test_version(capsys: pytest.CaptureFixture[str]) -> None:
+    """``--version`` prints what the engine runs with: Python, the distributions its results
+    depend on and the native kernels' build, one ``name version`` line each."""
+    import platform
+
+    import torch
+    import transformers
+
     with pytest.raises(SystemExit) as done:
         main(["--version"])
     assert done.value.code == 0
-    assert capsys.readouterr().out == f"asyncpaged {__version__}\n"
+    lines = dict(line.split(None, 1) for line in capsys.readouterr().out.splitlines())
+    assert lines["asyncpaged"] == __version__
+    assert lines["python"] == platform.python_version()
+    assert lines["torch"] == torch.__version__
+    assert lines["transformers"] == transformers.__version__
+    assert lines["xgrammar"] == version("xgrammar")
+    target = cpu_build.select_target()
+    compiler = cpu_build.find_compiler()
+    assert compiler is not None
+    library = cpu_build.library_path(cpu_build.SOURCES, target, compiler, Path(),
+                                     cpu_build.HEADERS)  # fmt: skip
+    assert lines["cpu_kernels"] == f"{target} {library.stem.rsplit('-', 1)[-1]}"
+    assert distribution_version("no-such-distribution-here") == NOT_INSTALLED
 
 
 def test_log_level_choices_are_checked(capsys: pytest.CaptureFixture[str]) -> None:

@@ -310,6 +310,18 @@ def _run(command: list[str]) -> subprocess.CompletedProcess[str]:
     return subprocess.run(command, capture_output=True, text=True, check=False, timeout=600)
 
 
+def build_id(target: str | None = None) -> str:
+    """The native library's build for ``target`` (default: ``select_target()``) as
+    ``"<target> <hash>"``: the hash of every source, header and flag and the compiler's version
+    that names the cached library (built or not); or why there is none."""
+    target = select_target() if target is None else target
+    compiler = find_compiler()
+    if compiler is None:
+        return f"{target}: no g++ on PATH"
+    path = library_path(SOURCES, target, compiler, Path(), HEADERS)
+    return f"{target} {path.stem.rsplit('-', 1)[-1]}"
+
+
 def load_library(target: str | None = None) -> ctypes.CDLL | None:
     """The kernel library for ``target`` (default: ``select_target()``), built on first
     use and kept for the process; ``None`` when unavailable (callers fall back to torch)."""
