@@ -13,7 +13,7 @@ itself; such a host sets ``gc_freeze=False``).
 A young (generation-0) collection runs every 700 new container objects by default, and a step
 at 256 sequences makes thousands: each pass walks the young objects still alive (the step's
 rows, outputs and messages), about 0.3 ms a step in all (9% of the loop's CPU at 256
-sequences, docs/tuning.md "Session 24"). While an engine runs the threshold is
+sequences, docs/benchmarks.md "Engine overhead per step"). While an engine runs the threshold is
 raised to ``gc_threshold`` (where the host's is lower), and the host's thresholds come back
 when the last such engine closes (what the host set meanwhile is overwritten then).
 """

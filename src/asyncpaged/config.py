@@ -84,8 +84,8 @@ class EngineConfig:
     # "auto" (executor_backend_for): "process" on a CPU or CUDA device with 2+ usable cores
     # where it can, else "thread"; the environment variable ASYNCPAGED_EXECUTOR_BACKEND=
     # thread|process decides "auto" instead. "auto" is the default: with async scheduling the
-    # process measured faster on both CPU workloads and on an H100 (tuning.md, "Async
-    # scheduling", "Attention on CUDA"); choose "thread" for per-request logits_processors.
+    # process measured faster on both CPU workloads and on an H100 (docs/benchmarks.md,
+    # "Engine overhead per step"); choose "thread" for per-request logits_processors.
     executor_backend: Literal["auto", "thread", "process"] = "auto"
     # Async scheduling (vLLM's async_scheduling): plan step N+1 while step N runs, so the
     # executor goes from one step to the next without waiting for the loop; a row whose input
@@ -118,9 +118,9 @@ class EngineConfig:
     # While an engine runs, the cyclic GC's young collections come every gc_threshold new
     # container objects at least (gc.set_threshold's first value; the host's own where it is
     # higher, or 0), not every 700: a step makes thousands, and each young pass walks what is
-    # still alive (the passes took ~9% of the loop's CPU at 256 sequences; docs/tuning.md
-    # "Session 24"). The host's thresholds come back when the last such engine closes. None:
-    # leave them alone.
+    # still alive (the passes took ~9% of the loop's CPU at 256 sequences; docs/benchmarks.md
+    # "Engine overhead per step"). The host's thresholds come back when the last such engine
+    # closes. None: leave them alone.
     gc_threshold: int | None = 10_000
     # Queue order (core/policy.py): "fcfs", or "priority" (generate(priority=N): lower first,
     # FCFS among equals; a waiting request preempts lower-ranked running ones; every
@@ -291,8 +291,8 @@ def executor_backend_for(config: EngineConfig) -> tuple[Literal["thread", "proce
 
 def _measured_device(device: str) -> bool:
     """Where the runner's process (with async scheduling) measured faster than its thread:
-    CPUs (tuning.md, "Async scheduling") and CUDA (an H100's host: 2.6 against 4.1-4.3 ms
-    per step of ``bench overhead``, tuning.md "Attention on CUDA")."""
+    CPUs and CUDA (an H100's host: 2.6 against 4.1-4.3 ms per step of ``bench overhead``;
+    docs/benchmarks.md, "Engine overhead per step")."""
     return device.partition(":")[0] in ("cpu", "cuda")
 
 

@@ -4,7 +4,7 @@ grammar (vLLM's ``StructuredOutputsParams``), on xgrammar.
 Why xgrammar: it is made for this (vLLM's and SGLang's default backend), runs on CPU, reads
 Hugging Face tokenizers of every vocabulary type (byte-level BPE, SentencePiece, tiktoken), fills
 a bitmask for a whole batch in one C++ call and offers jump-forward tokens and matcher forks.
-Measured against the two alternatives (``bench/grammar_backends.py``, one thread, docs/tuning.md
+Measured against the two alternatives (``bench/grammar_backends.py``, one thread, docs/benchmarks.md
 "Grammar backends"; built-in 3072-token vocabulary / a 32k byte-level BPE): xgrammar compiles a
 schema in 1.3 / 1.4-3.4 ms and fills a mask in 1.2 / 1.4 us per token; llguidance compiles
 lazily (under 1 ms, but 2.5-3.8 s for the first grammar of a process) and fills a mask in 14-20

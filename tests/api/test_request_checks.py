@@ -1,4 +1,4 @@
-"""Issue 25: what ``generate`` refuses before any work, as pure functions (no engine)."""
+"""What ``generate`` refuses before any work, as pure functions (no engine)."""
 
 from __future__ import annotations
 

@@ -450,7 +450,7 @@ def test_truncate_needs_the_tokens_of_its_new_last_block() -> None:
 
 def test_admission_hashes_each_prompt_block_once(monkeypatch: pytest.MonkeyPatch) -> None:
     """The size check, the allocation and the blocks the allocation fills share one hash
-    chain (issue 22: admission hashed each prompt twice); the result is the same chain."""
+    chain (admission hashes each prompt once, not twice); the result is the same chain."""
     from asyncpaged.core import block_pool_prefix
     from asyncpaged.core.prefix_hash import hash_full_blocks
 

@@ -1,4 +1,4 @@
-"""Issue 25: a hostile request fails alone, aborts are honoured in every stage, idle counts
+"""Hardening: a hostile request fails alone, aborts are honoured in every stage, idle counts
 intake, nothing per-request blocks the host loop, dropped streams abort, GC is frozen.
 
 Every test keeps an innocent "victim" request in flight that must finish token-identical to

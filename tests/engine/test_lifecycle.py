@@ -131,10 +131,10 @@ async def test_aclose_of_a_failed_engine_raises_engine_dead(
 
 
 async def test_closed_engines_do_not_pile_up(tiny_checkpoint: Callable[[str], Path]) -> None:
-    """Issue 25: memory grew with every enter/exit cycle. A closed engine was garbage only as
-    reference cycles (its intake actor held its bound methods; its stopped tasks' frames, held
-    by their tracebacks), which wait for a full collection, model and KV cache included: 5
-    cycles left 5 engines alive. Now the last reference to a closed engine frees it."""
+    """Memory must not grow with every enter/exit cycle. A closed engine left as garbage only in
+    reference cycles (its intake actor holding its bound methods; its stopped tasks' frames, held
+    by their tracebacks) would wait for a full collection, model and KV cache included, and 5
+    cycles would leave 5 engines alive. The last reference to a closed engine frees it."""
     config = _config(tiny_checkpoint(MODEL))
     if hasattr(config, "gc_freeze"):  # its gc.collect() at each start would hide a pile-up
         config = dataclasses.replace(config, gc_freeze=False)

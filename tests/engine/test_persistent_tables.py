@@ -1,4 +1,4 @@
-"""Each step sends only the block-table entries that changed (issue 22's persistent batch):
+"""Each step sends only the block-table entries that changed (a persistent batch):
 the runner keeps the tables, and the tokens stay transformers'."""
 
 from __future__ import annotations

@@ -248,7 +248,7 @@ def test_auto_chooses_the_process_on_a_cpu_with_two_cores(
     tiers = dataclasses.replace(base, kv_offload_host_bytes=1 << 20, enable_prefix_caching=True)
     assert executor_backend_for(tiers)[0] == "process"
     # CUDA too: on an H100's host the process with async scheduling took 2.6 ms per step of
-    # `bench overhead` against the thread's 4.1-4.3 (docs/tuning.md)
+    # `bench overhead` against the thread's 4.1-4.3 (docs/benchmarks.md)
     assert executor_backend_for(dataclasses.replace(base, device="cuda:1"))[0] == "process"
     for change, why in [
         ({"tensor_parallel_size": 2}, "tensor parallelism"),

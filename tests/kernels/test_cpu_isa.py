@@ -1,4 +1,4 @@
-"""What each native CPU build really contains (issue 19): vectors of its target's width, with
+"""What each native CPU build really contains: vectors of its target's width, with
 software prefetch, and no instruction of a wider ISA (the avx2 build must run on a CPU
 without AVX-512, the baseline build on any x86-64). Read from the compiled library's
 disassembly, so it holds on whatever CPU runs the tests: compiling a target does not need

@@ -124,7 +124,7 @@ def generate_two(model: TinyModel, base: SamplingOptions, drafts: Drafter, num: 
     """The first two tokens of ``num`` seeded sequences (seeds ``first_seed..``) with two
     proposals, then (if only one token came out) one proposal for the second token."""
     seeds = list(range(first_seed, first_seed + num))
-    # round 1: proposals x0, x1 for positions 0 and 1
+    # first verification: proposals x0, x1 for positions 0 and 1
     prev = torch.full((num,), -1, dtype=torch.int64)
     props, q = drafts(prev, 2)
     rows, opts = [], []
@@ -137,7 +137,7 @@ def generate_two(model: TinyModel, base: SamplingOptions, drafts: Drafter, num: 
     for i, toks in enumerate(out.token_ids):
         if len(toks) >= 2:
             pairs[i] = (toks[0], toks[1])
-    if need:  # round 2: the second token, after the first one (a rejection in round 1)
+    if need:  # second verification: the second token, after a rejection in the first
         prev = torch.tensor([out.token_ids[i][0] for i in need])
         props2, q2 = drafts(prev, 1)
         rows, opts = [], []

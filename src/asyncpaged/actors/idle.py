@@ -12,7 +12,7 @@ class IdleSignal:
 
     Invariant: ``_event`` is the event the next :meth:`notify` with ``is_idle()`` true sets. A
     waiter replaces it only when it is already set (an idle moment that has passed), so two
-    waiters never wait on different events and neither is left behind (issue 22).
+    waiters never wait on different events and neither is left behind.
     """
 
     def __init__(self, is_idle: Callable[[], bool]) -> None:

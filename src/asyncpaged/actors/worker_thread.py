@@ -4,8 +4,8 @@ anyio's thread pool hands each call to whichever worker is idle, so one actor's 
 across threads as other work (tokenization, grammar compilation) comes and goes. On glibc each
 thread allocates from its own arena, and freed memory stays in the arena it came from: a
 forward whose activations land in a different arena every few steps keeps a copy of its
-high-water mark in each of them (two arenas of ~110-170 MiB each in the soak of issue 25,
-RSS still creeping after 30 minutes). One thread per actor keeps its allocations in one arena,
+high-water mark in each of them (two arenas of ~110-170 MiB each in a 30-minute soak, RSS
+still creeping at its end). One thread per actor keeps its allocations in one arena,
 and keeps thread-local state (the current CUDA device and stream, OpenMP's team) stable.
 """
 

@@ -26,7 +26,7 @@ backend, ``AttentionBackend.kv_layout``) puts K like V, position-major within a 
 
 The Triton kernels read either layout through strides; on GPUs K transposed per block is read
 with scalar gathers, and "nhd" made paged decode 1.2-1.4x faster at batch 4-256 on an H100 and
-1.2-1.7x at batch >= 64 on an H200 (``asyncpaged.kernels.benchmark``; docs/tuning.md
+1.2-1.7x at batch >= 64 on an H200 (``asyncpaged.kernels.benchmark``; docs/benchmarks.md
 "Attention on CUDA"). The CPU and torch paths read the runner layout only.
 
 Slots: the slot of a token is ``block * block_size + offset``; slot ``-1`` means "do not write".

@@ -81,7 +81,7 @@ def penalize_rows_(
     token's logit is bit-identical to it; an unseen token's logit is left as it is (the dense
     form subtracts ``0 * penalty`` there, which changes at most the sign of a zero). The work is
     one sort of the rows' histories, not a dozen passes over ``R x V`` logits: at 256 rows of a
-    2000-token vocabulary 1.4 ms instead of 8 (docs/tuning.md, "Sparse penalties")."""
+    2000-token vocabulary 1.4 ms instead of 8 (docs/benchmarks.md, "Sampling, penalties")."""
     vocab = logits.shape[1]
     assert logits.is_contiguous(), "penalize_rows_ edits a contiguous [N, V] tensor in place"
     kept = [] if seen is None else [i for i, x in enumerate(seen) if x is not None]
@@ -217,7 +217,7 @@ def stable_sort_rows(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     as ``+0.0``, every NaN as one positive NaN: last, as torch sorts them), above the element's
     index. The keys are distinct, so numpy's unstable (SIMD) sort of them is the stable order;
     torch's stable sort of ``[256, 2000]`` took 25 ms on one thread where this takes 4
-    (docs/tuning.md, "Sampling")."""
+    (docs/benchmarks.md, "Sampling, penalties")."""
     num_rows, width = logits.shape
     if (
         logits.device.type != "cpu" or logits.dtype != torch.float32
@@ -243,7 +243,7 @@ def argmax_rows(values: torch.Tensor) -> torch.Tensor:
 
     On CPU, for float rows, numpy's SIMD argmax does it: torch's CPU argmax is a scalar loop,
     0.68 ms for ``[256, 2000]`` and 95 ms for ``[256, 151936]`` on one thread where numpy takes
-    0.04 and 10 (docs/tuning.md, "Argmax in numpy")."""
+    0.04 and 10 (docs/benchmarks.md, "Sampling, penalties")."""
     if (
         values.device.type != "cpu" or values.dtype not in (torch.float32, torch.float64)
         or values.requires_grad or values.dim() != 2 or values.shape[-1] == 0

@@ -1,4 +1,4 @@
-"""Speculative decoding's building blocks (issue 23): configuration, prompt-lookup proposals,
+"""Speculative decoding's building blocks: configuration, prompt-lookup proposals,
 verification by modified rejection sampling, and statistics.
 
 The engine wiring (scheduler, runner, actors) is not here: the runner scores ``k + 1`` query

@@ -14,7 +14,7 @@ the engine under memory pressure (preemption by swap). Measured meanwhile:
 * Host-loop lag: a probe task sleeps 5 ms in a loop and records how late it wakes (p50, p99,
   max), and every cyclic-GC pass is timed per generation (``gc.callbacks``). Both go into
   fixed-size histograms (:class:`Durations`): a list of every sample would itself grow the RSS
-  being measured (~11 MiB over 30 minutes, session 10).
+  being measured (~11 MiB over 30 minutes).
 * At the end, after ``wait_idle``: leaked blocks (device blocks neither free nor cached, host
   blocks not free; must be 0), requests left, and unexpected errors (anything but a refusal of
   an invalid request), which must be 0.
