@@ -27,13 +27,13 @@ class EngineConfig:
     ``max_position_embeddings``. ``watermark`` is the share of device blocks kept free when
     admitting new requests, so that running ones rarely need preempting right after.
 
-    ``packed_linears``, ``screened_lm_head``, ``int8_lm_head`` and ``fused_elementwise`` are
-    exact CPU float32 speed-ups (see docs/tuning.md; ``packed_linears`` also acts on bfloat16
-    models, where on one thread it keeps ``F.linear``'s bits); turning them off changes speed,
-    not tokens.
-    ``"auto"`` (the default) uses each where this CPU runs it fast and exactly
-    (``asyncpaged.model.cpu_plan``: feature flags and a timed probe; ``engine.cpu_plan`` says
-    what was chosen and why); ``True`` / ``False`` force it. They do nothing elsewhere.
+    ``packed_linears``, ``screened_lm_head``, ``int8_lm_head``, ``fused_elementwise`` and
+    ``native_bf16_decode`` are the CPU levers (docs/tuning.md): speed-ups of the CPU path.
+    ``"auto"`` (the default) uses each where this CPU runs it bit-identically to the reference
+    path (transformers' torch code) and faster (``asyncpaged.model.cpu_plan``: an exactness
+    check and a timed probe on this CPU; ``engine.cpu_plan`` says what was chosen and why);
+    ``True`` forces one on, its speed for transformers' bits where it is not exact; ``False``
+    forces it off. They do nothing elsewhere.
     ``kv_cache_dtype`` stores K/V in another dtype than the model's ("auto"): "bfloat16" halves KV
     memory and decode-attention bytes but is not bit-exact (attention math stays float32).
 
@@ -73,9 +73,12 @@ class EngineConfig:
     packed_linears: bool | Literal["auto"] = "auto"  # CPU fp32/bf16: oneDNN pre-packed weights
     screened_lm_head: bool | Literal["auto"] = "auto"  # CPU fp32: greedy / top-k via a bf16 screen
     int8_lm_head: bool | Literal["auto"] = "auto"  # CPU fp32: all-greedy steps via an int8 screen
-    # CPU fp32: native fused residual add + RMSNorm, RoPE, SiLU x up (Llama family); exact up to
-    # fp32 summation order
+    # CPU: native fused residual add + RMSNorm, RoPE, SiLU x up (Llama family); not bit-identical
+    # (FMA, the norm's sum order), so "auto" leaves them off unless this CPU's check finds them so
     fused_elementwise: bool | Literal["auto"] = "auto"
+    # CPU bf16: decodes on the native paged kernel (fp32 math, 2-4x faster per step on small
+    # models) instead of torch's bf16 SDPA per sequence (transformers' call and bits); "auto": off
+    native_bf16_decode: bool | Literal["auto"] = "auto"
     tensor_parallel_size: int = 1  # ranks the model is split over (torch.distributed)
     # Where the model runner runs: "thread", a worker thread of this process; "process", a
     # child process of its own, so the forward computes while the event loop runs Python (no
@@ -180,7 +183,7 @@ class EngineConfig:
             *((getattr(self, lever) in (True, False, "auto"),
                f"{lever} must be True, False or 'auto', got {getattr(self, lever)!r}.")
               for lever in ("packed_linears", "screened_lm_head", "int8_lm_head",
-                            "fused_elementwise")),
+                            "fused_elementwise", "native_bf16_decode")),
             (self.scheduling_policy in ("fcfs", "priority"),
              f"scheduling_policy must be 'fcfs' or 'priority', got {self.scheduling_policy!r}."),
             (self.gc_threshold is None

@@ -172,8 +172,12 @@ def plan_levers(
     hidden = int(hf_config.hidden_size)
     width = next((int(v) for k in ("intermediate_size", "ffn_dim", "n_inner")
                   if (v := getattr(hf_config, k, None))), 4 * hidden)  # fmt: skip
+    heads = int(getattr(hf_config, "num_attention_heads", 0) or 1)
+    head_dim = int(getattr(hf_config, "head_dim", 0) or hidden // heads)
     cpu_plan = plan_cpu(settings, hidden_size=hidden, intermediate_size=width,
-                        vocab_size=int(hf_config.vocab_size), dtype=dtype)  # fmt: skip
+                        vocab_size=int(hf_config.vocab_size), head_dim=head_dim,
+                        max_num_batched_tokens=cfg.max_num_batched_tokens,
+                        dtype=dtype)  # fmt: skip
     return cpu_plan.levers(), cpu_plan
 
 
@@ -271,7 +275,8 @@ async def load_runner(
                             packed_linears=levers["packed_linears"],
                             screened_lm_head=levers["screened_lm_head"],
                             int8_lm_head=levers["int8_lm_head"],
-                            fused_elementwise=levers["fused_elementwise"])
+                            fused_elementwise=levers["fused_elementwise"],
+                            native_bf16_decode=levers["native_bf16_decode"])
     )  # fmt: skip
     if draft is not None:
         await anyio.to_thread.run_sync(load_draft, runner, draft)

@@ -917,3 +917,35 @@ def test_target_selection(monkeypatch: pytest.MonkeyPatch) -> None:
     with structlog.testing.capture_logs() as logs:
         assert cpu_build.select_target() == "avx2"  # refused: it would die on SIGILL
     assert [e["event"] for e in logs] == ["cpu_kernel_target_refused"]
+
+
+@needs_compiler
+@pytest.mark.parametrize("window", [None, 12])
+def test_bf16_decodes_take_torch_sdpa_per_sequence(window: int | None, launches: list[str]) -> None:
+    """With ``sdpa_bf16_decode`` a bf16 decode row gets torch's bf16 SDPA over its context
+    gathered from the (NaN-poisoned, randomly tabled) cache, bit for bit: transformers' decode
+    call (one query row, no mask). A sliding window keeps the kernel (transformers masks)."""
+    shapes = ((16, 1), (0, 7), (40, 1), (255, 1), (33, 1), (1, 1))
+    cache, md, query, key, value = _mixed_step(torch.bfloat16, 64, seed=12, shapes=shapes)
+    query, key, value = (t.to(torch.bfloat16) for t in (query, key, value))
+    backend = CpuAttentionBackend(sdpa_bf16_decode=True)
+    got = backend.forward(1, query, key, value, cache, md, scale=0.125, sliding_window=window)
+    assert launches == (["write"] if window is None else ["write", "decode"])  # (0, 7): SDPA
+    if window is not None:
+        return
+    starts = md.query_start_loc_host
+    for i, (cached, new) in enumerate(shapes):
+        if new != 1:
+            continue
+        ctx = cached + 1
+        slots = torch.tensor([md.block_tables[i, p // BLOCK] * BLOCK + p % BLOCK
+                              for p in range(ctx)])  # fmt: skip
+        keys = cache.key[1].permute(0, 3, 1, 2).reshape(-1, 2, 64)[slots]  # [ctx, Hkv, D]
+        values = cache.value[1].permute(0, 2, 1, 3).reshape(-1, 2, 64)[slots]
+        row = starts[i]
+        want = torch.nn.functional.scaled_dot_product_attention(
+            query[row : row + 1].transpose(0, 1)[None], keys.transpose(0, 1)[None],
+            values.transpose(0, 1)[None], scale=0.125, enable_gqa=True,
+        )[0, :, 0]  # fmt: skip
+        assert not want.isnan().any()
+        assert torch.equal(got[row], want), i

@@ -11,8 +11,9 @@ import torch
 class HFReference:
     """Greedy continuations and their log-softmax values, one prompt at a time (no padding)."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, dtype: torch.dtype = torch.float32) -> None:
         self.path = path
+        self.dtype = dtype
         self._cache: dict[tuple[tuple[int, ...], int], tuple[list[int], list[float]]] = {}
         self._model: Any = None
 
@@ -26,7 +27,7 @@ class HFReference:
         softcapped = getattr(config, "attn_logit_softcapping", None) is not None
         model = AutoModelForCausalLM.from_pretrained(
             str(self.path),
-            dtype=torch.float32,
+            dtype=self.dtype,
             **({"attn_implementation": "eager"} if softcapped else {}),
         )
         return model.eval()

@@ -1,5 +1,6 @@
-"""The CPU plan: each lever decided from forced feature sets and timings, cached, logged once;
-the engine runs with what it decided, and every lever combination keeps greedy tokens exact."""
+"""The CPU plan: each lever decided from forced feature sets, exactness checks and timings,
+cached, logged once; the engine runs with what it decided, and every lever combination keeps
+greedy tokens exact."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from structlog.testing import capture_logs
 from asyncpaged import AsyncEngine, EngineConfig, SamplingParams
 from asyncpaged.model import cpu_plan
 from asyncpaged.model.cpu_plan import LEVERS, CpuFeatures, LeverSetting, plan_cpu
+from asyncpaged.model.lever_checks import ExactnessCheck
 from tests.model.driver import Driver
 from tests.model.reference import HFReference
 from tests.model.test_generate_equality import _assert_matches, _make_sequences, _runner
@@ -40,10 +42,28 @@ class Timings:
         return self.results[probe]
 
 
+class Checks:
+    """A fake exactness checker: every probe exact unless named inexact; records what it was
+    asked."""
+
+    def __init__(self, *inexact: str) -> None:
+        self.inexact = set(inexact)
+        self.calls: list[str] = []
+
+    def __call__(self, probe: str, shapes: Mapping[str, int]) -> ExactnessCheck:
+        assert shapes == {"rows": 2048, "hidden": 512, "inter": 1376, "vocab": 32000,
+                          "head_dim": 64}  # fmt: skip
+        self.calls.append(probe)
+        if probe in self.inexact:
+            return ExactnessCheck(False, f"{probe} differs")
+        return ExactnessCheck(True, f"{probe} checked")
+
+
 def _plan(
     features: CpuFeatures,
     timer: Timings,
     *,
+    checks: Checks | None = None,
     settings: Mapping[str, LeverSetting] = AUTO,
     int8_exact: Callable[[], bool] = lambda: True,
     target: str | None = "avx2",
@@ -52,7 +72,7 @@ def _plan(
 ) -> dict[str, bool]:
     plan = plan_cpu(
         settings, hidden_size=512, intermediate_size=1376, vocab_size=32000,
-        features=features, timer=timer, int8_exact=int8_exact,
+        features=features, timer=timer, checker=checks or Checks(), int8_exact=int8_exact,
         library_target=lambda: target, cache=False if cache is None else cache, dtype=dtype,
     )  # fmt: skip
     return plan.levers()
@@ -60,14 +80,14 @@ def _plan(
 
 def test_features_decide_what_timing_cannot() -> None:
     timer = Timings()
-    assert _plan(ZEN4, timer) == dict.fromkeys(LEVERS, True)
+    assert _plan(ZEN4, timer) == dict(dict.fromkeys(LEVERS, True), native_bf16_decode=False)
     assert sorted(timer.calls) == ["bf16_head", "int8_head", "packed_linear"]
     timer = Timings()
     # no bf16 dot products: no bf16 screen, not timed; no VNNI: the int8 screen on 7-bit
     # activations, timed (its exactness check decides whether it runs at all)
     avx2 = _plan(AVX2, timer)
     assert avx2 == {"packed_linears": True, "screened_lm_head": False, "int8_lm_head": True,
-                    "fused_elementwise": True}  # fmt: skip
+                    "fused_elementwise": True, "native_bf16_decode": False}  # fmt: skip
     assert timer.calls == ["packed_linear", "int8_head"]
     assert _plan(AVX2, Timings(), int8_exact=lambda: False)["int8_lm_head"] is False
     assert _plan(ICELAKE, Timings())["screened_lm_head"] is False  # VNNI, no bf16
@@ -94,18 +114,21 @@ def test_a_bfloat16_model_times_bfloat16_packing_fuses_and_skips_the_screens(
 
     monkeypatch.setattr(packed_linear, "can_pack", lambda dtype: True)
     monkeypatch.setattr(packed_linear, "packing_supported", lambda: True)
-    timer = Timings()
+    timer, checks = Timings(), Checks()
     plan = plan_cpu(AUTO, hidden_size=512, intermediate_size=1376, vocab_size=32000,
-                    features=ZEN4, timer=timer, int8_exact=lambda: True,
+                    features=ZEN4, timer=timer, checker=checks, int8_exact=lambda: True,
                     library_target=lambda: "avx512", cache=False,
                     dtype=torch.bfloat16)  # fmt: skip
     assert plan.dtype == "bfloat16"
     assert plan.levers() == {"packed_linears": True, "screened_lm_head": False,
-                             "int8_lm_head": False, "fused_elementwise": True}  # fmt: skip
+                             "int8_lm_head": False, "fused_elementwise": False,
+                             "native_bf16_decode": False}  # fmt: skip
+    assert plan.native_bf16_decode.reason.startswith("not exact: the paged kernel's fp32 math")
     assert timer.calls == ["packed_linear_bf16"]  # its own probe: float32 timings don't tell
+    assert checks.calls == ["packed_linear_bf16"]  # the fused norm is inexact by construction
+    assert plan.fused_elementwise.reason.startswith("not exact: the fused RMSNorm")
     assert plan.screened_lm_head.reason == "acts on float32 models; this one is bfloat16"
     assert plan.int8_lm_head.reason == "acts on float32 models; this one is bfloat16"
-    assert _plan(ZEN4, Timings(), target=None, dtype=torch.bfloat16)["fused_elementwise"] is False
     slower = Timings(packed_linear_bf16=(2.0, 1.5), packed_linear=(1.0, 2.0))
     assert _plan(ZEN4, slower, dtype=torch.bfloat16)["packed_linears"] is False
     forced = dict(AUTO, screened_lm_head=True, int8_lm_head=True)
@@ -121,11 +144,21 @@ def test_a_bfloat16_model_times_bfloat16_packing_fuses_and_skips_the_screens(
     assert plan.packed_linears.reason == "oneDNN cannot pack bfloat16 weights on this CPU"
     assert timer.calls == []
     assert _plan(AVX2, Timings())["packed_linears"] is True  # float32 packs there
-    # oneDNN packs bf16 without bf16 dot products (avx512 alone), but not bit for bit: off
+    # where the packed bf16 GEMMs are not F.linear's bits (avx512 without bf16 dot products; a
+    # bias on Emerald Rapids), the check turns packing off, whatever the flags, and nothing is
+    # timed; the flags alone decide nothing
     monkeypatch.setattr(packed_linear, "can_pack", lambda dtype: True)
     timer = Timings()
-    assert _plan(ICELAKE, timer, dtype=torch.bfloat16)["packed_linears"] is False
+    inexact = Checks("packed_linear_bf16")
+    plan = plan_cpu(AUTO, hidden_size=512, intermediate_size=1376, vocab_size=32000,
+                    features=ZEN4, timer=timer, checker=inexact, int8_exact=lambda: True,
+                    library_target=lambda: "avx512", cache=False,
+                    dtype=torch.bfloat16)  # fmt: skip
+    assert plan.packed_linears == cpu_plan.LeverChoice(
+        False, "not exact here: packed_linear_bf16 differs"
+    )
     assert timer.calls == []
+    assert _plan(ICELAKE, Timings(), dtype=torch.bfloat16)["packed_linears"] is True
     assert _plan(ICELAKE, Timings())["packed_linears"] is True
 
 
@@ -136,21 +169,33 @@ def test_explicit_settings_win_and_time_nothing() -> None:
         "screened_lm_head": True,
         "int8_lm_head": True,
         "fused_elementwise": False,
+        "native_bf16_decode": True,
     }
-    forced = _plan(AVX2, timer, settings=settings)
+    checks = Checks()
+    forced = _plan(AVX2, timer, settings=settings, checks=checks)
     assert forced == settings
-    assert timer.calls == []
+    assert timer.calls == checks.calls == []
 
 
 def test_timings_are_cached_per_cpu(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     cache = tmp_path / "cpu_plan.json"
-    first = Timings()
-    _plan(ZEN4, first, cache=cache)
+    first, first_checks = Timings(), Checks("fused")
+    assert _plan(ZEN4, first, checks=first_checks, cache=cache)["fused_elementwise"] is False
     assert cache.is_file()
     assert len(first.calls) == 3
-    again = Timings()
-    _plan(ZEN4, again, cache=cache)
-    assert again.calls == []  # a restart on the same CPU times nothing
+    assert sorted(first_checks.calls) == ["bf16_head", "fused", "int8_head", "packed_linear"]
+    again, again_checks = Timings(), Checks()
+    # a restart on the same CPU times and checks nothing: the cached check still says inexact
+    assert _plan(ZEN4, again, checks=again_checks, cache=cache)["fused_elementwise"] is False
+    assert again.calls == again_checks.calls == []
+    threads = torch.get_num_threads()
+    try:  # another thread count: oneDNN may split sums otherwise, so checked again
+        torch.set_num_threads(threads + 1)
+        other_threads = Checks()
+        _plan(ZEN4, Timings(), checks=other_threads, cache=cache)
+        assert len(other_threads.calls) == 4
+    finally:
+        torch.set_num_threads(threads)
     other = Timings()
     _plan(ICELAKE, other, cache=cache)
     assert other.calls == ["packed_linear", "int8_head"]  # another CPU: its own entries
@@ -165,8 +210,8 @@ def test_timings_are_cached_per_cpu(tmp_path: Path, monkeypatch: pytest.MonkeyPa
 def test_the_plan_is_logged_once_at_info_without_warnings() -> None:
     with capture_logs() as logs:
         plan_cpu(AUTO, hidden_size=512, intermediate_size=1376, vocab_size=32000,
-                 features=AVX2, timer=Timings(), library_target=lambda: "avx2",
-                 int8_exact=lambda: True, cache=False)  # fmt: skip
+                 features=AVX2, timer=Timings(), checker=Checks(),
+                 library_target=lambda: "avx2", int8_exact=lambda: True, cache=False)  # fmt: skip
     events = [(e["event"], e["log_level"]) for e in logs]
     assert events == [("cpu_plan", "info")]
     (entry,) = logs
@@ -244,9 +289,8 @@ def test_packed_bfloat16_runner_gives_the_unpacked_tokens(
     tiny_checkpoint: Callable[[str], Path],
 ) -> None:
     """A bfloat16 runner packed and unpacked over the same chunked, staggered sequences, on one
-    thread (tests/model's): the same tokens and logprobs where the CPU has bf16 dot products
-    (packing keeps F.linear's bits there); where this torch cannot pack bf16, nothing is
-    packed."""
+    thread (tests/model's): the same tokens and logprobs where this CPU's exactness check finds
+    packing keeps F.linear's bits; where this torch cannot pack bf16, nothing is packed."""
     from asyncpaged.model.packed_linear import PACKED_ATTR, can_pack
 
     outputs = []
@@ -258,7 +302,12 @@ def test_packed_bfloat16_runner_gives_the_unpacked_tokens(
         seqs = _make_sequences(seed=6)
         Driver(runner, seed=3).run(seqs)
         outputs.append([(s.output, s.logprobs) for s in seqs])
-    if CpuFeatures.detect().has_bf16_dot:
+    from asyncpaged.model.lever_checks import check_lever
+
+    config = runner.model.config
+    shapes = {"rows": 64, "hidden": config.hidden_size, "inter": config.intermediate_size,
+              "vocab": config.vocab_size, "head_dim": 16}  # fmt: skip
+    if can_pack(torch.bfloat16) and check_lever("packed_linear_bf16", shapes).exact:
         assert outputs[0] == outputs[1]
 
 
@@ -270,3 +319,58 @@ def test_vector_flags_name_the_vector_units_only() -> None:
                                     "avx512_fp16", "avx512f", "avx_vnni", "fma")  # fmt: skip
     arm = CpuFeatures("aarch64", "Neoverse", frozenset({"fp", "asimd", "sve", "bf16", "atomics"}))
     assert arm.vector_flags() == ("asimd", "bf16", "sve")
+
+
+def test_an_inexact_lever_is_off_and_says_why() -> None:
+    """Each lever's exactness check, not its CPU flags, decides whether it may run: an inexact
+    one is off (never timed), the others unaffected."""
+    probes = {"packed_linear": "packed_linears", "bf16_head": "screened_lm_head",
+              "int8_head": "int8_lm_head", "fused": "fused_elementwise"}  # fmt: skip
+    for probe, lever in probes.items():
+        timer = Timings()
+        plan = plan_cpu(AUTO, hidden_size=512, intermediate_size=1376, vocab_size=32000,
+                        features=ZEN4, timer=timer, checker=Checks(probe),
+                        int8_exact=lambda: True, library_target=lambda: "avx512",
+                        cache=False)  # fmt: skip
+        expected = {name: name != lever for name in LEVERS}
+        assert plan.levers() == dict(expected, native_bf16_decode=False)  # a float32 model
+        assert getattr(plan, lever).reason == f"not exact here: {probe} differs"
+        assert probe not in timer.calls
+    exact = plan_cpu(AUTO, hidden_size=512, intermediate_size=1376, vocab_size=32000,
+                     features=ZEN4, timer=Timings(), checker=Checks(), int8_exact=lambda: True,
+                     library_target=lambda: "avx512", cache=False)  # fmt: skip
+    assert exact.packed_linears.reason.startswith("packed_linear checked; packed 1000.00 ms")
+    assert exact.fused_elementwise.reason == "native kernels built for avx512; fused checked"
+
+
+@pytest.mark.parametrize("name", ["llama-gqa", "qwen2"])  # qwen2: q/k/v projections with a bias
+def test_a_bfloat16_engine_with_the_default_plan_gives_transformers_bf16_tokens(
+    name: str, tiny_checkpoint: Callable[[str], Path]
+) -> None:
+    """A bfloat16 model through the engine with every lever on "auto" (the plan this CPU's
+    checks and timings give): concurrent greedy requests of several lengths, token-identical to
+    transformers' own bfloat16 generate on this CPU."""
+    path = tiny_checkpoint(name)
+    reference = HFReference(path, dtype=torch.bfloat16)
+    gen = torch.Generator().manual_seed(5)
+    prompts = [tuple(torch.randint(3, 250, (n,), generator=gen).tolist()) for n in (3, 9, 17, 30)]
+    config = EngineConfig(model=str(path), dtype="bfloat16", executor_backend="thread")
+
+    async def main() -> list[list[int]]:
+        async with AsyncEngine(config) as engine:
+            assert engine.cpu_plan is not None and engine.cpu_plan.dtype == "bfloat16"
+            params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+            outs: list[list[int]] = [[] for _ in prompts]
+
+            async def one(i: int) -> None:
+                out = await engine.generate(list(prompts[i]), params)
+                outs[i] = list(out.outputs[0].token_ids)
+
+            with anyio.fail_after(120):
+                async with anyio.create_task_group() as tg:
+                    for i in range(len(prompts)):
+                        tg.start_soon(one, i)
+            return outs
+
+    got = anyio.run(main)
+    assert got == [reference.generate(p, 12)[0] for p in prompts]

@@ -57,6 +57,7 @@ class WorkerSpec:
     fused_elementwise: bool = True
     screened_lm_head: bool = True  # rank 0 samples
     int8_lm_head: bool = True
+    native_bf16_decode: bool = True
     # decode batch sizes a runner in its own process captures at load (tensor-parallel ranks
     # capture together once every rank is ready: ``CaptureGraphs``)
     cuda_graph_sizes: tuple[int, ...] = ()

@@ -91,6 +91,7 @@ def worker_spec(
         fused_elementwise=levers["fused_elementwise"],
         screened_lm_head=levers["screened_lm_head"],
         int8_lm_head=levers["int8_lm_head"],
+        native_bf16_decode=levers["native_bf16_decode"],
         seed=config.seed,
         num_threads=torch.get_num_threads(),
         cuda_graph_sizes=cuda_graph_sizes(config) if max_model_len else (),

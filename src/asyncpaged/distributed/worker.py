@@ -76,6 +76,7 @@ def build_runner(
         fused_elementwise=spec.fused_elementwise,
         screened_lm_head=spec.screened_lm_head,
         int8_lm_head=spec.int8_lm_head,
+        native_bf16_decode=spec.native_bf16_decode,
         shard=shard,
     )
 

@@ -1,42 +1,42 @@
-"""Which exact CPU levers an engine uses, decided at start from the CPU it runs on.
+"""Which exact CPU levers an engine uses, decided at start on the CPU it runs on.
 
-The levers (docs/tuning.md) change speed, never tokens, but each wins only on some CPUs: the bf16
-screen of the LM head is +14-25% where the CPU has bf16 dot products (avx512_bf16, AMX) and 2.3x
-slower where oneDNN emulates them (AVX2-only EPYC, measured); the int8 screen runs 8-bit
-activations where VNNI sums them exactly and 7-bit ones elsewhere (pair sums that fit int16).
-So each lever is ``"auto"`` by default (``EngineConfig``), and ``plan_cpu``
+The levers (docs/tuning.md) may change speed, never tokens. Whether a lever keeps the reference
+path's bits is checked on this CPU, not assumed from its flags (``lever_checks``: the same
+oneDNN build with the same flags is bit-identical on one CPU and not on another), and whether it
+is faster is timed. So each lever is ``"auto"`` by default (``EngineConfig``), and ``plan_cpu``
 turns it into on or off with a reason:
 
 ==================  ==========================================================================
 lever               ``"auto"`` means on when
 ==================  ==========================================================================
-packed_linears      this torch has oneDNN's packed linear for the model's dtype (float32, or
-                    bfloat16 where the CPU has bf16 dot products), and a timed GEMM at the
-                    model's decode shape (64 rows) and dtype runs faster packed than through
-                    ``F.linear``
-screened_lm_head    the CPU has bf16 dot products (flags), and the screened greedy head, timed at
-                    the model's LM-head shape, beats the fp32 head's argmax by
-                    ``SCREEN_MIN_SPEEDUP`` (this catches emulation, e.g. ``ONEDNN_MAX_CPU_ISA``)
-int8_lm_head        oneDNN's int8 sums check exact here, with 8-bit activations (VNNI) or
-                    7-bit ones (``lm_head_int8.int8_activation_limit``), and the int8-screened
-                    greedy head,
-                    timed at the model's LM-head shape, beats the fp32 head's argmax by
-                    ``SCREEN_MIN_SPEEDUP`` (a small vocabulary or hidden size: it does not)
-fused_elementwise   the native kernel library builds here
+packed_linears      this torch has oneDNN's packed linear for the model's dtype, the packed
+                    GEMMs (with and without a bias) are bit-identical to ``F.linear`` at the
+                    row counts the engine runs (1 to ``max_num_batched_tokens``), and a timed
+                    GEMM at the model's decode shape (64 rows) runs faster packed
+screened_lm_head    float32 models: the CPU has bf16 dot products (flags), the screened head
+                    picks the float32 head's argmax on random rows at the model's shape, and,
+                    timed there, beats the fp32 head's argmax by ``SCREEN_MIN_SPEEDUP`` (this
+                    catches emulation, e.g. ``ONEDNN_MAX_CPU_ISA``)
+int8_lm_head        float32 models: oneDNN's int8 sums check exact here, with 8-bit activations
+                    (VNNI) or 7-bit ones (``lm_head_int8.int8_activation_limit``), the
+                    int8-screened head picks the float32 head's argmax, and, timed, beats the
+                    fp32 head's argmax by ``SCREEN_MIN_SPEEDUP``
+fused_elementwise   the native kernel library builds here and each fused op is bit-identical to
+                    the model's torch op (float32: checked; bfloat16: the norm's sum order
+                    differs by construction, so off)
+native_bf16_decode  never: a bfloat16 model's decodes on the native kernel (fp32 math) are not
+                    the bits of torch's bf16 SDPA, which transformers calls; off, they take that
+                    SDPA per sequence (``CpuAttentionBackend.sdpa_bf16_decode``)
 ==================  ==========================================================================
 
-A bfloat16 model is planned too: its linears and LM head pack (2x per GEMM on AMX; on one
-thread packing keeps ``F.linear``'s bits, see ``packed_linear``), and the fused ops take its norms
-and RoPE (rounding to bf16 where the torch code rounds, ``asyncpaged.kernels.cpu_fused``); the
-screens act on float32 models only, so they are off for it, saying so.
-
-``True`` / ``False`` force a lever (the reason says so). The native attention kernels' build
-target (the best the CPU runs, ``ASYNCPAGED_CPU_TARGET`` overrides) and the torch thread count
-are reported too. Timings take well under a second and are cached in the kernel cache directory
-(``cpu_plan.json``), keyed by the CPU model, its flags, the torch and asyncpaged versions, the
-probes' revision, the oneDNN ISA cap and the shapes, so a restart on the same machine times
-nothing. A result that is simply "not on this CPU" is an INFO line (``cpu_plan``), never a
-warning.
+``True`` / ``False`` force a lever (the reason says so): forcing an inexact lever on trades
+transformers' bits for its speed. The native attention kernels' build target (the best the CPU
+runs, ``ASYNCPAGED_CPU_TARGET`` overrides) and the torch thread count are reported too. Checks
+and timings take about a second at a small model's shapes (more for a large vocabulary) and are
+cached in the kernel cache directory (``cpu_plan.json``), keyed by the CPU model, its flags, the
+torch and asyncpaged versions, the probes' revision, the oneDNN ISA cap, the thread count and the
+shapes, so a restart on the same machine checks and times nothing. A result that is simply "not
+on this CPU" is an INFO line (``cpu_plan``), never a warning.
 """
 
 from __future__ import annotations
@@ -48,26 +48,34 @@ import platform
 import re
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
 import torch
 
 from asyncpaged._log import get_logger
+from asyncpaged.model.lever_checks import (
+    FUSED_BF16_INEXACT,
+    NATIVE_BF16_DECODE_INEXACT,
+    Checker,
+    ExactnessCheck,
+    check_lever,
+)
 
 log = get_logger(__name__)
 
 LeverSetting = bool | Literal["auto"]
-LEVERS = ("packed_linears", "screened_lm_head", "int8_lm_head", "fused_elementwise")
+LEVERS = ("packed_linears", "screened_lm_head", "int8_lm_head", "fused_elementwise",
+          "native_bf16_decode")  # fmt: skip
 # A screened argmax (rescore included) must beat the fp32 head's by this much. The fp32 head it
 # is timed against is the one the engine would run instead: oneDNN's packed layout where this
 # torch has it (the runner packs the head when no bf16 screen runs), else F.linear.
 SCREEN_MIN_SPEEDUP = 1.1
 DECODE_ROWS = 64  # rows of the timed GEMMs: a decode step of a busy engine
-# Part of every cached timing's key: bump it when a probe's candidate or baseline code changes
-# (2: the fp32 head's argmax became numpy's), so a cache from older code is not read as this one's.
-PROBE_REVISION = 2
+# Part of every cached result's key: bump it when a probe's candidate, baseline or check changes
+# (3: exactness checks), so a cache from older code is not read as this one's.
+PROBE_REVISION = 3
 PACKED_PROBES = {torch.bfloat16: "packed_linear_bf16"}  # the float32 one is "packed_linear"
 _BF16_FLAGS = frozenset({"avx512_bf16", "amx_bf16", "bf16"})  # x86; "bf16" on aarch64
 _VNNI_FLAGS = frozenset({"avx512_vnni", "avx_vnni", "amx_int8"})
@@ -129,6 +137,7 @@ class CpuPlan:
     screened_lm_head: LeverChoice
     int8_lm_head: LeverChoice
     fused_elementwise: LeverChoice
+    native_bf16_decode: LeverChoice
     attention_target: str | None  # the native kernels' build target; None: no library
     num_threads: int
     cpu: str
@@ -138,9 +147,6 @@ class CpuPlan:
     def levers(self) -> dict[str, bool]:
         """The ``ModelRunner`` keyword arguments."""
         return {name: getattr(self, name).enabled for name in LEVERS}
-
-    def as_dict(self) -> dict[str, Any]:
-        return asdict(self)
 
 
 Timer = Callable[[str, Mapping[str, int]], tuple[float, float]]
@@ -152,8 +158,11 @@ def plan_cpu(
     hidden_size: int,
     intermediate_size: int,
     vocab_size: int,
+    head_dim: int = 64,
+    max_num_batched_tokens: int = 2048,
     features: CpuFeatures | None = None,
     timer: Timer | None = None,
+    checker: Checker | None = None,
     int8_exact: Callable[[], bool] | None = None,
     library_target: Callable[[], str | None] | None = None,
     cache: Path | Literal[False] | None = None,
@@ -161,16 +170,19 @@ def plan_cpu(
 ) -> CpuPlan:
     """Decide every lever of ``settings`` (name -> True / False / "auto").
 
-    The model's sizes and ``dtype`` (float32 or bfloat16) fix the timed shapes. ``features``,
-    ``timer`` (name, shape -> seconds of (candidate, baseline)), ``int8_exact`` and
-    ``library_target`` default to this machine's;
-    tests pass forced ones. ``cache`` (default: ``cpu_plan.json`` in the kernel cache) keeps
-    timings across restarts; ``False`` keeps them for this call only."""
+    The model's sizes and ``dtype`` (float32 or bfloat16) fix the timed and checked shapes, and
+    ``max_num_batched_tokens`` the most rows checked. ``features``, ``timer`` (name, shape ->
+    seconds of (candidate, baseline)), ``checker`` (name, shape -> ``ExactnessCheck``),
+    ``int8_exact`` and ``library_target`` default to this machine's; tests pass forced ones.
+    ``cache`` (default: ``cpu_plan.json`` in the kernel cache) keeps results across restarts;
+    ``False`` keeps them for this call only."""
     features = CpuFeatures.detect() if features is None else features
     shapes = {"rows": DECODE_ROWS, "hidden": hidden_size, "inter": intermediate_size,
               "vocab": vocab_size}  # fmt: skip
-    timings = _CachedTimings(features, cache if cache is not None else _default_cache(),
-                             timer or measure)  # fmt: skip
+    checked = {"rows": max_num_batched_tokens, "hidden": hidden_size,
+               "inter": intermediate_size, "vocab": vocab_size, "head_dim": head_dim}  # fmt: skip
+    timings = _ProbeCache(features, cache if cache is not None else _default_cache(),
+                          timer or measure, checker or check_lever, checked)  # fmt: skip
     target = (library_target or _library_target)()
     name = str(dtype).removeprefix("torch.")
     choices = {
@@ -186,7 +198,8 @@ def plan_cpu(
     else:
         float32_only = LeverChoice(False, f"acts on float32 models; this one is {name}")
         choices.update(dict.fromkeys(("screened_lm_head", "int8_lm_head"), float32_only))
-    choices["fused_elementwise"] = _fused(settings["fused_elementwise"], target)
+    choices["fused_elementwise"] = _fused(settings["fused_elementwise"], target, timings, dtype)
+    choices["native_bf16_decode"] = _native_decode(settings["native_bf16_decode"], target, dtype)
     timings.save()
     read = sorted(features.flags & (_BF16_FLAGS | _VNNI_FLAGS | {"avx2", "avx512f", "fma"}))
     plan = CpuPlan(**choices, attention_target=target, num_threads=torch.get_num_threads(),
@@ -206,7 +219,7 @@ def _forced(setting: LeverSetting) -> LeverChoice | None:
 def _packed(
     setting: LeverSetting,
     features: CpuFeatures,
-    timings: _CachedTimings,
+    timings: _ProbeCache,
     shapes: dict[str, int],
     dtype: torch.dtype,
 ) -> LeverChoice:
@@ -220,20 +233,19 @@ def _packed(
     name = str(dtype).removeprefix("torch.")
     if dtype != torch.float32 and not can_pack(dtype):
         return LeverChoice(False, f"oneDNN cannot pack {name} weights on this CPU")
-    if dtype != torch.float32 and not features.has_bf16_dot:
-        # Without bf16 dot products the packed and plain bf16 GEMMs are neither the same bits
-        # (1 product in 36 differed under AVX512_CORE) nor apart in speed (2.36 vs 2.36 ms).
-        return LeverChoice(False, f"no bf16 dot products on this CPU: packing {name} neither "
-                                  "keeps F.linear's bits nor gains")  # fmt: skip
     probe = "packed_linear" if dtype == torch.float32 else PACKED_PROBES[dtype]
+    check = timings.exactness(probe)
+    if not check.exact:
+        return LeverChoice(False, f"not exact here: {check.detail}")
     packed, plain = timings.get(probe, shapes)
     wins = packed < plain
-    return LeverChoice(wins, f"packed {packed * 1e3:.2f} ms vs F.linear {plain * 1e3:.2f} ms "
-                             f"per [{shapes['rows']} x {shapes['hidden']}] GEMM")  # fmt: skip
+    return LeverChoice(wins, f"{check.detail}; packed {packed * 1e3:.2f} ms vs F.linear "
+                             f"{plain * 1e3:.2f} ms per [{shapes['rows']} x {shapes['hidden']}] "
+                             f"{name} GEMM")  # fmt: skip
 
 
 def _bf16_screen(
-    setting: LeverSetting, features: CpuFeatures, timings: _CachedTimings, shapes: dict[str, int]
+    setting: LeverSetting, features: CpuFeatures, timings: _ProbeCache, shapes: dict[str, int]
 ) -> LeverChoice:
     forced = _forced(setting)
     if forced is not None:
@@ -241,18 +253,21 @@ def _bf16_screen(
     if not features.has_bf16_dot:
         return LeverChoice(False, "no bf16 dot products on this CPU (avx512_bf16, AMX, bf16): "
                                   "oneDNN would emulate them")  # fmt: skip
+    check = timings.exactness("bf16_head")
+    if not check.exact:
+        return LeverChoice(False, f"not exact here: {check.detail}")
     bf16, fp32 = timings.get("bf16_head", shapes)
     speedup = fp32 / max(bf16, 1e-9)
     return LeverChoice(speedup >= SCREEN_MIN_SPEEDUP,
-                       f"the screened head {speedup:.2f}x as fast as the fp32 head "
-                       f"(on from {SCREEN_MIN_SPEEDUP}x)")  # fmt: skip
+                       f"{check.detail}; the screened head {speedup:.2f}x as fast as the fp32 "
+                       f"head (on from {SCREEN_MIN_SPEEDUP}x)")  # fmt: skip
 
 
 def _int8_screen(
     setting: LeverSetting,
     features: CpuFeatures,
     int8_exact: Callable[[], bool] | None,
-    timings: _CachedTimings,
+    timings: _ProbeCache,
     shapes: dict[str, int],
 ) -> LeverChoice:
     forced = _forced(setting)
@@ -267,22 +282,45 @@ def _int8_screen(
         exact, wide = int8_exact(), features.has_vnni
     if not exact:
         return LeverChoice(False, "oneDNN's int8 GEMM failed its exactness check here")
+    check = timings.exactness("int8_head")
+    if not check.exact:
+        return LeverChoice(False, f"not exact here: {check.detail}")
     int8, fp32 = timings.get("int8_head", shapes)
     speedup = fp32 / max(int8, 1e-9)
     sums = ("8-bit activations" if wide
             else "7-bit activations (no VNNI: 8-bit pair sums would saturate int16)")  # fmt: skip
     return LeverChoice(speedup >= SCREEN_MIN_SPEEDUP,
-                       f"{sums}, int8 sums checked exact; the int8-screened head {speedup:.2f}x "
-                       f"as fast as the fp32 head (on from {SCREEN_MIN_SPEEDUP}x)")  # fmt: skip
+                       f"{sums}, int8 sums checked exact, {check.detail}; the int8-screened head "
+                       f"{speedup:.2f}x as fast as the fp32 head (on from "
+                       f"{SCREEN_MIN_SPEEDUP}x)")  # fmt: skip
 
 
-def _fused(setting: LeverSetting, target: str | None) -> LeverChoice:
+def _fused(
+    setting: LeverSetting, target: str | None, timings: _ProbeCache, dtype: torch.dtype
+) -> LeverChoice:
     forced = _forced(setting)
     if forced is not None:
         return forced
     if target is None:
         return LeverChoice(False, "the native kernel library does not build here (no g++?)")
-    return LeverChoice(True, f"native kernels built for {target}")
+    if dtype != torch.float32:
+        return LeverChoice(False, f"not exact: {FUSED_BF16_INEXACT}")
+    check = timings.exactness("fused")
+    if not check.exact:
+        return LeverChoice(False, f"not exact here: {check.detail}")
+    return LeverChoice(True, f"native kernels built for {target}; {check.detail}")
+
+
+def _native_decode(setting: LeverSetting, target: str | None, dtype: torch.dtype) -> LeverChoice:
+    forced = _forced(setting)
+    if forced is not None:
+        return forced
+    if dtype != torch.bfloat16:
+        name = str(dtype).removeprefix("torch.")
+        return LeverChoice(False, f"acts on bfloat16 models; this one is {name}")
+    if target is None:
+        return LeverChoice(False, "the native kernel library does not build here (no g++?)")
+    return LeverChoice(False, f"not exact: {NATIVE_BF16_DECODE_INEXACT}")
 
 
 def _library_target() -> str | None:
@@ -299,19 +337,28 @@ def _default_cache() -> Path:
     return directory / "cpu_plan.json"
 
 
-class _CachedTimings:
-    """Timings by (CPU, versions, probe revision, ISA cap, probe, shapes), read from and saved
-    to ``path``."""
+class _ProbeCache:
+    """Timings and exactness checks by (CPU, versions, probe revision, ISA cap, thread count,
+    probe, shapes), read from and saved to ``path``."""
 
-    def __init__(self, features: CpuFeatures, path: Path | Literal[False], timer: Timer) -> None:
+    def __init__(
+        self,
+        features: CpuFeatures,
+        path: Path | Literal[False],
+        timer: Timer,
+        checker: Checker,
+        checked_shapes: Mapping[str, int],
+    ) -> None:
         import asyncpaged
 
         self._path = path
         self._timer = timer
+        self._checker = checker
+        self._checked_shapes = dict(checked_shapes)
         self._prefix = json.dumps([features.model_name, sorted(features.flags), torch.__version__,
                                    asyncpaged.__version__, PROBE_REVISION,
                                    os.environ.get("ONEDNN_MAX_CPU_ISA", "")])  # fmt: skip
-        self._entries: dict[str, list[float]] = {}
+        self._entries: dict[str, Any] = {}
         self._dirty = False
         if path is not False and path.is_file():
             try:
@@ -320,12 +367,28 @@ class _CachedTimings:
                 self._entries = {}
 
     def get(self, probe: str, shapes: Mapping[str, int]) -> tuple[float, float]:
+        """Seconds of (candidate, baseline) for timing ``probe`` at ``shapes``."""
         key = f"{self._prefix}|{probe}|{json.dumps(dict(sorted(shapes.items())))}"
         if key not in self._entries:
             self._entries[key] = list(self._timer(probe, shapes))
             self._dirty = True
         candidate, baseline = self._entries[key]
         return float(candidate), float(baseline)
+
+    def exactness(self, probe: str) -> ExactnessCheck:
+        """The exactness check of ``probe`` at the checked shapes, at this thread count (oneDNN
+        may split a GEMM's sums by threads)."""
+        shapes = json.dumps(dict(sorted(self._checked_shapes.items())))
+        key = f"{self._prefix}|exact:{probe}|{torch.get_num_threads()}|{shapes}"
+        if key in self._entries:
+            try:
+                return ExactnessCheck.from_json(self._entries[key])
+            except ValueError:  # a damaged entry: check again
+                pass
+        check = self._checker(probe, self._checked_shapes)
+        self._entries[key] = check.to_json()
+        self._dirty = True
+        return check
 
     def save(self) -> None:
         if self._path is False or not self._dirty:

@@ -103,6 +103,7 @@ class ModelRunner:
         screened_lm_head: bool = True,
         int8_lm_head: bool = True,
         fused_elementwise: bool = True,
+        native_bf16_decode: bool = True,
         shard: TensorShard = SINGLE_SHARD,
     ) -> None:
         """Load the checkpoint and allocate caches; ``kv_fill_value`` poisons them (tests: NaN).
@@ -118,8 +119,11 @@ class ModelRunner:
         tokens; where this CPU lacks exact int8 sums, the bf16 screen or the full head), with
         or without the bf16 screen (``asyncpaged.model.cpu_plan`` decides both per CPU);
         ``fused_elementwise`` gives the model native fused norm / RoPE / SiLU ops
-        (``CausalLM.fused_ops``; used by the Llama family, exact up to fp32 summation order)
-        when the kernel library builds here. ``shard`` picks a
+        (``CausalLM.fused_ops``; used by the Llama family, not bit-identical: FMA and the norm's
+        sum order) when the kernel library builds here. ``native_bf16_decode`` sends a bfloat16
+        model's decodes to the native paged kernel (fp32 math) instead of torch's bf16 SDPA per
+        sequence (transformers' bits; ``CpuAttentionBackend.sdpa_bf16_decode``). ``shard``
+        picks a
         tensor-parallel shard of the weights and KV heads (a rank other than 0 never samples, so
         it builds no screened head).
         """
@@ -132,6 +136,8 @@ class ModelRunner:
         self.model: CausalLM = load_model(checkpoint_path, dtype, self.device, shard)
         if attn_backend is not None:
             self.model.attn_backend = attn_backend
+        if hasattr(self.model.attn_backend, "sdpa_bf16_decode"):  # CpuAttentionBackend
+            self.model.attn_backend.sdpa_bf16_decode = not native_bf16_decode
         self.dtype = self.model.lm_head_weight().dtype
         self.kv_cache_dtype = kv_cache_dtype or self.dtype
         self.block_size = block_size

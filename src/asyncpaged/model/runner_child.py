@@ -152,6 +152,6 @@ def _build(spec: WorkerSpec, device: str) -> ModelRunner:
         spec.num_host_blocks, device=device, attn_backend=backend, seed=spec.seed,
         kv_cache_dtype=getattr(torch, spec.kv_cache_dtype), packed_linears=spec.packed_linears,
         fused_elementwise=spec.fused_elementwise, screened_lm_head=spec.screened_lm_head,
-        int8_lm_head=spec.int8_lm_head,
+        int8_lm_head=spec.int8_lm_head, native_bf16_decode=spec.native_bf16_decode,
     )  # fmt: skip
     return runner
