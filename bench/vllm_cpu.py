@@ -1,4 +1,4 @@
-"""vLLM's own CPU build on the reference workload, for the comparison in docs/tuning.md.
+"""vLLM's own CPU build on the reference workload, for the comparison in docs/benchmarks.md.
 
 vLLM is not a dependency: it runs from a separate virtual environment (its pins differ from
 ours), and this script has two halves, one per environment::

@@ -1,5 +1,5 @@
 """A Qwen3-0.6B-shaped bfloat16 model against vLLM's CPU build: the reference workload's toy
-model (8 heads x 64, vocabulary 32000) is not how real models' costs split (docs/tuning.md).
+model (8 heads x 64, vocabulary 32000) is not how real models' costs split (docs/benchmarks.md).
 
 A Llama with Qwen3-0.6B's widths (hidden 1024, 16/8 heads x 128, intermediate 3072, vocabulary
 151936, tied embeddings) and 8 of its 28 layers, random bf16 weights, 16 requests (prompts

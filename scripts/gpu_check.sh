@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# GPU check for the Triton kernels (issue 6). On a CUDA machine, from the repository root:
+# GPU check for the Triton kernels. On a CUDA machine, from the repository root:
 #   scripts/gpu_check.sh            # results under $OUT if set, else ./results/gpu_check
 # 1. the kernel tests compiled natively (no TRITON_INTERPRET), incl. a >2^31-element cache test
 # 2. end-to-end greedy generation on tiny checkpoints vs transformers (tests/kernels/test_backend.py)
@@ -7,15 +7,15 @@
 #    its own process: greedy tokens vs transformers on the built-in model, preemption by swap,
 #    fp32 / bf16 throughput, and (thread) a profiled fp32 run (cProfile, the GPU's kernels)
 # 4. paged decode attention benchmark: GB/s and the ratio to contiguous SDPA
-# 5. `bench overhead` on CUDA (issue 22: host time per step at 256 sequences): the runner in a
+# 5. `bench overhead` on CUDA (host time per step at 256 sequences): the runner in a
 #    thread with async scheduling off, CUDA graphs on and off; async scheduling on in the thread;
 #    in its own process with async scheduling on and off, graphs on and off
 # 6. the engine on a Qwen3-0.6B-shaped bf16 model with its defaults (the KV cache sized by
 #    gpu_memory_utilization, graphs, the runner's process): the Triton cache in NHD against the
 #    runner layout, tok/s (scripts/gpu_shape_bench.py)
 # Run in the order 1+2, 5, 3, 4, 6 (what has never run on a GPU first: a device lease that ends
-# early still brings those back). Budget: under 10 minutes (stages 1-5 took 141 s on an H100 in
-# session 30, before stage 5 grew to six runs and stage 3 to two; stage 6 may take 5); each
+# early still brings those back). Budget: under 10 minutes (stages 1-5 took 141 s on an H100
+# before stage 5 grew to six runs and stage 3 to two; stage 6 may take 5); each
 # stage has its own timeout.
 # Python: $PYTHON, else .venv if its torch sees CUDA, else python3. A package that Python lacks
 # (structlog, say) is installed from wheels in .whl/ when that folder exists.
@@ -92,7 +92,7 @@ else
 fi
 tail -3 "$RESULTS/kernel_tests.log" >> "$RESULTS/summary.txt" || true
 
-log "5. engine overhead per step on CUDA, 256 sequences (issue 22): runner in a thread / a process,"
+log "5. engine overhead per step on CUDA, 256 sequences: runner in a thread / a process,"
 log "   async scheduling off / on, CUDA graphs on (the default) / off (eager)"
 for run in thread:off:graphs thread:off:eager thread:on:graphs process:on:graphs process:off:graphs \
     process:on:eager; do

@@ -18,10 +18,6 @@ SUFFIXES = frozenset({".md", ".py", ".sh", ".toml", ".cpp", ".h"})
 # "session 12", "sessions 13-23", "issue 22", "Issue #9", "round 2"; not "--rounds 3"
 HISTORY_LABEL = re.compile(r"(?<![-\w])(?:[Ss]essions?|[Ii]ssues?|[Rr]ounds?) #?\d")
 THIS_FILE = Path(__file__).resolve()
-# Files whose owners still have to drop their labels (relative to the repository root); each
-# is skipped until it is clean, and the test below fails once an entry is clean, so the set
-# only shrinks.
-PENDING: frozenset[str] = frozenset()
 
 
 def history_labels(path: Path) -> list[tuple[int, str]]:
@@ -54,17 +50,9 @@ def test_no_history_labels() -> None:
     hits = [
         f"{path.relative_to(ROOT)}:{number}: {line}"
         for path in scanned_files()
-        if path.relative_to(ROOT).as_posix() not in PENDING
         for number, line in history_labels(path)
     ]
     assert not hits, "history labels (state the fact; date a figure instead):\n" + "\n".join(hits)
-
-
-@pytest.mark.parametrize("entry", sorted(PENDING))
-def test_pending_files_still_have_labels(entry: str) -> None:
-    """A pending file that is clean leaves PENDING, so the main test covers it again."""
-    path = ROOT / entry
-    assert path.is_file() and history_labels(path), f"{entry} is clean: remove it from PENDING"
 
 
 def test_check_catches_a_planted_label(tmp_path: Path) -> None:

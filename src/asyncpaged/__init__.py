@@ -21,8 +21,7 @@ from asyncpaged.sampling_params import BeamSearchParams, RequestOutputKind, Samp
 from asyncpaged.spec_decode import SpeculativeConfig
 from asyncpaged.streams import RequestStream
 from asyncpaged.structured_outputs import StructuredOutputsParams
-
-__version__ = "0.1.0"
+from asyncpaged.versions import __version__
 
 __all__ = [
     "LLM",

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 import os
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -318,10 +317,6 @@ def num_blocks_for(
         device = max(1, (config.kv_cache_bytes or DEFAULT_KV_CACHE_BYTES) // per_block)
     host = config.swap_space_bytes // per_block
     return device, host
-
-
-def blocks_for_tokens(num_tokens: int, block_size: int) -> int:
-    return math.ceil(num_tokens / block_size)
 
 
 def kv_head_replicas(num_kv_heads: int, world_size: int) -> tuple[int, int]:

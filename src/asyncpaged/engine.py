@@ -47,12 +47,11 @@ from asyncpaged.engine_start import actor_runs, build_engine_actors, log_started
 from asyncpaged.engine_stats import EngineStatistics, collect_statistics
 from asyncpaged.engine_submit import (
     abort_request,
-    beam_prompt,
     beam_sampling_params,
     chat_prompt,
-    generate_prompt,
     queue_request,
     submission,
+    submitted_prompt,
     with_model_defaults,
 )
 from asyncpaged.errors import EngineClosedError, EngineDeadError
@@ -243,7 +242,7 @@ class AsyncEngine:
         cumulative logprob; finish reason "stop" at EOS, else "length")."""
         self._check_alive()
         sampling = beam_sampling_params(params, self.config)
-        source, salt = beam_prompt(prompt, cache_salt, self.max_model_len)
+        source, salt = submitted_prompt(prompt, cache_salt, self.max_model_len)
         return self._submit_request(source, sampling, request_id, salt, beam=params)
 
     async def wait_idle(self) -> None:
@@ -322,7 +321,9 @@ class AsyncEngine:
         self._check_alive()
         priority = check_priority(priority, self.config.scheduling_policy)
         params = with_model_defaults(params, self.generation_defaults)
-        source, salt = generate_prompt(prompt, params, cache_salt, self.max_model_len)
+        truncated = params.truncate_prompt_tokens is not None
+        limit = None if truncated else self.max_model_len
+        source, salt = submitted_prompt(prompt, cache_salt, limit)
         return self._submit_request(source, params, request_id, salt, priority=priority)
 
     def chat(

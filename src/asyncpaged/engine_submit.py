@@ -39,13 +39,12 @@ from asyncpaged.structured_outputs import is_available as structured_outputs_ava
 
 __all__ = [
     "abort_request",
-    "beam_prompt",
     "beam_sampling_params",
     "chat_prompt",
     "check_submission",
-    "generate_prompt",
     "queue_request",
     "submission",
+    "submitted_prompt",
     "with_model_defaults",
 ]
 
@@ -62,13 +61,13 @@ def with_model_defaults(
     return params.with_defaults(defaults.sampling)
 
 
-def generate_prompt(
-    prompt: PromptType, params: SamplingParams, cache_salt: str | None, max_model_len: int
+def submitted_prompt(
+    prompt: PromptType, cache_salt: str | None, max_model_len: int | None
 ) -> tuple[str | tuple[int, ...], str | None]:
-    """``generate``'s prompt (its text or token ids) and cache salt; a list of ids longer than
-    the model is refused by its length unless the prompt is truncated."""
-    truncated = params.truncate_prompt_tokens is not None
-    parsed = parse_prompt(prompt, None if truncated else max_model_len)
+    """A ``generate`` or ``beam_search`` prompt as (its text or token ids, its cache salt): the
+    salt of a dict prompt or the ``cache_salt`` keyword, refused when given both ways; a list of
+    ids longer than ``max_model_len`` (None: no limit, a prompt to be truncated) is refused."""
+    parsed = parse_prompt(prompt, max_model_len)
     if parsed.cache_salt is not None and cache_salt is not None:
         raise InvalidRequestError("cache_salt is given twice (in the prompt and as keyword).")
     salt = cache_salt if parsed.cache_salt is None else parsed.cache_salt
@@ -86,17 +85,6 @@ def beam_sampling_params(params: BeamSearchParams, cfg: EngineConfig) -> Samplin
     check_group_width(params.beam_width, "beam_width", cfg.max_num_seqs,
                       cfg.max_num_batched_tokens)  # fmt: skip
     return sampling
-
-
-def beam_prompt(
-    prompt: PromptType, cache_salt: str | None, max_model_len: int
-) -> tuple[str | tuple[int, ...], str | None]:
-    """``beam_search``'s prompt (its text or token ids) and cache salt (the prompt's wins)."""
-    parsed = parse_prompt(prompt, max_model_len)
-    source = parsed.text if parsed.text is not None else parsed.token_ids
-    assert source is not None
-    salt = cache_salt if parsed.cache_salt is None else parsed.cache_salt
-    return source, salt
 
 
 def chat_prompt(

@@ -171,10 +171,6 @@ class GrammarBackend:
 
         return xgr.GrammarMatcher(compiled)
 
-    def next_token_bitmask(self, matcher: Any) -> torch.Tensor:
-        """[ceil(V / 32)] int32: bit ``v % 32`` of word ``v // 32`` set iff token v may follow."""
-        return self.next_token_bitmasks([matcher])[0]
-
     def next_token_bitmasks(self, matchers: Sequence[Any]) -> torch.Tensor:
         """[len(matchers), ceil(V / 32)] int32: every matcher's bitmask, filled in one call
         into one new buffer (a step's rows are views of it; a buffer per step, never reused,

@@ -11,6 +11,8 @@ from __future__ import annotations
 import platform
 from importlib.metadata import PackageNotFoundError, version
 
+__version__ = "0.1.0"  # pyproject.toml's; ``asyncpaged.__version__``
+
 # What the engine's results depend on, in the order they are printed; optional ones say
 # "not installed".
 DISTRIBUTIONS = ("asyncpaged", "torch", "transformers", "tokenizers", "safetensors", "numpy",
@@ -24,8 +26,6 @@ def distribution_version(name: str) -> str:
         return version(name)
     except PackageNotFoundError:
         if name == "asyncpaged":  # a source tree that is not installed
-            from asyncpaged import __version__
-
             return __version__
         return NOT_INSTALLED
 

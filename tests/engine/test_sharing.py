@@ -9,7 +9,7 @@ from typing import Any
 import anyio
 import pytest
 
-from asyncpaged import InvalidRequestError, RequestOutput, SamplingParams
+from asyncpaged import BeamSearchParams, InvalidRequestError, RequestOutput, SamplingParams
 from asyncpaged._log import get_logger
 from asyncpaged.actors.scheduler_pins import PinWaiters, forget_pin, hand_out_pins
 from asyncpaged.core.block_table import PinnedPrefix
@@ -121,6 +121,36 @@ async def test_cache_salt_isolates_tenants(tiny_checkpoint: Callable[[str], Path
         assert engine.statistics().prefix_cache_hit_tokens == 0
         await engine.generate(prompt, params, cache_salt="tenant-a")
         assert engine.statistics().prefix_cache_hit_tokens == 48
+
+
+async def test_the_salt_rule_is_the_same_for_every_prompt_form(
+    tiny_checkpoint: Callable[[str], Path],
+) -> None:
+    """generate and beam_search read a cache salt the same way: from a dict prompt or the
+    keyword, refused (before anything is queued) when given both ways, and a dict prompt's salt
+    isolates its blocks as the keyword's does."""
+    path = tiny_checkpoint(MODEL)
+    ids = list(range(10, 74))  # 64 tokens: 3 blocks can hit
+    greedy = SamplingParams(temperature=0.0, max_tokens=2)
+    beams = BeamSearchParams(beam_width=2, max_tokens=2)
+    async with running_engine(path, num_device_blocks=64) as engine:
+
+        def submit(form: str, prompt: Any, salt: str | None) -> Any:
+            if form == "generate":
+                return engine.generate(prompt, greedy, cache_salt=salt)
+            return engine.beam_search(prompt, beams, cache_salt=salt)
+
+        for form in ("generate", "beam_search"):
+            with pytest.raises(InvalidRequestError, match="cache_salt is given twice"):
+                submit(form, {"prompt_token_ids": ids, "cache_salt": "a"}, "b")
+            hits = engine.statistics().prefix_cache_hit_tokens
+            await submit(form, {"prompt_token_ids": ids, "cache_salt": f"{form}-dict"}, None)
+            await submit(form, ids, f"{form}-dict")  # the keyword's salt: the same tenant
+            assert engine.statistics().prefix_cache_hit_tokens - hits == 48
+            await submit(form, ids, f"{form}-other")
+            assert engine.statistics().prefix_cache_hit_tokens - hits == 48
+        await engine.wait_idle()
+        assert_no_leaks(engine)
 
 
 async def test_pinned_prefix_survives_eviction_until_unpinned(

@@ -229,9 +229,6 @@ class BlockPool:
     def can_swap_out(self, seq_ids: Sequence[SeqId]) -> bool:
         return self.num_blocks_to_swap(seq_ids, SwapDirection.OUT) <= self.host.num_allocatable
 
-    def can_swap_in(self, seq_ids: Sequence[SeqId]) -> bool:
-        return self.num_blocks_to_swap(seq_ids, SwapDirection.IN) <= self.device.num_allocatable
-
     def has_speculative_tokens(self, seq_id: SeqId) -> bool:
         """Whether the sequence holds proposals not yet verified (see :meth:`truncate`)."""
         table_of(self._tables, seq_id)

@@ -89,10 +89,6 @@ class PhysicalBlocks:
     def num_evictable(self) -> int:
         return len(self._evictable)
 
-    @property
-    def num_hashed(self) -> int:
-        return len(self._hash_of)
-
     # ---- taking and releasing -------------------------------------------------------------
 
     def take(self, after: int | None = None) -> int:

@@ -24,14 +24,6 @@ class RequestStatus(enum.Enum):
     SWAPPING_IN = "swapping_in"
     FINISHED = "finished"
 
-    @property
-    def is_swapped(self) -> bool:
-        return self in (
-            RequestStatus.SWAPPING_OUT,
-            RequestStatus.SWAPPED,
-            RequestStatus.SWAPPING_IN,
-        )
-
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class StopCriteria:

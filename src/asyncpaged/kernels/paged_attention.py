@@ -21,7 +21,7 @@ Either way a block is one contiguous piece of memory per layer, so copy-on-write
 per-block copies. With head_dim contiguous (V in the runner layout, K and V in NHD) Triton
 vectorizes the loads along head_dim; K transposed per block is read with scalar gathers, so
 NHD decodes 1.2-1.4x faster at batch 4-256 on an H100 (``asyncpaged/kernels/benchmark.py``, run by
-``scripts/gpu_check.sh``; docs/tuning.md "Attention on CUDA").
+``scripts/gpu_check.sh``; docs/benchmarks.md "Attention on CUDA (Triton)").
 
 Tiling. A program owns one *q tile* (``BLOCK_Q`` consecutive new tokens of one sequence, from a
 host-built tile map) and one KV head. The ``G = Hq / Hkv`` query heads of that KV head are packed

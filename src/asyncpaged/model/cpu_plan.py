@@ -62,6 +62,7 @@ from asyncpaged.model.lever_checks import (
     ExactnessCheck,
     check_lever,
 )
+from asyncpaged.versions import __version__
 
 log = get_logger(__name__)
 
@@ -349,14 +350,12 @@ class _ProbeCache:
         checker: Checker,
         checked_shapes: Mapping[str, int],
     ) -> None:
-        import asyncpaged
-
         self._path = path
         self._timer = timer
         self._checker = checker
         self._checked_shapes = dict(checked_shapes)
         self._prefix = json.dumps([features.model_name, sorted(features.flags), torch.__version__,
-                                   asyncpaged.__version__, PROBE_REVISION,
+                                   __version__, PROBE_REVISION,
                                    os.environ.get("ONEDNN_MAX_CPU_ISA", "")])  # fmt: skip
         self._entries: dict[str, Any] = {}
         self._dirty = False
@@ -407,7 +406,7 @@ def measure(probe: str, shapes: Mapping[str, int]) -> tuple[float, float]:
     ``F.linear``, the MLP up projection; "packed_linear_bf16" in bfloat16), "bf16_head" or
     "int8_head" (the bf16- or int8-screened greedy head vs the fp32 head's argmax, packed where
     this torch packs). Timed on one thread: a lever's win is per core, and on a shared VM a
-    second thread's stalls would swamp it (docs/tuning.md, hygiene)."""
+    second thread's stalls would swamp it (docs/tuning.md, "Threads")."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:

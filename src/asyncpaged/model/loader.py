@@ -197,12 +197,6 @@ def _index(tensor: torch.Tensor, index: tuple[slice, ...] | None) -> torch.Tenso
     return tensor if index is None else tensor[index]
 
 
-def iter_checkpoint_tensors(directory: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield (name, tensor) for every tensor in the directory's weight files, on CPU."""
-    for entry in iter_checkpoint_entries(directory):
-        yield entry.name, entry.read(None)
-
-
 def _read_shard(entry: CheckpointEntry, rule: ShardRule, dim: int, shard: TensorShard
                 ) -> torch.Tensor:  # fmt: skip
     """This rank's slice of ``entry`` along stored dimension ``dim`` (of each fused part)."""

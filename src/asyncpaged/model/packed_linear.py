@@ -8,13 +8,14 @@ bfloat16 only where the CPU converts it natively: ``can_pack``). The packed weig
 plain one (``layer.weight`` becomes an empty placeholder), so weights are not held twice.
 
 In float32 the result is the same math with a different summation order than ``F.linear`` (which
-runs through MKL), which is how any two GEMM shapes already differ; greedy output stays equal to
-transformers (tests check both ways). In bfloat16 ``F.linear`` itself runs through oneDNN and
-packing keeps its weight layout: on one thread bit-identical where measured (AMX, and
-avx512_bf16 under oneDNN's ISA cap), 2x faster per GEMM on AMX (docs/tuning.md). On more
-threads oneDNN may split a large (prefill) GEMM's sums differently for the two primitives:
-about 1e-4 of the outputs one bf16 ulp apart, as ``F.linear``'s own outputs differ between 1
-and 2 threads, so a bfloat16 model's tokens depend on the thread count with or without packing.
+runs through MKL): not bit-identical, so the CPU plan leaves packing off for float32 models unless
+forced. In bfloat16 ``F.linear`` itself runs through oneDNN and packing keeps its weight layout:
+bit-identical where measured (Zen 4, AMX; under inference mode, as the runner forwards: with
+autograd recording, a bias that requires grad is added after the GEMM's rounding), 2x faster per
+GEMM on AMX (docs/benchmarks.md). Whether it is exact on the CPU at hand is checked there, not
+assumed (``lever_checks``). On more threads oneDNN may split a large (prefill) GEMM's sums
+differently for the two primitives, as ``F.linear``'s own outputs differ between 1 and 2 threads,
+so the check runs at the engine's thread count.
 
 Every oneDNN GEMM here runs with its rows padded to a bucket (``row_buckets``): oneDNN keeps one
 primitive per distinct shape, and the step's token count changes every step. ``F.linear`` in
