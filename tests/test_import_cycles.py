@@ -22,8 +22,6 @@ KNOWN_CYCLES: frozenset[frozenset[str]] = frozenset(
     frozenset(f"asyncpaged.{m}" for m in group.split())
     for group in (
         "actors.scheduler actors.scheduler_finish",
-        "core.block_pool core.block_pool_report core.block_pool_speculative core.block_pool_swap"
-        " core.block_pool_write core.pool_invariants",
         "core.scheduler core.scheduler_apply core.scheduler_plan core.scheduler_preempt"
         " core.scheduler_update",
         "model.draft model.head_sampling model.kept_options model.late_inputs"

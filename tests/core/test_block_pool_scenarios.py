@@ -451,18 +451,18 @@ def test_truncate_needs_the_tokens_of_its_new_last_block() -> None:
 def test_admission_hashes_each_prompt_block_once(monkeypatch: pytest.MonkeyPatch) -> None:
     """The size check, the allocation and the blocks the allocation fills share one hash
     chain (admission hashes each prompt once, not twice); the result is the same chain."""
-    from asyncpaged.core import block_pool_prefix
+    from asyncpaged.core import prefix_cache
     from asyncpaged.core.prefix_hash import hash_full_blocks
 
     calls = 0
-    real = block_pool_prefix.hash_block
+    real = prefix_cache.hash_block
 
     def counting(*args: Any) -> Any:
         nonlocal calls
         calls += 1
         return real(*args)
 
-    monkeypatch.setattr(block_pool_prefix, "hash_block", counting)
+    monkeypatch.setattr(prefix_cache, "hash_block", counting)
     pool = BlockPool(num_device_blocks=64, block_size=4)
     first = tuple(range(100, 141))  # 10 full blocks and one token
     for _ in range(3):  # the same tuple checked again
@@ -485,7 +485,7 @@ def test_admission_hashes_each_prompt_block_once(monkeypatch: pytest.MonkeyPatch
 
 
 def test_prompt_hashes_keep_a_bounded_number_of_prompt_tokens() -> None:
-    from asyncpaged.core.block_pool_prefix import PromptHashes
+    from asyncpaged.core.prefix_cache import PromptHashes
     from asyncpaged.core.prefix_hash import hash_full_blocks
 
     memo = PromptHashes(block_size=4, max_tokens=100)

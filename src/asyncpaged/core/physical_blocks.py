@@ -17,6 +17,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 
+from asyncpaged.core.block_table import PoolUsage
 from asyncpaged.core.prefix_hash import BlockHash
 
 
@@ -160,6 +161,11 @@ class PhysicalBlocks:
         assert self.num_filled[block] <= self.block_size
         self.num_filled_held += num_slots
 
+    def set_filled(self, block: int, num_slots: int) -> None:
+        """Make an exclusively held block's written-slot count ``num_slots``: the slots past it
+        are dead (truncated away, or a sibling's that freed the block since)."""
+        self.fill(block, num_slots - self.num_filled[block])
+
     # ---- in-flight copies -----------------------------------------------------------------
 
     def hold_in_flight(self, block: int) -> None:
@@ -222,6 +228,17 @@ class PhysicalBlocks:
             self.on_evict(block, block_hash)
 
     # ---- introspection --------------------------------------------------------------------
+
+    def usage(self) -> PoolUsage:
+        """The blocks by state: free, used (held, not in flight), cached, in flight."""
+        in_flight = len(self.in_flight)
+        return PoolUsage(
+            total=self.num_blocks,
+            free=self.num_free,
+            used=self.num_held - in_flight,
+            cached=self.num_evictable,
+            in_flight=in_flight,
+        )
 
     def evictable_blocks(self) -> list[int]:
         """Cached blocks with no holder, in eviction order (for tests and statistics)."""
