@@ -57,6 +57,7 @@ from asyncpaged.model.generation_config import GenerationDefaults, load_generati
 from asyncpaged.model.kv_tier_remote import TierStore, start_remote_tiers
 from asyncpaged.model.kv_tier_store import build_kv_tiers
 from asyncpaged.model.loader import (
+    linear_shapes,
     load_config,
     load_tokenizer,
     resolve_dtype,
@@ -160,7 +161,7 @@ def plan_model(cfg: EngineConfig, hf_config: Any, memory: CudaMemory | None = No
 
 
 def plan_levers(
-    cfg: EngineConfig, hf_config: Any, dtype: torch.dtype
+    cfg: EngineConfig, path: Path, hf_config: Any, dtype: torch.dtype
 ) -> tuple[dict[str, bool], CpuPlan | None]:
     """The CPU levers' on/off, and the plan that chose them (``engine.cpu_plan`` says why);
     they act on float32 and bfloat16 CPU models only (bfloat16: the packed linears and the
@@ -177,6 +178,7 @@ def plan_levers(
     cpu_plan = plan_cpu(settings, hidden_size=hidden, intermediate_size=width,
                         vocab_size=int(hf_config.vocab_size), head_dim=head_dim,
                         max_num_batched_tokens=cfg.max_num_batched_tokens,
+                        max_num_seqs=cfg.max_num_seqs, linear_shapes=linear_shapes(path),
                         dtype=dtype)  # fmt: skip
     return cpu_plan.levers(), cpu_plan
 
@@ -215,7 +217,7 @@ async def load_model(cfg: EngineConfig, resolve: Callable[[str, str | None], Pat
         memory = await anyio.to_thread.run_sync(cuda_memory, cfg, path, resolve)
         plan = await anyio.to_thread.run_sync(plan_model, cfg, hf_config, memory)
         levers, cpu_plan = await anyio.to_thread.run_sync(
-            plan_levers, cfg, plan.hf_config, plan.dtype
+            plan_levers, cfg, path, plan.hf_config, plan.dtype
         )
         runner, step_runner, workers = await load_runner(cfg, path, plan, levers, resolve, launch)
     finally:

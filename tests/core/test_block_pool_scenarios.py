@@ -500,3 +500,27 @@ def test_prompt_hashes_keep_a_bounded_number_of_prompt_tokens() -> None:
     assert list(memo.of(huge, None) or ()) == hash_full_blocks(huge, 4, None, 125)
     assert memo.num_tokens == 500
     assert memo.of([1, 2, 3, 4], None) is None  # a list may change: never memoized
+
+
+@pytest.mark.parametrize("enable_prefix_caching", [True, False])
+def test_append_token_after_a_late_token_changes_nothing_when_it_refuses(
+    enable_prefix_caching: bool,
+) -> None:
+    """append_token onto a late token raises (with prefix caching the token must be settled
+    first) before touching the sequence: its length, its block's fill and the pool's invariants
+    are as before."""
+    from asyncpaged.core.block_table import LATE_TOKEN
+
+    pool = BlockPool(4, block_size=4, enable_prefix_caching=enable_prefix_caching)
+    assert pool.allocate("s", [3], max_new_tokens=None, extra_key=None) is not None
+    assert pool.append_token("s", LATE_TOKEN) is not None
+    before = pool.statistics(), pool.device.state()
+    if enable_prefix_caching:
+        with pytest.raises(BlockPoolError, match="late"):
+            pool.append_token("s", 3)
+        assert (pool.statistics(), pool.device.state()) == before
+        pool.check_invariants()
+        pool.set_late_token("s", 7)
+    assert pool.append_token("s", 3) is not None
+    pool.check_invariants()
+    pool.free("s")

@@ -14,6 +14,7 @@ from asyncpaged.model.lever_checks import ExactnessCheck, check_lever, check_row
 from asyncpaged.model.packed_linear import can_pack, packing_supported
 
 SHAPES = {"rows": 40, "hidden": 64, "inter": 96, "vocab": 300, "head_dim": 16}
+LAYER = {"rows": 40, "in": 64, "out": 96, "bias": 1}
 
 
 def _nudged(t: torch.Tensor) -> torch.Tensor:
@@ -56,12 +57,15 @@ def test_a_packed_gemm_one_ulp_off_is_caught(
 
     monkeypatch.setattr(packed_linear, "pack_linears", pack)
     monkeypatch.setattr(packed_linear, "linear", unpacked)
-    assert check_lever(probe, SHAPES).exact
+    assert check_lever(probe, LAYER).exact
     monkeypatch.setattr(packed_linear, "linear", lambda layer, x: _nudged(unpacked(layer, x)))
-    check = check_lever(probe, SHAPES)
+    check = check_lever(probe, LAYER)
     assert not check.exact
     name = "float32" if dtype == torch.float32 else "bfloat16"
-    assert check.detail.startswith(f"packed {name} GEMMs not bit-identical to F.linear at 18 of 18")
+    assert check.detail == (
+        f"packed {name} [64 -> 96 + bias] GEMMs not bit-identical to F.linear "
+        "at 9 of 9 row counts (1, 2, 3, 5, ...)"
+    )
 
 
 def test_the_fused_check_names_the_op_that_differs(monkeypatch: pytest.MonkeyPatch) -> None:

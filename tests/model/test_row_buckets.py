@@ -137,10 +137,11 @@ def test_packed_bfloat16_linears_keep_f_linear_values(bias: bool) -> None:
             torch.testing.assert_close(got.double(), exact, rtol=2**-7, atol=2**-7)
             if not torch.equal(got, want):
                 differ.append(n)
-    shapes = {"rows": max(rows), "hidden": 96, "inter": 160, "vocab": 300, "head_dim": 32}
+    shapes = {"rows": max(rows), "in": 96, "out": 160, "bias": int(bias)}
     check = check_lever("packed_linear_bf16", shapes)
     plan = plan_cpu(dict.fromkeys(LEVERS, "auto"), hidden_size=96, intermediate_size=160,
-                    vocab_size=300, max_num_batched_tokens=max(rows), cache=False,
+                    vocab_size=300, max_num_batched_tokens=max(rows),
+                    linear_shapes=((96, 160, bias),), cache=False,
                     dtype=torch.bfloat16)  # fmt: skip
     if check.exact:
         assert differ == [], f"the check found {check.detail!r}, these rows differ: {differ}"

@@ -360,14 +360,14 @@ class BlockPool:
         block = table.block_ids[-1]
         if device.ref_cnt[block] != 1:
             return None
+        partial = table.partial_token_ids
+        if self.enable_prefix_caching and partial[-1] == LATE_TOKEN:  # (never empty here)
+            self._check_settled(table, "append to")  # raises before anything changes
         if device.num_filled[block] != offset:  # dead slots past a truncation
             device.set_filled(block, offset)
         device.fill(block, 1)
         table.num_tokens += 1
         if self.enable_prefix_caching:
-            partial = table.partial_token_ids
-            if partial[-1] == LATE_TOKEN:  # (a partial block: never empty here)
-                self._check_settled(table, "append to")
             partial.append(token)
             if offset + 1 == bs and token != LATE_TOKEN:
                 device.register(block, PrefixCache.seal_full_block(table))

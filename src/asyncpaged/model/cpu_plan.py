@@ -47,7 +47,7 @@ import os
 import platform
 import re
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -75,8 +75,9 @@ LEVERS = ("packed_linears", "screened_lm_head", "int8_lm_head", "fused_elementwi
 SCREEN_MIN_SPEEDUP = 1.1
 DECODE_ROWS = 64  # rows of the timed GEMMs: a decode step of a busy engine
 # Part of every cached result's key: bump it when a probe's candidate, baseline or check changes
-# (3: exactness checks), so a cache from older code is not read as this one's.
-PROBE_REVISION = 3
+# (3: exactness checks; 4: each layer shape, small row counts repeated), so a cache from older
+# code is not read as this one's.
+PROBE_REVISION = 4
 PACKED_PROBES = {torch.bfloat16: "packed_linear_bf16"}  # the float32 one is "packed_linear"
 _BF16_FLAGS = frozenset({"avx512_bf16", "amx_bf16", "bf16"})  # x86; "bf16" on aarch64
 _VNNI_FLAGS = frozenset({"avx512_vnni", "avx_vnni", "amx_int8"})
@@ -161,6 +162,8 @@ def plan_cpu(
     vocab_size: int,
     head_dim: int = 64,
     max_num_batched_tokens: int = 2048,
+    max_num_seqs: int = 256,
+    linear_shapes: Sequence[tuple[int, int, bool]] = (),
     features: CpuFeatures | None = None,
     timer: Timer | None = None,
     checker: Checker | None = None,
@@ -171,8 +174,10 @@ def plan_cpu(
 ) -> CpuPlan:
     """Decide every lever of ``settings`` (name -> True / False / "auto").
 
-    The model's sizes and ``dtype`` (float32 or bfloat16) fix the timed and checked shapes, and
-    ``max_num_batched_tokens`` the most rows checked. ``features``, ``timer`` (name, shape ->
+    The model's sizes and ``dtype`` (float32 or bfloat16) fix the timed and checked shapes:
+    packing is checked at every ``linear_shapes`` entry (``(in, out, has_bias)``, the model's
+    layers; default: its MLP's up projection) up to ``max_num_batched_tokens`` rows, and at the
+    LM head's up to ``max_num_seqs`` rows. ``features``, ``timer`` (name, shape ->
     seconds of (candidate, baseline)), ``checker`` (name, shape -> ``ExactnessCheck``),
     ``int8_exact`` and ``library_target`` default to this machine's; tests pass forced ones.
     ``cache`` (default: ``cpu_plan.json`` in the kernel cache) keeps results across restarts;
@@ -182,13 +187,17 @@ def plan_cpu(
               "vocab": vocab_size}  # fmt: skip
     checked = {"rows": max_num_batched_tokens, "hidden": hidden_size,
                "inter": intermediate_size, "vocab": vocab_size, "head_dim": head_dim}  # fmt: skip
+    layers = tuple(linear_shapes) or ((hidden_size, intermediate_size, False),)
+    packed_shapes = [{"rows": max_num_batched_tokens, "in": i, "out": o, "bias": int(b)}
+                     for i, o, b in layers]  # fmt: skip
+    packed_shapes.append({"rows": min(max_num_seqs, max_num_batched_tokens), "in": hidden_size,
+                          "out": vocab_size, "bias": 0})  # the packed LM head  # fmt: skip
     timings = _ProbeCache(features, cache if cache is not None else _default_cache(),
                           timer or measure, checker or check_lever, checked)  # fmt: skip
     target = (library_target or _library_target)()
     name = str(dtype).removeprefix("torch.")
-    choices = {
-        "packed_linears": _packed(settings["packed_linears"], features, timings, shapes, dtype)
-    }
+    packed = _packed(settings["packed_linears"], timings, shapes, packed_shapes, dtype)
+    choices = {"packed_linears": packed}
     if dtype == torch.float32:
         choices.update({
             "screened_lm_head": _bf16_screen(settings["screened_lm_head"], features, timings,
@@ -219,9 +228,9 @@ def _forced(setting: LeverSetting) -> LeverChoice | None:
 
 def _packed(
     setting: LeverSetting,
-    features: CpuFeatures,
     timings: _ProbeCache,
     shapes: dict[str, int],
+    checked: Sequence[Mapping[str, int]],
     dtype: torch.dtype,
 ) -> LeverChoice:
     from asyncpaged.model.packed_linear import can_pack, packing_supported
@@ -235,9 +244,12 @@ def _packed(
     if dtype != torch.float32 and not can_pack(dtype):
         return LeverChoice(False, f"oneDNN cannot pack {name} weights on this CPU")
     probe = "packed_linear" if dtype == torch.float32 else PACKED_PROBES[dtype]
-    check = timings.exactness(probe)
-    if not check.exact:
-        return LeverChoice(False, f"not exact here: {check.detail}")
+    for layer in checked:  # every layer shape and the head: stop at the first inexact one
+        check = timings.exactness(probe, layer)
+        if not check.exact:
+            return LeverChoice(False, f"not exact here: {check.detail}")
+    check = ExactnessCheck(True, f"bit-identical to F.linear at the model's {len(checked)} layer "
+                                 f"and head shapes, up to {checked[0]['rows']} rows")  # fmt: skip
     packed, plain = timings.get(probe, shapes)
     wins = packed < plain
     return LeverChoice(wins, f"{check.detail}; packed {packed * 1e3:.2f} ms vs F.linear "
@@ -254,7 +266,7 @@ def _bf16_screen(
     if not features.has_bf16_dot:
         return LeverChoice(False, "no bf16 dot products on this CPU (avx512_bf16, AMX, bf16): "
                                   "oneDNN would emulate them")  # fmt: skip
-    check = timings.exactness("bf16_head")
+    check = timings.exactness("bf16_head", timings.checked_shapes)
     if not check.exact:
         return LeverChoice(False, f"not exact here: {check.detail}")
     bf16, fp32 = timings.get("bf16_head", shapes)
@@ -283,7 +295,7 @@ def _int8_screen(
         exact, wide = int8_exact(), features.has_vnni
     if not exact:
         return LeverChoice(False, "oneDNN's int8 GEMM failed its exactness check here")
-    check = timings.exactness("int8_head")
+    check = timings.exactness("int8_head", timings.checked_shapes)
     if not check.exact:
         return LeverChoice(False, f"not exact here: {check.detail}")
     int8, fp32 = timings.get("int8_head", shapes)
@@ -306,7 +318,7 @@ def _fused(
         return LeverChoice(False, "the native kernel library does not build here (no g++?)")
     if dtype != torch.float32:
         return LeverChoice(False, f"not exact: {FUSED_BF16_INEXACT}")
-    check = timings.exactness("fused")
+    check = timings.exactness("fused", timings.checked_shapes)
     if not check.exact:
         return LeverChoice(False, f"not exact here: {check.detail}")
     return LeverChoice(True, f"native kernels built for {target}; {check.detail}")
@@ -353,7 +365,7 @@ class _ProbeCache:
         self._path = path
         self._timer = timer
         self._checker = checker
-        self._checked_shapes = dict(checked_shapes)
+        self.checked_shapes = dict(checked_shapes)  # the model's: the heads' and fused checks
         self._prefix = json.dumps([features.model_name, sorted(features.flags), torch.__version__,
                                    __version__, PROBE_REVISION,
                                    os.environ.get("ONEDNN_MAX_CPU_ISA", "")])  # fmt: skip
@@ -374,17 +386,17 @@ class _ProbeCache:
         candidate, baseline = self._entries[key]
         return float(candidate), float(baseline)
 
-    def exactness(self, probe: str) -> ExactnessCheck:
-        """The exactness check of ``probe`` at the checked shapes, at this thread count (oneDNN
-        may split a GEMM's sums by threads)."""
-        shapes = json.dumps(dict(sorted(self._checked_shapes.items())))
-        key = f"{self._prefix}|exact:{probe}|{torch.get_num_threads()}|{shapes}"
+    def exactness(self, probe: str, shapes: Mapping[str, int]) -> ExactnessCheck:
+        """The exactness check of ``probe`` at ``shapes``, at this thread count (oneDNN may
+        split a GEMM's sums by threads)."""
+        key = (f"{self._prefix}|exact:{probe}|{torch.get_num_threads()}|"
+               f"{json.dumps(dict(sorted(shapes.items())))}")  # fmt: skip
         if key in self._entries:
             try:
                 return ExactnessCheck.from_json(self._entries[key])
             except ValueError:  # a damaged entry: check again
                 pass
-        check = self._checker(probe, self._checked_shapes)
+        check = self._checker(probe, shapes)
         self._entries[key] = check.to_json()
         self._dirty = True
         return check

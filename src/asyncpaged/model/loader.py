@@ -294,6 +294,23 @@ def load_model(
     return model
 
 
+def linear_shapes(path: str | Path) -> tuple[tuple[int, int, bool], ...]:
+    """The distinct ``(in_features, out_features, has_bias)`` of the model's ``nn.Linear`` layers
+    and its LM head (``(hidden, vocab, False)``, last), from a skeleton built on the meta device:
+    no weight is read. What the CPU plan checks packing on (``lever_checks``)."""
+    config = load_config(Path(path))
+    architectures = list(getattr(config, "architectures", None) or [])
+    family = next((MODEL_REGISTRY[a] for a in architectures if a in MODEL_REGISTRY), None)
+    if family is None:
+        return ()
+    with torch.device("meta"):
+        model = family(config, SINGLE_SHARD)
+    head = model.lm_head_weight()
+    shapes = {(m.in_features, m.out_features, m.bias is not None) for m in model.modules()
+              if isinstance(m, torch.nn.Linear) and m.weight is not head}  # fmt: skip
+    return (*sorted(shapes), (int(head.shape[1]), int(head.shape[0]), False))
+
+
 def load_tokenizer(path: str | Path) -> Any:
     """The checkpoint's tokenizer through ``transformers.AutoTokenizer``."""
     from transformers import AutoTokenizer
