@@ -1,16 +1,17 @@
 """The scheduler actor: the step loop and the requests' lifecycle in the core.
 
-Its parts live beside it: building a step's ``SequenceStep`` rows (:mod:`.scheduler_steps`,
-with the sampling options of :mod:`.scheduler_sampling`), taking a finished step and checking
-its stop strings (:mod:`.scheduler_finish`, with the late inputs of :mod:`.scheduler_late`),
-a step's results on this side (:mod:`.scheduler_outputs`: the core's updates, grammars, failed
-rows), and ``pin_prefix``'s waiters (:mod:`.scheduler_pins`). This module keeps the actor: its
-state, loop, planning and messages, and when a step's outputs go to the output processor
-(``actors/output_processor.py``), which owns the requests' output states."""
+The actor holds its state, loop, planning, messages, the taking of a finished step and the
+stop-string check, and decides when a step's outputs go to the output processor
+(``actors/output_processor.py``), which owns the requests' output states. Helpers over the
+data it passes beside it: building a step's ``SequenceStep`` rows (:mod:`.scheduler_steps`,
+with the sampling options of :mod:`.scheduler_sampling`), the late inputs of a step planned
+ahead (:mod:`.scheduler_late`), a step's results on this side (:mod:`.scheduler_outputs`: the
+core's updates, grammars, failed rows), and ``pin_prefix``'s waiters (:mod:`.scheduler_pins`)."""
 
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Iterable
 from typing import Any
 
 import anyio
@@ -19,8 +20,16 @@ from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStre
 
 from asyncpaged._log import get_logger
 from asyncpaged.actors.idle import IdleSignal
-from asyncpaged.actors.scheduler_finish import check_stops, finish_step
-from asyncpaged.actors.scheduler_outputs import Tracked, prompt_logprob_progress
+from asyncpaged.actors.scheduler_late import late_inputs
+from asyncpaged.actors.scheduler_outputs import (
+    Tracked,
+    accept_grammar_tokens,
+    failed_requests,
+    grammar_stop,
+    jump_forward,
+    prompt_logprob_progress,
+    tokens_by_seq,
+)
 from asyncpaged.actors.scheduler_pins import PinWaiters, forget_pin, hand_out_pins
 from asyncpaged.actors.scheduler_sampling import (
     BadWordsCache,
@@ -37,11 +46,13 @@ from asyncpaged.core.scheduler import (
     SchedulerStatistics,
 )
 from asyncpaged.core.scheduler_plan import next_proposals
+from asyncpaged.core.scheduler_types import new_tuple
 from asyncpaged.core.txn import PoolSnapshot, StepTxn, TxnResult
 from asyncpaged.messages import (
     AbortRequest,
     AddRequest,
     CopyTierBlocks,
+    DeliverLate,
     EndRequest,
     ExecuteStep,
     ExecutorInbox,
@@ -63,7 +74,7 @@ from asyncpaged.model.block_tables import TableDeltas
 from asyncpaged.model.kept_options import OptionDeltas
 from asyncpaged.model.penalty_histories import HistoryDeltas
 from asyncpaged.model.prompt_logprobs import PromptLogprobRows
-from asyncpaged.model.runner import StepPlan
+from asyncpaged.model.runner import SampledToken, StepPlan
 from asyncpaged.spec_decode.draft_proposals import DraftProposals
 from asyncpaged.streams import RequestState
 from asyncpaged.structured_outputs import GrammarBackend
@@ -161,7 +172,7 @@ class SchedulerActor:
         # is read) are aborted at the top of the next loop.
         self.dropped: deque[RequestState] = deque()
         # The last step's outputs: the tokens of requests with stop strings, checked before
-        # the next plan (check_stops); the rest, sent after the next step (_deliver).
+        # the next plan (_check_stops); the rest, sent after the next step (_deliver).
         self._stop_tokens: list[TokenOutput] = []
         self._tokens: list[TokenOutput] = []
         self._prompt_logprobs: list[tuple[str, PromptLogprobRows]] = []
@@ -224,7 +235,7 @@ class SchedulerActor:
                         self._deliver()
                         return
                 if self._stop_tokens:
-                    await check_stops(self)
+                    await self._check_stops()
                 stepped = False
                 if not self._in_flight:
                     if self._has_work():
@@ -345,7 +356,7 @@ class SchedulerActor:
         # Without a checkpoint (the executor's inbox has room: it takes each step as it comes,
         # and at most two are in flight), so the executor is the first task to run and starts
         # the step (or queues it behind the running one) before the outputs are recorded.
-        if late:  # their inputs go once the step in flight is back (scheduler_finish sends them)
+        if late:  # their inputs go once the step in flight is back (_send_late sends them)
             assert not self._late_due, "the late inputs of the step in flight not sent"
             self._late_due = late
         step = StepPlan(seqs=tuple(steps), copy_pairs=out.copy_on_write,
@@ -355,6 +366,94 @@ class SchedulerActor:
         self._histories.sent()
         self._options.sent()
         return True
+
+    # ---- a finished step --------------------------------------------------------------------
+
+    def _finish_step(self, out: SchedulerOutput, sampled: Iterable[SampledToken]) -> None:
+        """A step's results, the part the next plan depends on: the scheduler's appends and
+        stop rules, failed rows, grammar matchers and jump-forward; the late inputs of the
+        step in flight (then, or after :meth:`_check_stops`). The tokens of requests with stop
+        strings wait for :meth:`_check_stops` (before the next plan), the others for
+        :meth:`_deliver` (after the next step is sent, while its forward runs)."""
+        sampled = list(sampled)
+        failed = [t for t in sampled if t.error is not None]
+        for rid, error in failed_requests(out, failed, self.scheduler, self._log):
+            self._end(rid, error)
+        by_row, tokens, top = tokens_by_seq(sampled)
+        updates = self.scheduler.update(out, tokens, top)
+        if self._draft_proposals is not None:
+            self._draft_proposals.record(out.seqs, sampled)
+        ended: list[str] = []
+        for update in updates:
+            tracked = self._tracked[update.request_id]
+            upd = update
+            if tracked.matchers:
+                if not accept_grammar_tokens(tracked.matchers, upd.completion, upd.new_token_ids):
+                    self._log.warning("grammar_rejected_token", request_id=upd.request_id,
+                                      tokens=list(upd.new_token_ids))  # fmt: skip
+                stops, reason = grammar_stop(tracked.info, tracked.matchers, upd, self._eos)
+                if stops:
+                    self.scheduler.finish_seq(upd.request_id, upd.seq_id, "stop", reason)
+                    upd = upd._replace(finish_reason="stop", stop_reason=reason)
+                # + the tokens the grammar forces
+                upd, num_forced = jump_forward(tracked.info, tracked.matchers, upd,
+                                               self.scheduler, self._grammars)  # fmt: skip
+                self.num_jump_forward_tokens += num_forced
+            token = new_tuple(TokenOutput, (upd, by_row[upd.row]))
+            if tracked.info.params.stop:
+                self._stop_tokens.append(token)
+            else:
+                self._tokens.append(token)
+                if upd.finish_reason is not None:
+                    ended.append(upd.request_id)
+        for rid in ended:  # once all its completions' updates are taken
+            self._forget_if_gone(rid)
+        # the step in flight samples rows whose inputs read this step's tokens: they are
+        # made now, or once the stop check knows which sequences a stop string ended
+        self._late_back = bool(self._late_due)
+        if not self._stop_tokens:
+            self._send_late()
+        eos = self._eos
+        for rid, hypotheses in self.scheduler.finished_beams:
+            self._beams.append((rid, tuple((tuple(h.tokens), h.logprob, h.tokens[-1] in eos)
+                                           for h in hypotheses)))  # fmt: skip
+            self._tracked.pop(rid, None)
+        self.scheduler.finished_beams.clear()
+
+    async def _check_stops(self) -> None:
+        """The last step's tokens of requests with stop strings, to the output processor,
+        which records them (held from their readers until the next delivery) and answers
+        which sequences a stop string ended; those end here, before the next plan. Cancelled
+        midway (the actor's task cancelled), nothing is undone: the output processor may hold
+        the tokens recorded."""
+        tokens, self._stop_tokens = self._stop_tokens, []
+        prompt_logprobs, self._prompt_logprobs = self._prompt_logprobs, []
+        self._outputs.send_nowait(RecordOutputs(tokens=tuple(tokens),
+                                                prompt_logprobs=tuple(prompt_logprobs),
+                                                check_stops=True))  # fmt: skip
+        self._release_due = True
+        verdict = await self._stop_replies.receive()
+        for rid, seq_id, matched in verdict.matches:
+            self.scheduler.finish_seq(rid, seq_id, "stop", matched)
+        for token in tokens:
+            self._forget_if_gone(token.update.request_id)
+        self._send_late()
+
+    def _forget_if_gone(self, request_id: str) -> None:
+        if request_id not in self.scheduler.requests:
+            self._tracked.pop(request_id, None)
+
+    def _send_late(self) -> None:
+        """The late inputs of the step in flight (``late_inputs``), once the step before it is
+        back and its stop strings checked (a sequence one ended samples in vain and plain, so
+        no logits processor sees a row the sync engine never computes)."""
+        if not self._late_back:
+            return
+        due, self._late_due, self._late_back = self._late_due, (), False
+        delivery = late_inputs(due, self.scheduler, self._tracked, self._grammars,
+                               self._eos, self._bad_words,
+                               keeps_histories=self._draft_proposals is None)  # fmt: skip
+        self._executor.send_nowait(DeliverLate(delivery=delivery))
 
     # ---- messages ---------------------------------------------------------------------------
 
@@ -388,7 +487,7 @@ class SchedulerActor:
                 self._prompt_logprobs.extend(prompt_logprob_progress(
                     out, result.prompt_logprobs, self.scheduler, self._tracked
                 ))  # fmt: skip
-                finish_step(self, out, result.sampled)
+                self._finish_step(out, result.sampled)
             case SwapDone(swap_id=swap_id):
                 self.scheduler.complete_swap(swap_id)
             case WatchPin(pin_id=pin_id, event=event, slot=slot):

@@ -2,7 +2,7 @@
 :meth:`Scheduler.update`, failed rows (each fails its request alone), structured outputs'
 matchers and jump-forward, and prompt-logprob progress. What becomes of them in the requests'
 output states is the output processor's (``actors/output_processor.py``); the scheduler actor
-decides when each runs (see ``scheduler_finish.finish_step`` and the actor's ``_deliver``)."""
+decides when each runs (its ``_finish_step`` and ``_deliver``)."""
 
 from __future__ import annotations
 
