@@ -234,12 +234,12 @@ async def test_a_failure_before_the_delivery_reaches_every_waiter(
     the engine closes without hanging (the thread's wait is woken, the process is stopped)
     and every request's waiter gets the engine's death."""
     from asyncpaged import AsyncEngine, EngineConfig, EngineDeadError
-    from asyncpaged.actors import scheduler
+    from asyncpaged.actors.step_builder import StepBuilder
 
     def broken(*args: object, **kwargs: object) -> LateDelivery:
         raise RuntimeError("injected: no late inputs")
 
-    monkeypatch.setattr(scheduler, "late_inputs", broken)
+    monkeypatch.setattr(StepBuilder, "late_inputs", broken)
     config = EngineConfig(model=str(tiny_checkpoint(MODEL)), dtype="float32",
                           executor_backend=backend, async_scheduling=True)  # fmt: skip
     errors: list[BaseException] = []

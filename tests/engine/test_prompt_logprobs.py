@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from asyncpaged import InvalidRequestError, RequestOutputKind, SamplingParams
-from asyncpaged.actors import scheduler_steps
+from asyncpaged.actors import step_builder
 from asyncpaged.core import BlockPool
 from asyncpaged.model import prompt_logprobs as plp_module
 from asyncpaged.model.prompt_logprobs import PromptLogprobRows
@@ -161,7 +161,7 @@ async def test_preemption_mid_prefill_recomputes_only_the_unknown_positions(
     long_prompt = prompt_of(60, seed=9)
     old_params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
     asked: list[tuple[int, int, int]] = []  # (chunk start, first row asked, rows asked)
-    targets = scheduler_steps.prompt_logprob_targets
+    targets = step_builder.prompt_logprob_targets
 
     def spy(
         known: int | None, prompt: Sequence[int], start: int, num_new: int
@@ -171,7 +171,7 @@ async def test_preemption_mid_prefill_recomputes_only_the_unknown_positions(
             asked.append((start, start + offset, len(ids)))
         return offset, ids
 
-    monkeypatch.setattr(scheduler_steps, "prompt_logprob_targets", spy)
+    monkeypatch.setattr(step_builder, "prompt_logprob_targets", spy)
     results: dict[int, RequestOutput] = {}
 
     async def one(i: int, prompt: list[int], params: SamplingParams) -> None:
@@ -263,7 +263,7 @@ def test_targets_skip_known_positions_and_stop_before_the_last_token() -> None:
     state = RequestState("r", None, plp_params(1), 0.0)
     prompt = list(range(100, 110))
     state.start(prompt, tokenizer=None)
-    targets = scheduler_steps.prompt_logprob_targets
+    targets = step_builder.prompt_logprob_targets
     assert targets(1, prompt, 0, 4) == (0, tuple(prompt[1:5]))  # rows 0-3
     top = (((7, -0.5),),) * 4
     rows = PromptLogprobRows(seq_id=1, first_position=1, token_ids=tuple(prompt[1:5]),

@@ -11,7 +11,7 @@ import pytest
 
 from asyncpaged import BeamSearchParams, InvalidRequestError, RequestOutput, SamplingParams
 from asyncpaged._log import get_logger
-from asyncpaged.actors.scheduler_pins import PinWaiters, forget_pin, hand_out_pins
+from asyncpaged.actors.pin_waiters import PinWaiters
 from asyncpaged.core.block_table import PinnedPrefix
 from tests.engine.conftest import assert_no_leaks, running_engine
 from tests.engine.test_engine import MODEL, generate_all, make_prompts
@@ -278,19 +278,18 @@ def test_a_pin_whose_caller_is_gone_is_released_whichever_message_comes_first(
     pin is released exactly once (handed out first, it used to stay pinned with nobody
     holding it: a block held after the engine went idle); a caller that keeps its pin
     releases nothing here."""
-    waiters: PinWaiters = {}
     scheduler = _Unpins()
+    waiters = PinWaiters(scheduler, get_logger("test"))  # type: ignore[arg-type]
     event, slot = anyio.Event(), []  # type: ignore[var-annotated]
-    waiters[7] = (event, slot)
+    waiters.watch(7, event, slot)
     pinned = ((7, PinnedPrefix(pin_id=3, block_ids=(1, 2), num_tokens=32)),)
-    log = get_logger("test")
     if order == "forget_first":
-        forget_pin(7, [], waiters, scheduler)  # type: ignore[arg-type]
-        hand_out_pins(pinned, waiters, scheduler, log)  # type: ignore[arg-type]
+        waiters.forget(7, [])
+        waiters.hand_out(pinned)
     else:
-        hand_out_pins(pinned, waiters, scheduler, log)  # type: ignore[arg-type]
+        waiters.hand_out(pinned)
         assert event.is_set() and slot == [pinned[0][1]]
         if order == "handed_out_first":
-            forget_pin(7, slot, waiters, scheduler)  # type: ignore[arg-type]
+            waiters.forget(7, slot)
     assert scheduler.unpinned == ([] if order == "kept" else [3])
     assert not waiters

@@ -2,11 +2,11 @@
 
 The actor holds its state, loop, planning, messages, the taking of a finished step and the
 stop-string check, and decides when a step's outputs go to the output processor
-(``actors/output_processor.py``), which owns the requests' output states. Helpers over the
-data it passes beside it: building a step's ``SequenceStep`` rows (:mod:`.scheduler_steps`,
-with the sampling options of :mod:`.scheduler_sampling`), the late inputs of a step planned
-ahead (:mod:`.scheduler_late`), a step's results on this side (:mod:`.scheduler_outputs`: the
-core's updates, grammars, failed rows), and ``pin_prefix``'s waiters (:mod:`.scheduler_pins`)."""
+(``actors/output_processor.py``), which owns the requests' output states. It owns two classes
+of its own: a :class:`StepBuilder` (:mod:`.step_builder`: a step's ``SequenceStep`` rows and a
+step planned ahead's late inputs, with the sampling options of :mod:`.scheduler_sampling`) and
+``pin_prefix``'s :class:`PinWaiters` (:mod:`.pin_waiters`); the helpers over a step's results
+on this side (the core's updates, grammars, failed rows) are in :mod:`.scheduler_outputs`."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStre
 
 from asyncpaged._log import get_logger
 from asyncpaged.actors.idle import IdleSignal
-from asyncpaged.actors.scheduler_late import late_inputs
+from asyncpaged.actors.pin_waiters import PinWaiters
 from asyncpaged.actors.scheduler_outputs import (
     Tracked,
     accept_grammar_tokens,
@@ -30,13 +30,8 @@ from asyncpaged.actors.scheduler_outputs import (
     prompt_logprob_progress,
     tokens_by_seq,
 )
-from asyncpaged.actors.scheduler_pins import PinWaiters, forget_pin, hand_out_pins
-from asyncpaged.actors.scheduler_sampling import (
-    BadWordsCache,
-    bad_words_token_ids,
-    banned_next_tokens,
-)
-from asyncpaged.actors.scheduler_steps import LateRows, build_sequence_steps, seq_of
+from asyncpaged.actors.scheduler_sampling import bad_words_token_ids, banned_next_tokens
+from asyncpaged.actors.step_builder import LateRows, StepBuilder, seq_of
 from asyncpaged.core.kv_tiers import TierOp
 from asyncpaged.core.request import RequestStatus
 from asyncpaged.core.scheduler import (
@@ -70,9 +65,6 @@ from asyncpaged.messages import (
     UnpinPrefix,
     WatchPin,
 )
-from asyncpaged.model.block_tables import TableDeltas
-from asyncpaged.model.kept_options import OptionDeltas
-from asyncpaged.model.penalty_histories import HistoryDeltas
 from asyncpaged.model.prompt_logprobs import PromptLogprobRows
 from asyncpaged.model.runner import SampledToken, StepPlan
 from asyncpaged.spec_decode.draft_proposals import DraftProposals
@@ -129,9 +121,12 @@ class SchedulerActor:
         self.scheduler = scheduler
         self._draft_proposals = draft_proposals
         self._grammars = grammars
-        self._bad_words = BadWordsCache(tokenizer)
         self.snapshot = snapshot
         self._tracked: dict[str, Tracked] = {}
+        self._steps = StepBuilder(
+            scheduler, self._tracked, eos_token_ids=eos_token_ids, tokenizer=tokenizer,
+            grammars=grammars, has_draft_model=draft_proposals is not None,
+        )  # fmt: skip
         self._inbox = inbox
         self._outputs = outputs
         self._stop_replies = stop_replies
@@ -150,9 +145,6 @@ class SchedulerActor:
         # once the step before it is back (``late_inputs``)
         self._late_due: LateRows = ()
         self._late_back = False  # the step before the one they belong to is back
-        self._tables = TableDeltas()  # the block tables the executor's runner holds
-        self._histories = HistoryDeltas()  # the penalty histories it holds
-        self._options = OptionDeltas()  # the sampling options it holds
         self._planning = False  # a transaction is at the allocator
         self._idle = IdleSignal(lambda: self.is_idle)
         self._log = log.bind(actor="scheduler")
@@ -162,8 +154,7 @@ class SchedulerActor:
         self.num_jump_forward_tokens = 0  # tokens a grammar forced, appended without sampling
         self.num_steps_ahead = 0  # steps planned while the one before ran (async scheduling)
         self.num_steps_graphed = 0  # steps whose forward replayed a CUDA graph
-        # engine.pin_prefix waiters (WatchPin): pin id -> (event, what the pool pinned)
-        self._pins: PinWaiters = {}
+        self._pins = PinWaiters(scheduler, self._log)  # engine.pin_prefix's waiters (WatchPin)
         # Requests submitted and not yet added here nor released by the intake (refused,
         # aborted there): the engine counts them in (expect_request), so idle waits for them.
         self.num_incoming = 0
@@ -279,8 +270,8 @@ class SchedulerActor:
         the core allows it (:meth:`Scheduler.can_plan_ahead`, and the last plan was not cut
         short), there is work, and every request the step in flight samples for may decode a
         token it has not seen (``Tracked.ahead``: no beams; what its sampling reads of that
-        token comes late: ``scheduler_late``; one at its fan-out sits the plan out), and none
-        verifies or is due to make speculative proposals."""
+        token comes late: ``StepBuilder.late_inputs``; one at its fan-out sits the plan out),
+        and none verifies or is due to make speculative proposals."""
         if not self._async or len(self._in_flight) != 1 or not self._has_work():
             return False
         sched = self.scheduler
@@ -316,7 +307,7 @@ class SchedulerActor:
         result = await self._results.receive()
         self._planning = False
         self.snapshot = result.snapshot
-        hand_out_pins(result.pinned, self._pins, self.scheduler, self._log)
+        self._pins.hand_out(result.pinned)
 
     async def _step(self, ahead: SchedulerOutput | None = None) -> bool:
         """Plan and start one step (``ahead`` of the step in flight: see
@@ -329,7 +320,7 @@ class SchedulerActor:
         self.snapshot = result.snapshot
         if result.tier_ops:
             await self._copy_tiers(result.tier_ops, ahead is not None)
-        hand_out_pins(result.pinned, self._pins, self.scheduler, self._log)
+        self._pins.hand_out(result.pinned)
         out = self.scheduler.apply(txn, result)
         for plan in (*out.swap_outs, *out.swap_ins):
             self._swaps.send_nowait(SwapBlocks(plan=plan))
@@ -337,18 +328,7 @@ class SchedulerActor:
             self._log.info("request_preempted", request_id=rid)
         if not out.seqs:  # it changed something the next plan may use, or nothing
             return bool(txn.frees or txn.complete_swaps or out.preempted)
-        steps, scheduled, late = build_sequence_steps(
-            out,
-            self.scheduler,
-            self._tracked,
-            eos_token_ids=self._eos,
-            bad_words=self._bad_words,
-            grammars=self._grammars,
-            has_draft_model=self._draft_proposals is not None,
-            tables=self._tables,
-            histories=self._histories,
-            options=self._options,
-        )
+        steps, scheduled, late = self._steps.build(out)
         self._scheduled.extend(scheduled)
         self._in_flight.append(out)
         executed = self._last_executed = anyio.Event()
@@ -362,9 +342,7 @@ class SchedulerActor:
         step = StepPlan(seqs=tuple(steps), copy_pairs=out.copy_on_write,
                         late_rows=tuple(seq_id for _, seq_id, _ in late))  # fmt: skip
         self._executor.send_nowait(ExecuteStep(output=out, plan=step, executed=executed))
-        self._tables.sent()
-        self._histories.sent()
-        self._options.sent()
+        self._steps.sent()
         return True
 
     # ---- a finished step --------------------------------------------------------------------
@@ -444,16 +422,13 @@ class SchedulerActor:
             self._tracked.pop(request_id, None)
 
     def _send_late(self) -> None:
-        """The late inputs of the step in flight (``late_inputs``), once the step before it is
-        back and its stop strings checked (a sequence one ended samples in vain and plain, so
-        no logits processor sees a row the sync engine never computes)."""
+        """The late inputs of the step in flight (``StepBuilder.late_inputs``), once the step
+        before it is back and its stop strings checked (a sequence one ended samples in vain
+        and plain, so no logits processor sees a row the sync engine never computes)."""
         if not self._late_back:
             return
         due, self._late_due, self._late_back = self._late_due, (), False
-        delivery = late_inputs(due, self.scheduler, self._tracked, self._grammars,
-                               self._eos, self._bad_words,
-                               keeps_histories=self._draft_proposals is None)  # fmt: skip
-        self._executor.send_nowait(DeliverLate(delivery=delivery))
+        self._executor.send_nowait(DeliverLate(delivery=self._steps.late_inputs(due)))
 
     # ---- messages ---------------------------------------------------------------------------
 
@@ -491,9 +466,9 @@ class SchedulerActor:
             case SwapDone(swap_id=swap_id):
                 self.scheduler.complete_swap(swap_id)
             case WatchPin(pin_id=pin_id, event=event, slot=slot):
-                self._pins[pin_id] = (event, slot)
+                self._pins.watch(pin_id, event, slot)
             case ForgetPin(pin_id=pin_id, slot=slot):
-                forget_pin(pin_id, slot, self._pins, self.scheduler)
+                self._pins.forget(pin_id, slot)
             case UnpinPrefix(pool_pin_id=pool_pin_id, handled=handled):
                 self.scheduler.unpin(pool_pin_id)
                 self._log.info("prefix_unpinned", pool_pin_id=pool_pin_id)
