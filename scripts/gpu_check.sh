@@ -55,9 +55,9 @@ if ! "$PY" -c 'import asyncpaged.kernels' 2>/dev/null; then
   "$PY" -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | tail -5 || true
 fi
 if ! "$PY" -c 'import asyncpaged.kernels' 2>/dev/null; then
-  echo "the editable install did not take: using a copy of the package (kernels/ as asyncpaged.kernels)"
+  echo "the editable install did not take: using a copy of the package (kernels/csrc inside it)"
   rm -rf /tmp/asyncpaged-src && mkdir -p /tmp/asyncpaged-src
-  cp -r src/asyncpaged /tmp/asyncpaged-src/ && cp -r kernels /tmp/asyncpaged-src/asyncpaged/kernels
+  cp -r src/asyncpaged /tmp/asyncpaged-src/ && cp -r kernels/csrc /tmp/asyncpaged-src/asyncpaged/kernels/csrc
   export PYTHONPATH="/tmp/asyncpaged-src${PYTHONPATH:+:$PYTHONPATH}"
   "$PY" -c 'import asyncpaged.kernels'
 fi
