@@ -1,7 +1,7 @@
 """Tile sweep of the Triton paged decode kernel on CUDA (runner cache layout, bf16).
 
 ``python bench/triton_decode_sweep.py [--out sweep.json]``: for each (batch, context) of
-``kernels/benchmark.py`` times ``paged_attention`` under each (block_n, num_warps, num_stages)
+``asyncpaged.kernels.benchmark`` times ``paged_attention`` under each (block_n, num_warps, num_stages)
 and split count, next to contiguous SDPA, and prints the best per shape. Used to pick the decode
 defaults of ``attention_config``; needs a CUDA device.
 """
