@@ -1,9 +1,9 @@
 """Tile sweep of the Triton paged decode kernel on CUDA (runner cache layout, bf16).
 
 ``python bench/triton_decode_sweep.py [--out sweep.json]``: for each (batch, context) of
-``asyncpaged.kernels.benchmark`` times ``paged_attention`` under each (block_n, num_warps, num_stages)
-and split count, next to contiguous SDPA, and prints the best per shape. Used to pick the decode
-defaults of ``attention_config``; needs a CUDA device.
+``asyncpaged.kernels.benchmark`` times ``paged_attention`` under each (block_n, num_warps,
+num_stages) and split count, next to contiguous SDPA, and prints the best per shape. Used to pick
+the decode defaults of ``attention_config``; needs a CUDA device.
 """
 
 from __future__ import annotations
