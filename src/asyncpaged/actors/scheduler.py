@@ -2,16 +2,16 @@
 
 The actor holds its state, loop, planning, messages, the taking of a finished step and the
 stop-string check, and decides when a step's outputs go to the output processor
-(``actors/output_processor.py``), which owns the requests' output states. It owns two classes
-of its own: a :class:`StepBuilder` (:mod:`.step_builder`: a step's ``SequenceStep`` rows and a
-step planned ahead's late inputs, with the sampling options of :mod:`.scheduler_sampling`) and
-``pin_prefix``'s :class:`PinWaiters` (:mod:`.pin_waiters`); the helpers over a step's results
-on this side (the core's updates, grammars, failed rows) are in :mod:`.scheduler_outputs`."""
+(``actors/output_processor.py``), which owns the requests' output states. It keeps a
+:class:`Tracked` record of each live request (:mod:`.tracked`) and owns two classes of its own:
+a :class:`StepBuilder` (:mod:`.step_builder`: a step's ``SequenceStep`` rows and a step planned
+ahead's late inputs, with the sampling options of :mod:`.sampling_options`) and
+``pin_prefix``'s :class:`PinWaiters` (:mod:`.pin_waiters`)."""
 
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import anyio
@@ -21,17 +21,9 @@ from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStre
 from asyncpaged._log import get_logger
 from asyncpaged.actors.idle import IdleSignal
 from asyncpaged.actors.pin_waiters import PinWaiters
-from asyncpaged.actors.scheduler_outputs import (
-    Tracked,
-    accept_grammar_tokens,
-    failed_requests,
-    grammar_stop,
-    jump_forward,
-    prompt_logprob_progress,
-    tokens_by_seq,
-)
-from asyncpaged.actors.scheduler_sampling import bad_words_token_ids, banned_next_tokens
+from asyncpaged.actors.sampling_options import bad_words_token_ids, banned_next_tokens
 from asyncpaged.actors.step_builder import LateRows, StepBuilder, seq_of
+from asyncpaged.actors.tracked import Tracked
 from asyncpaged.core.kv_tiers import TierOp
 from asyncpaged.core.request import RequestStatus
 from asyncpaged.core.scheduler import (
@@ -39,10 +31,12 @@ from asyncpaged.core.scheduler import (
     Scheduler,
     SchedulerOutput,
     SchedulerStatistics,
+    SeqUpdate,
 )
 from asyncpaged.core.scheduler_plan import next_proposals
 from asyncpaged.core.scheduler_types import new_tuple
 from asyncpaged.core.txn import PoolSnapshot, StepTxn, TxnResult
+from asyncpaged.errors import NoTokenAllowedError, RequestFailedError
 from asyncpaged.messages import (
     AbortRequest,
     AddRequest,
@@ -355,7 +349,7 @@ class SchedulerActor:
         :meth:`_deliver` (after the next step is sent, while its forward runs)."""
         sampled = list(sampled)
         failed = [t for t in sampled if t.error is not None]
-        for rid, error in failed_requests(out, failed, self.scheduler, self._log):
+        for rid, error in self._failed_requests(out, failed):
             self._end(rid, error)
         by_row, tokens, top = tokens_by_seq(sampled)
         updates = self.scheduler.update(out, tokens, top)
@@ -366,16 +360,15 @@ class SchedulerActor:
             tracked = self._tracked[update.request_id]
             upd = update
             if tracked.matchers:
-                if not accept_grammar_tokens(tracked.matchers, upd.completion, upd.new_token_ids):
+                if not tracked.accept_grammar_tokens(upd.completion, upd.new_token_ids):
                     self._log.warning("grammar_rejected_token", request_id=upd.request_id,
                                       tokens=list(upd.new_token_ids))  # fmt: skip
-                stops, reason = grammar_stop(tracked.info, tracked.matchers, upd, self._eos)
+                stops, reason = tracked.grammar_stop(upd, self._eos)
                 if stops:
                     self.scheduler.finish_seq(upd.request_id, upd.seq_id, "stop", reason)
                     upd = upd._replace(finish_reason="stop", stop_reason=reason)
                 # + the tokens the grammar forces
-                upd, num_forced = jump_forward(tracked.info, tracked.matchers, upd,
-                                               self.scheduler, self._grammars)  # fmt: skip
+                upd, num_forced = self._jump_forward(tracked, upd)
                 self.num_jump_forward_tokens += num_forced
             token = new_tuple(TokenOutput, (upd, by_row[upd.row]))
             if tracked.info.params.stop:
@@ -397,6 +390,74 @@ class SchedulerActor:
                                            for h in hypotheses)))  # fmt: skip
             self._tracked.pop(rid, None)
         self.scheduler.finished_beams.clear()
+
+    def _failed_requests(
+        self, out: SchedulerOutput, failed: list[SampledToken]
+    ) -> list[tuple[str, RequestFailedError]]:
+        """Rows whose logits processor raised, or whose constraints allowed no token: each
+        such request is aborted in the core (its blocks are freed by the next transaction) and
+        fails alone; returns them with the error their waiters get."""
+        if not failed:
+            return []
+        owner = {s.seq_id: s.request_id for s in out.seqs}
+        ended = []
+        for token in failed:
+            rid = owner[token.seq_id]
+            if self.scheduler.abort(rid) is None:
+                continue  # another row of it failed first
+            why = (
+                "its constraints allowed no token"
+                if isinstance(token.error, NoTokenAllowedError)
+                else "its logits processor raised"
+            )
+            error = RequestFailedError(f"request {rid!r}: {why}")
+            error.__cause__ = token.error
+            ended.append((rid, error))
+            self._log.info("request_failed", request_id=rid, error=repr(token.error))
+        return ended
+
+    def _jump_forward(self, tracked: Tracked, upd: SeqUpdate) -> tuple[SeqUpdate, int]:
+        """Structured outputs' jump-forward: after a sampled token, append the tokens the
+        grammar forces next (``EngineConfig.structured_outputs_jump_forward``); the next step
+        computes them as a chunk. Not for requests that report logprobs (a forced token's
+        logprob is never computed) or rank by them (best_of). Returns the update with them and
+        their number."""
+        grammars, info = self._grammars, tracked.info
+        matcher = tracked.matchers.get(upd.completion)
+        if (
+            matcher is None or grammars is None or not grammars.jump_forward
+            or upd.finish_reason is not None or info.params.logprobs is not None
+            or info.ranks_by_logprob
+        ):  # fmt: skip
+            return upd, 0
+        forced = grammars.jump_forward_tokens(matcher)
+        if not forced:
+            return upd, 0
+        appended, reason, stop = self.scheduler.append_forced(upd.request_id, upd.seq_id, forced)
+        return upd._replace(new_token_ids=upd.new_token_ids + appended,
+                            finish_reason=reason, stop_reason=stop), len(appended)  # fmt: skip
+
+    def _prompt_logprob_progress(
+        self, out: SchedulerOutput, rows: tuple[PromptLogprobRows, ...]
+    ) -> list[tuple[str, PromptLogprobRows]]:
+        """The step's prompt logprobs by request (for the output processor), counted into each
+        request's ``prompt_known``; a request whose prompt logprobs are complete reads the
+        prefix cache again."""
+        if not rows:
+            return []
+        owner = {s.seq_id: s.request_id for s in out.seqs}
+        by_request = []
+        for chunk in rows:
+            rid = owner[chunk.seq_id]
+            t = self._tracked.get(rid)
+            if t is None or t.prompt_known is None:
+                continue  # aborted or failed meanwhile
+            by_request.append((rid, chunk))
+            t.prompt_known = max(t.prompt_known, chunk.first_position + len(chunk.token_ids))
+            request = self.scheduler.requests.get(rid)
+            if t.prompt_known >= len(t.info.prompt_token_ids) and request is not None:
+                request.read_prefix_cache = True
+        return by_request
 
     async def _check_stops(self) -> None:
         """The last step's tokens of requests with stop strings, to the output processor,
@@ -459,9 +520,9 @@ class SchedulerActor:
                 self.step_time_s += duration
                 self.compute_time_s += result.compute_s
                 self.num_steps_graphed += result.cuda_graph
-                self._prompt_logprobs.extend(prompt_logprob_progress(
-                    out, result.prompt_logprobs, self.scheduler, self._tracked
-                ))  # fmt: skip
+                self._prompt_logprobs.extend(
+                    self._prompt_logprob_progress(out, result.prompt_logprobs)
+                )
                 self._finish_step(out, result.sampled)
             case SwapDone(swap_id=swap_id):
                 self.scheduler.complete_swap(swap_id)
@@ -496,3 +557,41 @@ class SchedulerActor:
         self._tokens, self._prompt_logprobs, self._scheduled, self._beams = [], [], [], []
         self._release_due = False
         self._outputs.send_nowait(msg)
+
+
+Rows = dict[tuple[int, int], SampledToken]  # (seq id, sample index) -> its sampled token
+Tops = dict[int, tuple[tuple[int, float], ...]]
+
+
+def tokens_by_seq(sampled: Sequence[SampledToken]) -> tuple[Rows, dict[int, Sequence[int]], Tops]:
+    """The step's rows by (seq id, sample index); each sequence's new tokens, in row order
+    (speculative: the kept proposals, then the target's token); each sequence's first row's
+    top logprobs."""
+    by_row: Rows = {}
+    tokens: dict[int, Sequence[int]] = {}
+    top: Tops = {}
+    for t in sampled:  # the common step: a row per sequence, one token each, in one pass
+        if t.sample_index or t.accepted:
+            return _tokens_by_seq(sampled)
+        by_row[(t.seq_id, 0)] = t
+        tokens[t.seq_id] = (t.token_id,)
+        top[t.seq_id] = t.top_logprobs
+    return by_row, tokens, top
+
+
+def _tokens_by_seq(sampled: Sequence[SampledToken]) -> tuple[Rows, dict[int, Sequence[int]], Tops]:
+    """:func:`tokens_by_seq` for steps with fan-out or speculative rows."""
+    by_row = {(t.seq_id, t.sample_index): t for t in sampled}
+    # Fan-out rows in sample-index order per sequence (others: one row per sequence).
+    fanned = any(index for _, index in by_row)
+    rows: Iterable[tuple[tuple[int, int], SampledToken]] = (
+        sorted(by_row.items()) if fanned else by_row.items()
+    )
+    tokens: dict[int, list[int]] = {}
+    for (seq_id, _), t in rows:
+        if t.accepted:  # speculative: the kept proposals, then the target's token
+            tokens[seq_id] = [*t.accepted, t.token_id]
+        else:
+            tokens.setdefault(seq_id, []).append(t.token_id)
+    top = {t.seq_id: t.top_logprobs for t in by_row.values() if t.sample_index == 0}
+    return by_row, dict(tokens), top

@@ -1,6 +1,6 @@
 """A step's rows, one :class:`SequenceStep` per scheduled sequence, built from the core's
 scheduled sequences and the scheduler actor's records of them: the plain greedy fast path (no
-options at all), and otherwise each row's sampling options (see :mod:`.scheduler_sampling`),
+options at all), and otherwise each row's sampling options (see :mod:`.sampling_options`),
 structured outputs' grammar bitmasks, beam search's candidates, prompt-logprob targets,
 speculative verification options and the number of draft-model proposals wanted after the
 step; and, for a step planned ahead (async scheduling, ``model/late_inputs``), the late
@@ -16,17 +16,18 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 
-from asyncpaged.actors.scheduler_outputs import Tracked, prompt_logprob_targets
-from asyncpaged.actors.scheduler_sampling import (
+from asyncpaged.actors.sampling_options import (
     BadWordsCache,
     grammar_allows_only,
     sampling_options,
     verify_options,
 )
+from asyncpaged.actors.tracked import Tracked
 from asyncpaged.core.block_table import LATE_TOKEN
 from asyncpaged.core.request import Request
 from asyncpaged.core.request import Sequence as Seq
@@ -350,6 +351,22 @@ def _penalized(params: SamplingParams) -> bool:
         or params.frequency_penalty != 0.0
         or params.repetition_penalty != 1.0
     )
+
+
+def prompt_logprob_targets(
+    known: int | None, prompt: Sequence[int], start: int, num_new: int
+) -> tuple[int, tuple[int, ...]]:
+    """(row offset, prompt tokens they predict) for a step computing positions ``start ..
+    start + num_new - 1`` of a request with ``known`` prompt logprobs (None: not asked): the
+    rows whose prompt logprob is still unknown ((0, ()): none; a prefill recomputed after
+    preemption skips the positions already known)."""
+    if known is None:
+        return 0, ()
+    first = max(start, known - 1)
+    end = min(start + num_new, len(prompt) - 1)
+    if first >= end:
+        return 0, ()
+    return first - start, tuple(prompt[first + 1 : end + 1])
 
 
 def seq_of(request: Request, seq_id: int) -> Seq:
