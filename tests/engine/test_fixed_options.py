@@ -1,6 +1,6 @@
 """A sampled completion whose sampling options can no longer change (no penalties, bad words,
 grammar or logits processors, past its min-tokens mask) uses the very same options object in
-every later step instead of building it again (``scheduler_steps``), sent once: later rows
+every later step instead of building it again (``actors.step_builder``), sent once: later rows
 keep it in the runner (``kept_options``). A row under its min-tokens mask gets the mask, built
 per step, until it ends. A seeded row's options are fixed too: the runner derives each draw's
 generator key from the row's position, the key the scheduler used to send."""

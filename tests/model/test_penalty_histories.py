@@ -34,7 +34,7 @@ def _row(
     rep: float,
     late: bool = False,
 ) -> SequenceStep:
-    """The row the scheduler side builds (as ``scheduler_steps._sampled_step`` does): the
+    """The row the scheduler side builds (as ``StepBuilder`` does, ``actors.step_builder``): the
     request's options, the same every step, and the history's delta."""
     token_ids = [*prompt, *output]
     start = sender.start(seq_id, token_ids, len(prompt), late=late)

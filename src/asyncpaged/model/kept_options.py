@@ -1,7 +1,7 @@
 """Sampling options that persist in the runner between steps: a sequence whose options did not
 change since the last step sends none (``SequenceStep.keep_sampling``).
 
-A completion's options are often one object for its whole life (``scheduler_steps``: fixed
+A completion's options are often one object for its whole life (``actors.step_builder``: fixed
 options, a seeded row's too since the runner derives its generator keys); pickling that
 object for the runner's process at every step, and unpickling it there, was a sixth of the
 loop's time on a sampled workload. Both halves of the protocol live here, under the rule of
