@@ -21,8 +21,6 @@ PACKAGE = "asyncpaged"
 KNOWN_CYCLES: frozenset[frozenset[str]] = frozenset(
     frozenset(f"asyncpaged.{m}" for m in group.split())
     for group in (
-        "core.scheduler core.scheduler_apply core.scheduler_plan core.scheduler_preempt"
-        " core.scheduler_update",
         "model.draft model.head_sampling model.kept_options model.late_inputs"
         " model.penalty_histories model.prompt_logprobs model.runner model.sampler"
         " model.sampler_candidates model.sampler_stages model.step spec_decode.rejection",

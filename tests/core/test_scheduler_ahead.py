@@ -28,7 +28,6 @@ from asyncpaged.core import BlockPool
 from asyncpaged.core.block_table import LATE_TOKEN
 from asyncpaged.core.request import Request, Sequence, StopCriteria
 from asyncpaged.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
-from asyncpaged.core.scheduler_plan import back_off
 from asyncpaged.core.txn import apply_txn, snapshot
 from tests.core.test_scheduler_property import (
     BS,
@@ -291,7 +290,7 @@ def test_back_offs_end_on_shared_plans_with_async_scheduling() -> None:
         for next_plan in range(50):
             seq = Sequence(seq_id=0, index=0, token_ids=[1, 2], num_prompt_tokens=1)
             for want in (1, 2, 4, 8, 16, 16):
-                back_off(sched, seq, next_plan)
+                sched.back_off(seq, next_plan)
                 assert seq.spec_backoff == want
                 if spec_async:  # it proposes at plan next_plan + spec_skip
                     assert want <= seq.spec_skip < 2 * want

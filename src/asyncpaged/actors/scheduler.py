@@ -33,7 +33,6 @@ from asyncpaged.core.scheduler import (
     SchedulerStatistics,
     SeqUpdate,
 )
-from asyncpaged.core.scheduler_plan import next_proposals
 from asyncpaged.core.scheduler_types import new_tuple
 from asyncpaged.core.txn import PoolSnapshot, StepTxn, TxnResult
 from asyncpaged.errors import NoTokenAllowedError, RequestFailedError
@@ -291,7 +290,7 @@ class SchedulerActor:
         if request is None:  # (ended meanwhile: no row)
             return False
         seq = seq_of(request, s.seq_id)
-        return not seq.is_finished and next_proposals(self.scheduler, request, seq) > 0
+        return not seq.is_finished and self.scheduler.next_proposals(request, seq) > 0
 
     async def _settle(self) -> None:
         """A transaction of the pending frees, late tokens, forks, pins and swap

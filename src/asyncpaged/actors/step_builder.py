@@ -32,7 +32,6 @@ from asyncpaged.core.block_table import LATE_TOKEN
 from asyncpaged.core.request import Request
 from asyncpaged.core.request import Sequence as Seq
 from asyncpaged.core.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
-from asyncpaged.core.scheduler_plan import next_proposals
 from asyncpaged.core.scheduler_types import new_tuple
 from asyncpaged.messages import Scheduled
 from asyncpaged.model.block_tables import TableDeltas
@@ -235,11 +234,11 @@ class StepBuilder:
 
     def _draft_k(self, request: Request, s: ScheduledSeq) -> int:
         """Draft-model proposals wanted after this step's token: the core's
-        :func:`next_proposals` (none for a sequence backing off, above the batch limit, fewer
-        near ``max_tokens`` or ``max_model_len``), drawn at the end of this step."""
+        :meth:`Scheduler.next_proposals` (none for a sequence backing off, above the batch
+        limit, fewer near ``max_tokens`` or ``max_model_len``), drawn at the end of this step."""
         if not s.samples or s.num_samples != 1:
             return 0
-        return next_proposals(self._scheduler, request, seq_of(request, s.seq_id))
+        return self._scheduler.next_proposals(request, seq_of(request, s.seq_id))
 
     def _grammar_bitmasks(self, out: SchedulerOutput) -> dict[tuple[int, int], torch.Tensor]:
         """Structured outputs: (seq id, completion index) -> the next-token bitmask of that

@@ -131,7 +131,7 @@ def _queue_key(request: Request) -> tuple[int, int]:
 assert ScheduledSeq._fields == (
     "request_id", "seq_id", "token_ids", "start_pos", "slot_mapping", "block_table", "samples",
     "num_samples", "min_rope_len", "num_draft",
-), "scheduler_apply._schedule builds ScheduledSeq in this order"  # fmt: skip
+), "Scheduler._schedule builds ScheduledSeq in this order"  # fmt: skip
 assert SeqUpdate._fields == (
     "request_id", "seq_id", "completion", "row", "new_token_ids", "finish_reason", "stop_reason",
-), "scheduler_update._append_one builds SeqUpdate in this order"  # fmt: skip
+), "Scheduler._append_one builds SeqUpdate in this order"  # fmt: skip
