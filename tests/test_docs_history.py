@@ -15,9 +15,8 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 SCANNED = ("docs", "src", "tests", "kernels/README.md", "README.md")
 SUFFIXES = frozenset({".md", ".py", ".sh", ".toml", ".cpp", ".h"})
-# "session 12", "sessions 13-23", "issue 22", "Issue #9", "round 2"; not "--rounds 3"
+# a word ("session(s)", "issue(s)", "round(s)") and a number ("12", "#9"); not "--rounds 3"
 HISTORY_LABEL = re.compile(r"(?<![-\w])(?:[Ss]essions?|[Ii]ssues?|[Rr]ounds?) #?\d")
-THIS_FILE = Path(__file__).resolve()
 
 
 def history_labels(path: Path) -> list[tuple[int, str]]:
@@ -43,7 +42,7 @@ def scanned_files(root: Path = ROOT) -> list[Path]:
                 for p in sorted(path.rglob("*"))
                 if p.is_file() and p.suffix in SUFFIXES and "__pycache__" not in p.parts
             )
-    return [p for p in files if p.resolve() != THIS_FILE]
+    return files
 
 
 def test_no_history_labels() -> None:
@@ -55,26 +54,32 @@ def test_no_history_labels() -> None:
     assert not hits, "history labels (state the fact; date a figure instead):\n" + "\n".join(hits)
 
 
+def _label(word: str, number: str) -> str:
+    """A history label, built so that this file carries none itself (the scan covers it)."""
+    return f"{word} {number}"
+
+
 def test_check_catches_a_planted_label(tmp_path: Path) -> None:
     (tmp_path / "docs").mkdir()
     planted = tmp_path / "docs" / "notes.md"
-    planted.write_text("# Notes\n\nSince session 12 the runner keeps its tables.\n")
+    line = f"Since {_label('session', '12')} the runner keeps its tables."
+    planted.write_text(f"# Notes\n\n{line}\n")
     (tmp_path / "docs" / "clean.md").write_text("Run `compare --rounds 3` on a quiet VM.\n")
     found = {p.name: history_labels(p) for p in scanned_files(tmp_path)}
     assert found == {
         "clean.md": [],
-        "notes.md": [(3, "Since session 12 the runner keeps its tables.")],
+        "notes.md": [(3, line)],
     }
 
 
 @pytest.mark.parametrize(
     ("line", "flagged"),
     [
-        ("measured in session 12", True),
-        ("Sessions 13-23 ran on a Zen 5", True),
-        ("(issue 22)", True),
-        ("Issue #9's goal", True),
-        ("round 2: the second token", True),
+        (f"measured in {_label('session', '12')}", True),
+        (f"{_label('Sessions', '13-23')} ran on a Zen 5", True),
+        (f"({_label('issue', '22')})", True),
+        (f"{_label('Issue', '#9')}'s goal", True),
+        (f"{_label('round', '2')}: the second token", True),
         ("bench/vllm_cpu.py compare --rounds 5", False),
         ("sessions of the server", False),
         ("issues a request", False),
