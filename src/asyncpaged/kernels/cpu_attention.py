@@ -299,6 +299,8 @@ class CpuAttentionBackend(TorchAttentionBackend):
         self._prefill_seqs = torch.empty(0, dtype=torch.int64)
         # This step's (whole prompts for SDPA, the rest for the kernel), by sliding window.
         self._splits: dict[int | None, tuple[tuple[int, ...], torch.Tensor]] = {}
+        # This step's decodes for SDPA: (query row, context length, block ids), by block size.
+        self._decode_contexts: dict[int, list[tuple[int, int, torch.Tensor]]] = {}
 
     @property
     def is_native(self) -> bool:
@@ -349,8 +351,8 @@ class CpuAttentionBackend(TorchAttentionBackend):
             and softcap is None
             and (sliding_window is None)
         ):
-            for i in metadata.decode_indices:
-                _sdpa_decode(i, out, query, key_cache, value_cache, metadata, scale)
+            for row, ctx, blocks in self._decodes_for_sdpa(metadata, key_cache.shape[-1]):
+                _sdpa_decode(row, ctx, blocks, out, query, key_cache, value_cache, scale)
         elif metadata.decode_indices:
             plan_key = (scale, sliding_window, softcap, q.shape, key_cache.shape, key_cache.dtype)
             plan = self._decode_plans.get(plan_key)
@@ -390,8 +392,23 @@ class CpuAttentionBackend(TorchAttentionBackend):
             self._prefill_seqs = torch.tensor(md.prefill_indices, dtype=torch.int64)
             self._decode_plans.clear()
             self._splits.clear()
+            self._decode_contexts.clear()
             self._rows_metadata = md
         return (*self._rows, self._prefill_seqs)
+
+    def _decodes_for_sdpa(
+        self, md: AttentionMetadata, block_size: int
+    ) -> list[tuple[int, int, torch.Tensor]]:
+        """This step's decodes as (query row, context length, its blocks), once per step for
+        every layer; after ``_step_rows`` for ``md``."""
+        found = self._decode_contexts.get(block_size)
+        if found is None:
+            starts, ctxs = md.query_start_loc_host, md.context_lens_host
+            found = self._decode_contexts[block_size] = [
+                (starts[i], ctxs[i], md.block_tables[i, : -(-ctxs[i] // block_size)])
+                for i in md.decode_indices
+            ]
+        return found
 
     def _prefill_split(
         self, md: AttentionMetadata, window: int | None
@@ -431,21 +448,20 @@ def _sdpa_prompt(
 
 
 def _sdpa_decode(
-    i: int,
+    row: int,
+    ctx: int,
+    blocks: torch.Tensor,
     out: torch.Tensor,
     query: torch.Tensor,
     key_cache: torch.Tensor,
     value_cache: torch.Tensor,
-    md: AttentionMetadata,
     scale: float,
 ) -> None:
-    """Decode sequence ``i``'s attention through torch's SDPA in bf16 over its context gathered
-    from the cache, into its row of ``out``: the call transformers makes for a decode step
-    (one query row, no mask), so the same bits. key_cache [blocks, Hkv, D, bs] (K transposed per
-    block), value_cache [blocks, Hkv, bs, D]."""
-    row, ctx = md.query_start_loc_host[i], md.context_lens_host[i]
-    _, kv_heads, head_dim, block_size = key_cache.shape
-    blocks = md.block_tables[i, : -(-ctx // block_size)]
+    """The attention of the decode at query ``row`` through torch's SDPA in bf16 over its
+    ``ctx`` tokens gathered from ``blocks`` of the cache, into its row of ``out``: the call
+    transformers makes for a decode step (one query row, no mask), so the same bits. key_cache
+    [blocks, Hkv, D, bs] (K transposed per block), value_cache [blocks, Hkv, bs, D]."""
+    kv_heads, head_dim = key_cache.shape[1], key_cache.shape[2]
     # [nb, Hkv, D, bs] -> [Hkv, nb, bs, D] -> [1, Hkv, ctx, D], contiguous as transformers'
     # cache is (SDPA takes another path, other bits, where D is not the dense dimension)
     k = key_cache[blocks].permute(1, 0, 3, 2).reshape(kv_heads, -1, head_dim)[:, :ctx]
