@@ -1,6 +1,6 @@
 """A tour of the block pool: allocate, fork, copy-on-write, prefix hits, swap."""
 
-from asyncpaged.core import BlockPool
+from asyncpaged.kv.block_pool import BlockPool
 
 
 def main() -> None:

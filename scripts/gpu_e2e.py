@@ -37,7 +37,7 @@ import torch
 
 from asyncpaged import AsyncEngine, EngineConfig, SamplingParams
 from asyncpaged.default_model import path as default_model_path
-from asyncpaged.model.runner import ModelRunner
+from asyncpaged.worker.runner import ModelRunner
 
 
 def _prompts(n: int, seed: int, low: int, high: int) -> list[list[int]]:

@@ -1,9 +1,6 @@
 """No import cycles inside asyncpaged: every ``import`` and ``from ... import`` of every module
 counts, at module level, inside functions and under ``TYPE_CHECKING`` alike (a cycle closed by a
 type-only or a deferred import is still two modules that cannot be read one before the other).
-
-``KNOWN_CYCLES`` lists the circles the code still has, each as its set of modules; the test fails
-when a new one appears and when a listed one is gone (so the list only shrinks).
 """
 
 from __future__ import annotations
@@ -14,18 +11,6 @@ from pathlib import Path
 
 SRC = Path(__file__).resolve().parents[1] / "src"
 PACKAGE = "asyncpaged"
-
-# The circles the layout still has; each goes when its modules are recut (a side module of
-# functions over its parent's private state becomes methods or a class the parent holds; shared
-# types move down).
-KNOWN_CYCLES: frozenset[frozenset[str]] = frozenset(
-    frozenset(f"asyncpaged.{m}" for m in group.split())
-    for group in (
-        "model.draft model.head_sampling model.kept_options model.late_inputs"
-        " model.penalty_histories model.prompt_logprobs model.runner model.sampler"
-        " model.sampler_candidates model.sampler_stages model.step spec_decode.rejection",
-    )
-)
 
 
 def module_name(path: Path, root: Path = SRC) -> str:
@@ -112,15 +97,12 @@ def _show(groups: Iterable[frozenset[str]]) -> str:
     return "\n".join(sorted(", ".join(sorted(g)) for g in groups))
 
 
-def test_no_new_import_cycles_and_no_stale_known_ones() -> None:
+def test_no_import_cycles() -> None:
     import sys
 
     sys.setrecursionlimit(max(sys.getrecursionlimit(), 5000))
     found = cycles(import_graph())
-    new = found - KNOWN_CYCLES
-    assert not new, f"import cycles (type-only and deferred imports count):\n{_show(new)}"
-    gone = KNOWN_CYCLES - found
-    assert not gone, f"take these from KNOWN_CYCLES, they are gone:\n{_show(gone)}"
+    assert not found, f"import cycles (type-only and deferred imports count):\n{_show(found)}"
 
 
 def test_the_check_finds_a_type_only_cycle(tmp_path: Path) -> None:

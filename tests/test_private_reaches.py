@@ -1,11 +1,8 @@
-"""No function in ``asyncpaged/actors/`` reaches into another object's private state: an
+"""No function in ``asyncpaged`` reaches into another object's private state: an
 attribute ``x._name`` read or written where ``x`` is one of the function's parameters other than
 ``self``/``cls`` (such a function is a method of ``x``'s class, or that state is a class of its
 own that the owner holds). Dunder names and the named-tuple API (``_replace``, ``_fields``,
 ``_asdict``, ``_make``) are public and allowed.
-
-``KNOWN_REACHES`` lists the (file, function) pairs that still do it; the test fails when a new
-one appears and when a listed one is gone (so the list only shrinks).
 """
 
 from __future__ import annotations
@@ -13,10 +10,7 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-ACTORS = Path(__file__).resolve().parents[1] / "src" / "asyncpaged" / "actors"
-
-# (file relative to the scanned folder, function's qualified name)
-KNOWN_REACHES: frozenset[tuple[str, str]] = frozenset()
+PACKAGE = Path(__file__).resolve().parents[1] / "src" / "asyncpaged"
 
 PUBLIC_UNDERSCORED = frozenset({"_replace", "_fields", "_asdict", "_make", "_field_defaults"})
 
@@ -103,14 +97,12 @@ def reaches_under(root: Path) -> dict[tuple[str, str], list[str]]:
     return found
 
 
-def test_no_new_private_reaches_and_no_stale_known_ones() -> None:
-    found = reaches_under(ACTORS)
-    new = {key: attrs for key, attrs in found.items() if key not in KNOWN_REACHES}
-    assert not new, "functions reaching into a parameter's private state (make them methods):\n" + (
-        "\n".join(f"{f}: {fn}: {', '.join(a)}" for (f, fn), a in sorted(new.items()))
+def test_no_private_reaches() -> None:
+    found = reaches_under(PACKAGE)
+    assert not found, (
+        "functions reaching into a parameter's private state (make them methods):\n"
+        + ("\n".join(f"{f}: {fn}: {', '.join(a)}" for (f, fn), a in sorted(found.items())))
     )
-    gone = KNOWN_REACHES - found.keys()
-    assert not gone, f"take these from KNOWN_REACHES, they reach no more: {sorted(gone)}"
 
 
 def test_the_check_finds_a_planted_reach(tmp_path: Path) -> None:

@@ -1,9 +1,9 @@
 """asyncpaged: an LLM inference engine for your own event loop, on a paged KV cache."""
 
 from asyncpaged.config import EngineConfig
-from asyncpaged.core import BlockPool
-from asyncpaged.engine import AsyncEngine
-from asyncpaged.engine_stats import EngineStatistics
+from asyncpaged.engine.async_engine import AsyncEngine
+from asyncpaged.engine.llm import LLM
+from asyncpaged.engine.stats import EngineStatistics
 from asyncpaged.errors import (
     AsyncPagedError,
     BlockPoolError,
@@ -15,7 +15,7 @@ from asyncpaged.errors import (
     WorkerDiedError,
 )
 from asyncpaged.inputs import PromptType, TextPrompt, TokensPrompt
-from asyncpaged.llm import LLM
+from asyncpaged.kv.block_pool import BlockPool
 from asyncpaged.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from asyncpaged.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 from asyncpaged.spec_decode import SpeculativeConfig

@@ -97,7 +97,7 @@ class EngineConfig:
     # adds step N's token to a penalty history itself, and what else a row's sampling reads
     # of it (a grammar's bitmask; bad words, min_tokens and logits processors, which read the
     # output) is made once step N is back and taken by the runner just before it samples
-    # (model/late_inputs.py). A row planned ahead for a sequence that step N's token ends (a
+    # (worker/late_inputs.py). A row planned ahead for a sequence that step N's token ends (a
     # stop token, EOS or a stop string), or after which a grammar forces tokens
     # (jump-forward), is computed in vain. A plan ahead preempts nothing (a priority claim
     # included): it waits for step N instead; so do the KV tiers' copies of a plan ahead.
@@ -124,7 +124,7 @@ class EngineConfig:
     # "Engine overhead per step"). The host's thresholds come back when the last such engine
     # closes. None: leave them alone.
     gc_threshold: int | None = 10_000
-    # Queue order (core/policy.py): "fcfs", or "priority" (generate(priority=N): lower first,
+    # Queue order (sched/policy.py): "fcfs", or "priority" (generate(priority=N): lower first,
     # FCFS among equals; a waiting request preempts lower-ranked running ones; every
     # priority_aging_steps plans spent waiting improve its effective priority by 1)
     scheduling_policy: Literal["fcfs", "priority"] = "fcfs"
@@ -139,7 +139,7 @@ class EngineConfig:
     # CUDA graphs (vLLM's): a decode-only step of up to max_cudagraph_capture_size sequences
     # (None: max_num_seqs, at most 512) replays a graph captured at start for the next size of
     # 1, 2, 4, 8, 16, 24, ... (padded), so the host launches one graph instead of every
-    # kernel (``model/cuda_graphs.py``; under tensor parallelism every rank captures and
+    # kernel (``worker/cuda_graphs.py``; under tensor parallelism every rank captures and
     # replays its shard's graphs). Used on a CUDA device with the Triton attention backend,
     # for families that keep rows apart and read nothing back on the host (not MoE);
     # elsewhere the forward runs eagerly. True: always eager.

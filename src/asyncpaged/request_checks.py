@@ -11,9 +11,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from asyncpaged.core.request import StopCriteria
 from asyncpaged.errors import InvalidRequestError
 from asyncpaged.sampling_params import SamplingParams
+from asyncpaged.sched.request import StopCriteria
 
 __all__ = [
     "RequestLimits",

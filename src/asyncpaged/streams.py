@@ -30,7 +30,7 @@ from asyncpaged.sampling_params import RequestOutputKind, SamplingParams
 from asyncpaged.streams_wakeup import Wakeup
 
 if TYPE_CHECKING:
-    from asyncpaged.model.prompt_logprobs import PromptLogprobRows
+    from asyncpaged.worker.protocol import PromptLogprobRows
 
 
 @dataclass(slots=True, eq=False)

@@ -69,7 +69,7 @@ def test_a_debug_level_host_gets_the_events_through_its_handler() -> None:
 
 def test_the_runner_process_events_go_through_the_hosts_handler() -> None:
     """With the runner in its own process, what it logs (here the packed linears it builds
-    at load) reaches the host's handler in the engine's process (model/runner_logs.py), and
+    at load) reaches the host's handler in the engine's process (worker/runner_logs.py), and
     nothing of it goes to the runner's stderr."""
     body = _GENERATE.replace("num_device_blocks=32", "num_device_blocks=32, "
                              "executor_backend='process', packed_linears=True")  # fmt: skip

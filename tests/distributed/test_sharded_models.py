@@ -21,9 +21,9 @@ import torch
 from asyncpaged.config import KVShape
 from asyncpaged.distributed.commands import RunStep
 from asyncpaged.model.base import TensorShard
-from asyncpaged.model.late_inputs import LateDelivery
 from asyncpaged.model.loader import load_config
-from asyncpaged.model.runner import ModelRunner, StepPlan, StepResult
+from asyncpaged.worker.protocol import LateDelivery, StepPlan, StepResult
+from asyncpaged.worker.runner import ModelRunner
 from tests.model.driver import Driver
 from tests.model.reference import HFReference
 from tests.model.test_generate_equality import FAMILIES, _assert_matches, _make_sequences
@@ -127,8 +127,8 @@ def test_the_wire_step_keeps_what_every_rank_reads() -> None:
     """A worker's forward reads a row's tokens, context, slots, table and RoPE length: the
     wire form keeps each of them (a late token replaced by what rank 0 sampled), and the
     rows sample nothing there."""
-    from asyncpaged.core.block_table import LATE_TOKEN
-    from asyncpaged.model.step import SequenceStep
+    from asyncpaged.kv.block_table import LATE_TOKEN
+    from asyncpaged.worker.protocol import SequenceStep
 
     seqs = (
         SequenceStep(seq_id=3, token_ids=(5, 6, 7), num_computed_tokens=18,

@@ -29,10 +29,10 @@ import pytest
 import torch
 
 from asyncpaged import EngineStatistics, SamplingParams
-from asyncpaged.model import runner_process
-from asyncpaged.model.late_inputs import LateDelivery, LateInputs, with_late_inputs
-from asyncpaged.model.sampler import SamplingOptions
-from asyncpaged.model.step import SequenceStep
+from asyncpaged.sampling.options import SamplingOptions
+from asyncpaged.worker import process as runner_process
+from asyncpaged.worker.late_inputs import LateInputs, with_late_inputs
+from asyncpaged.worker.protocol import LateDelivery, SequenceStep
 from tests.engine.conftest import running_engine
 from tests.engine.test_async_scheduling import sync_and_async
 from tests.engine.test_engine import generate_all, make_prompts

@@ -27,9 +27,10 @@ from asyncpaged import (
     SpeculativeConfig,
 )
 from asyncpaged.config import async_scheduling_for
-from asyncpaged.core.block_table import LATE_TOKEN
-from asyncpaged.model import runner_process
-from asyncpaged.model.runner import ModelRunner, SequenceStep, StepPlan
+from asyncpaged.kv.block_table import LATE_TOKEN
+from asyncpaged.worker import process as runner_process
+from asyncpaged.worker.protocol import SequenceStep, StepPlan
+from asyncpaged.worker.runner import ModelRunner
 from tests.engine.conftest import running_engine
 from tests.engine.test_engine import GREEDY, MODEL, generate_all, make_prompts
 from tests.engine.test_prompt_logprobs import assert_matches_transformers

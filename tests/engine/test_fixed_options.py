@@ -15,9 +15,9 @@ import anyio
 import pytest
 
 from asyncpaged import SamplingParams
-from asyncpaged.model.kept_options import KeptOptions
-from asyncpaged.model.sampler import SamplingOptions, derive_generator_key
-from asyncpaged.model.step import with_generator_keys
+from asyncpaged.sampling.options import SamplingOptions, derive_generator_key
+from asyncpaged.worker.kept_options import KeptOptions
+from asyncpaged.worker.protocol import with_generator_keys
 from tests.engine.conftest import running_engine
 from tests.engine.test_engine import generate_all, make_prompts
 from tests.engine.test_persistent_tables import Recorder

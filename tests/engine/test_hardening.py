@@ -19,8 +19,8 @@ import pytest
 import torch
 
 from asyncpaged import EngineConfig, InvalidRequestError, RequestOutput, SamplingParams
-from asyncpaged.core.request import RequestStatus
 from asyncpaged.sampling_params import BeamSearchParams
+from asyncpaged.sched.request import RequestStatus
 from tests.engine.conftest import running_engine
 from tests.model.reference import HFReference
 

@@ -26,11 +26,12 @@ from asyncpaged import (
     EngineDeadError,
     SamplingParams,
 )
-from asyncpaged.core.prefix_hash import hash_full_blocks
-from asyncpaged.model import kv_tier_store
-from asyncpaged.model.kv_tier_store import HEADER, KVTierError, KVTierStore
-from asyncpaged.model.runner import ModelRunner, StepPlan
+from asyncpaged.kv.prefix_hash import hash_full_blocks
 from asyncpaged.testing.tiny_models import build_tiny_checkpoint
+from asyncpaged.worker import kv_tier_store
+from asyncpaged.worker.kv_tier_store import HEADER, KVTierError, KVTierStore
+from asyncpaged.worker.protocol import StepPlan
+from asyncpaged.worker.runner import ModelRunner
 from tests.engine.conftest import running_engine
 from tests.engine.test_async_mix import assert_same, mixed_params, run_mix
 
@@ -95,7 +96,7 @@ def no_tier_tokens(long_llama: Path) -> list[int]:
 
 
 # The tier store lives beside the device cache: in this process, or in the runner's own
-# (model/kv_tier_remote.py), where its ops go down the runner's pipe.
+# (worker/kv_tier_remote.py), where its ops go down the runner's pipe.
 BACKENDS = pytest.mark.parametrize("backend", ["thread", "process"])
 
 
@@ -194,7 +195,7 @@ async def test_a_dropped_entry_is_logged_through_the_engines_process(
 ) -> None:
     """The disk scan runs where the store lives; from the runner's process its warning
     reaches the engine's process as a record of the same logger, with its structure and the
-    runner's pid (model/runner_logs.py), so the host's handlers see it there."""
+    runner's pid (worker/runner_logs.py), so the host's handlers see it there."""
     await fill_disk(long_llama, tmp_path)
     victim = block_file(tmp_path, 5)
     victim.write_bytes(victim.read_bytes()[:20])
@@ -202,7 +203,7 @@ async def test_a_dropped_entry_is_logged_through_the_engines_process(
         await run_turns(long_llama, [SECOND], **disk_kw(tmp_path), executor_backend=backend)
     dropped = [r for r in caplog.records if getattr(r, "event", None) == "kv_tier_entry_dropped"]
     assert len(dropped) == 1, caplog.records
-    assert dropped[0].name == "asyncpaged.model.kv_tier_store"
+    assert dropped[0].name == "asyncpaged.worker.kv_tier_store"
     assert dropped[0].levelno == logging.WARNING
     assert dropped[0].event_fields == {"path": str(victim), "reason": "corrupt"}
     assert (dropped[0].process != os.getpid()) == (backend == "process")
@@ -242,7 +243,7 @@ async def test_a_full_disk_is_a_miss(
     def no_space(src: str, dst: str) -> None:
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr("asyncpaged.model.kv_tier_store.os.replace", no_space)
+    monkeypatch.setattr("asyncpaged.worker.kv_tier_store.os.replace", no_space)
     # Same engine: the spilled blocks are never restored; SECOND hits only what stayed above.
     prompts = [[*PREFIX, 5], *FLUSH, SECOND]
     outs, stats = await run_turns(long_llama, prompts, **disk_kw(tmp_path))

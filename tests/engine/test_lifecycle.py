@@ -12,7 +12,7 @@ from pathlib import Path
 import anyio
 import pytest
 
-import asyncpaged.engine as engine_module
+import asyncpaged.engine.async_engine as engine_module
 from asyncpaged import AsyncEngine, EngineConfig, SamplingParams
 from asyncpaged.errors import EngineClosedError, EngineDeadError
 from tests.engine.conftest import assert_no_leaks
@@ -155,7 +155,7 @@ def test_the_failure_cause_drops_the_broken_channels_it_caused() -> None:
     """An actor's error, with or without the broken or closed channels of the actors whose
     peer it took down (they race it into the task group), is the engine's cause; a group of
     several real errors stays a group, and one of consequences alone is kept as it came."""
-    from asyncpaged.engine_lifecycle import failure_cause
+    from asyncpaged.engine.lifecycle import failure_cause
 
     root = RuntimeError("injected")
     broken = ExceptionGroup("inner", [anyio.BrokenResourceError(), anyio.BrokenResourceError()])

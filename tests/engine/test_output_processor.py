@@ -15,11 +15,9 @@ from typing import Any
 import anyio
 import pytest
 
-from asyncpaged import SamplingParams, messages
-from asyncpaged.actors.output_processor import OutputProcessor
-from asyncpaged.core.scheduler import SeqUpdate
-from asyncpaged.errors import RequestFailedError
-from asyncpaged.messages import (
+from asyncpaged import SamplingParams
+from asyncpaged.actors import messages
+from asyncpaged.actors.messages import (
     EndRequest,
     OutputsInbox,
     PromptReady,
@@ -28,9 +26,12 @@ from asyncpaged.messages import (
     StopsFound,
     TokenOutput,
 )
-from asyncpaged.model.runner import SampledToken
+from asyncpaged.actors.output_processor import OutputProcessor
+from asyncpaged.errors import RequestFailedError
 from asyncpaged.sampling_params import RequestOutputKind
+from asyncpaged.sched.scheduler import SeqUpdate
 from asyncpaged.streams import RequestState
+from asyncpaged.worker.protocol import SampledToken
 from tests.engine.conftest import running_engine
 
 pytestmark = pytest.mark.anyio

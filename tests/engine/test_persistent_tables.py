@@ -10,7 +10,7 @@ import anyio
 import pytest
 
 from asyncpaged import SamplingParams
-from asyncpaged.model.runner import StepPlan, StepResult, StepRunner
+from asyncpaged.worker.protocol import StepPlan, StepResult, StepRunner
 from tests.engine.conftest import running_engine
 from tests.engine.test_engine import generate_all, make_prompts
 from tests.model.reference import HFReference

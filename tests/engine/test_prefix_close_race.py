@@ -15,7 +15,7 @@ from typing import Any
 import anyio
 import pytest
 
-import asyncpaged.engine as engine_module
+import asyncpaged.engine.async_engine as engine_module
 from asyncpaged import AsyncEngine, EngineConfig, SamplingParams
 from asyncpaged.actors.worker_thread import WorkerThread, WorkerThreadClosedError
 from asyncpaged.errors import EngineClosedError, EngineDeadError

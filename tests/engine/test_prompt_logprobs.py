@@ -16,12 +16,12 @@ import torch
 
 from asyncpaged import InvalidRequestError, RequestOutputKind, SamplingParams
 from asyncpaged.actors import step_builder
-from asyncpaged.core import BlockPool
-from asyncpaged.model import prompt_logprobs as plp_module
-from asyncpaged.model.prompt_logprobs import PromptLogprobRows
+from asyncpaged.kv.block_pool import BlockPool
 from asyncpaged.outputs import Logprob, PromptLogprobs, RequestOutput
 from asyncpaged.streams import RequestState
 from asyncpaged.testing.tiny_models import VOCAB_SIZE
+from asyncpaged.worker import prompt_logprobs as plp_module
+from asyncpaged.worker.protocol import PromptLogprobRows
 from tests.engine.conftest import running_engine
 from tests.model.reference import HFReference
 

@@ -31,8 +31,8 @@ from asyncpaged import (
     StructuredOutputsParams,
 )
 from asyncpaged.config import EXECUTOR_BACKEND_ENV, executor_backend_for
-from asyncpaged.model.runner import SampledToken, StepResult
-from asyncpaged.model.runner_process import RunnerProcess, result_from_wire, result_to_wire
+from asyncpaged.worker.process import RunnerProcess, result_from_wire, result_to_wire
+from asyncpaged.worker.protocol import SampledToken, StepResult
 from tests.engine.conftest import running_engine
 from tests.engine.test_engine import generate_all, make_prompts
 from tests.engine.test_speculative import Oracle

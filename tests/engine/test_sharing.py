@@ -12,7 +12,7 @@ import pytest
 from asyncpaged import BeamSearchParams, InvalidRequestError, RequestOutput, SamplingParams
 from asyncpaged._log import get_logger
 from asyncpaged.actors.pin_waiters import PinWaiters
-from asyncpaged.core.block_table import PinnedPrefix
+from asyncpaged.kv.block_table import PinnedPrefix
 from tests.engine.conftest import assert_no_leaks, running_engine
 from tests.engine.test_engine import MODEL, generate_all, make_prompts
 from tests.model.reference import HFReference

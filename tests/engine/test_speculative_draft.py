@@ -1,7 +1,7 @@
 """Speculative decoding with a draft model, end to end.
 
 The draft keeps its own paged KV cache over the target's block ids, runs every step's batch and
-proposes from scratch blocks (``asyncpaged.model.draft``). Drafts here: the target itself (every
+proposes from scratch blocks (``asyncpaged.worker.draft``). Drafts here: the target itself (every
 greedy proposal must be accepted: its cache must hold exactly what the target's holds, through
 swaps, recompute and copy-on-write), the target with its weights perturbed (some proposals
 rejected), and another family (other layers and heads). Greedy output must equal transformers'

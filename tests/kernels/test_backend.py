@@ -15,8 +15,8 @@ from asyncpaged.kernels.backend import (
 )
 from asyncpaged.model.attention import AttentionMetadata, TorchAttentionBackend
 from asyncpaged.model.kv_cache import PagedKVCache
-from asyncpaged.model.runner import ModelRunner
 from asyncpaged.testing.tiny_models import build_tiny_checkpoint
+from asyncpaged.worker.runner import ModelRunner
 from tests.kernels.conftest import NATIVE
 from tests.model.driver import Driver, SimSequence
 from tests.model.reference import HFReference

@@ -837,8 +837,8 @@ def test_factory_falls_back_without_a_compiler(monkeypatch: pytest.MonkeyPatch) 
 def test_runner_greedy_tokens_match_torch_backend(tmp_path: Path) -> None:
     """The engine path: ``ModelRunner`` with the kernel (tiny Mistral: head_dim 16, sliding
     window 12, GQA) generates what the torch backend generates."""
-    from asyncpaged.model.runner import ModelRunner
     from asyncpaged.testing.tiny_models import build_tiny_checkpoint
+    from asyncpaged.worker.runner import ModelRunner
     from tests.model.driver import Driver, SimSequence
 
     checkpoint = build_tiny_checkpoint("mistral", tmp_path / "mistral")

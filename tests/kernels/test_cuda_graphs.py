@@ -1,4 +1,4 @@
-"""Decode steps through captured graphs (``model/cuda_graphs.py``) give transformers' greedy tokens
+"""Decode steps through captured graphs (``worker/cuda_graphs.py``) give transformers' greedy tokens
 and store K/V exactly where the eager forward does: padded rows write nothing.
 
 On CUDA (``ASYNCPAGED_KERNELS_NATIVE=1``, ``scripts/gpu_check.sh``) the graphs are real CUDA
@@ -23,9 +23,10 @@ from asyncpaged.config import cuda_graph_sizes
 from asyncpaged.distributed import TensorParallelRunner
 from asyncpaged.kernels.backend import TritonAttentionBackend, logical_cache_views
 from asyncpaged.model.attention import AttentionMetadata
-from asyncpaged.model.cuda_graphs import Capture, eager_capture
-from asyncpaged.model.runner import ModelRunner, StepPlan, StepResult
 from asyncpaged.testing.tiny_models import build_tiny_checkpoint
+from asyncpaged.worker.cuda_graphs import Capture, eager_capture
+from asyncpaged.worker.protocol import StepPlan, StepResult
+from asyncpaged.worker.runner import ModelRunner
 from tests.engine.conftest import perturbed_draft
 from tests.kernels.conftest import NATIVE
 from tests.model.driver import Driver, SimSequence
@@ -328,7 +329,8 @@ def test_draft_model_proposes_through_its_own_graphs(
     draft's own graphs: the same proposals as eagerly (as many drafted and kept), and the
     tokens are transformers' greedy ones. On the CPU the sizes the config gives only to CUDA
     are forced, with the eager stand-in."""
-    from asyncpaged import SpeculativeConfig, engine_build
+    from asyncpaged import SpeculativeConfig
+    from asyncpaged.engine import build as engine_build
 
     checkpoint = checkpoints["llama-gqa"]
     spec = SpeculativeConfig(method="draft_model", num_speculative_tokens=3,

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from asyncpaged.kernels.backend import TritonAttentionBackend
-from asyncpaged.model.runner import ModelRunner
+from asyncpaged.worker.runner import ModelRunner
 from tests.model.conftest import hf_reference, tiny_checkpoint
 from tests.model.driver import Driver, SimSequence
 from tests.model.reference import HFReference

@@ -13,7 +13,7 @@ import anyio
 import asyncpaged
 from asyncpaged import AsyncEngine, EngineConfig, InvalidRequestError, SamplingParams
 from asyncpaged import default_model
-from asyncpaged.model.runner import select_attention_backend
+from asyncpaged.worker.runner import select_attention_backend
 
 async def main() -> None:
     config = EngineConfig(model=str(default_model.path()), num_device_blocks=32)

@@ -13,8 +13,9 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass, field, replace
 
-from asyncpaged.model.runner import ModelRunner, SampledToken, SequenceStep, StepPlan
-from asyncpaged.model.sampler import SamplingOptions, derive_generator_key
+from asyncpaged.sampling.options import SamplingOptions, derive_generator_key
+from asyncpaged.worker.protocol import SampledToken, SequenceStep, StepPlan
+from asyncpaged.worker.runner import ModelRunner
 
 
 @dataclass

@@ -10,9 +10,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from asyncpaged.model import logits_processors
-from asyncpaged.model.logits_processors import argmax_rows
-from asyncpaged.model.sampler import greedy
+from asyncpaged.kernels.cpu_argmax import argmax_rows
+from asyncpaged.sampling.sampler import greedy
 
 SPECIALS = [0.0, -0.0, float("inf"), float("-inf"), float("nan"), 1.0, -1.0, 3.4e38, -3.4e38,
             1e-45, -1e-45]  # fmt: skip
@@ -74,7 +73,7 @@ def test_other_dtypes_and_grad_go_to_torch(monkeypatch: pytest.MonkeyPatch) -> N
         calls.append(x.dtype)
         return torch_argmax(x, **kwargs)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(logits_processors.torch, "argmax", spy)
+    monkeypatch.setattr(torch, "argmax", spy)
     argmax_rows(torch.randn(3, 50))
     argmax_rows(torch.randn(3, 50, dtype=torch.float64))
     assert calls == []

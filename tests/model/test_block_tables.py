@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from asyncpaged.model.block_tables import BlockTables, TableDeltas
+from asyncpaged.worker.block_tables import BlockTables, TableDeltas
 
 
 class Row(NamedTuple):

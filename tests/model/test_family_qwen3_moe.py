@@ -24,8 +24,8 @@ from asyncpaged.kernels import cpu_build
 from asyncpaged.model import moe, packed_linear
 from asyncpaged.model.errors import UnsupportedModelError
 from asyncpaged.model.llama import LlamaDecoderLayer, LlamaForCausalLM
-from asyncpaged.model.runner import ModelRunner
 from asyncpaged.testing.tiny_models import TINY_MODELS
+from asyncpaged.worker.runner import ModelRunner
 from tests.distributed.test_sharded_models import ThreadedShards
 from tests.model.driver import Driver, SimSequence
 from tests.model.reference import HFReference

@@ -19,10 +19,10 @@ import torch
 from asyncpaged.kernels import cpu_build
 from asyncpaged.model.attention import AttentionBackend
 from asyncpaged.model.base import FusedElementwise
-from asyncpaged.model.runner import ModelRunner
-from asyncpaged.model.sampler import SamplingOptions
-from asyncpaged.model.step import SequenceStep, StepPlan
+from asyncpaged.sampling.options import SamplingOptions
 from asyncpaged.testing.tiny_models import VOCAB_SIZE
+from asyncpaged.worker.protocol import SequenceStep, StepPlan
+from asyncpaged.worker.runner import ModelRunner
 from tests.model.driver import Driver, SimSequence
 from tests.model.reference import HFReference
 

@@ -1,4 +1,4 @@
-"""Sampling options kept in the runner (``model/kept_options.py``): over random plans (each
+"""Sampling options kept in the runner (``worker/kept_options.py``): over random plans (each
 sequence present or not, its options the same object as before, a new one, or none), the
 rows the runner resolves carry exactly the options the sender meant, and a row that keeps
 options its sequence did not have in the last plan is refused."""
@@ -9,9 +9,9 @@ import hypothesis.strategies as st
 import pytest
 from hypothesis import event, given
 
-from asyncpaged.model.kept_options import KeptOptions, OptionDeltas
-from asyncpaged.model.sampler import SamplingOptions
-from asyncpaged.model.step import SequenceStep
+from asyncpaged.sampling.options import SamplingOptions
+from asyncpaged.worker.kept_options import KeptOptions, OptionDeltas
+from asyncpaged.worker.protocol import SequenceStep
 
 
 def row(seq_id: int, sampling: SamplingOptions | None, keep: bool = False) -> SequenceStep:

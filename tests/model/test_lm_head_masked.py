@@ -15,7 +15,8 @@ from hypothesis import strategies as st
 
 from asyncpaged.model.lm_head import ScreenedLMHead
 from asyncpaged.model.lm_head_int8 import Int8ScreenedArgmax, int8_screen_supported
-from asyncpaged.model.sampler import SamplingOptions, sample
+from asyncpaged.sampling.options import SamplingOptions
+from asyncpaged.sampling.sampler import sample
 from asyncpaged.structured_outputs import bitmask_to_allowed, grammar_mask_bias
 from tests.model.test_lm_head import NEAR_TIES, near_tie_head
 
@@ -146,8 +147,8 @@ def test_zero_rows_pick_the_lowest_allowed_id_and_empty_masks_give_up() -> None:
 def test_runner_sends_masked_greedy_rows_to_the_screen(monkeypatch: pytest.MonkeyPatch) -> None:
     """Greedy rows whose only control is a bitmask take the screened head; any other control
     (or a sampled row) keeps the full path."""
-    from asyncpaged.model.runner import SequenceStep
-    from asyncpaged.model.step import plain_greedy as plain
+    from asyncpaged.worker.protocol import SequenceStep
+    from asyncpaged.worker.protocol import plain_greedy as plain
 
     step = SequenceStep(seq_id=1, token_ids=(1,), num_computed_tokens=0, slot_mapping=(0,),
                         block_table=(0,), do_sample=True)  # fmt: skip
@@ -164,7 +165,7 @@ def test_runner_sends_masked_greedy_rows_to_the_screen(monkeypatch: pytest.Monke
 def test_sampler_masks_like_masked_fill(poison: str, every_row: bool) -> None:
     """The sampler's bitmask (a 0 / -inf bias added, masked_fill when a logit is NaN or +inf)
     gives exactly ``masked_fill`` of the disallowed tokens, in place or on a subset of rows."""
-    from asyncpaged.model.sampler import apply_logit_controls
+    from asyncpaged.sampling.sampler import apply_logit_controls
 
     gen = torch.Generator().manual_seed(7)
     logits = torch.randn(5, 200, generator=gen)

@@ -112,7 +112,7 @@ def test_a_half_precision_checkpoint_widened_on_cpu_is_logged(
     from transformers import AutoConfig
 
     from asyncpaged import EngineConfig
-    from asyncpaged.engine_build import plan_model
+    from asyncpaged.engine.build import plan_model
 
     hf_config = AutoConfig.from_pretrained(str(tiny_checkpoint("llama-gqa")))
     hf_config.dtype = getattr(torch, stored)

@@ -14,7 +14,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from asyncpaged import EngineConfig, InvalidRequestError, SpeculativeConfig
 from asyncpaged.config import DEFAULT_KV_CACHE_BYTES, KVShape
-from asyncpaged.engine_build import plan_model
+from asyncpaged.engine.build import plan_model
 from asyncpaged.memory_budget import (
     CONTEXT_RESERVE_BYTES,
     activation_reserve_bytes,
@@ -154,7 +154,7 @@ def test_a_cache_that_does_not_fit_is_a_typed_error_naming_the_knobs(
 ) -> None:
     """The budget is an estimate (and another process may hold memory): an out-of-memory error
     while allocating the KV cache becomes an InvalidRequestError that says what to turn."""
-    from asyncpaged.model import runner as runner_module
+    from asyncpaged.worker import runner as runner_module
 
     def no_room(**kwargs: object) -> object:
         raise torch.cuda.OutOfMemoryError("CUDA out of memory")

@@ -13,10 +13,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from asyncpaged.model.logits_processors import penalize_rows_
-from asyncpaged.model.penalty_histories import HistoryDeltas, PenaltyHistories
-from asyncpaged.model.sampler import SamplingOptions
-from asyncpaged.model.step import SequenceStep
+from asyncpaged.sampling.logits import penalize_rows_
+from asyncpaged.sampling.options import SamplingOptions
+from asyncpaged.worker.penalty_histories import HistoryDeltas, PenaltyHistories
+from asyncpaged.worker.protocol import SequenceStep
 from tests.model.test_sampler import _dense_penalties
 
 VOCAB = 50

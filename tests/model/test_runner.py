@@ -8,8 +8,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from asyncpaged.model.runner import ModelRunner, SequenceStep, StepPlan
 from asyncpaged.testing.tiny_models import VOCAB_SIZE
+from asyncpaged.worker.protocol import SequenceStep, StepPlan
+from asyncpaged.worker.runner import ModelRunner
 
 
 def _prefill(

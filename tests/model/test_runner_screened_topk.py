@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from asyncpaged.model import lm_head
-from asyncpaged.model.sampler import SamplingOptions
+from asyncpaged.sampling.options import SamplingOptions
 from tests.model.driver import Driver
 from tests.model.test_generate_equality import _make_sequences, _runner
 

@@ -19,19 +19,15 @@ from hypothesis import strategies as st
 from transformers import RepetitionPenaltyLogitsProcessor
 
 from asyncpaged.errors import NoTokenAllowedError
-from asyncpaged.model import sampler as sampler_module
-from asyncpaged.model.logits_processors import (
+from asyncpaged.sampling import sampler as sampler_module
+from asyncpaged.sampling.logits import (
     apply_min_p,
     apply_penalties,
     apply_top_k_top_p,
     penalize_rows_,
 )
-from asyncpaged.model.sampler import (
-    SamplingOptions,
-    derive_generator_key,
-    draw_tokens,
-    sample,
-)
+from asyncpaged.sampling.options import SamplingOptions, derive_generator_key
+from asyncpaged.sampling.sampler import draw_tokens, sample
 
 VOCAB = 50
 
@@ -178,7 +174,7 @@ def test_sparse_penalties_are_bit_identical_to_the_dense_form(
     as well as tuples), penalties on and off per row, rows in any order: every logit equals the
     dense computation's exactly (-0.0 and 0.0 compare equal: only a zero's sign may differ),
     in the numpy form CPU tensors take and in the torch form of other devices."""
-    from asyncpaged.model import logits_processors
+    from asyncpaged.sampling import logits as logits_processors
 
     monkeypatch.setattr(logits_processors, "_on_host", lambda _: form == "numpy")
     rng = random.Random(seed)
@@ -557,7 +553,7 @@ def test_seeded_rows_draw_from_their_key_alone_and_unseeded_from_the_generator()
 def test_logit_controls_in_vllms_order_and_never_screened() -> None:
     """allowed_token_ids mask, then logit_bias, then the banned (bad-word) tokens, before the
     penalties; raw logprobs stay the unprocessed ones; no screened shortcut takes such rows."""
-    from asyncpaged.model.sampler import is_screenable
+    from asyncpaged.sampling.sampler import is_screenable
 
     logits = torch.tensor([[0.0, 1.0, 2.0, 3.0, 4.0], [4.0, 3.0, 2.0, 1.0, 0.0]])
     opts = [

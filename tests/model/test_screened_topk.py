@@ -15,11 +15,11 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from asyncpaged.model import sampler
 from asyncpaged.model.lm_head import FP32_UNIT_ROUNDOFF, ScreenedLMHead, TopKCandidates
-from asyncpaged.model.sampler import (
+from asyncpaged.sampling import sampler
+from asyncpaged.sampling.options import SamplingOptions
+from asyncpaged.sampling.sampler import (
     MAX_SCREENED_TOP_K,
-    SamplingOptions,
     is_screenable,
     sample,
     sample_from_candidates,

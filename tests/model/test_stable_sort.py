@@ -11,8 +11,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from asyncpaged.model import logits_processors
-from asyncpaged.model.logits_processors import apply_top_k_top_p, stable_sort_rows
+from asyncpaged.sampling import logits as logits_processors
+from asyncpaged.sampling.logits import apply_top_k_top_p, stable_sort_rows
 
 SPECIALS = [0.0, -0.0, float("inf"), float("-inf"), float("nan"), -float("nan"), 1.0, -1.0,
             3.4e38, -3.4e38, 1e-45, -1e-45]  # fmt: skip

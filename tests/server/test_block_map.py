@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from asyncpaged.core.block_map import BlockMap, BlockState, build_block_map
-from asyncpaged.core.block_pool import BlockPool
-from asyncpaged.core.request import Request, StopCriteria
-from asyncpaged.core.request import Sequence as Seq
+from asyncpaged.kv.block_pool import BlockPool
+from asyncpaged.sched.block_map import BlockMap, BlockState, build_block_map
+from asyncpaged.sched.request import Request, StopCriteria
+from asyncpaged.sched.request import Sequence as Seq
 
 U, C, S, F = BlockState.USED, BlockState.CACHED, BlockState.SWAPPING, BlockState.FREE
 

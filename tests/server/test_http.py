@@ -11,7 +11,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from starlette.testclient import TestClient
 
 from asyncpaged import AsyncEngine, EngineConfig
-from asyncpaged.core.block_map import BlockState
+from asyncpaged.sched.block_map import BlockState
 from asyncpaged.server import create_app
 from tests.server.conftest import MODEL_NAME, Live, builtin_model
 

@@ -18,8 +18,8 @@ import anyio
 import pytest
 
 from asyncpaged import SamplingParams
-from asyncpaged.core.scheduler import SchedulerOutput
-from asyncpaged.core.txn import StepTxn, TxnResult
+from asyncpaged.kv.txn import StepTxn, TxnResult
+from asyncpaged.sched.scheduler import SchedulerOutput
 from asyncpaged.sim.simulator import SimConfig, SimEngine
 from asyncpaged.sim.workload import SimRequest
 from tests.engine.conftest import running_engine

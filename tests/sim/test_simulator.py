@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from asyncpaged.core.txn import Admission, AllocateOp, StepTxn, apply_txn
+from asyncpaged.kv.txn import Admission, AllocateOp, StepTxn, apply_txn
 from asyncpaged.sim.cost_model import CostModel
 from asyncpaged.sim.presets import GPUS, MODELS
 from asyncpaged.sim.reservation import BuddySpace, ReservingBlockPool

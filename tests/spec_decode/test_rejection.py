@@ -19,14 +19,9 @@ import pytest
 import torch
 
 from asyncpaged.errors import NoTokenAllowedError
-from asyncpaged.model.sampler import (
-    SamplingOptions,
-    derive_generator_key,
-    process_logits,
-    random_probs,
-    sample,
-)
-from asyncpaged.spec_decode.rejection import verify
+from asyncpaged.sampling.options import SamplingOptions, derive_generator_key
+from asyncpaged.sampling.rejection import verify
+from asyncpaged.sampling.sampler import process_logits, random_probs, sample
 
 V = 8
 P_VALUE = 1e-4

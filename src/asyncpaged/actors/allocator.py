@@ -9,10 +9,10 @@ from anyio.abc import TaskStatus
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from asyncpaged._log import get_logger
-from asyncpaged.core.block_pool import BlockPool
-from asyncpaged.core.block_table import PoolStatistics
-from asyncpaged.core.prefix_hash import BlockHash
-from asyncpaged.core.txn import PoolSnapshot, StepTxn, TxnResult, apply_txn, snapshot
+from asyncpaged.kv.block_pool import BlockPool
+from asyncpaged.kv.block_table import PoolStatistics
+from asyncpaged.kv.prefix_hash import BlockHash
+from asyncpaged.kv.txn import PoolSnapshot, StepTxn, TxnResult, apply_txn, snapshot
 
 log = get_logger(__name__)
 

@@ -12,12 +12,17 @@ import anyio
 from anyio.abc import TaskStatus
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
+from asyncpaged.actors.messages import (
+    DeliverLate,
+    ExecuteStep,
+    ExecutorInbox,
+    SchedulerInbox,
+    StepDone,
+)
 from asyncpaged.actors.worker_thread import WorkerThread
 from asyncpaged.errors import WorkerDiedError
-from asyncpaged.messages import DeliverLate, ExecuteStep, ExecutorInbox, SchedulerInbox, StepDone
-from asyncpaged.model.late_inputs import LateDelivery
-from asyncpaged.model.runner import StepResult, StepRunner
-from asyncpaged.model.runner_process import RunnerProcess
+from asyncpaged.worker.process import RunnerProcess
+from asyncpaged.worker.protocol import LateDelivery, StepResult, StepRunner
 
 _Started = tuple[ExecuteStep, Any, float]  # a step, its ticket, when it was sent
 

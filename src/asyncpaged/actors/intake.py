@@ -12,13 +12,7 @@ from anyio.abc import TaskStatus
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from asyncpaged._log import get_logger
-from asyncpaged.actors.worker_thread import WorkerThread
-from asyncpaged.core.beam_search import BeamSearcher
-from asyncpaged.core.request import Request, StopCriteria
-from asyncpaged.core.request import Sequence as Seq
-from asyncpaged.errors import InvalidRequestError
-from asyncpaged.inputs import truncate_prompt
-from asyncpaged.messages import (
+from asyncpaged.actors.messages import (
     AddRequest,
     ChatPrompt,
     EndRequest,
@@ -28,7 +22,13 @@ from asyncpaged.messages import (
     SchedulerInbox,
     SubmitRequest,
 )
+from asyncpaged.actors.worker_thread import WorkerThread
+from asyncpaged.errors import InvalidRequestError
+from asyncpaged.inputs import truncate_prompt
 from asyncpaged.model.loader import load_tokenizer
+from asyncpaged.sched.beam_search import BeamSearcher
+from asyncpaged.sched.request import Request, StopCriteria
+from asyncpaged.sched.request import Sequence as Seq
 from asyncpaged.streams import is_plain, ranks_by_logprob
 from asyncpaged.structured_outputs import GrammarBackend
 

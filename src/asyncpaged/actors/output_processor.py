@@ -14,17 +14,17 @@ from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStre
 
 from asyncpaged._log import get_logger
 from asyncpaged.actors.idle import IdleSignal
-from asyncpaged.core.scheduler import SeqUpdate
-from asyncpaged.messages import (
+from asyncpaged.actors.messages import (
     EndRequest,
     OutputsInbox,
     PromptReady,
     RecordOutputs,
     StopsFound,
 )
-from asyncpaged.model.runner import SampledToken
 from asyncpaged.outputs import Logprob
+from asyncpaged.sched.scheduler import SeqUpdate
 from asyncpaged.streams import RequestState
+from asyncpaged.worker.protocol import SampledToken
 
 __all__ = ["OutputProcessor"]
 

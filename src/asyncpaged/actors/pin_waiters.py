@@ -10,8 +10,8 @@ from __future__ import annotations
 import anyio
 
 from asyncpaged._log import LibraryLogger
-from asyncpaged.core.block_table import PinnedPrefix
-from asyncpaged.core.scheduler import Scheduler
+from asyncpaged.kv.block_table import PinnedPrefix
+from asyncpaged.sched.scheduler import Scheduler
 
 
 class PinWaiters:

@@ -11,9 +11,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from asyncpaged.core.request import Sequence as Seq
-from asyncpaged.model.sampler import SamplingOptions, derive_generator_key
+from asyncpaged.sampling.options import SamplingOptions, derive_generator_key
 from asyncpaged.sampling_params import SamplingParams
+from asyncpaged.sched.request import Sequence as Seq
 
 
 class BadWordsCache:

@@ -19,24 +19,9 @@ from anyio.abc import TaskStatus
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from asyncpaged._log import get_logger
+from asyncpaged.actors.draft_proposals import DraftProposals
 from asyncpaged.actors.idle import IdleSignal
-from asyncpaged.actors.pin_waiters import PinWaiters
-from asyncpaged.actors.sampling_options import bad_words_token_ids, banned_next_tokens
-from asyncpaged.actors.step_builder import LateRows, StepBuilder, seq_of
-from asyncpaged.actors.tracked import Tracked
-from asyncpaged.core.kv_tiers import TierOp
-from asyncpaged.core.request import RequestStatus
-from asyncpaged.core.scheduler import (
-    ScheduledSeq,
-    Scheduler,
-    SchedulerOutput,
-    SchedulerStatistics,
-    SeqUpdate,
-)
-from asyncpaged.core.scheduler_types import new_tuple
-from asyncpaged.core.txn import PoolSnapshot, StepTxn, TxnResult
-from asyncpaged.errors import NoTokenAllowedError, RequestFailedError
-from asyncpaged.messages import (
+from asyncpaged.actors.messages import (
     AbortRequest,
     AddRequest,
     CopyTierBlocks,
@@ -58,11 +43,25 @@ from asyncpaged.messages import (
     UnpinPrefix,
     WatchPin,
 )
-from asyncpaged.model.prompt_logprobs import PromptLogprobRows
-from asyncpaged.model.runner import SampledToken, StepPlan
-from asyncpaged.spec_decode.draft_proposals import DraftProposals
+from asyncpaged.actors.pin_waiters import PinWaiters
+from asyncpaged.actors.sampling_options import bad_words_token_ids, banned_next_tokens
+from asyncpaged.actors.step_builder import LateRows, StepBuilder, seq_of
+from asyncpaged.actors.tracked import Tracked
+from asyncpaged.errors import NoTokenAllowedError, RequestFailedError
+from asyncpaged.kv.tiers import TierOp
+from asyncpaged.kv.txn import PoolSnapshot, StepTxn, TxnResult
+from asyncpaged.sched.request import RequestStatus
+from asyncpaged.sched.scheduler import (
+    ScheduledSeq,
+    Scheduler,
+    SchedulerOutput,
+    SchedulerStatistics,
+    SeqUpdate,
+)
+from asyncpaged.sched.scheduler_types import new_tuple
 from asyncpaged.streams import RequestState
 from asyncpaged.structured_outputs import GrammarBackend
+from asyncpaged.worker.protocol import PromptLogprobRows, SampledToken, StepPlan
 
 __all__ = ["SchedulerActor", "bad_words_token_ids", "banned_next_tokens"]
 

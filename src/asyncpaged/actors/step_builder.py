@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from asyncpaged.actors.messages import Scheduled
 from asyncpaged.actors.sampling_options import (
     BadWordsCache,
     grammar_allows_only,
@@ -28,20 +29,18 @@ from asyncpaged.actors.sampling_options import (
     verify_options,
 )
 from asyncpaged.actors.tracked import Tracked
-from asyncpaged.core.block_table import LATE_TOKEN
-from asyncpaged.core.request import Request
-from asyncpaged.core.request import Sequence as Seq
-from asyncpaged.core.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
-from asyncpaged.core.scheduler_types import new_tuple
-from asyncpaged.messages import Scheduled
-from asyncpaged.model.block_tables import TableDeltas
-from asyncpaged.model.kept_options import OptionDeltas
-from asyncpaged.model.late_inputs import LateDelivery
-from asyncpaged.model.penalty_histories import HistoryDeltas
-from asyncpaged.model.runner import SequenceStep
-from asyncpaged.model.sampler import SamplingOptions
+from asyncpaged.kv.block_table import LATE_TOKEN
+from asyncpaged.sampling.options import SamplingOptions
 from asyncpaged.sampling_params import SamplingParams
+from asyncpaged.sched.request import Request
+from asyncpaged.sched.request import Sequence as Seq
+from asyncpaged.sched.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
+from asyncpaged.sched.scheduler_types import new_tuple
 from asyncpaged.structured_outputs import GrammarBackend
+from asyncpaged.worker.block_tables import TableDeltas
+from asyncpaged.worker.kept_options import OptionDeltas
+from asyncpaged.worker.penalty_histories import HistoryDeltas
+from asyncpaged.worker.protocol import LateDelivery, SequenceStep
 
 # (request id, seq id, options read the output) of the rows whose sampling inputs come late
 LateRows = tuple[tuple[str, int, bool], ...]

@@ -8,12 +8,18 @@ import anyio
 from anyio.abc import TaskStatus
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
+from asyncpaged.actors.messages import (
+    CopyTierBlocks,
+    SchedulerInbox,
+    SwapBlocks,
+    SwapDone,
+    SwapSpaceInbox,
+)
 from asyncpaged.actors.worker_thread import WorkerThread
-from asyncpaged.core.block_table import SwapDirection
-from asyncpaged.messages import CopyTierBlocks, SchedulerInbox, SwapBlocks, SwapDone, SwapSpaceInbox
-from asyncpaged.model.kv_tier_remote import RemoteTierStore, TierStore
-from asyncpaged.model.runner import StepRunner
-from asyncpaged.model.runner_process import RunnerProcess
+from asyncpaged.kv.block_table import SwapDirection
+from asyncpaged.worker.kv_tier_remote import RemoteTierStore, TierStore
+from asyncpaged.worker.process import RunnerProcess
+from asyncpaged.worker.protocol import StepRunner
 
 
 class SwapSpaceActor:

@@ -7,9 +7,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from asyncpaged.core.scheduler import SeqUpdate
-from asyncpaged.messages import RequestInfo
-from asyncpaged.model.sampler import SamplingOptions
+from asyncpaged.actors.messages import RequestInfo
+from asyncpaged.sampling.options import SamplingOptions
+from asyncpaged.sched.scheduler import SeqUpdate
 
 
 @dataclass(slots=True, eq=False)

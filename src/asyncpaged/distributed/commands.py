@@ -24,9 +24,10 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from asyncpaged.core.block_table import LATE_TOKEN, SwapDirection
-from asyncpaged.model.runner import AttentionChoice, SequenceStep, StepPlan
-from asyncpaged.model.runner_logs import LogBatch
+from asyncpaged.kv.block_table import LATE_TOKEN, SwapDirection
+from asyncpaged.worker.protocol import SequenceStep, StepPlan
+from asyncpaged.worker.runner import AttentionChoice
+from asyncpaged.worker.runner_logs import LogBatch
 
 # (seq_id, token_ids, num_computed_tokens, slot_mapping, table_start, block_table,
 # min_rope_len): the table from entry table_start on, as the plan has it (each rank keeps its
@@ -124,7 +125,7 @@ class SwapCommand:
 @dataclass(frozen=True, slots=True, kw_only=True)
 class CaptureGraphs:
     """Capture the decode forward's graphs for these batch sizes, as rank 0 does at the same
-    time (``model/cuda_graphs.py``); ``eager``: the eager stand-in instead of CUDA graphs."""
+    time (``worker/cuda_graphs.py``); ``eager``: the eager stand-in instead of CUDA graphs."""
 
     sizes: tuple[int, ...]
     max_model_len: int

@@ -40,7 +40,6 @@ from torch.distributed import Store, TCPStore  # type: ignore[attr-defined]  # p
 
 from asyncpaged._log import get_logger
 from asyncpaged.config import EngineConfig, cuda_graph_sizes, kv_head_replicas
-from asyncpaged.core.block_table import SwapDirection
 from asyncpaged.distributed.commands import (
     CaptureGraphs,
     Command,
@@ -54,11 +53,12 @@ from asyncpaged.distributed.commands import (
 from asyncpaged.distributed.group import INIT_TIMEOUT_S, JOINED_KEY, ProcessGroups, torchrun_env
 from asyncpaged.distributed.worker import _spawned_main, build_runner, rank_device, ready_reply
 from asyncpaged.errors import InvalidRequestError, WorkerDiedError
-from asyncpaged.model.cuda_graphs import Capture, eager_capture
+from asyncpaged.kv.block_table import SwapDirection
 from asyncpaged.model.errors import UnsupportedModelError
-from asyncpaged.model.late_inputs import LateDelivery
-from asyncpaged.model.runner import ModelRunner, StepPlan, StepResult, select_attention_backend
-from asyncpaged.model.runner_logs import emit, library_level
+from asyncpaged.worker.cuda_graphs import Capture, eager_capture
+from asyncpaged.worker.protocol import LateDelivery, StepPlan, StepResult
+from asyncpaged.worker.runner import ModelRunner, select_attention_backend
+from asyncpaged.worker.runner_logs import emit, library_level
 
 log = get_logger(__name__)
 

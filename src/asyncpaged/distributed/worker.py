@@ -19,7 +19,6 @@ import torch
 from torch.distributed import TCPStore  # type: ignore[attr-defined]  # public API
 
 from asyncpaged._log import get_logger
-from asyncpaged.core.block_table import SwapDirection
 from asyncpaged.distributed.commands import (
     CaptureGraphs,
     GraphsCaptured,
@@ -30,11 +29,12 @@ from asyncpaged.distributed.commands import (
     WorkerSpec,
 )
 from asyncpaged.distributed.group import INIT_TIMEOUT_S, JOINED_KEY, ProcessGroups, torchrun_env
+from asyncpaged.kv.block_table import SwapDirection
 from asyncpaged.model.attention import AttentionBackend
 from asyncpaged.model.base import TensorShard
-from asyncpaged.model.cuda_graphs import eager_capture
-from asyncpaged.model.runner import ModelRunner, select_attention_backend
-from asyncpaged.model.runner_logs import LogBatch, capture_library_logs, release_library_logs
+from asyncpaged.worker.cuda_graphs import eager_capture
+from asyncpaged.worker.runner import ModelRunner, select_attention_backend
+from asyncpaged.worker.runner_logs import LogBatch, capture_library_logs, release_library_logs
 
 log = get_logger(__name__)
 

@@ -1,18 +1,7 @@
-"""Model families, checkpoint loading, the paged KV cache, attention and the model runner."""
+"""Model families and checkpoint loading: the modules a checkpoint's architecture maps to, their
+layers (attention, rotary embeddings, the LM head, packed linears, mixture of experts), the
+loader and the CPU plan that picks kernels for them."""
 
 from asyncpaged.model.errors import CheckpointError, ModelLoadError, UnsupportedModelError
-from asyncpaged.model.runner import ModelRunner, SampledToken, SequenceStep, StepPlan, StepResult
-from asyncpaged.model.sampler import SamplingOptions, derive_generator_key
 
-__all__ = [
-    "CheckpointError",
-    "ModelLoadError",
-    "ModelRunner",
-    "SampledToken",
-    "SamplingOptions",
-    "SequenceStep",
-    "StepPlan",
-    "StepResult",
-    "UnsupportedModelError",
-    "derive_generator_key",
-]
+__all__ = ["CheckpointError", "ModelLoadError", "UnsupportedModelError"]

@@ -475,7 +475,7 @@ def _screened_argmax(probe: str, weight: torch.Tensor, x: torch.Tensor) -> Calla
 
 
 def _fp32_argmax(weight: torch.Tensor, x: torch.Tensor) -> Callable[[], object]:
-    from asyncpaged.model.logits_processors import argmax_rows
+    from asyncpaged.kernels.cpu_argmax import argmax_rows
     from asyncpaged.model.packed_linear import pack_weight, packed_matmul
 
     packed = pack_weight(weight, DECODE_ROWS)

@@ -44,7 +44,7 @@ from dataclasses import dataclass
 
 import torch
 
-from asyncpaged.model.logits_processors import argmax_rows
+from asyncpaged.kernels.cpu_argmax import argmax_rows
 from asyncpaged.model.packed_linear import packing_supported, runs_on_onednn
 from asyncpaged.model.row_buckets import bucketed
 

@@ -26,7 +26,7 @@ from starlette.responses import HTMLResponse, JSONResponse, Response
 from starlette.routing import Route
 
 from asyncpaged._log import get_logger
-from asyncpaged.engine import AsyncEngine
+from asyncpaged.engine.async_engine import AsyncEngine
 from asyncpaged.errors import (
     EngineDeadError,
     InvalidRequestError,

@@ -12,8 +12,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from asyncpaged.core.block_map import BlockMap, BlockState, PoolBlockMap
-from asyncpaged.engine_stats import EngineStatistics
+from asyncpaged.engine.stats import EngineStatistics
+from asyncpaged.sched.block_map import BlockMap, BlockState, PoolBlockMap
 
 __all__ = ["PAGE", "block_map_json"]
 

@@ -14,7 +14,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from asyncpaged.engine import AsyncEngine
+from asyncpaged.engine.async_engine import AsyncEngine
 from asyncpaged.outputs import RequestOutput
 
 __all__ = ["PREFIX", "ServerMetrics"]

@@ -34,8 +34,8 @@ import bisect
 from collections.abc import Sequence
 from typing import Literal
 
-from asyncpaged.core.block_pool import BlockPool
-from asyncpaged.core.block_table import AppendResult, SeqAllocation, SeqId
+from asyncpaged.kv.block_pool import BlockPool
+from asyncpaged.kv.block_table import AppendResult, SeqAllocation, SeqId
 
 Placement = Literal["first-fit", "buddy"]
 

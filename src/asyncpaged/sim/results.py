@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from asyncpaged._log import get_logger
-from asyncpaged.core.scheduler import PreemptionMode
+from asyncpaged.sched.scheduler import PreemptionMode
 from asyncpaged.sim.cost_model import CostModel
 from asyncpaged.sim.presets import GPUS, MODELS, GpuSpec, ModelShape, num_kv_blocks
 from asyncpaged.sim.reservation import Placement

@@ -1,6 +1,6 @@
 """The simulator: the engine's own scheduler and block pool on a virtual clock.
 
-Each step is exactly the engine's (see ``core/scheduler.py``)::
+Each step is exactly the engine's (see ``sched/scheduler.py``)::
 
     txn = scheduler.plan(snapshot); result = apply_txn(pool, txn); out = scheduler.apply(...)
 
@@ -28,11 +28,11 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from asyncpaged._log import get_logger
-from asyncpaged.core.beam_search import BeamSearcher
-from asyncpaged.core.block_pool import BlockPool
-from asyncpaged.core.request import Request, RequestStatus, Sequence, StopCriteria
-from asyncpaged.core.scheduler import PreemptionMode, Scheduler, SchedulerConfig, SchedulerOutput
-from asyncpaged.core.txn import apply_txn, snapshot
+from asyncpaged.kv.block_pool import BlockPool
+from asyncpaged.kv.txn import apply_txn, snapshot
+from asyncpaged.sched.beam_search import BeamSearcher
+from asyncpaged.sched.request import Request, RequestStatus, Sequence, StopCriteria
+from asyncpaged.sched.scheduler import PreemptionMode, Scheduler, SchedulerConfig, SchedulerOutput
 from asyncpaged.sim.cost_model import CostModel
 from asyncpaged.sim.reservation import Placement, ReservingBlockPool
 from asyncpaged.sim.workload import SimRequest

@@ -6,8 +6,8 @@ tokens per sequence, ``spec_decode.rejection.verify`` picks what to keep, and
 ``BlockPool.truncate`` rolls the rejected slots back (see each module's docstring).
 
 This package imports no torch: ``asyncpaged.config`` imports ``SpeculativeConfig`` from it, so
-the verification math (which builds on ``asyncpaged.model.sampler``) is imported from
-``asyncpaged.spec_decode.rejection`` directly.
+the verification math (which builds on ``asyncpaged.sampling.sampler``) is imported from
+``asyncpaged.sampling.rejection`` directly.
 """
 
 from asyncpaged.spec_decode.config import SpeculativeConfig, SpeculativeMethod

@@ -139,7 +139,7 @@ async def _run_asyncpaged(spec: WorkerSpec, workload: Workload) -> dict[str, Any
     import anyio
 
     from asyncpaged.config import EngineConfig
-    from asyncpaged.engine import AsyncEngine
+    from asyncpaged.engine.async_engine import AsyncEngine
     from asyncpaged.sampling_params import SamplingParams
 
     config = EngineConfig(**engine_settings(spec, workload))

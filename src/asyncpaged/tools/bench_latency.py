@@ -44,7 +44,7 @@ from asyncpaged.tools.bench_workload import Workload, build_checkpoint, make_wor
 from asyncpaged.tools.plotting import pyplot, save_report
 
 if TYPE_CHECKING:
-    from asyncpaged.engine import AsyncEngine
+    from asyncpaged.engine.async_engine import AsyncEngine
 
 DEFAULT_RATES = "0.5,1,2,4,inf"
 
@@ -202,7 +202,7 @@ async def bench_rate(
     from tqdm import tqdm  # type: ignore[import-untyped]  # a transformers dependency
 
     from asyncpaged.config import EngineConfig
-    from asyncpaged.engine import AsyncEngine
+    from asyncpaged.engine.async_engine import AsyncEngine
     from asyncpaged.sampling_params import SamplingParams
 
     offsets = arrival_offsets(workload.num_requests, request_rate, seed)

@@ -16,7 +16,7 @@ from typing import Any, TextIO
 import anyio
 
 from asyncpaged.config import EngineConfig
-from asyncpaged.engine import AsyncEngine
+from asyncpaged.engine.async_engine import AsyncEngine
 from asyncpaged.errors import InvalidRequestError
 from asyncpaged.sampling_params import RequestOutputKind, SamplingParams
 from asyncpaged.tools.demo import default_model

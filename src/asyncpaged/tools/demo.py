@@ -19,8 +19,8 @@ from typing import Any
 import anyio
 
 from asyncpaged.config import EngineConfig
-from asyncpaged.engine import AsyncEngine
-from asyncpaged.engine_stats import EngineStatistics
+from asyncpaged.engine.async_engine import AsyncEngine
+from asyncpaged.engine.stats import EngineStatistics
 from asyncpaged.sampling_params import RequestOutputKind, SamplingParams
 
 PROMPTS = (

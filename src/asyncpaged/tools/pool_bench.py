@@ -20,7 +20,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from asyncpaged.core import BlockPool
+from asyncpaged.kv.block_pool import BlockPool
 
 OPS = ("allocate", "append", "fork", "append-cow", "free")
 

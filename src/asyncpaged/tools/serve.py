@@ -17,7 +17,7 @@ from typing import Any
 import anyio
 
 from asyncpaged.config import EngineConfig
-from asyncpaged.engine import AsyncEngine
+from asyncpaged.engine.async_engine import AsyncEngine
 from asyncpaged.tools.demo import default_model
 
 BUILTIN_MODEL_NAME = "asyncpaged-default"

@@ -8,7 +8,7 @@ each on their own (``ceil(length / block_size)`` per sequence). The saving is
 * Parallel sampling: the prompt is allocated once and forked ``n - 1`` times; each sample then
   grows to its own length (drawn from the workload's output lengths), its first write into the
   shared partial block copying it.
-* Beam search: the real :class:`~asyncpaged.core.beam_search.BeamSearcher` decides which beams
+* Beam search: the real :class:`~asyncpaged.sched.beam_search.BeamSearcher` decides which beams
   survive, driven by a synthetic model (each beam's next-token logprobs are a seeded random
   log-softmax over a 1,000-token vocabulary); survivors fork, dropped beams are freed. How much
   beams share depends on how often they reconverge on a few parents, which a real model decides:
@@ -22,8 +22,8 @@ import math
 import random
 from typing import Any
 
-from asyncpaged.core import BlockPool
-from asyncpaged.core.beam_search import BeamSearcher
+from asyncpaged.kv.block_pool import BlockPool
+from asyncpaged.sched.beam_search import BeamSearcher
 from asyncpaged.tools.waste_report import DISTRIBUTIONS, LengthDistribution
 
 BLOCK_SIZE = 16

@@ -28,7 +28,7 @@ from collections import deque
 from dataclasses import asdict, dataclass
 from typing import Any, NamedTuple
 
-from asyncpaged.core import BlockPool
+from asyncpaged.kv.block_pool import BlockPool
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

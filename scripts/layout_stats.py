@@ -1,0 +1,171 @@
+"""The layout's numbers for a checkout: modules, import circles (type-only and deferred imports
+count), the longest chain of imports, and the engine files one greedy request runs code in.
+
+    .venv/bin/python scripts/layout_stats.py [SRC_DIR]   # default: this checkout's src/
+
+The files one request crosses are traced (``sys.setprofile`` in every thread) over the second of
+two identical greedy requests on the built-in model, so startup and first-call imports do not
+count; the runner runs on a thread of the engine's process here (``executor_backend="thread"``
+where the config has it)."""
+
+from __future__ import annotations
+
+import ast
+import sys
+import threading
+from pathlib import Path
+
+
+def module_name(path: Path, root: Path) -> str:
+    parts = list(path.relative_to(root).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def import_graph(root: Path, package: str = "asyncpaged") -> dict[str, set[str]]:
+    paths = sorted((root / package).rglob("*.py"))
+    modules = {module_name(p, root) for p in paths}
+    graph: dict[str, set[str]] = {}
+    for path in paths:
+        name = module_name(path, root)
+        is_package = path.name == "__init__.py"
+        found: set[str] = set()
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                found.update(a.name for a in node.names)
+            elif isinstance(node, ast.ImportFrom):
+                if node.level:
+                    base = name.split(".")
+                    base = base[: len(base) - node.level + (1 if is_package else 0)]
+                    target = ".".join(base + ([node.module] if node.module else []))
+                else:
+                    target = node.module or ""
+                for a in node.names:
+                    sub = f"{target}.{a.name}"
+                    found.add(sub if sub in modules else target)
+        edges = set()
+        for imported in found:
+            t = imported
+            while t and t not in modules:
+                t = t.rpartition(".")[0]
+            if t and t != name:
+                edges.add(t)
+        graph[name] = edges
+    return graph
+
+
+def components(graph: dict[str, set[str]]) -> list[frozenset[str]]:
+    """Strongly connected components (Tarjan, iterative)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on: set[str] = set()
+    out: list[frozenset[str]] = []
+    counter = 0
+    for start in sorted(graph):
+        if start in index:
+            continue
+        work = [(start, iter(sorted(graph[start])))]
+        index[start] = low[start] = counter
+        counter += 1
+        stack.append(start)
+        on.add(start)
+        while work:
+            node, it = work[-1]
+            nxt = next(it, None)
+            if nxt is not None:
+                if nxt not in index:
+                    index[nxt] = low[nxt] = counter
+                    counter += 1
+                    stack.append(nxt)
+                    on.add(nxt)
+                    work.append((nxt, iter(sorted(graph.get(nxt, ())))))
+                elif nxt in on:
+                    low[node] = min(low[node], index[nxt])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                comp = set()
+                while True:
+                    m = stack.pop()
+                    on.discard(m)
+                    comp.add(m)
+                    if m == node:
+                        break
+                out.append(frozenset(comp))
+    return out
+
+
+def longest_chain(graph: dict[str, set[str]]) -> list[str]:
+    """The longest import chain, counted over the circles collapsed to one node each."""
+    comps = components(graph)
+    comp_of = {m: c for c in comps for m in c}
+    memo: dict[frozenset[str], list[frozenset[str]]] = {}
+
+    def longest(c: frozenset[str]) -> list[frozenset[str]]:
+        if c not in memo:
+            nexts = {comp_of[d] for m in c for d in graph[m]} - {c}
+            best = max((longest(n) for n in nexts), key=len, default=[])
+            memo[c] = [c, *best]
+        return memo[c]
+
+    sys.setrecursionlimit(10_000)
+    chain = max((longest(c) for c in comps), key=len)
+    return [min(c) if len(c) == 1 else "{" + ", ".join(sorted(c)) + "}" for c in chain]
+
+
+def files_one_request_crosses(src: Path) -> list[str]:
+    sys.path.insert(0, str(src))
+    import anyio
+
+    from asyncpaged import AsyncEngine, EngineConfig, SamplingParams, default_model
+
+    package = str((src / "asyncpaged").resolve())
+    seen: set[str] = set()
+    tracing = threading.Event()
+
+    def profile(frame, event, arg):  # type: ignore[no-untyped-def]
+        if event == "call" and tracing.is_set():
+            name = frame.f_code.co_filename
+            if name.startswith(package):
+                seen.add(name[len(package) + 1 :])
+
+    sys.setprofile(profile)  # before the engine's threads start: they inherit it
+    threading.setprofile(profile)
+
+    async def main() -> None:
+        kwargs = {"model": str(default_model.path())}
+        fields = getattr(EngineConfig, "__dataclass_fields__", {})
+        if "executor_backend" in fields:
+            kwargs["executor_backend"] = "thread"
+        async with AsyncEngine(EngineConfig(**kwargs)) as engine:
+            params = SamplingParams(max_tokens=8, temperature=0.0)
+            await engine.generate("The paged cache", params)
+            tracing.set()
+            await engine.generate("The paged cache", params)
+            tracing.clear()
+
+    anyio.run(main)
+    sys.setprofile(None)
+    return sorted(seen)
+
+
+def main() -> None:
+    src = Path(sys.argv[1] if len(sys.argv) > 1 else Path(__file__).resolve().parents[1] / "src")
+    graph = import_graph(src)
+    circles = [c for c in components(graph) if len(c) > 1]
+    chain = longest_chain(graph)
+    print(f"modules: {len(graph)}")
+    print(f"import circles: {len(circles)} ({', '.join(str(len(c)) for c in circles) or 'none'})")
+    print(f"longest import chain: {len(chain)} modules: {' -> '.join(chain)}")
+    crossed = files_one_request_crosses(src)
+    print(f"files one greedy request crosses: {len(crossed)}")
+    for f in crossed:
+        print(f"  {f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,226 @@
+"""The submission side of ``engine.generate``, ``engine.chat`` and ``engine.beam_search``: their
+arguments checked and turned into what :class:`AsyncEngine` queues, the queueing
+itself and a request's abort.
+
+Every check here runs on the event loop before anything is built or queued for the request
+(types, group width, sizes, then values; docs/api.md, "Request validation"); the checks
+themselves live in ``request_checks.py`` and ``inputs.py``, this module only orders them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+import uuid
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import anyio
+from anyio.streams.memory import MemoryObjectSendStream
+
+from asyncpaged.actors.messages import AbortRequest, ChatPrompt, SchedulerInbox, SubmitRequest
+from asyncpaged.actors.output_processor import OutputProcessor
+from asyncpaged.actors.scheduler import SchedulerActor
+from asyncpaged.config import EngineConfig
+from asyncpaged.errors import EngineClosedError, InvalidRequestError
+from asyncpaged.inputs import ChatMessage, PromptType, check_messages, parse_prompt, truncate_prompt
+from asyncpaged.model.generation_config import GenerationDefaults
+from asyncpaged.request_checks import (
+    RequestLimits,
+    check_cache_salt,
+    check_group_width,
+    check_request_id,
+    check_text_prompt,
+)
+from asyncpaged.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
+from asyncpaged.streams import RequestState, RequestStream
+from asyncpaged.structured_outputs import EXTRA_HINT as STRUCTURED_EXTRA_HINT
+from asyncpaged.structured_outputs import is_available as structured_outputs_available
+
+__all__ = [
+    "abort_request",
+    "beam_sampling_params",
+    "chat_prompt",
+    "check_submission",
+    "queue_request",
+    "submission",
+    "submitted_prompt",
+    "with_model_defaults",
+]
+
+
+def with_model_defaults(
+    params: SamplingParams | None, defaults: GenerationDefaults
+) -> SamplingParams:
+    """``params`` with the fields the caller left unset taken from the model's defaults
+    (``params=None``: the defaults themselves)."""
+    if params is None:
+        return defaults.sampling_params()
+    if not isinstance(params, SamplingParams):
+        raise InvalidRequestError(f"params must be a SamplingParams, got {type(params).__name__}.")
+    return params.with_defaults(defaults.sampling)
+
+
+def submitted_prompt(
+    prompt: PromptType, cache_salt: str | None, max_model_len: int | None
+) -> tuple[str | tuple[int, ...], str | None]:
+    """A ``generate`` or ``beam_search`` prompt as (its text or token ids, its cache salt): the
+    salt of a dict prompt or the ``cache_salt`` keyword, refused when given both ways; a list of
+    ids longer than ``max_model_len`` (None: no limit, a prompt to be truncated) is refused."""
+    parsed = parse_prompt(prompt, max_model_len)
+    if parsed.cache_salt is not None and cache_salt is not None:
+        raise InvalidRequestError("cache_salt is given twice (in the prompt and as keyword).")
+    salt = cache_salt if parsed.cache_salt is None else parsed.cache_salt
+    source = parsed.text if parsed.text is not None else parsed.token_ids
+    assert source is not None
+    return source, salt
+
+
+def beam_sampling_params(params: BeamSearchParams, cfg: EngineConfig) -> SamplingParams:
+    """The sampling parameters of a beam search's sequences (greedy, one final output), after
+    its width is checked against the batch limits."""
+    sampling = SamplingParams(temperature=0.0, max_tokens=params.max_tokens,
+                              ignore_eos=params.ignore_eos, n=params.beam_width,
+                              output_kind=RequestOutputKind.FINAL_ONLY)  # fmt: skip
+    check_group_width(params.beam_width, "beam_width", cfg.max_num_seqs,
+                      cfg.max_num_batched_tokens)  # fmt: skip
+    return sampling
+
+
+def chat_prompt(
+    messages: Sequence[ChatMessage],
+    chat_template: str | None,
+    add_generation_prompt: bool,
+    continue_final_message: bool,
+    tools: Sequence[Mapping[str, Any]] | None,
+    chat_template_kwargs: Mapping[str, Any] | None,
+) -> ChatPrompt:
+    """``chat``'s arguments checked, as the prompt the intake renders."""
+    checked = check_messages(messages)
+    if add_generation_prompt and continue_final_message:
+        raise InvalidRequestError("continue_final_message=True needs add_generation_prompt=False.")
+    if chat_template is not None and not isinstance(chat_template, str):
+        raise InvalidRequestError("chat_template must be a str (a Jinja template).")
+    if tools is not None and not all(isinstance(t, Mapping) for t in tools):
+        raise InvalidRequestError("tools must be a list of dicts (JSON schemas).")
+    return ChatPrompt(
+        messages=tuple(checked),
+        chat_template=chat_template,
+        add_generation_prompt=bool(add_generation_prompt),
+        continue_final_message=bool(continue_final_message),
+        tools=None if tools is None else tuple(dict(t) for t in tools),
+        chat_template_kwargs=tuple((chat_template_kwargs or {}).items()),
+    )
+
+
+def check_submission(
+    prompt: str | Sequence[int] | None,
+    params: SamplingParams,
+    request_id: str | None,
+    cache_salt: str | None,
+    *,
+    is_beam: bool,
+    live: Mapping[str, RequestState],
+    cfg: EngineConfig,
+    limits: RequestLimits,
+    max_prompt_chars: int,
+) -> tuple[str, str | None, tuple[int, ...] | None]:
+    """The request's id (a fresh one when None), text and token ids (one of them, or neither
+    for a chat), once every check a request passes before it is queued has passed; ``live``:
+    the requests submitted so far (an unfinished one's id is in use)."""
+    rid = check_request_id(request_id if request_id is not None else f"req-{uuid.uuid4().hex[:12]}")
+    check_cache_salt(cache_salt)
+    if not is_beam:  # sizes before any per-sequence state is built
+        what = "n" if params.best_of is None else "best_of"
+        check_group_width(params.num_sequences, what, cfg.max_num_seqs,
+                          cfg.max_num_batched_tokens)  # fmt: skip
+    if rid in live and not live[rid].is_done:
+        raise InvalidRequestError(f"request id {rid!r} is already in use.")
+    limits.check_vocab(params)
+    limits.check_logprobs(params)
+    if params.logits_processors and cfg.executor_backend == "process":
+        raise InvalidRequestError(
+            "logits_processors run where the model runs: with executor_backend='process' (what "
+            "the default, 'auto', takes on a CPU or CUDA device with 2+ cores) that is another "
+            "process, which a callable (and its state) cannot follow; use "
+            "EngineConfig(executor_backend='thread')."
+        )
+    if params.structured_outputs is not None and not structured_outputs_available():
+        raise InvalidRequestError(STRUCTURED_EXTRA_HINT)
+    if params.structured_outputs is not None and is_beam:
+        raise InvalidRequestError("beam search does not take structured outputs.")
+    if prompt is None:
+        return rid, None, None
+    if isinstance(prompt, str):
+        check_text_prompt(prompt, max_prompt_chars, limits.max_model_len)
+        return rid, prompt, None
+    ids = truncate_prompt(tuple(prompt), params)
+    limits.check_ids(ids, params)
+    return rid, None, ids
+
+
+def submission(
+    prompt: str | Sequence[int] | None,
+    params: SamplingParams,
+    request_id: str | None,
+    cache_salt: str | None,
+    *,
+    pin_id: int | None,
+    beam: BeamSearchParams | None,
+    chat: ChatPrompt | None,
+    priority: int,
+    live: Mapping[str, RequestState],
+    cfg: EngineConfig,
+    limits: RequestLimits,
+    max_prompt_chars: int,
+) -> SubmitRequest:
+    """The checked request (:func:`check_submission`) as the intake's message, with its new
+    :class:`RequestState` (``msg.state``)."""
+    rid, text, ids = check_submission(
+        prompt, params, request_id, cache_salt, is_beam=beam is not None, live=live, cfg=cfg,
+        limits=limits, max_prompt_chars=max_prompt_chars,
+    )  # fmt: skip
+    state = RequestState(rid, text, params, time.monotonic(), beam=beam is not None)
+    return SubmitRequest(state=state, prompt=text, prompt_token_ids=ids, params=params,
+                         cache_salt=cache_salt, priority=priority, pin_id=pin_id, beam=beam,
+                         chat=chat)  # fmt: skip
+
+
+def queue_request(
+    msg: SubmitRequest,
+    outputs: OutputProcessor,
+    submit: MemoryObjectSendStream[SubmitRequest],
+    scheduler: SchedulerActor,
+    abort: Callable[[RequestState], None],
+) -> RequestStream:
+    """Queue a checked request (:func:`submission`) for the intake, its state registered with
+    the output processor first; its stream aborts it with ``abort``. A stopping engine's
+    closed channel raises :class:`EngineClosedError` (and the state is not left live)."""
+    state = msg.state
+    outputs.register(state)
+    try:
+        submit.send_nowait(msg)
+    except (anyio.BrokenResourceError, anyio.ClosedResourceError) as exc:
+        # A failing engine's actors stop before it marks itself dead: not queued, so the
+        # caller hears that the engine is stopping (and the state is not left live).
+        outputs.forget(state)
+        raise EngineClosedError("the engine is not running: it is stopping.") from exc
+    scheduler.expect_request()
+    return RequestStream(state, abort, scheduler.dropped.append)
+
+
+def abort_request(
+    state: RequestState, control: MemoryObjectSendStream[SchedulerInbox], *, running: bool
+) -> None:
+    """Abort this request (not a later one that reuses its id): the flag makes the intake
+    drop it if it is still there; the message reaches the scheduler otherwise (one loop,
+    so one of the two sees it). ``running``: the engine has started and not failed (else the
+    flag alone)."""
+    if state.is_done or state.abort_requested:
+        return
+    state.abort_requested = True
+    if running:
+        with contextlib.suppress(anyio.ClosedResourceError, anyio.BrokenResourceError):
+            # closed: every request has finished, nothing is left to abort
+            msg = AbortRequest(request_id=state.request_id, serial=state.serial)
+            control.send_nowait(msg)

@@ -1,0 +1,2 @@
+"""From logits to tokens: sampling options, logits processing, draws and speculative
+verification."""
