@@ -15,14 +15,14 @@ from tests.test_import_cycles import import_graph
 
 LAYERS: tuple[tuple[str, ...], ...] = (
     ("_log", "_gc", "_detached", "errors"),
-    ("spec_decode", "structured_outputs", "sampling_checks", "sampling_params", "inputs",
+    ("spec_decode", "structured_outputs", "sampling_params", "inputs",
      "outputs", "config"),
     ("kv",),
     ("sched",),
     ("kernels", "model", "versions"),
     ("sampling",),
     ("worker", "distributed"),
-    ("detokenizer", "detokenizer_fast", "streams", "streams_wakeup"),
+    ("detokenizer", "streams", "streams_wakeup"),
     ("actors",),
     ("engine", "request_checks", "memory_budget"),
     ("server", "tools", "sim", "testing", "default_model", "__main__", ""),
