@@ -158,7 +158,7 @@ class AsyncEngine:
             propose=propose, draft_proposals=self._draft_proposals,
         )  # fmt: skip
         self._allocator, self._executor = actors.allocator, actors.executor
-        self._swap_space, self._scheduler = actors.swap_space, actors.scheduler
+        self._scheduler = actors.scheduler
         self._outputs, self._intake = actors.outputs, actors.intake
         self._control, self._submit = actors.control, actors.submit  # aborts; new requests
         try:
