@@ -103,6 +103,46 @@ class StepTxn:
     claim: Claim | None = None
 
 
+@dataclass(slots=True)
+class PendingOps:
+    """The pool operations decided since the last transaction, waiting for the next one: the
+    mandatory head of the next :class:`StepTxn` (a plan adds its appends, swap-ins and
+    admissions). Fields as in :class:`StepTxn`; the scheduler appends to them as it decides."""
+
+    late_tokens: list[tuple[int, int]] = field(default_factory=list)
+    complete_swaps: list[int] = field(default_factory=list)
+    forks: list[tuple[int, int]] = field(default_factory=list)
+    pins: list[PinOp] = field(default_factory=list)
+    unpins: list[int] = field(default_factory=list)
+    frees: list[int] = field(default_factory=list)
+    truncates: list[tuple[int, int]] = field(default_factory=list)
+
+    @property
+    def can_settle(self) -> bool:
+        """Whether :meth:`settle` has something to send (frees, late tokens' values, pins,
+        unpins, swap confirmations)."""
+        return bool(
+            self.frees or self.late_tokens or self.pins or self.unpins or self.complete_swaps
+        )
+
+    @property
+    def has_work(self) -> bool:
+        """Whether anything waits for the next transaction."""
+        return self.can_settle or bool(self.forks or self.truncates)
+
+    def settle(self) -> StepTxn:
+        """A transaction of everything pending but the truncates (they wait for the plan that
+        follows the verification), which leaves this empty but for them."""
+        txn = StepTxn(
+            late_tokens=tuple(self.late_tokens), complete_swaps=tuple(self.complete_swaps),
+            forks=tuple(self.forks), pins=tuple(self.pins), unpins=tuple(self.unpins),
+            frees=tuple(self.frees),
+        )  # fmt: skip
+        self.late_tokens, self.complete_swaps, self.forks = [], [], []
+        self.pins, self.unpins, self.frees = [], [], []
+        return txn
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class SlotGrant:
     """Slots for one sequence's new tokens, and its block table afterwards."""

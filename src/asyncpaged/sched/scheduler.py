@@ -48,6 +48,7 @@ from asyncpaged.kv.txn import (
     Admission,
     AllocateOp,
     Claim,
+    PendingOps,
     PinOp,
     PoolSnapshot,
     StepTxn,
@@ -198,23 +199,17 @@ class Scheduler:
         self._propose = propose
         self.spec_stats = SpeculativeStats()
         # (seq id, tokens kept) of verified sequences: their rejected slots roll back next txn
-        self._pending_truncates: list[tuple[int, int]] = []
         self.finished_beams: list[tuple[str, list[Hypothesis]]] = []  # drained by the caller
         self.requests: dict[str, Request] = {}
         self.waiting: list[Request] = []
         self.running: list[Request] = []
         self.swapped: list[Request] = []
         self._swaps: dict[int, Request | None] = {}  # swap id -> request (None: aborted)
-        self._pending_frees: list[int] = []
-        self._pending_completes: list[int] = []
-        self._pending_forks: list[tuple[int, int]] = []
         self._swapped_back: set[int] = set()
-        self._pending_pins: list[PinOp] = []
-        self._pending_unpins: list[int] = []  # seqs back on device since the last snapshot
+        self._pending = PendingOps()  # the next transaction's mandatory operations
         # Async scheduling: sequences whose last appended slot holds a late token in the pool,
         # and (seq id, value) of those whose value came back, for the next transaction
         self._late: set[int] = set()
-        self._pending_late: list[tuple[int, int]] = []
         # sequences whose sample in flight is void: a grammar forced the tokens after the
         # token before it (append_forced), so the next plan computes those instead
         self._void: set[int] = set()
@@ -261,7 +256,7 @@ class Scheduler:
     def complete_swap(self, swap_id: int) -> None:
         """A swap's copies are done: the request becomes swapped, or running again."""
         request = self._swaps.pop(swap_id)
-        self._pending_completes.append(swap_id)
+        self._pending.complete_swaps.append(swap_id)
         if request is None:  # aborted while its blocks were being copied
             return
         request.swap_id = None
@@ -285,19 +280,16 @@ class Scheduler:
     @property
     def has_pending_txn_work(self) -> bool:
         """Frees or swap confirmations wait for the next transaction."""
-        return self.has_settle_work or bool(self._pending_forks or self._pending_truncates)
+        return self._pending.has_work
 
     @property
     def has_settle_work(self) -> bool:
         """:meth:`plan_settle` has something to send (frees, late tokens, pins, swap ends)."""
-        return bool(
-            self._pending_frees or self._pending_late or self._pending_pins
-            or self._pending_unpins or self._pending_completes
-        )  # fmt: skip
+        return self._pending.can_settle
 
     def unpin(self, pool_pin_id: int) -> None:
         """Release a pinned prefix in the next transaction."""
-        self._pending_unpins.append(pool_pin_id)
+        self._pending.unpins.append(pool_pin_id)
 
     # ---- planning -------------------------------------------------------------------------
 
@@ -326,11 +318,8 @@ class Scheduler:
         if ahead is not None:
             assert self.can_plan_ahead()
             plan.pending = {s.seq_id for s in ahead.seqs if s.samples}
-        frees, self._pending_frees = self._pending_frees, []
-        completes, self._pending_completes = self._pending_completes, []
-        forks, self._pending_forks = self._pending_forks, []
-        pins, self._pending_pins = self._pending_pins, []
-        unpins, self._pending_unpins = self._pending_unpins, []
+        pending, self._pending = self._pending, PendingOps()
+        frees, forks = pending.frees, pending.forks
         # Forks land in this transaction and swapped-in sequences were not on the device at the
         # snapshot: count their partial last blocks as shared (a copy-on-write may be due).
         shared = snap.shared_tails | {s for pair in forks for s in pair} | self._swapped_back
@@ -348,19 +337,18 @@ class Scheduler:
             self._victims = []
         else:
             swap_ins, admissions = self._plan_queues(plan, pressure)
-        late, self._pending_late = self._pending_late, []
-        truncates, self._pending_truncates = self._pending_truncates, []
+        truncates = pending.truncates
         if truncates and frees:  # a sequence freed now (finished, restarted) keeps nothing
             gone = set(frees)
             truncates = [t for t in truncates if t[0] not in gone]
         num_draft = tuple(n for _, _, n in self._planned)
         self.num_plans += 1
         return StepTxn(
-            late_tokens=tuple(late),
-            complete_swaps=tuple(completes),
+            late_tokens=tuple(pending.late_tokens),
+            complete_swaps=tuple(pending.complete_swaps),
             forks=tuple(forks),
-            pins=tuple(pins),
-            unpins=tuple(unpins),
+            pins=tuple(pending.pins),
+            unpins=tuple(pending.unpins),
             frees=tuple(frees),
             append_seq_ids=tuple(seq_id for seq_id, _ in appends),
             append_token_ids=tuple(tokens for _, tokens in appends),
@@ -381,17 +369,7 @@ class Scheduler:
         planned ahead of, a finished request's blocks return to the pool at once. (A fork is
         pending here only from a fan-out that sat the step in flight out, so no block it
         shares is being written; a sequence it makes may already be among the frees.)"""
-        txn = StepTxn(
-            late_tokens=tuple(self._pending_late),
-            complete_swaps=tuple(self._pending_completes),
-            forks=tuple(self._pending_forks),
-            pins=tuple(self._pending_pins),
-            unpins=tuple(self._pending_unpins),
-            frees=tuple(self._pending_frees),
-        )
-        self._pending_late, self._pending_completes, self._pending_pins = [], [], []
-        self._pending_unpins, self._pending_frees, self._pending_forks = [], [], []
-        return txn
+        return self._pending.settle()
 
     def _plan_queues(
         self, plan: PlanBudget, pressure: bool
@@ -925,7 +903,7 @@ class Scheduler:
         seq.token_ids.append(token)
         if self._late and seq.seq_id in self._late:
             self._late.remove(seq.seq_id)
-            self._pending_late.append((seq.seq_id, token))
+            self._pending.late_tokens.append((seq.seq_id, token))
         finished = check_stop(request, seq, token)
         update = new_tuple(SeqUpdate, (  # the common case's one allocation per step per row
             request.request_id, seq.seq_id, seq.index, (seq.seq_id, 0), (token,),
@@ -951,7 +929,7 @@ class Scheduler:
                 s.token_ids.append(token)
                 if self._late and s.seq_id in self._late:  # (see _append_one)
                     self._late.remove(s.seq_id)
-                    self._pending_late.append((s.seq_id, token))
+                    self._pending.late_tokens.append((s.seq_id, token))
             finished = check_stop(request, s, token)
             updates.append(
                 SeqUpdate(
@@ -988,7 +966,7 @@ class Scheduler:
         appended = self._append_until_stop(request, seq, tokens)
         if not seq.is_finished:
             seq.num_computed_tokens += accepted
-            self._pending_truncates.append((seq.seq_id, seq.num_computed_tokens))
+            self._pending.truncates.append((seq.seq_id, seq.num_computed_tokens))
         return SeqUpdate(
             request_id=request.request_id,
             seq_id=seq.seq_id,
@@ -1022,7 +1000,7 @@ class Scheduler:
                 num_computed_tokens=parent.num_computed_tokens,
                 has_blocks=True,
             )
-            self._pending_forks.append((parent.seq_id, child.seq_id))
+            self._pending.forks.append((parent.seq_id, child.seq_id))
             kept.append(child)
         for seq in live.values():
             if all(s is not seq for s in kept):
@@ -1053,7 +1031,7 @@ class Scheduler:
                 has_blocks=True,
             )
             request.seqs.append(child)
-            self._pending_forks.append((seq.seq_id, child_id))
+            self._pending.forks.append((seq.seq_id, child_id))
             children.append(child)
         return children
 
@@ -1093,7 +1071,7 @@ class Scheduler:
         self._void.discard(seq.seq_id)
         if seq.has_blocks:
             seq.has_blocks = False
-            self._pending_frees.append(seq.seq_id)
+            self._pending.frees.append(seq.seq_id)
 
     def _finish(self, request: Request) -> None:
         """Drop a finished request from its queue; its blocks are freed by the next txn (after
@@ -1103,7 +1081,7 @@ class Scheduler:
             seq = request.seqs[0]
             prompt = tuple(seq.token_ids[: seq.num_prompt_tokens])
             pin = PinOp(pin_id=request.pin_id, token_ids=prompt, extra_key=request.cache_key)
-            self._pending_pins.append(pin)
+            self._pending.pins.append(pin)
         status = request.status
         request.status = RequestStatus.FINISHED
         if status is RequestStatus.WAITING:
