@@ -1,10 +1,11 @@
 """The public engine: ``async with AsyncEngine(config) as engine: await engine.generate(...)``.
 
-This module holds the engine's state and public methods. Building it at start is in
-``engine_build.py`` and ``engine_start.py`` (the actors); the checks, shaping, queueing and abort
-of a request in ``engine_submit.py``; pinned prefixes in ``engine_prefix.py``; the engine's own
-task, the actors' supervision, the alive check and the steps of a close in ``engine_lifecycle.py``;
-statistics in ``engine_stats.py``.
+This module holds the engine's state and public methods. The rest of the package: what a
+start loads and builds (``build``: the model or its runner process, tokenizers, the KV plan and
+tiers; ``start``: the block pool, the scheduler core and the actors over them); the checks,
+shaping, queueing and abort of a request (``submit``); pinned prefixes (``prefix``); the
+engine's own task, the actors' supervision, the alive check and the steps of a close
+(``lifecycle``); statistics (``stats``); and the synchronous :class:`~asyncpaged.engine.llm.LLM`.
 """
 
 from __future__ import annotations
@@ -376,7 +377,7 @@ class AsyncEngine:
         chat: ChatPrompt | None = None,
         priority: int = 0,
     ) -> RequestStream:
-        """Queue a checked request for the intake (``engine_submit.submission``); its state
+        """Queue a checked request for the intake (``submit.submission``); its state
         is registered with the output processor first."""
         outputs = self._outputs
         assert outputs is not None
