@@ -12,10 +12,10 @@ Layout (CPU, torch path), one tensor for K and one for V covering all layers::
     │ ...                     │  │ ...                    │
     └─────────────────────────┘  └────────────────────────┘
 
-Why this layout: PERFORMANCE.md measured a C++ paged decode kernel over exactly this layout (score
-loop = block_size-wide FMAs with no horizontal sums) as faster than every torch attention path,
-contiguous ones included; an NHD layout was 1.1-1.6x slower in that kernel. Choosing it now means
-the future kernel reads the cache the runner already owns, with no re-layout. The torch path in
+Why this layout: the native CPU decode kernel (``kernels/cpu_attention.py``) reads it with a score
+loop of block_size-wide FMAs and no horizontal sums, faster than every torch attention path,
+contiguous ones included; an NHD layout was 1.1-1.6x slower in that kernel. The kernel reads the
+cache the runner owns, with no re-layout. The torch path in
 ``attention.py`` pays one permute while gathering (it copies the gathered blocks anyway). Keeping
 all layers in one tensor makes copy-on-write and swap one indexed copy per K/V for every layer.
 

@@ -22,8 +22,8 @@ over the whole vocabulary: it sums over full-width rows that hold -inf wherever 
 -inf after top-k, and draws with the same ``u``.
 
 Here: the options, the seeded generators' keys, ``sample`` and every random draw (the full rows'
-and the candidates'). ``sampler_stages`` holds the stages before the draw (``process_logits``,
-``apply_logit_controls``, ``random_probs``) and ``sampler_candidates`` which rows may be screened
+and the candidates'). ``stages`` holds the stages before the draw (``process_logits``,
+``apply_logit_controls``, ``random_probs``) and ``candidates`` which rows may be screened
 (``is_screenable``, ``screened_top_k``) and their probabilities at the candidates; their names
 are re-exported from this module.
 """

@@ -1,6 +1,6 @@
 """Contiguous-reservation baselines (Orca Max / Pow2 / Oracle) through the real scheduler.
 
-:class:`ReservingBlockPool` is a :class:`~asyncpaged.core.BlockPool` whose admissions must find
+:class:`ReservingBlockPool` is a :class:`BlockPool` whose admissions must find
 room for a request's whole reservation up front, as a system that reserves contiguous memory per
 request does; the scheduler and the transaction code are unchanged. A request's reservation is
 looked up by the ``extra_key`` of its allocation (the simulator sets the request's cache salt to

@@ -2,7 +2,7 @@
 verification by modified rejection sampling, and statistics.
 
 The engine wiring (scheduler, runner, actors) is not here: the runner scores ``k + 1`` query
-tokens per sequence, ``spec_decode.rejection.verify`` picks what to keep, and
+tokens per sequence, ``sampling.rejection.verify`` picks what to keep, and
 ``BlockPool.truncate`` rolls the rejected slots back (see each module's docstring).
 
 This package imports no torch: ``asyncpaged.config`` imports ``SpeculativeConfig`` from it, so

@@ -1,7 +1,7 @@
 """``asyncpaged bench memory``: KV utilization and concurrency over time, paged vs reservation.
 
 Runs the waste report's simulation (:func:`~asyncpaged.tools.waste_report.simulate`: the real
-:class:`~asyncpaged.core.BlockPool` with ``--block-size`` 16 against Orca's contiguous
+:class:`~asyncpaged.kv.block_pool.BlockPool` with ``--block-size`` 16 against Orca's contiguous
 reservation policies max / pow2 / oracle, on ShareGPT-like and Alpaca-like lengths, first come
 first served, one decode step per iteration) at a fixed budget of ``--budget-tokens`` KV slots,
 and records at every step the KV utilization (tokens stored / slots reserved) and the number of

@@ -1,6 +1,6 @@
 """KV memory saved by sharing blocks: parallel sampling and beam search (the paper's Fig. 15).
 
-Each request is replayed through the real :class:`~asyncpaged.core.BlockPool`, one token per step,
+Each request is replayed through the real :class:`BlockPool`, one token per step,
 and at every step we compare the device blocks it holds with the blocks its sequences would hold
 each on their own (``ceil(length / block_size)`` per sequence). The saving is
 ``1 - sum(held) / sum(unshared)`` over all steps of all requests (a time average).

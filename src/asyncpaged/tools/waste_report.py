@@ -4,7 +4,7 @@ Requests with ShareGPT-like or Alpaca-like lengths are admitted first come, firs
 fixed budget of KV slots and decoded one token per step (iteration-level batching), until all have
 finished. Per step we record the tokens whose K/V are stored and the slots reserved for them:
 
-* ``paged``: the real :class:`~asyncpaged.core.BlockPool`; a request takes blocks for its prompt
+* ``paged``: the real :class:`BlockPool`; a request takes blocks for its prompt
   on admission (if 1% of the pool stays free, vLLM's watermark) and one block whenever its last
   block fills. When a running sequence cannot get a block, the latest-admitted one is preempted
   (recompute: its blocks are freed, and it is requeued first with its tokens so far).

@@ -6,7 +6,7 @@ Each takes the cheapest head that gives the full head's tokens: the int8 screen
 greedy and top-k rows from its candidates (``sampler.sample_from_candidates``); a bfloat16
 model's plain greedy rows without a grammar take the native argmax of its bf16 logits
 (``CausalLM.head_argmax``); otherwise the full head (``CausalLM.compute_logits``, float32
-logits) and ``sampler.sample`` or, for sampled proposals, ``spec_decode.rejection.verify``.
+logits) and ``sampler.sample`` or, for sampled proposals, ``rejection.verify``.
 The runner builds the screens (``ModelRunner.screened_head``, ``int8_head``, ``bf16_screen``)
 and passes them in, with its generator.
 """
@@ -94,7 +94,7 @@ def verify_proposals(
 ) -> tuple[SampledToken, ...]:
     """Speculative decoding: score each sequence's proposals (its last ``num_draft + 1``
     rows; sequence ``i`` ends at row ``ends[i + 1]``) and keep what
-    ``spec_decode.rejection.verify`` accepts. Plain greedy sequences take the target's argmax
+    ``rejection.verify`` accepts. Plain greedy sequences take the target's argmax
     per row (through a screen, or a bfloat16 model's native argmax, where one applies)."""
     spec = [(i, s) for i, s in enumerate(seqs) if s.num_draft]
     rows = [r for i, s in spec for r in range(ends[i + 1] - 1 - s.num_draft, ends[i + 1])]
