@@ -43,7 +43,7 @@ import torch
 from asyncpaged._log import get_logger
 from asyncpaged.errors import InvalidRequestError
 from asyncpaged.model.attention import AttentionBackend, AttentionMetadata
-from asyncpaged.model.attention_select import AttentionChoice
+from asyncpaged.model.attention_select import AttentionChoice, select_attention_backend
 from asyncpaged.model.base import CausalLM
 from asyncpaged.model.kv_cache import PagedKVCache
 from asyncpaged.model.packed_linear import pack_weight
@@ -147,6 +147,21 @@ class DraftModel:
         self.max_positions = int(getattr(model.config, "max_position_embeddings", 1 << 30))
         self.generator = torch.Generator(device=self.device).manual_seed(seed ^ DRAFT_SALT)
         self._draft_probs: dict[int, tuple[tuple[int, ...], torch.Tensor]] = {}
+
+    @classmethod
+    def from_spec(cls, spec: DraftSpec, device: torch.device) -> DraftModel:
+        """The draft ``spec`` describes, on ``device``, with an attention backend of its own
+        (``spec.attention_backend``; blocking)."""
+        return cls(
+            spec.path, dtype=getattr(torch, spec.dtype), device=device,
+            num_blocks=spec.num_blocks, block_size=spec.block_size,
+            num_host_blocks=spec.num_host_blocks, max_num_seqs=spec.max_num_seqs,
+            num_speculative_tokens=spec.num_speculative_tokens,
+            kv_cache_dtype=getattr(torch, spec.kv_cache_dtype),
+            attn_backend=select_attention_backend(str(device), spec.attention_backend),
+            packed_linears=spec.packed_linears, fused_elementwise=spec.fused_elementwise,
+            seed=spec.seed,
+        )  # fmt: skip
 
     @property
     def model(self) -> CausalLM:

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from itertools import chain
 from pathlib import Path
 
@@ -70,10 +70,44 @@ __all__ = [
     "StepPlan",
     "StepResult",
     "StepRunner",
+    "WorkerSpec",
     "select_attention_backend",
 ]
 
 _log = get_logger(__name__)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class WorkerSpec:
+    """How to build a runner (``ModelRunner.from_spec``): the engine's settings that it needs,
+    as plain values, so one record builds the runner on the engine's worker thread, in the
+    runner's own process and on every tensor-parallel rank (each builds its shard from it).
+
+    ``model`` is the checkpoint's directory; ``dtype`` and ``kv_cache_dtype`` are torch dtype
+    names ("float32"); ``device_type`` is "cpu" or "cuda" (the device itself is given beside
+    the spec: a CUDA rank uses its local rank's device); ``num_threads`` sets the torch
+    intra-op threads of a runner in a process of its own (rank 0's at start).
+    """
+
+    model: str
+    dtype: str
+    kv_cache_dtype: str
+    num_device_blocks: int
+    num_host_blocks: int
+    block_size: int
+    device_type: str
+    attention_backend: AttentionChoice
+    packed_linears: bool
+    seed: int
+    num_threads: int
+    fused_elementwise: bool = True
+    screened_lm_head: bool = True  # rank 0 samples
+    int8_lm_head: bool = True
+    native_bf16_decode: bool = True
+    # decode batch sizes the runner captures at load, for max_model_len tokens (tensor-parallel
+    # ranks capture together once every rank is ready: ``CaptureGraphs``)
+    cuda_graph_sizes: tuple[int, ...] = ()
+    max_model_len: int = 0
 
 
 class ModelRunner:
@@ -210,6 +244,29 @@ class ModelRunner:
         """The decode forward's CUDA graphs (``capture_cuda_graphs``); None: none captured."""
         return self.instance.graphs
 
+    @classmethod
+    def from_spec(
+        cls,
+        spec: WorkerSpec,
+        device: str | torch.device,
+        *,
+        attn_backend: AttentionBackend | None = None,
+        shard: TensorShard = SINGLE_SHARD,
+    ) -> ModelRunner:
+        """The runner ``spec`` describes, on ``device`` (``shard``: a tensor-parallel rank's
+        shard of it). ``attn_backend`` None: the one ``spec.attention_backend`` selects for
+        ``device`` (blocking: the C++ kernel may compile)."""
+        if attn_backend is None:
+            attn_backend = select_attention_backend(str(device), spec.attention_backend)
+        return cls(
+            spec.model, getattr(torch, spec.dtype), spec.num_device_blocks, spec.block_size,
+            spec.num_host_blocks, device=device, attn_backend=attn_backend, seed=spec.seed,
+            kv_cache_dtype=getattr(torch, spec.kv_cache_dtype), packed_linears=spec.packed_linears,
+            screened_lm_head=spec.screened_lm_head, int8_lm_head=spec.int8_lm_head,
+            fused_elementwise=spec.fused_elementwise, native_bf16_decode=spec.native_bf16_decode,
+            shard=shard,
+        )  # fmt: skip
+
     @torch.inference_mode()
     def capture_cuda_graphs(
         self, sizes: Sequence[int], max_model_len: int, capture: Capture | None = None
@@ -226,16 +283,7 @@ class ModelRunner:
     def load_draft(self, spec: DraftSpec) -> None:
         """Load the draft model (its own KV cache over this runner's block ids) and speculate
         with it (blocking: a worker thread, or the runner's process)."""
-        draft = DraftModel(
-            spec.path, dtype=getattr(torch, spec.dtype), device=self.device,
-            num_blocks=spec.num_blocks, block_size=spec.block_size,
-            num_host_blocks=spec.num_host_blocks, max_num_seqs=spec.max_num_seqs,
-            num_speculative_tokens=spec.num_speculative_tokens,
-            kv_cache_dtype=getattr(torch, spec.kv_cache_dtype),
-            attn_backend=select_attention_backend(str(self.device), spec.attention_backend),
-            packed_linears=spec.packed_linears, fused_elementwise=spec.fused_elementwise,
-            seed=spec.seed,
-        )  # fmt: skip
+        draft = DraftModel.from_spec(spec, self.device)
         self.attach_draft(draft, spec.max_model_len)
         _log.info("draft_model_loaded", model=spec.model, num_layers=draft.model.num_layers,
                  num_scratch_blocks=draft.num_scratch_blocks)  # fmt: skip
