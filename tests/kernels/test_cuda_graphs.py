@@ -330,7 +330,7 @@ def test_draft_model_proposes_through_its_own_graphs(
     tokens are transformers' greedy ones. On the CPU the sizes the config gives only to CUDA
     are forced, with the eager stand-in."""
     from asyncpaged import SpeculativeConfig
-    from asyncpaged.engine import build as engine_build
+    from asyncpaged.distributed import driver  # (worker_spec: the sizes every runner captures)
 
     checkpoint = checkpoints["llama-gqa"]
     spec = SpeculativeConfig(method="draft_model", num_speculative_tokens=3,
@@ -361,7 +361,7 @@ def test_draft_model_proposes_through_its_own_graphs(
 
     eager, eager_counts, none = anyio.run(run, True)
     if not NATIVE:
-        graphs_on_the_cpu(monkeypatch, engine_build, ModelRunner)
+        graphs_on_the_cpu(monkeypatch, driver, ModelRunner)
     graphed, counts, replays = anyio.run(run, False)
     reference = HFReference(checkpoint)
     assert graphed == eager == [reference.generate(tuple(p), 8)[0] for p in prompts]

@@ -154,12 +154,13 @@ def test_a_cache_that_does_not_fit_is_a_typed_error_naming_the_knobs(
 ) -> None:
     """The budget is an estimate (and another process may hold memory): an out-of-memory error
     while allocating the KV cache becomes an InvalidRequestError that says what to turn."""
+    from asyncpaged.worker import instance as instance_module
     from asyncpaged.worker import runner as runner_module
 
     def no_room(**kwargs: object) -> object:
         raise torch.cuda.OutOfMemoryError("CUDA out of memory")
 
-    monkeypatch.setattr(runner_module, "PagedKVCache", no_room)
+    monkeypatch.setattr(instance_module, "PagedKVCache", no_room)
     with pytest.raises(InvalidRequestError, match="gpu_memory_utilization") as info:
         runner_module.ModelRunner(tiny_checkpoint("llama-gqa"), "float32", num_blocks=8)
     assert isinstance(info.value.__cause__, torch.cuda.OutOfMemoryError)

@@ -9,13 +9,14 @@ shards of the weights and of the KV cache. See docs/distributed.md.
 - :func:`serve_worker`: the entry of ranks 1 .. N-1 under ``torchrun``.
 """
 
-from asyncpaged.distributed.commands import WorkerReady, WorkerSpec
+from asyncpaged.distributed.commands import WorkerReady
 from asyncpaged.distributed.driver import (
     TensorParallelRunner,
     check_tensor_parallel,
     worker_spec,
 )
 from asyncpaged.distributed.worker import serve_worker
+from asyncpaged.worker.runner import WorkerSpec
 
 __all__ = [
     "TensorParallelRunner",

@@ -26,43 +26,12 @@ from dataclasses import dataclass
 
 from asyncpaged.kv.block_table import LATE_TOKEN, SwapDirection
 from asyncpaged.worker.protocol import SequenceStep, StepPlan
-from asyncpaged.worker.runner import AttentionChoice
 from asyncpaged.worker.runner_logs import LogBatch
 
 # (seq_id, token_ids, num_computed_tokens, slot_mapping, table_start, block_table,
 # min_rope_len): the table from entry table_start on, as the plan has it (each rank keeps its
 # own persistent tables); what every rank's forward reads of a row
 WireSequence = tuple[int, tuple[int, ...], int, tuple[int, ...], int, tuple[int, ...], int]
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class WorkerSpec:
-    """How every rank builds its shard: the engine's settings that the runner needs.
-
-    ``dtype`` and ``kv_cache_dtype`` are torch dtype names ("float32"); ``device_type`` is
-    "cpu" or "cuda" (a CUDA rank uses its local rank's device); ``num_threads`` sets each rank's
-    torch intra-op threads (rank 0's at start).
-    """
-
-    model: str
-    dtype: str
-    kv_cache_dtype: str
-    num_device_blocks: int
-    num_host_blocks: int
-    block_size: int
-    device_type: str
-    attention_backend: AttentionChoice
-    packed_linears: bool
-    seed: int
-    num_threads: int
-    fused_elementwise: bool = True
-    screened_lm_head: bool = True  # rank 0 samples
-    int8_lm_head: bool = True
-    native_bf16_decode: bool = True
-    # decode batch sizes a runner in its own process captures at load (tensor-parallel ranks
-    # capture together once every rank is ready: ``CaptureGraphs``)
-    cuda_graph_sizes: tuple[int, ...] = ()
-    max_model_len: int = 0
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

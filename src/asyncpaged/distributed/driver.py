@@ -48,7 +48,6 @@ from asyncpaged.distributed.commands import (
     Shutdown,
     SwapCommand,
     WorkerReady,
-    WorkerSpec,
 )
 from asyncpaged.distributed.group import INIT_TIMEOUT_S, JOINED_KEY, ProcessGroups, torchrun_env
 from asyncpaged.distributed.worker import _spawned_main, build_runner, rank_device, ready_reply
@@ -57,7 +56,7 @@ from asyncpaged.kv.block_table import SwapDirection
 from asyncpaged.model.errors import UnsupportedModelError
 from asyncpaged.worker.cuda_graphs import Capture, eager_capture
 from asyncpaged.worker.protocol import LateDelivery, StepPlan, StepResult
-from asyncpaged.worker.runner import ModelRunner, select_attention_backend
+from asyncpaged.worker.runner import ModelRunner, WorkerSpec, select_attention_backend
 from asyncpaged.worker.runner_logs import emit, library_level
 
 log = get_logger(__name__)

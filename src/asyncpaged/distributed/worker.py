@@ -26,14 +26,13 @@ from asyncpaged.distributed.commands import (
     Shutdown,
     SwapCommand,
     WorkerReady,
-    WorkerSpec,
 )
 from asyncpaged.distributed.group import INIT_TIMEOUT_S, JOINED_KEY, ProcessGroups, torchrun_env
 from asyncpaged.kv.block_table import SwapDirection
 from asyncpaged.model.attention import AttentionBackend
 from asyncpaged.model.base import TensorShard
 from asyncpaged.worker.cuda_graphs import eager_capture
-from asyncpaged.worker.runner import ModelRunner, select_attention_backend
+from asyncpaged.worker.runner import ModelRunner, WorkerSpec
 from asyncpaged.worker.runner_logs import LogBatch, capture_library_logs, release_library_logs
 
 log = get_logger(__name__)
@@ -59,26 +58,8 @@ def build_runner(
     ``backend`` None: select one as the engine does (the C++ kernel is cached by then: rank 0
     builds it before it starts the workers)."""
     torch.set_num_threads(spec.num_threads)
-    if backend is None:
-        backend = select_attention_backend(str(device), spec.attention_backend)
     shard = TensorShard(rank=rank, world_size=groups.world_size, all_reduce=groups.all_reduce)
-    return ModelRunner(
-        spec.model,
-        getattr(torch, spec.dtype),
-        spec.num_device_blocks,
-        spec.block_size,
-        spec.num_host_blocks,
-        device=device,
-        attn_backend=backend,
-        seed=spec.seed,
-        kv_cache_dtype=getattr(torch, spec.kv_cache_dtype),
-        packed_linears=spec.packed_linears,
-        fused_elementwise=spec.fused_elementwise,
-        screened_lm_head=spec.screened_lm_head,
-        int8_lm_head=spec.int8_lm_head,
-        native_bf16_decode=spec.native_bf16_decode,
-        shard=shard,
-    )
+    return ModelRunner.from_spec(spec, device, attn_backend=backend, shard=shard)
 
 
 def ready_reply(

@@ -40,7 +40,6 @@ from asyncpaged.config import (
     EngineConfig,
     KVShape,
     async_scheduling_for,
-    cuda_graph_sizes,
     executor_backend_for,
     num_blocks_for,
 )
@@ -70,7 +69,7 @@ from asyncpaged.worker.kv_tier_remote import TierStore, start_remote_tiers
 from asyncpaged.worker.kv_tier_store import build_kv_tiers
 from asyncpaged.worker.process import RunnerLaunch, RunnerProcess
 from asyncpaged.worker.protocol import StepRunner
-from asyncpaged.worker.runner import ModelRunner, select_attention_backend
+from asyncpaged.worker.runner import ModelRunner
 
 __all__ = [
     "EngineActors",
@@ -248,10 +247,10 @@ async def load_runner(
     draft: DraftSpec | None = None
     if speculative is not None and speculative.method == "draft_model":
         draft = await anyio.to_thread.run_sync(draft_spec, cfg, speculative, plan, levers, resolve)
+    local = dataclasses.replace(cfg, model=str(path), revision=None)
+    spec = worker_spec(local, dtype, kv_dtype, num_device, num_host, levers,
+                       max_model_len=plan.max_model_len)  # fmt: skip
     if cfg.tensor_parallel_size > 1 or cfg.executor_backend == "process":
-        local = dataclasses.replace(cfg, model=str(path), revision=None)
-        spec = worker_spec(local, dtype, kv_dtype, num_device, num_host, levers,
-                           max_model_len=plan.max_model_len)  # fmt: skip
         if cfg.executor_backend == "process":
             assert launch is not None
             proc = await anyio.to_thread.run_sync(launch.start, spec, cfg.device, draft)
@@ -268,23 +267,12 @@ async def load_runner(
             tp.close(graceful=False)
             raise
         return tp.runner, tp, tp
-    backend = await anyio.to_thread.run_sync(  # may compile (g++)
-        select_attention_backend, cfg.device, cfg.attention_backend
-    )
-    runner = await anyio.to_thread.run_sync(
-        lambda: ModelRunner(path, dtype, num_device, cfg.block_size, num_host,
-                            device=cfg.device, seed=cfg.seed, attn_backend=backend,
-                            kv_cache_dtype=kv_dtype,
-                            packed_linears=levers["packed_linears"],
-                            screened_lm_head=levers["screened_lm_head"],
-                            int8_lm_head=levers["int8_lm_head"],
-                            fused_elementwise=levers["fused_elementwise"],
-                            native_bf16_decode=levers["native_bf16_decode"])
-    )  # fmt: skip
+    # (selecting the attention backend may compile it: g++)
+    runner = await anyio.to_thread.run_sync(ModelRunner.from_spec, spec, cfg.device)
     if draft is not None:
         await anyio.to_thread.run_sync(runner.load_draft, draft)
-    sizes = cuda_graph_sizes(cfg)
-    await anyio.to_thread.run_sync(runner.capture_cuda_graphs, sizes, plan.max_model_len)
+    await anyio.to_thread.run_sync(runner.capture_cuda_graphs, spec.cuda_graph_sizes,
+                                   plan.max_model_len)  # fmt: skip
     return runner, runner, None  # TP=1: the executor drives the runner itself
 
 

@@ -18,13 +18,12 @@ from typing import Any
 
 import torch
 
-from asyncpaged.distributed.commands import WorkerSpec
 from asyncpaged.worker.draft import DraftSpec
 from asyncpaged.worker.kv_tier_remote import tier_calls
 from asyncpaged.worker.late_inputs import checked
 from asyncpaged.worker.process import RunnerReady, result_to_wire
 from asyncpaged.worker.protocol import LateDelivery, SequenceStep, StepPlan
-from asyncpaged.worker.runner import ModelRunner, select_attention_backend
+from asyncpaged.worker.runner import ModelRunner, WorkerSpec
 from asyncpaged.worker.runner_logs import LIBRARY_LOGGER, LogCapture, capture_library_logs
 
 # A step's rows cross the pipe as plain tuples (``runner_process._as_tuple_of``)
@@ -64,7 +63,8 @@ def _serve(
         conn.send_bytes(_dumps_reply(reply))
 
     try:
-        runner = _build(spec, device)
+        torch.set_num_threads(spec.num_threads)
+        runner = ModelRunner.from_spec(spec, device)
         if draft is not None:
             runner.load_draft(draft)
         runner.capture_cuda_graphs(spec.cuda_graph_sizes, spec.max_model_len)  # (and the draft's)
@@ -138,16 +138,3 @@ def _dumps_reply(reply: RunnerReady | tuple[bool, object]) -> bytes:
         if isinstance(reply, RunnerReady):
             return pickle.dumps(RunnerReady(pid=reply.pid, error=error))
         return pickle.dumps((False, error))
-
-
-def _build(spec: WorkerSpec, device: str) -> ModelRunner:
-    torch.set_num_threads(spec.num_threads)
-    backend = select_attention_backend(device, spec.attention_backend)
-    runner = ModelRunner(
-        spec.model, getattr(torch, spec.dtype), spec.num_device_blocks, spec.block_size,
-        spec.num_host_blocks, device=device, attn_backend=backend, seed=spec.seed,
-        kv_cache_dtype=getattr(torch, spec.kv_cache_dtype), packed_linears=spec.packed_linears,
-        fused_elementwise=spec.fused_elementwise, screened_lm_head=spec.screened_lm_head,
-        int8_lm_head=spec.int8_lm_head, native_bf16_decode=spec.native_bf16_decode,
-    )  # fmt: skip
-    return runner

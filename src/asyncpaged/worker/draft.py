@@ -43,14 +43,14 @@ import torch
 from asyncpaged._log import get_logger
 from asyncpaged.errors import InvalidRequestError
 from asyncpaged.model.attention import AttentionBackend, AttentionMetadata
-from asyncpaged.model.attention_select import AttentionChoice
-from asyncpaged.model.base import FUSED_DTYPES, CausalLM
-from asyncpaged.model.kv_cache import PagedKVCache, swap_in, swap_out
-from asyncpaged.model.loader import load_model
-from asyncpaged.model.packed_linear import pack_linears, pack_weight
+from asyncpaged.model.attention_select import AttentionChoice, select_attention_backend
+from asyncpaged.model.base import CausalLM
+from asyncpaged.model.kv_cache import PagedKVCache
+from asyncpaged.model.packed_linear import pack_weight
 from asyncpaged.sampling.options import SamplingOptions, salt_generator_key
 from asyncpaged.sampling.sampler import draw_tokens, greedy, process_logits, random_probs
-from asyncpaged.worker.cuda_graphs import Capture, DecodeGraphs, capture_decode_graphs
+from asyncpaged.worker.cuda_graphs import Capture, DecodeGraphs
+from asyncpaged.worker.instance import ModelInstance
 
 if TYPE_CHECKING:
     from asyncpaged.worker.protocol import SampledToken, SequenceStep, StepPlan, StepResult
@@ -97,7 +97,9 @@ class DraftSpec:
 
 
 class DraftModel:
-    """The draft checkpoint, its device KV cache (+ scratch blocks) and host (swap) cache.
+    """The draft checkpoint, its device KV cache (+ scratch blocks) and host (swap) cache: a
+    :class:`ModelInstance` (``model``, ``kv_cache``, ``host_kv_cache`` and ``graphs`` read
+    through to it), and the proposals' generator and ``q`` rows.
 
     Invariants: ``kv_cache`` has ``num_blocks + num_scratch_blocks`` blocks of ``block_size``;
     block ids ``< num_blocks`` mirror the target's blocks; scratch ids are written only by
@@ -127,39 +129,59 @@ class DraftModel:
         sequences proposing ``num_speculative_tokens`` each. ``attn_backend`` must be the
         draft's own instance (backends keep per-step plans)."""
         self.device = torch.device(device)
-        self.model: CausalLM = load_model(checkpoint_path, dtype, self.device)
-        if attn_backend is not None:
-            self.model.attn_backend = attn_backend
-        self.vocab_size = int(self.model.lm_head_weight().shape[0])
-        # Positions past it are never fed to the draft (learned position embeddings end there)
-        self.max_positions = int(getattr(self.model.config, "max_position_embeddings", 1 << 30))
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.max_k = num_speculative_tokens
         self.num_scratch_blocks = max_num_seqs * (num_speculative_tokens // block_size + 2)
-        if self.device.type == "cpu" and packed_linears:  # (float32 and bfloat16 weights)
-            pack_linears(self.model, batch_hint=64, keep=(self.model.lm_head_weight(),))
-            self.model.packed_lm_head = pack_weight(self.model.lm_head_weight(), 64)
-        if self.device.type == "cpu" and dtype in FUSED_DTYPES and fused_elementwise:
-            from asyncpaged.kernels.cpu_fused import fused_ops
-
-            self.model.fused_ops = fused_ops()
-        kv_dtype = kv_cache_dtype or dtype
-
-        def make_cache(n: int, on: torch.device) -> PagedKVCache:
-            return PagedKVCache(
-                num_layers=self.model.num_layers, num_blocks=n, block_size=block_size,
-                num_kv_heads=self.model.num_kv_heads, head_dim=self.model.head_dim,
-                dtype=kv_dtype, device=on, fill_value=kv_fill_value,
-                pin_memory=self.device.type == "cuda" and on.type == "cpu",
-                layout=self.model.attn_backend.kv_layout,
-            )  # fmt: skip
-
-        self.kv_cache = make_cache(num_blocks + self.num_scratch_blocks, self.device)
-        self.host_kv_cache = make_cache(num_host_blocks, torch.device("cpu"))
+        self.instance = ModelInstance(
+            checkpoint_path, dtype, self.device, num_blocks=num_blocks + self.num_scratch_blocks,
+            block_size=block_size, num_host_blocks=num_host_blocks, kv_cache_dtype=kv_cache_dtype,
+            attn_backend=attn_backend, kv_fill_value=kv_fill_value, packed_linears=packed_linears,
+            fused_elementwise=fused_elementwise,
+        )  # fmt: skip
+        model = self.model
+        if self.device.type == "cpu" and packed_linears:  # its head runs every proposal decode
+            model.packed_lm_head = pack_weight(model.lm_head_weight(), 64)
+        self.vocab_size = int(model.lm_head_weight().shape[0])
+        # Positions past it are never fed to the draft (learned position embeddings end there)
+        self.max_positions = int(getattr(model.config, "max_position_embeddings", 1 << 30))
         self.generator = torch.Generator(device=self.device).manual_seed(seed ^ DRAFT_SALT)
         self._draft_probs: dict[int, tuple[tuple[int, ...], torch.Tensor]] = {}
-        self.graphs: DecodeGraphs | None = None  # ``capture_cuda_graphs``
+
+    @classmethod
+    def from_spec(cls, spec: DraftSpec, device: torch.device) -> DraftModel:
+        """The draft ``spec`` describes, on ``device``, with an attention backend of its own
+        (``spec.attention_backend``; blocking)."""
+        return cls(
+            spec.path, dtype=getattr(torch, spec.dtype), device=device,
+            num_blocks=spec.num_blocks, block_size=spec.block_size,
+            num_host_blocks=spec.num_host_blocks, max_num_seqs=spec.max_num_seqs,
+            num_speculative_tokens=spec.num_speculative_tokens,
+            kv_cache_dtype=getattr(torch, spec.kv_cache_dtype),
+            attn_backend=select_attention_backend(str(device), spec.attention_backend),
+            packed_linears=spec.packed_linears, fused_elementwise=spec.fused_elementwise,
+            seed=spec.seed,
+        )  # fmt: skip
+
+    @property
+    def model(self) -> CausalLM:
+        """The draft's loaded model."""
+        return self.instance.model
+
+    @property
+    def kv_cache(self) -> PagedKVCache:
+        """The draft's device KV cache (the target's block ids, then the scratch blocks)."""
+        return self.instance.kv_cache
+
+    @property
+    def host_kv_cache(self) -> PagedKVCache:
+        """The draft's host (swap) KV cache."""
+        return self.instance.host_kv_cache
+
+    @property
+    def graphs(self) -> DecodeGraphs | None:
+        """The draft's decode graphs (``capture_cuda_graphs``); None: none captured."""
+        return self.instance.graphs
 
     def capture_cuda_graphs(
         self, sizes: Sequence[int], max_model_len: int, capture: Capture | None = None
@@ -167,22 +189,9 @@ class DraftModel:
         """Capture the draft's decode forward for these batch sizes (``cuda_graphs``): its
         proposal decodes, and its pass over a decode-only step, replay them. Their tables
         reach ``num_speculative_tokens`` positions past ``max_model_len`` (scratch blocks)."""
-        self.graphs = capture_decode_graphs(
-            self.model, self.kv_cache, sizes=sizes, max_model_len=max_model_len + self.max_k,
-            block_size=self.block_size, capture=capture, name="draft",
-        )  # fmt: skip
-        return () if self.graphs is None else self.graphs.sizes
-
-    def _forward(
-        self, ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata
-    ) -> torch.Tensor:
-        """Final hidden states [T, H]: a decode-only batch through its graph when one is
-        captured for it, else the eager forward."""
-        graphs = self.graphs
-        hidden = None if graphs is None else graphs.run(ids, positions, metadata)
-        if hidden is None:
-            hidden = self.model(ids, positions, metadata, self.kv_cache)
-        return hidden
+        return self.instance.capture_graphs(
+            sizes, max_model_len + self.max_k, capture, name="draft"
+        )
 
     def check_target(
         self, vocab_size: int, num_blocks: int, block_size: int, max_model_len: int | None = None
@@ -206,7 +215,7 @@ class DraftModel:
     # ---- mirrored cache operations ----------------------------------------------------------
 
     def copy_blocks(self, pairs: Sequence[tuple[int, int]]) -> None:
-        self.model.attn_backend.copy_blocks(self.kv_cache, pairs)
+        self.instance.copy_blocks(pairs)
 
     def swap_out(
         self,
@@ -214,7 +223,7 @@ class DraftModel:
         stream: torch.cuda.Stream | None,
         after: torch.cuda.Event | None,
     ) -> None:
-        swap_out(self.kv_cache, self.host_kv_cache, pairs, stream, after)
+        self.instance.swap_out(pairs, stream, after)
 
     def swap_in(
         self,
@@ -222,7 +231,7 @@ class DraftModel:
         stream: torch.cuda.Stream | None,
         after: torch.cuda.Event | None,
     ) -> None:
-        swap_in(self.kv_cache, self.host_kv_cache, pairs, stream, after)
+        self.instance.swap_in(pairs, stream, after)
 
     # ---- a step -----------------------------------------------------------------------------
 
@@ -236,7 +245,7 @@ class DraftModel:
         the proposals for the next step (in ``SampledToken.proposals``)."""
         began = time.perf_counter()
         metadata, input_tensor, position_tensor = inputs
-        self._forward(input_tensor, position_tensor, metadata)
+        self.instance.forward(input_tensor, position_tensor, metadata)
         sampled = self.propose(plan, result.sampled, metadata.block_tables_host)
         compute_s = result.compute_s + time.perf_counter() - began
         return dataclasses.replace(result, sampled=sampled, compute_s=compute_s)
@@ -342,7 +351,7 @@ class DraftModel:
         )
         ids = torch.tensor([tokens[i][-1] for i in live], dtype=torch.int64, device=self.device)
         positions = torch.tensor(lengths, dtype=torch.int64, device=self.device)
-        hidden = self._forward(ids, positions, metadata)
+        hidden = self.instance.forward(ids, positions, metadata)
         return self.model.compute_logits(hidden)  # (before the next replay)
 
 

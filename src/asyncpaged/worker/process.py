@@ -51,11 +51,10 @@ from typing import Any
 import anyio
 
 from asyncpaged._log import get_logger
-from asyncpaged.distributed.commands import WorkerSpec
 from asyncpaged.errors import WorkerDiedError
 from asyncpaged.worker.draft import DraftSpec
 from asyncpaged.worker.protocol import LateDelivery, SampledToken, StepPlan, StepResult
-from asyncpaged.worker.runner import select_attention_backend
+from asyncpaged.worker.runner import WorkerSpec, select_attention_backend
 from asyncpaged.worker.runner_logs import LogBatch, emit, library_level
 
 log = get_logger(__name__)

@@ -1,4 +1,5 @@
-"""The model runner: owns weights and KV caches, executes one scheduled step at a time.
+"""The model runner: holds the model and its KV caches (``instance``), executes one scheduled step
+at a time.
 
 A step (``StepPlan``, ``worker/protocol.py`` with the other records) lists, per sequence, the new
 tokens to run, where their K/V go (slots), the changes to the sequence's block table (the runner
@@ -24,7 +25,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from itertools import chain
 from pathlib import Path
 
@@ -32,21 +33,20 @@ import numpy as np
 import torch
 
 from asyncpaged._log import get_logger
-from asyncpaged.errors import InvalidRequestError
 from asyncpaged.kv.block_table import LATE_TOKEN
 from asyncpaged.model.attention import AttentionBackend, AttentionMetadata
 from asyncpaged.model.attention_select import AttentionChoice, select_attention_backend
-from asyncpaged.model.base import FUSED_DTYPES, SINGLE_SHARD, CausalLM, TensorShard
-from asyncpaged.model.kv_cache import PagedKVCache, swap_in, swap_out
+from asyncpaged.model.base import SINGLE_SHARD, CausalLM, TensorShard
+from asyncpaged.model.kv_cache import PagedKVCache
 from asyncpaged.model.lm_head import ScreenedLMHead
 from asyncpaged.model.lm_head_int8 import Int8ScreenedArgmax, int8_activation_limit
-from asyncpaged.model.loader import load_model
-from asyncpaged.model.packed_linear import pack_linears, pack_weight
+from asyncpaged.model.packed_linear import pack_weight
 from asyncpaged.sampling.options import SeenTokens
 from asyncpaged.worker.block_tables import BlockTables
-from asyncpaged.worker.cuda_graphs import Capture, DecodeGraphs, capture_decode_graphs
+from asyncpaged.worker.cuda_graphs import Capture, DecodeGraphs
 from asyncpaged.worker.draft import DraftModel, DraftSpec
 from asyncpaged.worker.head_sampling import sample_draws, verify_proposals
+from asyncpaged.worker.instance import ModelInstance
 from asyncpaged.worker.kept_options import KeptOptions
 from asyncpaged.worker.late_inputs import LateInputs, LateSource, with_late_inputs
 from asyncpaged.worker.penalty_histories import PenaltyHistories
@@ -70,19 +70,55 @@ __all__ = [
     "StepPlan",
     "StepResult",
     "StepRunner",
+    "WorkerSpec",
     "select_attention_backend",
 ]
 
 _log = get_logger(__name__)
 
 
-class ModelRunner:
-    """Model weights, the device KV cache and the host (swap) KV cache of one model (of one
-    tensor-parallel shard of it).
+@dataclass(frozen=True, slots=True, kw_only=True)
+class WorkerSpec:
+    """How to build a runner (``ModelRunner.from_spec``): the engine's settings that it needs,
+    as plain values, so one record builds the runner on the engine's worker thread, in the
+    runner's own process and on every tensor-parallel rank (each builds its shard from it).
 
-    Invariants: the device and host caches share layout and dtype; a block id names the same block
-    in every layer; ``execute`` never reads a slot outside the plan's block tables; the caches hold
-    ``model.num_kv_heads`` heads, this shard's share.
+    ``model`` is the checkpoint's directory; ``dtype`` and ``kv_cache_dtype`` are torch dtype
+    names ("float32"); ``device_type`` is "cpu" or "cuda" (the device itself is given beside
+    the spec: a CUDA rank uses its local rank's device); ``num_threads`` sets the torch
+    intra-op threads of a runner in a process of its own (rank 0's at start).
+    """
+
+    model: str
+    dtype: str
+    kv_cache_dtype: str
+    num_device_blocks: int
+    num_host_blocks: int
+    block_size: int
+    device_type: str
+    attention_backend: AttentionChoice
+    packed_linears: bool
+    seed: int
+    num_threads: int
+    fused_elementwise: bool = True
+    screened_lm_head: bool = True  # rank 0 samples
+    int8_lm_head: bool = True
+    native_bf16_decode: bool = True
+    # decode batch sizes the runner captures at load, for max_model_len tokens (tensor-parallel
+    # ranks capture together once every rank is ready: ``CaptureGraphs``)
+    cuda_graph_sizes: tuple[int, ...] = ()
+    max_model_len: int = 0
+
+
+class ModelRunner:
+    """One model (one tensor-parallel shard of it) running scheduled steps: its
+    :class:`ModelInstance` (weights, device and host KV caches, decode graphs; ``model``,
+    ``kv_cache``, ``host_kv_cache`` and ``graphs`` read through to it), the LM-head screens,
+    the sampler's generator, the swap stream, an attached draft model, and what it keeps
+    between steps (block tables, penalty histories, sampling options, the last tokens).
+
+    Invariants: ``execute`` never reads a slot outside the plan's block tables; a swap copies
+    the draft's blocks too; the instance's invariants hold (``worker/instance.py``).
     """
 
     def __init__(
@@ -131,39 +167,37 @@ class ModelRunner:
                 "num_blocks and block_size must be > 0 and num_host_blocks >= 0, got "
                 f"{num_blocks}, {block_size}, {num_host_blocks}."
             )
-        self.device = torch.device(device)
-        self.model: CausalLM = load_model(checkpoint_path, dtype, self.device, shard)
-        if attn_backend is not None:
-            self.model.attn_backend = attn_backend
-        if hasattr(self.model.attn_backend, "sdpa_bf16_decode"):  # CpuAttentionBackend
-            self.model.attn_backend.sdpa_bf16_decode = not native_bf16_decode
-        self.dtype = self.model.lm_head_weight().dtype
-        self.kv_cache_dtype = kv_cache_dtype or self.dtype
+        self.instance = ModelInstance(
+            checkpoint_path, dtype, torch.device(device), num_blocks=num_blocks,
+            block_size=block_size, num_host_blocks=num_host_blocks, kv_cache_dtype=kv_cache_dtype,
+            attn_backend=attn_backend, kv_fill_value=kv_fill_value, packed_linears=packed_linears,
+            fused_elementwise=fused_elementwise, shard=shard,
+        )  # fmt: skip
+        self.device = self.instance.device
+        self.dtype = self.instance.dtype
+        self.kv_cache_dtype = self.instance.kv_cache_dtype
         self.block_size = block_size
+        model = self.model
+        if hasattr(model.attn_backend, "sdpa_bf16_decode"):  # CpuAttentionBackend
+            model.attn_backend.sdpa_bf16_decode = not native_bf16_decode
         on_cpu = self.device.type == "cpu"
         cpu_fp32 = on_cpu and self.dtype == torch.float32
-        if packed_linears and on_cpu:  # (float32 and bfloat16 weights: packed_linear)
-            pack_linears(self.model, batch_hint=64, keep=(self.model.lm_head_weight(),))
         if on_cpu and self.dtype == torch.bfloat16:  # greedy rows skip widening the logits
             from asyncpaged.kernels.cpu_argmax import native_argmax
 
-            self.model.native_argmax = native_argmax()  # None: the torch path
-        if fused_elementwise and on_cpu and self.dtype in FUSED_DTYPES:
-            from asyncpaged.kernels.cpu_fused import fused_ops
-
-            self.model.fused_ops = fused_ops()  # None (torch code) when it cannot be built
+            model.native_argmax = native_argmax()  # None: the torch path
         # The screens rank raw logits; a final softcap's float32 tanh can merge distinct logits
         # into ties (broken by index), so a softcapped model always takes the full head.
-        screenable = cpu_fp32 and shard.rank == 0 and self.model.final_logit_softcap is None
+        screenable = cpu_fp32 and shard.rank == 0 and model.final_logit_softcap is None
         # ScreenedLMHead is the bf16 screen and the fp32 rescorer the int8 screen uses too.
         self.bf16_screen = screenable and screened_lm_head
         wants_head = self.bf16_screen or (screenable and int8_lm_head)
-        self.screened_head = ScreenedLMHead(self.model.lm_head_weight()) if wants_head else None
+        self.screened_head = ScreenedLMHead(model.lm_head_weight()) if wants_head else None
         if packed_linears and on_cpu and shard.rank == 0 and not self.bf16_screen:
             # The full head then runs on every sampling step: oneDNN's packed layout, like the
             # layers (float32 with the screen off: +18% on an AVX2-capped Zen 4, +26% natively;
             # a bfloat16 head, never screened: 2x on AMX).
-            self.model.packed_lm_head = pack_weight(self.model.lm_head_weight(), 64)
+            model.packed_lm_head = pack_weight(model.lm_head_weight(), 64)
         self.int8_head: Int8ScreenedArgmax | None = None
         limit = int8_activation_limit() if self.screened_head is not None and int8_lm_head else None
         if self.screened_head is not None and limit is not None:
@@ -173,31 +207,7 @@ class ModelRunner:
                 )
             except ValueError as exc:  # hidden size or weights outside its proof
                 _log.info("int8_lm_head_unavailable", error=str(exc))
-
         on_cuda = self.device.type == "cuda"
-
-        def make_cache(n: int, device: torch.device) -> PagedKVCache:
-            return PagedKVCache(
-                num_layers=self.model.num_layers,
-                num_blocks=n,
-                block_size=block_size,
-                num_kv_heads=self.model.num_kv_heads,
-                head_dim=self.model.head_dim,
-                dtype=self.kv_cache_dtype,
-                device=device,
-                fill_value=kv_fill_value,
-                pin_memory=on_cuda and device.type == "cpu",
-                layout=self.model.attn_backend.kv_layout,  # the host cache's too: swaps copy blocks
-            )
-
-        try:
-            self.kv_cache = make_cache(num_blocks, self.device)
-        except torch.cuda.OutOfMemoryError as exc:  # the budget's estimate, or another process
-            raise InvalidRequestError(
-                f"a KV cache of {num_blocks} blocks does not fit on {self.device} beside the "
-                "model: lower gpu_memory_utilization, or set kv_cache_bytes / num_device_blocks."
-            ) from exc
-        self.host_kv_cache = make_cache(num_host_blocks, torch.device("cpu"))
         # Swaps on CUDA: pinned host blocks, non-blocking copies on a side stream.
         self._swap_stream = (
             torch.cuda.Stream(self.device) if on_cuda else None  # type: ignore[no-untyped-call]
@@ -213,8 +223,49 @@ class ModelRunner:
         self.late_inputs: LateSource = LateInputs()
         # Draft-model speculation (``attach_draft``): its cache mirrors this one's block ids.
         self.draft: DraftModel | None = None
-        self.graphs: DecodeGraphs | None = None  # ``capture_cuda_graphs``
-        self._graphed = False  # the last forward replayed a graph
+
+    @property
+    def model(self) -> CausalLM:
+        """The loaded model (this shard of it)."""
+        return self.instance.model
+
+    @property
+    def kv_cache(self) -> PagedKVCache:
+        """The device KV cache."""
+        return self.instance.kv_cache
+
+    @property
+    def host_kv_cache(self) -> PagedKVCache:
+        """The host (swap) KV cache."""
+        return self.instance.host_kv_cache
+
+    @property
+    def graphs(self) -> DecodeGraphs | None:
+        """The decode forward's CUDA graphs (``capture_cuda_graphs``); None: none captured."""
+        return self.instance.graphs
+
+    @classmethod
+    def from_spec(
+        cls,
+        spec: WorkerSpec,
+        device: str | torch.device,
+        *,
+        attn_backend: AttentionBackend | None = None,
+        shard: TensorShard = SINGLE_SHARD,
+    ) -> ModelRunner:
+        """The runner ``spec`` describes, on ``device`` (``shard``: a tensor-parallel rank's
+        shard of it). ``attn_backend`` None: the one ``spec.attention_backend`` selects for
+        ``device`` (blocking: the C++ kernel may compile)."""
+        if attn_backend is None:
+            attn_backend = select_attention_backend(str(device), spec.attention_backend)
+        return cls(
+            spec.model, getattr(torch, spec.dtype), spec.num_device_blocks, spec.block_size,
+            spec.num_host_blocks, device=device, attn_backend=attn_backend, seed=spec.seed,
+            kv_cache_dtype=getattr(torch, spec.kv_cache_dtype), packed_linears=spec.packed_linears,
+            screened_lm_head=spec.screened_lm_head, int8_lm_head=spec.int8_lm_head,
+            fused_elementwise=spec.fused_elementwise, native_bf16_decode=spec.native_bf16_decode,
+            shard=shard,
+        )  # fmt: skip
 
     @torch.inference_mode()
     def capture_cuda_graphs(
@@ -224,39 +275,15 @@ class ModelRunner:
         model's too when one is attached; the sizes captured for the target, () where graphs
         cannot run here (logged with the reason). ``capture`` replaces the CUDA capture (tests:
         an eager stand-in on the CPU)."""
-        self.graphs = capture_decode_graphs(
-            self.model, self.kv_cache, sizes=sizes, max_model_len=max_model_len,
-            block_size=self.block_size, capture=capture,
-        )  # fmt: skip
+        captured = self.instance.capture_graphs(sizes, max_model_len, capture)
         if self.draft is not None:
             self.draft.capture_cuda_graphs(sizes, max_model_len, capture)
-        return () if self.graphs is None else self.graphs.sizes
-
-    def _forward(
-        self, input_tensor: torch.Tensor, position_tensor: torch.Tensor, md: AttentionMetadata
-    ) -> torch.Tensor:
-        """Final hidden states [T, H]: a decode-only step through its CUDA graph when one is
-        captured for it, else the model's eager forward."""
-        graphs = self.graphs
-        hidden = None if graphs is None else graphs.run(input_tensor, position_tensor, md)
-        self._graphed = hidden is not None
-        if hidden is None:
-            hidden = self.model(input_tensor, position_tensor, md, self.kv_cache)
-        return hidden
+        return captured
 
     def load_draft(self, spec: DraftSpec) -> None:
         """Load the draft model (its own KV cache over this runner's block ids) and speculate
         with it (blocking: a worker thread, or the runner's process)."""
-        draft = DraftModel(
-            spec.path, dtype=getattr(torch, spec.dtype), device=self.device,
-            num_blocks=spec.num_blocks, block_size=spec.block_size,
-            num_host_blocks=spec.num_host_blocks, max_num_seqs=spec.max_num_seqs,
-            num_speculative_tokens=spec.num_speculative_tokens,
-            kv_cache_dtype=getattr(torch, spec.kv_cache_dtype),
-            attn_backend=select_attention_backend(str(self.device), spec.attention_backend),
-            packed_linears=spec.packed_linears, fused_elementwise=spec.fused_elementwise,
-            seed=spec.seed,
-        )  # fmt: skip
+        draft = DraftModel.from_spec(spec, self.device)
         self.attach_draft(draft, spec.max_model_len)
         _log.info("draft_model_loaded", model=spec.model, num_layers=draft.model.num_layers,
                  num_scratch_blocks=draft.num_scratch_blocks)  # fmt: skip
@@ -270,13 +297,13 @@ class ModelRunner:
     def swap_out(self, pairs: tuple[tuple[int, int], ...]) -> None:
         """Copy (device block, host block) pairs to the host cache (on CUDA, after the device
         has finished the last step that returned); the draft's blocks too."""
-        swap_out(self.kv_cache, self.host_kv_cache, pairs, self._swap_stream, self._step_end)
+        self.instance.swap_out(pairs, self._swap_stream, self._step_end)
         if self.draft is not None:
             self.draft.swap_out(pairs, self._swap_stream, self._step_end)
 
     def swap_in(self, pairs: tuple[tuple[int, int], ...]) -> None:
         """Copy (host block, device block) pairs back to the device cache (and the draft's)."""
-        swap_in(self.kv_cache, self.host_kv_cache, pairs, self._swap_stream, self._step_end)
+        self.instance.swap_in(pairs, self._swap_stream, self._step_end)
         if self.draft is not None:
             self.draft.swap_in(pairs, self._swap_stream, self._step_end)
 
@@ -373,10 +400,10 @@ class ModelRunner:
     def execute_forward(self, plan: StepPlan) -> None:
         """A tensor-parallel rank other than 0: copy-on-write and the forward (its all-reduces
         pair with rank 0's ``execute`` of the same plan); no LM head, no sampling."""
-        self.model.attn_backend.copy_blocks(self.kv_cache, plan.copy_pairs)
+        self.instance.copy_blocks(plan.copy_pairs)
         if plan.seqs:
             metadata, input_tensor, position_tensor = self._inputs(plan)
-            self._forward(input_tensor, position_tensor, metadata)
+            self.instance.forward(input_tensor, position_tensor, metadata)
         self._record_step_end()
 
     def execute(self, plan: StepPlan) -> StepResult:
@@ -388,7 +415,7 @@ class ModelRunner:
 
     @torch.inference_mode()
     def _execute(self, plan: StepPlan) -> StepResult:
-        self.model.attn_backend.copy_blocks(self.kv_cache, plan.copy_pairs)
+        self.instance.copy_blocks(plan.copy_pairs)
         draft = self.draft
         if draft is not None:
             draft.copy_blocks(plan.copy_pairs)
@@ -399,7 +426,7 @@ class ModelRunner:
         seen = self._histories.update(plan.seqs, self.late_tokens)
         inputs = self._inputs(plan)
         result, seqs = self._target_step(plan, *inputs, seen=seen)
-        if self._graphed:
+        if self.instance.graphed:
             result = replace(result, cuda_graph=True)
         if draft is not None:  # (its proposals drawn with the late options too)
             result = draft.step(plan if seqs is plan.seqs else replace(plan, seqs=seqs),
@@ -419,7 +446,7 @@ class ModelRunner:
         penalty histories the runner keeps, by sequence. Also the rows as sampled: with
         their late inputs put in (async scheduling)."""
         began = time.perf_counter()
-        hidden = self._forward(input_tensor, position_tensor, metadata)  # [T, H]
+        hidden = self.instance.forward(input_tensor, position_tensor, metadata)  # [T, H]
         prompt = (
             compute_prompt_logprobs(self.model, hidden, plan.seqs, metadata.query_start_loc_host)
             if any(s.prompt_targets for s in plan.seqs)
