@@ -1,7 +1,7 @@
 """A sampled completion whose sampling options can no longer change (no penalties, bad words,
 grammar or logits processors, past its min-tokens mask) uses the very same options object in
 every later step instead of building it again (``actors.step_builder``), sent once: later rows
-keep it in the runner (``kept_options``). A row under its min-tokens mask gets the mask, built
+keep it in the runner (``worker/input_batch``). A row under its min-tokens mask gets the mask, built
 per step, until it ends. A seeded row's options are fixed too: the runner derives each draw's
 generator key from the row's position, the key the scheduler used to send."""
 
@@ -16,7 +16,7 @@ import pytest
 
 from asyncpaged import SamplingParams
 from asyncpaged.sampling.options import SamplingOptions, derive_generator_key
-from asyncpaged.worker.kept_options import KeptOptions
+from asyncpaged.worker.input_batch import InputBatch
 from asyncpaged.worker.protocol import with_generator_keys
 from tests.engine.conftest import running_engine
 from tests.engine.test_engine import generate_all, make_prompts
@@ -54,9 +54,10 @@ async def test_fixed_options_are_sent_once_built_and_the_others_per_step(
     kept_rows: dict[int, int] = {}  # prompt -> rows sent without their options
     keys: list[int] = []  # the seeded row's generator keys, as the runner derives them
     prompt_of: dict[int, int] = {}  # seq id -> prompt, from its first (prefill) row
-    kept = KeptOptions()  # the runner's side, replayed
+    kept = InputBatch()  # the runner's side, replayed
     for plan in recorder.plans:
-        resolved = with_generator_keys(dataclasses.replace(plan, seqs=kept.update(plan.seqs)))
+        seqs = kept.update(plan.seqs).seqs
+        resolved = with_generator_keys(dataclasses.replace(plan, seqs=seqs))
         for s, row in zip(plan.seqs, resolved.seqs, strict=True):
             if s.seq_id not in prompt_of:
                 assert s.num_computed_tokens == 0

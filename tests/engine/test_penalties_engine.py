@@ -1,7 +1,7 @@
 """Penalized requests through the engine: greedy with a repetition penalty equals transformers'
 ``generate(repetition_penalty=...)``, token for token, with requests batched and decoding for
 many steps (the prompt is kept as one tuple per request; the runner keeps each row's history
-between steps and each step sends only its new tokens, ``worker/penalty_histories.py``), and
+between steps and each step sends only its new tokens, ``worker/input_batch.py``), and
 under memory pressure, where preempted sequences come back and resend their whole history."""
 
 from __future__ import annotations

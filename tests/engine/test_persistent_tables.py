@@ -1,5 +1,6 @@
-"""Each step sends only the block-table entries that changed (a persistent batch):
-the runner keeps the tables, and the tokens stay transformers'."""
+"""Each step sends only the block-table entries that changed (the runner's persistent input
+batch, ``worker/input_batch.py``): the runner keeps the tables, and the tokens stay
+transformers'."""
 
 from __future__ import annotations
 

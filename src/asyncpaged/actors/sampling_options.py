@@ -72,7 +72,7 @@ def sampling_options(
     """The executor's per-row sampling options; None for plain greedy (the fast path).
     ``prompt``: ``token_ids[:num_prompt]`` as a tuple, when the caller keeps one (the
     penalties read the prompt every step; see ``step_builder``). ``history_seq``: the row
-    may keep its penalty history in the runner (``penalty_histories``) as that sequence: a
+    may keep its penalty history in the runner (``input_batch``) as that sequence: a
     penalized row then carries no output (the row's ``SequenceStep.history`` does).
     ``positional_key``: a seeded row's generator key is left to the runner, which derives the
     same one from the row's position (``SamplingOptions.key_from_position``), so the options

@@ -7,10 +7,10 @@ step; and, for a step planned ahead (async scheduling, ``model/late_inputs``), t
 sampling inputs of its rows once the step before it is back.
 
 :class:`StepBuilder` is a class of its own, held by the scheduler actor: what the executor's
-runner holds of the rows sent so far (block tables, penalty histories, sampling options: the
-three "send once, then deltas" mirrors) and the bad words' token ids are state that only row
-building reads and writes; it reads the core and the actor's records of the live requests
-through their public attributes."""
+runner holds of the rows sent so far (its input batch: block tables, sampling options,
+penalty histories, mirrored by one ``SentBatch``) and the bad words' token ids are state that
+only row building reads and writes; it reads the core and the actor's records of the live
+requests through their public attributes."""
 
 from __future__ import annotations
 
@@ -37,9 +37,7 @@ from asyncpaged.sched.request import Sequence as Seq
 from asyncpaged.sched.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
 from asyncpaged.sched.scheduler_types import new_tuple
 from asyncpaged.structured_outputs import GrammarBackend
-from asyncpaged.worker.block_tables import TableDeltas
-from asyncpaged.worker.kept_options import OptionDeltas
-from asyncpaged.worker.penalty_histories import HistoryDeltas
+from asyncpaged.worker.input_batch import SentBatch
 from asyncpaged.worker.protocol import LateDelivery, SequenceStep
 
 # (request id, seq id, options read the output) of the rows whose sampling inputs come late
@@ -48,8 +46,8 @@ LateRows = tuple[tuple[str, int, bool], ...]
 
 class StepBuilder:
     """Builds the scheduler actor's steps for the executor's runner and keeps what the runner
-    holds of the rows sent: ``tables`` (block tables), ``histories`` (penalty histories) and
-    ``options`` (sampling options), each sent as changes since the last plan sent.
+    holds of the rows sent (its input batch: block tables, sampling options, penalty
+    histories), each row sent as its changes since the last plan sent.
 
     Invariant: after :meth:`build`, :meth:`sent` is called once the executor has the plan,
     and before the next :meth:`build`; ``tracked`` is the actor's own dict (the same object),
@@ -74,16 +72,12 @@ class StepBuilder:
         self._bad_words = BadWordsCache(tokenizer)
         self._grammars = grammars
         self._has_draft_model = has_draft_model
-        self._tables = TableDeltas()  # the block tables the executor's runner holds
-        self._histories = HistoryDeltas()  # the penalty histories it holds
-        self._options = OptionDeltas()  # the sampling options it holds
+        self._batch = SentBatch()  # what the executor's runner holds (``input_batch``)
 
     def sent(self) -> None:
-        """The executor has the plan last built: its tables, histories and options are the
+        """The executor has the plan last built: its tables, options and histories are the
         runner's now."""
-        self._tables.sent()
-        self._histories.sent()
-        self._options.sent()
+        self._batch.sent()
 
     def build(self, out: SchedulerOutput) -> tuple[list[SequenceStep], list[Scheduled], LateRows]:
         """One :class:`SequenceStep` per scheduled sequence of ``out``, in its order, each with
@@ -94,17 +88,15 @@ class StepBuilder:
         rows planned ahead whose sampling inputs come late (a grammar's bitmask, options that
         read the output: :meth:`late_inputs`), in row order."""
         scheduler, tracked = self._scheduler, self._tracked
-        tables, histories, options = self._tables, self._histories, self._options
+        batch = self._batch
         has_draft_model = self._has_draft_model
         now = time.monotonic()
         steps = []
         scheduled = []
         late: list[tuple[str, int, bool]] = []
-        tables.start_plan()
-        options.start_plan()
+        batch.start_plan()
         # Draft-model engines send whole histories: the draft draws from the same options.
-        kept = None if has_draft_model else histories
-        histories.start_plan()
+        keeps_history = not has_draft_model
         bitmasks = self._grammar_bitmasks(out)
         for s in out.seqs:
             t = tracked[s.request_id]
@@ -120,7 +112,7 @@ class StepBuilder:
                 if has_draft_model and request.num_speculative_tokens
                 else 0
             )
-            table = tables.delta(s.seq_id, s.block_table)
+            table = batch.table(s.seq_id, s.block_table)
             if t.info.plain and t.info.grammar is None and s.num_samples == 1:
                 steps.append(new_tuple(SequenceStep, (
                     s.seq_id, s.token_ids, s.start_pos, s.slot_mapping, table[1], s.samples,
@@ -136,13 +128,13 @@ class StepBuilder:
                     table[0], False, None,
                 )))  # fmt: skip
                 continue
-            step = self._sampled_step(s, request, t, bitmasks, draft_k, table, kept)
+            step = self._sampled_step(s, request, t, bitmasks, draft_k, table, keeps_history)
             if s.token_ids[0] == LATE_TOKEN:  # planned ahead: its options may read the output
                 reads = not (t.info.plain or t.options_ahead)
                 if reads or t.info.grammar is not None:
                     late.append((s.request_id, s.seq_id, reads))
             if step.sampling is not None:
-                sampling, keep = options.delta(s.seq_id, step.sampling)
+                sampling, keep = batch.options(s.seq_id, step.sampling)
                 if keep:
                     step = step._replace(sampling=sampling, keep_sampling=True)
             steps.append(step)
@@ -156,24 +148,24 @@ class StepBuilder:
         bitmasks: dict[tuple[int, int], torch.Tensor],
         draft_k: int,
         table: tuple[int, tuple[int, ...]],
-        histories: HistoryDeltas | None,
+        keeps_history: bool,
     ) -> SequenceStep:
         """The row of a sequence off the plain greedy path: its sampling options (or a
         fan-out's, or beam search's candidates), prompt-logprob targets and speculative
         verification options. A row sampled once, not verifying proposals, keeps its penalty
-        history in the runner when ``histories`` is given."""
+        history in the runner when ``keeps_history``."""
         eos_token_ids, bad_words = self._eos, self._bad_words
         seq = seq_of(request, s.seq_id)
         info = t.info
         params = info.params
         if s.num_samples > 1 or s.num_draft or request.beam is not None:
-            histories = None
+            keeps_history = False
 
-        def options(index: int, keeps_history: bool = False) -> SamplingOptions | None:
+        def options(index: int, keeps: bool = False) -> SamplingOptions | None:
             if request.beam is not None:  # each beam offers its 2k best continuations
                 return SamplingOptions(temperature=0.0, num_logprobs=2 * request.beam.width)
             fixed = t.fixed_options.get(index)
-            if fixed is not None and (keeps_history or fixed.history_seq is None):
+            if fixed is not None and (keeps or fixed.history_seq is None):
                 return fixed
             # The prompt as one tuple made by the intake, not sliced and copied for every
             # penalized row of every step.
@@ -181,10 +173,10 @@ class StepBuilder:
             made = sampling_options(
                 params, seq.token_ids, seq.num_prompt_tokens, index, eos_token_ids,
                 bad_words.ids(params.bad_words), bitmasks.get((seq.seq_id, index)),
-                info.prompt_token_ids, seq.seq_id if keeps_history else None,
+                info.prompt_token_ids, seq.seq_id if keeps else None,
                 positional_key=True,
             )  # fmt: skip
-            if _reads_no_output(params, seq) and (keeps_history or not _penalized(params)):
+            if _reads_no_output(params, seq) and (keeps or not _penalized(params)):
                 # the same options at every later step (a penalized row's output goes with
                 # the row: ``history``; a grammar's bitmask is made per step, late for a row
                 # planned ahead: ``late_inputs``), which need no token in flight
@@ -201,14 +193,14 @@ class StepBuilder:
             draft = s.token_ids[len(s.token_ids) - s.num_draft :]
             bad_words_ids = bad_words.ids(params.bad_words)
             verify = verify_options(params, seq, draft, eos_token_ids, bad_words_ids)
-        sampling = options(seq.index, histories is not None) if s.samples else None
+        sampling = options(seq.index, keeps_history) if s.samples else None
         history = None
         if sampling is not None and sampling.history_seq is not None:
-            assert histories is not None
+            assert keeps_history
             # a row planned ahead: the runner adds the token in flight after the tail
             late = s.token_ids[-1] == LATE_TOKEN
             num_prompt = seq.num_prompt_tokens
-            start = histories.start(seq.seq_id, seq.token_ids, num_prompt, late=late)
+            start = self._batch.history_start(seq.seq_id, seq.token_ids, num_prompt, late=late)
             history = (start, tuple(seq.token_ids[num_prompt + start :]), late)
         return SequenceStep(
             seq_id=s.seq_id,

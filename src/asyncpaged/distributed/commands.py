@@ -14,7 +14,7 @@
 Commands are frozen dataclasses of numbers and tuples, pickled by
 ``torch.distributed.broadcast_object_list``. A step carries only what a non-sampling rank reads:
 per sequence the new tokens, the cached-token count, the slot mapping and the block table's
-changes since the last step (``model.block_tables``: every rank's runner keeps the tables, and
+changes since the last step (``worker/input_batch``: every rank's runner keeps the tables, and
 every rank runs every step, in order), plus the copy-on-write pairs; sampling options stay on
 rank 0.
 """

@@ -61,7 +61,7 @@ class AttentionMetadata:
         rope_lens: Sequence[int] | np.ndarray | None = None,
     ) -> AttentionMetadata:
         """``block_tables``: one table per sequence, or an ``[S, max_blocks]`` int64 array
-        padded with block 0 (the runner's persistent tables, ``block_tables.BlockTables``)."""
+        padded with block 0 (the runner's persistent tables, ``worker/input_batch``)."""
         qlens = np.asarray(query_lens, dtype=np.int64)
         ctx = np.asarray(context_lens, dtype=np.int64)
         starts = np.zeros(len(qlens) + 1, dtype=np.int64)

@@ -69,7 +69,7 @@ def penalize_rows_(
     ``rows[i]`` are entry ``i`` of the lists and of the ``[len(rows)]`` float32 tensors.
     Where ``seen[i]`` is given, it replaces entry ``i`` of the token lists: the row's distinct
     seen token ids (int64; prompt tokens only where its repetition penalty is not 1) and
-    their output counts (float32), as the runner keeps them (``penalty_histories``).
+    their output counts (float32), as the runner keeps them (``worker/input_batch``).
 
     Repetition (over prompt + output tokens, as transformers and vLLM): a seen token's positive
     logit is divided by the penalty, a negative one multiplied. Frequency/presence (OpenAI's

@@ -42,7 +42,7 @@ class SamplingOptions:
     ``min_tokens_mask_ids`` (EOS + stop token ids) only while fewer than ``min_tokens`` tokens
     were generated. ``prompt_token_ids`` / ``output_token_ids`` feed the penalties; with
     ``history_seq`` set the runner keeps that sequence's penalty history between steps
-    (``penalty_histories``): ``output_token_ids`` is empty and each step's row carries what
+    (``worker/input_batch``): ``output_token_ids`` is empty and each step's row carries what
     its output added (``SequenceStep.history``), so the options need not change per token.
     ``generator_key`` seeds this row's generator when ``seed`` is set (see
     ``derive_generator_key``); it is ignored otherwise. With ``key_from_position`` (the

@@ -69,7 +69,7 @@ class SequenceStep(NamedTuple):
     num_computed_tokens: int
     slot_mapping: tuple[int, ...]  # one slot per new token; -1 = do not store
     # Physical block ids in logical order, from entry ``table_start`` of the table on: the
-    # runner keeps the entries before it from the last step (``block_tables``).
+    # runner keeps the entries before it from the last step (``input_batch``).
     block_table: tuple[int, ...]
     do_sample: bool
     want_logprob: bool = False
@@ -92,15 +92,15 @@ class SequenceStep(NamedTuple):
     # draft proposes them after the token this step emits; ``SampledToken.proposals``).
     draft_k: int = 0
     # How many leading entries of the table the runner keeps from the last step, where this
-    # sequence also ran (0: ``block_table`` is the whole table; see ``block_tables``).
+    # sequence also ran (0: ``block_table`` is the whole table; see ``input_batch``).
     table_start: int = 0
     # ``sampling`` is None and the runner takes the options it holds for this sequence from
-    # the last step (``kept_options``)
+    # the last step (``input_batch``)
     keep_sampling: bool = False
     # A penalty history the runner keeps (``sampling.history_seq`` set): ``(start, tail,
     # late)``, the runner holds the first ``start`` output tokens, ``tail`` follows them, and
     # with ``late`` the token the last step sampled for the sequence after that (a row planned
-    # ahead of it); see ``penalty_histories``
+    # ahead of it); see ``input_batch``
     history: tuple[int, tuple[int, ...], bool] | None = None
 
     @property

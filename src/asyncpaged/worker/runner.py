@@ -3,7 +3,7 @@ at a time.
 
 A step (``StepPlan``, ``worker/protocol.py`` with the other records) lists, per sequence, the new
 tokens to run, where their K/V go (slots), the changes to the sequence's block table (the runner
-keeps the tables: ``block_tables``), and whether the sequence samples this step. Sequences are
+keeps the tables: ``input_batch``), and whether the sequence samples this step. Sequences are
 concatenated into one flat batch with no padding; prefill, prefill chunks and decodes mix
 freely in one step. The attention backend is chosen in ``attention_select``.
 
@@ -42,14 +42,12 @@ from asyncpaged.model.lm_head import ScreenedLMHead
 from asyncpaged.model.lm_head_int8 import Int8ScreenedArgmax, int8_activation_limit
 from asyncpaged.model.packed_linear import pack_weight
 from asyncpaged.sampling.options import SeenTokens
-from asyncpaged.worker.block_tables import BlockTables
 from asyncpaged.worker.cuda_graphs import Capture, DecodeGraphs
 from asyncpaged.worker.draft import DraftModel, DraftSpec
 from asyncpaged.worker.head_sampling import sample_draws, verify_proposals
+from asyncpaged.worker.input_batch import InputBatch, ResolvedRows
 from asyncpaged.worker.instance import ModelInstance
-from asyncpaged.worker.kept_options import KeptOptions
 from asyncpaged.worker.late_inputs import LateInputs, LateSource, with_late_inputs
-from asyncpaged.worker.penalty_histories import PenaltyHistories
 from asyncpaged.worker.prompt_logprobs import compute_prompt_logprobs
 from asyncpaged.worker.protocol import (
     LateDelivery,
@@ -214,9 +212,8 @@ class ModelRunner:
         )
         self._step_end: torch.cuda.Event | None = None  # see _record_step_end
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
-        self._tables = BlockTables()  # the block tables of the last step's sequences
-        self._histories = PenaltyHistories()  # penalty histories of the last step's rows
-        self._kept_options = KeptOptions()  # sampling options of the last step's rows
+        # What the runner keeps of the last step's sequences: tables, options, histories
+        self._batch = InputBatch()
         self._last_sampled: tuple[SampledToken, ...] = ()  # what the last step sampled
         # Where the sampling inputs of a step's late rows come from (``late_inputs``); a
         # runner in its own process reads them from its pipe instead
@@ -315,11 +312,14 @@ class ModelRunner:
             event.record(torch.cuda.current_stream(self.device))
             self._step_end = event
 
-    def _inputs(self, plan: StepPlan) -> tuple[AttentionMetadata, torch.Tensor, torch.Tensor]:
-        """The step's attention metadata, token ids [T] and positions [T]."""
+    def _inputs(
+        self, plan: StepPlan, rows: ResolvedRows
+    ) -> tuple[AttentionMetadata, torch.Tensor, torch.Tensor]:
+        """The step's attention metadata, token ids [T] and positions [T]; ``rows``: the
+        plan's rows resolved against the runner's input batch."""
         seqs = plan.seqs
         n = len(seqs)
-        rows, num_blocks = self._tables.update(seqs)
+        num_blocks = rows.num_blocks
         qlens = np.fromiter(map(len, (s.token_ids for s in seqs)), np.int64, n)
         starts = np.fromiter((s.num_computed_tokens for s in seqs), np.int64, n)
         num_slots = np.fromiter(map(len, (s.slot_mapping for s in seqs)), np.int64, n)
@@ -349,7 +349,7 @@ class ModelRunner:
         metadata = AttentionMetadata.build(
             query_lens=qlens,
             context_lens=context,
-            block_tables=self._tables.gather(rows, num_blocks),
+            block_tables=rows.tables,
             slot_mapping=slots,
             device=self.device,
             block_size=self.block_size,
@@ -402,7 +402,8 @@ class ModelRunner:
         pair with rank 0's ``execute`` of the same plan); no LM head, no sampling."""
         self.instance.copy_blocks(plan.copy_pairs)
         if plan.seqs:
-            metadata, input_tensor, position_tensor = self._inputs(plan)
+            rows = self._batch.update(plan.seqs, self.late_tokens)
+            metadata, input_tensor, position_tensor = self._inputs(plan, rows)
             self.instance.forward(input_tensor, position_tensor, metadata)
         self._record_step_end()
 
@@ -421,11 +422,11 @@ class ModelRunner:
             draft.copy_blocks(plan.copy_pairs)
         if not plan.seqs:
             return StepResult(sampled=())
-        seqs = self._kept_options.update(plan.seqs)
+        rows = self._batch.update(plan.seqs, self.late_tokens)
+        seqs = rows.seqs
         plan = with_generator_keys(plan if seqs is plan.seqs else replace(plan, seqs=seqs))
-        seen = self._histories.update(plan.seqs, self.late_tokens)
-        inputs = self._inputs(plan)
-        result, seqs = self._target_step(plan, *inputs, seen=seen)
+        inputs = self._inputs(plan, rows)
+        result, seqs = self._target_step(plan, *inputs, seen=rows.seen)
         if self.instance.graphed:
             result = replace(result, cuda_graph=True)
         if draft is not None:  # (its proposals drawn with the late options too)

@@ -1,7 +1,8 @@
-"""The persistent penalty histories: the scheduler's tails, applied by the runner, give every
-penalized row exactly the seen tokens and counts of its whole history, in every step, whatever
-the sequences do between steps; and the penalties computed from them are bit-identical to the
-ones computed from the whole token lists."""
+"""The penalty histories of the persistent input batch (``worker/input_batch.py``): the
+scheduler's tails (``SentBatch.history_start``), applied by the runner's ``InputBatch``, give
+every penalized row exactly the seen tokens and counts of its whole history, in every step,
+whatever the sequences do between steps; and the penalties computed from them are
+bit-identical to the ones computed from the whole token lists."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from hypothesis import strategies as st
 
 from asyncpaged.sampling.logits import penalize_rows_
 from asyncpaged.sampling.options import SamplingOptions
-from asyncpaged.worker.penalty_histories import HistoryDeltas, PenaltyHistories
+from asyncpaged.worker.input_batch import InputBatch, SentBatch
 from asyncpaged.worker.protocol import SequenceStep
 from tests.model.test_sampler import _dense_penalties
 
@@ -27,7 +28,7 @@ EDITS = ("grow", "grow_many", "absent", "whole", "ahead")
 
 
 def _row(
-    sender: HistoryDeltas,
+    sender: SentBatch,
     seq_id: int,
     prompt: tuple[int, ...],
     output: list[int],
@@ -37,7 +38,7 @@ def _row(
     """The row the scheduler side builds (as ``StepBuilder`` does, ``actors.step_builder``): the
     request's options, the same every step, and the history's delta."""
     token_ids = [*prompt, *output]
-    start = sender.start(seq_id, token_ids, len(prompt), late=late)
+    start = sender.history_start(seq_id, token_ids, len(prompt), late=late)
     options = SamplingOptions(
         temperature=0.0, repetition_penalty=rep, frequency_penalty=0.5, presence_penalty=0.25,
         prompt_token_ids=prompt, history_seq=seq_id,
@@ -66,7 +67,7 @@ def _expected(prompt: tuple[int, ...], output: list[int], rep: float) -> dict[in
 @settings(max_examples=150, deadline=None)
 @given(st.data())
 def test_tails_rebuild_every_history(data: st.DataObject) -> None:
-    sender, runner = HistoryDeltas(), PenaltyHistories()
+    sender, runner = SentBatch(), InputBatch()
     num_seqs = data.draw(st.integers(1, 6))
     tokens = st.integers(0, VOCAB - 1)
     prompts = {s: tuple(data.draw(st.lists(tokens, min_size=1, max_size=8))) for s in
@@ -105,7 +106,7 @@ def test_tails_rebuild_every_history(data: st.DataObject) -> None:
         if not rows:
             continue  # the scheduler actor sends no plan without sequences
         sender.sent()
-        seen = runner.update(rows, in_flight.copy)
+        seen = runner.update(rows, in_flight.copy).seen
         assert sorted(seen) == sorted(r.seq_id for r in rows if r.seq_id not in whole)
         for s, (ids, counts) in seen.items():
             got = dict(zip(ids.tolist(), counts.tolist(), strict=True))
@@ -114,17 +115,17 @@ def test_tails_rebuild_every_history(data: st.DataObject) -> None:
             assert ids.dtype == np.int64
             assert counts.dtype == np.float32
         held = {s: len(outputs[s]) for s in seen}
-        assert len(runner) == len(seen)
+        assert sorted(runner.history_ids()) == sorted(seen)
 
 
 def test_a_sequence_that_missed_a_step_sends_its_whole_output() -> None:
-    sender, runner = HistoryDeltas(), PenaltyHistories()
+    sender, runner = SentBatch(), InputBatch()
     prompt = (7, 8)
     for plan in ({1: [3], 2: [4]}, {2: [4, 4]}, {1: [3, 5, 5], 2: [4, 4, 6]}):
         sender.start_plan()
         rows = [_row(sender, s, prompt, out, 1.2) for s, out in plan.items()]
         sender.sent()
-        seen = runner.update(rows, dict)
+        seen = runner.update(rows, dict).seen
     tails = {r.seq_id: r.history for r in rows}
     assert tails == {1: (0, (3, 5, 5), False), 2: (2, (6,), False)}
     ids, counts = seen[1]
@@ -132,19 +133,19 @@ def test_a_sequence_that_missed_a_step_sends_its_whole_output() -> None:
 
 
 def test_a_changed_output_is_sent_whole() -> None:
-    sender = HistoryDeltas()
+    sender = SentBatch()
     sender.start_plan()
-    assert sender.start(1, [9, 3, 4], 1) == 0
+    assert sender.history_start(1, [9, 3, 4], 1) == 0
     sender.sent()
     sender.start_plan()
-    assert sender.start(1, [9, 3, 4, 5], 1) == 2  # an extension: the runner holds 2
+    assert sender.history_start(1, [9, 3, 4, 5], 1) == 2  # an extension: the runner holds 2
     sender.start_plan()  # that plan was never sent
-    assert sender.start(1, [9, 3, 6, 5], 1) == 0  # the token at the held end changed
-    assert sender.start(1, [9, 3], 1) == 0  # shorter than what the runner holds
+    assert sender.history_start(1, [9, 3, 6, 5], 1) == 0  # the token at the held end changed
+    assert sender.history_start(1, [9, 3], 1) == 0  # shorter than what the runner holds
 
 
 def test_the_runner_refuses_a_tail_it_cannot_apply() -> None:
-    runner = PenaltyHistories()
+    runner = InputBatch()
     options = SamplingOptions(repetition_penalty=1.2, history_seq=1)
     row = SequenceStep(1, (4,), 5, (0,), (), True, sampling=options, history=(3, (4,), False))
     with pytest.raises(AssertionError, match="holds None output tokens"):
@@ -175,7 +176,7 @@ def test_kept_histories_penalize_bit_identically(seed: int) -> None:
     params = list(zip(reps.tolist(), freqs.tolist(), pres.tolist(), strict=True))
     want = logits.clone()
     want[rows] = _dense_penalties(logits[rows], prompts, outputs, params)
-    runner, sender = PenaltyHistories(), HistoryDeltas()
+    runner, sender = InputBatch(), SentBatch()
     kept_rows = [i for i in range(num_rows) if i % 3]  # the others stay token lists
     # Two plans: each kept history arrives in two tails, as over two steps.
     for cut in (lambda out: out[: len(out) // 2], lambda out: out):
@@ -183,7 +184,7 @@ def test_kept_histories_penalize_bit_identically(seed: int) -> None:
         plan = [_row(sender, i, prompts[i], list(cut(outputs[i])), float(reps[i]))
                 for i in kept_rows]  # fmt: skip
         sender.sent()
-        kept = runner.update(plan, dict)
+        kept = runner.update(plan, dict).seen
     assert any(r.history is not None and r.history[0] for r in plan)
     seen = [kept.get(i) for i in range(num_rows)]
     got = logits.clone()
