@@ -81,6 +81,7 @@ __all__ = [
 ]
 
 
+_LATE_ROW = (LATE_TOKEN,)  # a late row's one input token: the one the step in flight samples
 Chunks = list[tuple[Sequence, int]]  # (sequence, tokens to compute)
 Drafts = dict[int, tuple[int, ...]]  # seq id -> speculative proposals
 
@@ -352,7 +353,7 @@ class Scheduler:
             self._claim_for_priority(plan)
             if ahead is not None and plan.claim is not None:
                 plan.claim, plan.cut = None, True  # the claim preempts once the step is back
-        appends, sizes = self._plan_running(plan, shared, frees)
+        append_ids, append_tokens, sizes = self._plan_running(plan, shared, frees)
         self.planned_cut = plan.cut
         pressure = plan.short or plan.claim is not None
         swap_ins: list[tuple[int, ...]] = []
@@ -366,7 +367,7 @@ class Scheduler:
         if truncates and frees:  # a sequence freed now (finished, restarted) keeps nothing
             gone = set(frees)
             truncates = [t for t in truncates if t[0] not in gone]
-        num_draft = tuple(n for _, _, n in self._planned)
+        num_draft = tuple([n for _, _, n in self._planned])
         self.num_plans += 1
         return StepTxn(
             late_tokens=tuple(late),
@@ -375,8 +376,8 @@ class Scheduler:
             pins=tuple(pins),
             unpins=tuple(unpins),
             frees=tuple(frees),
-            append_seq_ids=tuple(seq_id for seq_id, _ in appends),
-            append_token_ids=tuple(tokens for _, tokens in appends),
+            append_seq_ids=tuple(append_ids),
+            append_token_ids=tuple(append_tokens),
             append_num_draft=num_draft if any(num_draft) else (),
             truncates=tuple(truncates),
             swap_ins=tuple(swap_ins),
@@ -427,18 +428,20 @@ class Scheduler:
 
     def _plan_running(
         self, plan: PlanBudget, shared: AbstractSet[int | str], frees: list[int]
-    ) -> tuple[list[tuple[int, tuple[int, ...]]], list[int]]:
-        """The running requests' appends in queue order, within the budgets: (seq id, tokens)
-        per sequence, and the number of them per request. Where the blocks run short
+    ) -> tuple[list[int], list[tuple[int, ...]], list[int]]:
+        """The running requests' appends in queue order, within the budgets: the sequence ids,
+        the tokens of each, and the number of sequences per request. Where the blocks run short
         (``plan.short``) the allocator preempts; the needs here are upper bounds (a tail
         counted as shared may not be). Records the appends in ``self._planned``."""
-        appends: list[tuple[int, tuple[int, ...]]] = []  # (seq id, tokens)
+        append_ids: list[int] = []
+        append_tokens: list[tuple[int, ...]] = []
         sizes: list[int] = []
         planned = self._planned = []
         running = self.running
         i = 0
         pending = plan.pending
         void = self._void
+        long_rope = self.config.rope_switch_len is not None  # (a longrope model's switch)
         while i < len(running):
             request = running[i]
             if pending is None:
@@ -459,7 +462,7 @@ class Scheduler:
             if not chunks:
                 i += 1  # nothing to compute (beams that reported wait for their siblings)
                 continue
-            if _outgrows_short_rope(self.config, request, chunks):
+            if long_rope and _outgrows_short_rope(self.config, request, chunks):
                 behind = _still_short(self.config, chunks)
                 if behind:  # (its sequences apart, by kept proposals: these catch up first)
                     chunks = behind
@@ -482,13 +485,14 @@ class Scheduler:
                 draft = drafts.get(seq.seq_id, ()) if drafts else ()
                 # (a late row's input is the token in flight: one past the sequence's tokens)
                 at_end = late and start == len(seq.token_ids)
-                tokens = (LATE_TOKEN,) if at_end else (*seq.token_ids[start : start + n], *draft)
-                appends.append((seq.seq_id, tokens))
+                tokens = _LATE_ROW if at_end else (*seq.token_ids[start : start + n], *draft)
+                append_ids.append(seq.seq_id)
+                append_tokens.append(tokens)
                 planned.append((request, seq, len(draft)))
                 plan.budget_left -= len(tokens)
                 plan.seats_left -= 1
             i += 1
-        return appends, sizes
+        return append_ids, append_tokens, sizes
 
     def _late_step_of(
         self, request: Request, plan: PlanBudget, shared: AbstractSet[int | str]
@@ -875,9 +879,9 @@ class Scheduler:
         fanned: dict[int, list[SampledToken]] | None = None  # every row by sequence, if needed
         outputs: list[EngineCoreOutput] = []
         beams: list[Request] = []
-        void = self._void
+        void, requests = self._void, self.requests
         for scheduled in output.seqs:
-            request = self.requests.get(scheduled.request_id)
+            request = requests.get(scheduled.request_id)
             if request is None or not scheduled.samples:
                 # aborted meanwhile, or a prefill chunk short of the prompt's end; a late token's
                 # row whose request the step before ended (or an abort) was computed in vain
@@ -887,7 +891,7 @@ class Scheduler:
             seq = request.seqs[0]
             if seq.seq_id != scheduled.seq_id:
                 seq = next(s for s in request.seqs if s.seq_id == scheduled.seq_id)
-            if seq.is_finished:
+            if seq.finish_reason is not None:
                 continue
             if void and seq.seq_id in void:  # forced tokens replaced this sample
                 void.remove(seq.seq_id)
