@@ -87,6 +87,7 @@ class RequestState:
             _Completion(index=i, detokenizer=None) for i in range(params.num_sequences)
         ]
         self.ranks_by_logprob = ranks_by_logprob(params)
+        self._stop_strings = bool(params.stop)  # only then can the text end a completion
         self.beam = beam  # completions are filled in at the end (finish_beams)
         for c in self.completions:
             if params.logprobs is not None:
@@ -173,7 +174,7 @@ class RequestState:
             if finish_reason is not None:
                 if not detokenizer.finished:
                     c.text += detokenizer.finish()
-            elif detokenizer.stop_reason is not None:
+            elif self._stop_strings and detokenizer.stop_reason is not None:
                 matched = detokenizer.stop_reason
                 finish_reason, stop_reason = "stop", matched
                 consumed = len(detokenizer.output_token_ids)
