@@ -288,6 +288,8 @@ class IncrementalDetokenizer:
         self._stop_search_from = 0  # stop strings must end after this text index
         self._stop_reason: str | None = None
         self._finished = False
+        self._has_stops = bool(params.stop)
+        self._held_back = params.output_text_buffer_length  # chars kept while not finished
 
     @property
     def output_text(self) -> str:
@@ -323,8 +325,15 @@ class IncrementalDetokenizer:
         sequence is finished as by :meth:`finish`. Must not be called once finished.
         """
         assert not self._finished, "update() on a finished IncrementalDetokenizer"
+        has_stops = self._has_stops
+        if len(new_token_ids) == 1 and not (stop_terminated or has_stops):  # a decode's token
+            token_id = new_token_ids[0]
+            self._output_token_ids.append(token_id)
+            if 0 <= token_id < self._vocab_size:
+                self._ids.append(token_id)
+                self._advance()
+            return self._release()
         last = len(new_token_ids) - 1 if stop_terminated else -1
-        has_stops = bool(self._params.stop)
         for i, token_id in enumerate(new_token_ids):
             self._output_token_ids.append(token_id)
             if i == last and not self._params.include_stop_str_in_output:
@@ -495,7 +504,7 @@ class IncrementalDetokenizer:
         """Return the text that can no longer be cut, and mark it released."""
         limit = len(self._text)
         if not self._finished:
-            limit -= self._params.output_text_buffer_length
+            limit -= self._held_back
         if limit <= self._num_released:
             return ""
         delta = self._text[self._num_released : limit]

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections.abc import Callable, Generator
+from collections.abc import Awaitable, Callable, Generator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -87,6 +87,7 @@ class RequestState:
             _Completion(index=i, detokenizer=None) for i in range(params.num_sequences)
         ]
         self.ranks_by_logprob = ranks_by_logprob(params)
+        self._stop_strings = bool(params.stop)  # only then can the text end a completion
         self.beam = beam  # completions are filled in at the end (finish_beams)
         for c in self.completions:
             if params.logprobs is not None:
@@ -144,15 +145,19 @@ class RequestState:
         finish_reason: str | None,
         stop_reason: int | str | None,
         logprobs: dict[int, Logprob] | None = None,
+        now: float | None = None,
     ) -> str | None:
-        """Record new tokens; returns the stop string if the text matched one (the caller then
-        ends the sequence in the scheduler)."""
+        """Record new tokens (``now``: the time they count as produced at, by default the
+        present); returns the stop string if the text matched one (the caller then ends the
+        sequence in the scheduler)."""
         c = self.completions[index]
-        now = time.monotonic()
-        if self.metrics.first_token_time is None:
-            self.metrics.first_token_time = now
-        self.metrics.last_token_time = now
-        self.metrics.num_generation_tokens += len(token_ids)
+        if now is None:
+            now = time.monotonic()
+        metrics = self.metrics
+        if metrics.first_token_time is None:
+            metrics.first_token_time = now
+        metrics.last_token_time = now
+        metrics.num_generation_tokens += len(token_ids)
         c.token_ids.extend(token_ids)
         if logprobs is not None:
             if c.logprobs is not None:
@@ -160,21 +165,24 @@ class RequestState:
             if c.cumulative_logprob is not None:
                 c.cumulative_logprob += logprobs[token_ids[-1]].logprob
         matched: str | None = None
-        if c.detokenizer is not None:
+        detokenizer = c.detokenizer
+        if detokenizer is not None:
             # The scheduler stops with "stop" only on EOS or a stop token id: the last id.
-            stop_terminated = finish_reason == "stop"
-            c.text += c.detokenizer.update(token_ids, stop_terminated=stop_terminated)
-            if finish_reason is not None and not c.detokenizer.finished:
-                c.text += c.detokenizer.finish()
-            if c.detokenizer.stop_reason is not None and finish_reason is None:
-                matched = c.detokenizer.stop_reason
+            text = detokenizer.update(token_ids, stop_terminated=finish_reason == "stop")
+            if text:
+                c.text += text
+            if finish_reason is not None:
+                if not detokenizer.finished:
+                    c.text += detokenizer.finish()
+            elif self._stop_strings and detokenizer.stop_reason is not None:
+                matched = detokenizer.stop_reason
                 finish_reason, stop_reason = "stop", matched
-                consumed = len(c.detokenizer.output_token_ids)
+                consumed = len(detokenizer.output_token_ids)
                 del c.token_ids[consumed:]  # ids after the stop string were never produced
         if finish_reason is not None:
             c.finish_reason, c.stop_reason = finish_reason, stop_reason
             if self.finished:
-                self.metrics.finished_time = now
+                metrics.finished_time = now
         if finish_reason is not None or not self._reader_wants_end:
             self._event.set()
         return matched
@@ -289,52 +297,55 @@ class RequestState:
         return any(c.read_tokens < len(c.token_ids) or c.read_text < len(c.text)
                    for c in completions)  # fmt: skip
 
-    async def wait(self, kind: RequestOutputKind) -> None:
+    def news(self, kind: RequestOutputKind) -> Awaitable[None] | None:
+        """None when the reader has news for an output of ``kind`` (raising the request's
+        refusal or failure, or :class:`EngineDeadError` once the engine failed); else what to
+        await before asking again (one wake-up; a plain awaitable, not a coroutine, so a
+        reader waits without a frame of this method's own each step)."""
         self._reader_wants_end = (
             kind is RequestOutputKind.FINAL_ONLY or self.ranks_by_logprob or self.beam
         )
-        while not self._has_news(kind):
-            await self._event.wait()
+        if not self._has_news(kind):
+            return self._event.wait()
         if self.rejection is not None:
             raise self.rejection
         if self.error is not None:
             raise EngineDeadError("the engine stopped") from self.error
+        return None
+
+    async def wait(self, kind: RequestOutputKind) -> None:
+        while (wakeup := self.news(kind)) is not None:
+            await wakeup
 
     def snapshot(self, kind: RequestOutputKind) -> RequestOutput:
         completions = self.completions
         if self.ranks_by_logprob:  # only reached once finished
             ranked = sorted(completions, key=lambda c: -(c.cumulative_logprob or 0.0))
             completions = ranked[: self.params.n]
+        delta = kind is RequestOutputKind.DELTA
         outputs = []
         for c in completions:
-            if kind is RequestOutputKind.DELTA:
-                tokens, text = c.token_ids[c.read_tokens :], c.text[c.read_text :]
-                logprobs = c.logprobs[c.read_tokens :] if c.logprobs is not None else None
+            token_ids, logprobs = c.token_ids, c.logprobs
+            if delta:
+                read = c.read_tokens
+                tokens, text = token_ids[read:], c.text[c.read_text :]
+                if logprobs is not None:
+                    logprobs = logprobs[read:]
             else:
-                tokens, text = list(c.token_ids), c.text
-                logprobs = list(c.logprobs) if c.logprobs is not None else None
-            c.read_tokens, c.read_text = len(c.token_ids), len(c.text)
-            outputs.append(
-                CompletionOutput(
-                    index=c.index,
-                    text=text,
-                    token_ids=tokens,
-                    cumulative_logprob=c.cumulative_logprob,
-                    logprobs=logprobs,
-                    finish_reason=c.finish_reason,  # type: ignore[arg-type]
-                    stop_reason=c.stop_reason,
-                )
-            )
+                tokens, text = list(token_ids), c.text
+                if logprobs is not None:
+                    logprobs = list(logprobs)
+            c.read_tokens, c.read_text = len(token_ids), len(c.text)
+            # (positional, in the fields' order: a reader makes one per step)
+            outputs.append(CompletionOutput(c.index, text, tokens, c.cumulative_logprob,
+                                            logprobs, c.finish_reason,  # type: ignore[arg-type]
+                                            c.stop_reason))  # fmt: skip
+        prompt_logprobs = None if self.prompt_logprobs is None else self._prompt_logprobs_out(kind)
         return RequestOutput(
-            request_id=self.request_id,
-            prompt=self.prompt,
-            prompt_token_ids=self.prompt_token_ids,  # one list for every output, as vLLM
-            outputs=outputs,
-            finished=self.finished,
-            metrics=self.metrics,
-            num_cached_tokens=self.num_cached_tokens,
-            prompt_logprobs=self._prompt_logprobs_out(kind),
-        )
+            self.request_id, self.prompt,
+            self.prompt_token_ids,  # one list for every output, as vLLM
+            outputs, self.finished, self.metrics, self.num_cached_tokens, prompt_logprobs,
+        )  # fmt: skip
 
 
 class RequestStream:
@@ -383,12 +394,14 @@ class RequestStream:
     async def __anext__(self) -> RequestOutput:
         if self._done:
             raise StopAsyncIteration
+        state, kind = self._state, self._kind
         try:  # (not through _guarded_wait: a reader resumes through here once a step)
-            await self._state.wait(self._kind)
+            while (wakeup := state.news(kind)) is not None:
+                await wakeup
         except BaseException as exc:
             self._wait_failed(exc)
             raise
-        out = self._state.snapshot(self._kind)
+        out = state.snapshot(kind)
         self._done = out.finished
         return out
 

@@ -24,14 +24,13 @@ from asyncpaged.actors.messages import (
     RecordOutputs,
     Scheduled,
     StopsFound,
-    TokenOutput,
 )
 from asyncpaged.actors.output_processor import OutputProcessor
 from asyncpaged.errors import RequestFailedError
+from asyncpaged.sampled_token import SampledToken
 from asyncpaged.sampling_params import RequestOutputKind
-from asyncpaged.sched.scheduler import SeqUpdate
+from asyncpaged.sched.scheduler import EngineCoreOutput
 from asyncpaged.streams import RequestState
-from asyncpaged.worker.protocol import SampledToken
 from tests.engine.conftest import running_engine
 
 pytestmark = pytest.mark.anyio
@@ -49,10 +48,10 @@ class CharTokenizer:
         return "".join(chr(ord("a") + i % 26) for i in ids)
 
 
-def _token(rid: str, ids: tuple[int, ...], finish: str | None = None) -> TokenOutput:
-    upd = SeqUpdate(request_id=rid, seq_id=0, completion=0, row=(0, 0), new_token_ids=ids,
-                    finish_reason=finish, stop_reason=None)  # fmt: skip
-    return TokenOutput(update=upd, sampled=SampledToken(seq_id=0, token_id=ids[-1], logprob=None))
+def _token(rid: str, ids: tuple[int, ...], finish: str | None = None) -> EngineCoreOutput:
+    row = SampledToken(seq_id=0, token_id=ids[-1], logprob=None)
+    return EngineCoreOutput(request_id=rid, seq_id=0, completion=0, new_token_ids=ids,
+                            finish_reason=finish, stop_reason=None, sampled=row)  # fmt: skip
 
 
 async def test_a_stop_check_holds_answers_and_the_next_delivery_releases() -> None:

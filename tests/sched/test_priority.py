@@ -29,6 +29,7 @@ from asyncpaged.kv.txn import Claim, StepTxn, apply_txn, snapshot
 from asyncpaged.sched.policy import QueuePolicy, check_priority, num_outranked
 from asyncpaged.sched.request import Request, Sequence, StopCriteria
 from asyncpaged.sched.scheduler import Scheduler, SchedulerConfig
+from tests.sched.rows import rows_of
 from tests.sched.test_scheduler_property import BASE, BS, EOS, FakeWorld, reference_output
 
 
@@ -67,7 +68,7 @@ class Driver:
         self.replay_tiers(result.tier_ops)  # before the step and its swaps, as the engine does
         out = self.sched.apply(txn, result)
         sampled, tops = self.world.execute(out, self.every)
-        for upd in self.sched.update(out, sampled, tops):
+        for upd in self.sched.update(out, rows_of(out, sampled, tops)):
             self.outputs[upd.request_id].extend(upd.new_token_ids)
             if upd.finish_reason is not None:
                 self.finished.append(upd.request_id)

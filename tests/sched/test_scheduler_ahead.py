@@ -29,6 +29,7 @@ from asyncpaged.kv.block_table import LATE_TOKEN
 from asyncpaged.kv.txn import apply_txn, snapshot
 from asyncpaged.sched.request import Request, Sequence, StopCriteria
 from asyncpaged.sched.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from tests.sched.rows import rows_of
 from tests.sched.test_scheduler_property import (
     BS,
     VOCAB,
@@ -229,7 +230,7 @@ def test_planning_ahead_gives_each_request_its_output_alone(data: st.DataObject)
             stalled = False
             live = {s.seq_id for r in sched.requests.values() for s in r.seqs}
             num_vain += sum(1 for s in out.seqs if s.samples and s.seq_id not in live)
-            for upd in sched.update(out, sampled):
+            for upd in sched.update(out, rows_of(out, sampled)):
                 key = (upd.request_id, upd.completion)
                 outputs[key].extend(upd.new_token_ids)
                 if grammar and upd.finish_reason is None:  # jump-forward, as the actor does

@@ -26,6 +26,7 @@ from asyncpaged.kv.txn import apply_txn, snapshot
 from asyncpaged.sched.beam_search import BeamSearcher, Hypothesis
 from asyncpaged.sched.request import Request, Sequence, StopCriteria
 from asyncpaged.sched.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from tests.sched.rows import rows_of
 
 BS = 4
 VOCAB = 5
@@ -288,7 +289,7 @@ def test_scheduler_outputs_equal_running_each_request_alone(data: st.DataObject)
             assert newest_kept < min(every[r].arrival for r in out.preempted)
         saw_preemption |= bool(out.preempted)
         sampled, tops = world.execute(out, every)
-        for upd in sched.update(out, sampled, tops):
+        for upd in sched.update(out, rows_of(out, sampled, tops)):
             outputs[(upd.request_id, upd.completion)].extend(upd.new_token_ids)
         for rid, hypotheses in sched.finished_beams:
             got_beams[rid] = hypotheses

@@ -14,7 +14,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any
 
 import anyio
 
@@ -22,12 +22,11 @@ from asyncpaged.kv.block_table import PinnedPrefix, SwapPlan
 from asyncpaged.kv.tiers import TierOp
 from asyncpaged.sampling_params import BeamSearchParams, SamplingParams
 from asyncpaged.sched.request import Request
-from asyncpaged.sched.scheduler import SchedulerOutput, SeqUpdate
+from asyncpaged.sched.scheduler import EngineCoreOutput, SchedulerOutput
 from asyncpaged.streams import RequestState
 from asyncpaged.worker.protocol import (
     LateDelivery,
     PromptLogprobRows,
-    SampledToken,
     StepPlan,
     StepResult,
 )
@@ -102,15 +101,6 @@ class AbortRequest:
     serial: int
 
 
-class TokenOutput(NamedTuple):
-    """One completion's new tokens from one step (the core's update, with the grammar's
-    forced tokens) and the draw that produced them (its logprobs, if asked). A named tuple:
-    one per row per step."""
-
-    update: SeqUpdate
-    sampled: SampledToken
-
-
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Scheduled:
     """A request's scheduling facts its outputs report: when it was first scheduled, and how
@@ -131,7 +121,7 @@ class RecordOutputs:
     releases every held state and wakes the readers (sent once the next transaction has freed
     what finished: a reader never sees a finish before its blocks are free)."""
 
-    tokens: tuple[TokenOutput, ...] = ()
+    tokens: tuple[EngineCoreOutput, ...] = ()
     prompt_logprobs: tuple[tuple[str, PromptLogprobRows], ...] = ()
     scheduled: tuple[Scheduled, ...] = ()
     # Finished beam searches: per request, its hypotheses (tokens, cumulative logprob,

@@ -4,6 +4,7 @@ readers; the scheduler actor tells it what each step produced and never sees a s
 
 from __future__ import annotations
 
+import time
 from collections.abc import Mapping
 from types import MappingProxyType
 from typing import Any
@@ -22,9 +23,9 @@ from asyncpaged.actors.messages import (
     StopsFound,
 )
 from asyncpaged.outputs import Logprob
-from asyncpaged.sched.scheduler import SeqUpdate
+from asyncpaged.sampled_token import SampledToken
+from asyncpaged.sched.scheduler import EngineCoreOutput
 from asyncpaged.streams import RequestState
-from asyncpaged.worker.protocol import SampledToken
 
 __all__ = ["OutputProcessor"]
 
@@ -129,15 +130,15 @@ class OutputProcessor:
                     state.metrics.first_scheduled_time = s.first_scheduled_time
                 state.num_cached_tokens = s.num_cached_tokens
         matches: list[tuple[str, int, str]] = []
-        for token in msg.tokens:
-            upd = token.update
+        check_stops, now = msg.check_stops, time.monotonic()  # (one time for the step's tokens)
+        for upd in msg.tokens:
             state = live.get(upd.request_id)
             if state is None:
                 continue  # aborted or failed since its tokens were sampled
-            if msg.check_stops:
+            if check_stops:
                 state.hold()
                 self._held.append(state)
-            matched = record_tokens(state, upd, token.sampled, tokenizer)
+            matched = record_tokens(state, upd, tokenizer, now)
             if matched is not None:
                 matches.append((upd.request_id, upd.seq_id, matched))
             # (only an end of this completion, or a stop string in its text, ends the request)
@@ -167,18 +168,20 @@ class OutputProcessor:
 
 
 def record_tokens(
-    state: RequestState, upd: SeqUpdate, token: SampledToken, tokenizer: Any
+    state: RequestState, upd: EngineCoreOutput, tokenizer: Any, now: float
 ) -> str | None:
-    """One completion's new tokens into its state; returns the stop string its text matched
-    (the scheduler then ends the sequence), if any."""
+    """One completion's new tokens into its state (with the logprobs of the row that drew
+    them, if asked), produced at ``now``; returns the stop string its text matched (the
+    scheduler then ends the sequence), if any."""
     if state.completions[upd.completion].finish_reason is not None:
         return None  # aborted since its tokens were sampled
-    params = state.params
     logprobs = None
+    token = upd.sampled
     if token.logprob is not None:
+        params = state.params
         logprobs = _logprobs(token, params.logprobs, tokenizer if params.detokenize else None)
     return state.add_tokens(
-        upd.completion, upd.new_token_ids, upd.finish_reason, upd.stop_reason, logprobs
+        upd.completion, upd.new_token_ids, upd.finish_reason, upd.stop_reason, logprobs, now
     )
 
 

@@ -11,7 +11,7 @@ ahead's late inputs, with the sampling options of :mod:`.sampling_options`) and
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import anyio
@@ -39,7 +39,6 @@ from asyncpaged.actors.messages import (
     SwapBlocks,
     SwapDone,
     SwapSpaceInbox,
-    TokenOutput,
     UnpinPrefix,
     WatchPin,
 )
@@ -50,18 +49,18 @@ from asyncpaged.actors.tracked import Tracked
 from asyncpaged.errors import NoTokenAllowedError, RequestFailedError
 from asyncpaged.kv.tiers import TierOp
 from asyncpaged.kv.txn import PoolSnapshot, StepTxn, TxnResult
+from asyncpaged.sampled_token import SampledToken
 from asyncpaged.sched.request import RequestStatus
 from asyncpaged.sched.scheduler import (
+    EngineCoreOutput,
     ScheduledSeq,
     Scheduler,
     SchedulerOutput,
     SchedulerStatistics,
-    SeqUpdate,
 )
-from asyncpaged.sched.scheduler_types import new_tuple
 from asyncpaged.streams import RequestState
 from asyncpaged.structured_outputs import GrammarBackend
-from asyncpaged.worker.protocol import PromptLogprobRows, SampledToken, StepPlan
+from asyncpaged.worker.protocol import PromptLogprobRows, StepPlan
 
 __all__ = ["SchedulerActor", "bad_words_token_ids", "banned_next_tokens"]
 
@@ -156,8 +155,8 @@ class SchedulerActor:
         self.dropped: deque[RequestState] = deque()
         # The last step's outputs: the tokens of requests with stop strings, checked before
         # the next plan (_check_stops); the rest, sent after the next step (_deliver).
-        self._stop_tokens: list[TokenOutput] = []
-        self._tokens: list[TokenOutput] = []
+        self._stop_tokens: list[EngineCoreOutput] = []
+        self._tokens: list[EngineCoreOutput] = []
         self._prompt_logprobs: list[tuple[str, PromptLogprobRows]] = []
         self._scheduled: list[Scheduled] = []
         self._beams: list[tuple[str, tuple[tuple[tuple[int, ...], float, bool], ...]]] = []
@@ -339,24 +338,22 @@ class SchedulerActor:
 
     # ---- a finished step --------------------------------------------------------------------
 
-    def _finish_step(self, out: SchedulerOutput, sampled: Iterable[SampledToken]) -> None:
+    def _finish_step(self, out: SchedulerOutput, sampled: Sequence[SampledToken]) -> None:
         """A step's results, the part the next plan depends on: the scheduler's appends and
         stop rules, failed rows, grammar matchers and jump-forward; the late inputs of the
         step in flight (then, or after :meth:`_check_stops`). The tokens of requests with stop
         strings wait for :meth:`_check_stops` (before the next plan), the others for
         :meth:`_deliver` (after the next step is sent, while its forward runs)."""
-        sampled = list(sampled)
         failed = [t for t in sampled if t.error is not None]
         for rid, error in self._failed_requests(out, failed):
             self._end(rid, error)
-        by_row, tokens, top = tokens_by_seq(sampled)
-        updates = self.scheduler.update(out, tokens, top)
+        outputs = self.scheduler.update(out, sampled)
         if self._draft_proposals is not None:
             self._draft_proposals.record(out.seqs, sampled)
         ended: list[str] = []
-        for update in updates:
-            tracked = self._tracked[update.request_id]
-            upd = update
+        for output in outputs:
+            upd = output
+            tracked = self._tracked[upd.request_id]
             if tracked.matchers:
                 if not tracked.accept_grammar_tokens(upd.completion, upd.new_token_ids):
                     self._log.warning("grammar_rejected_token", request_id=upd.request_id,
@@ -368,11 +365,10 @@ class SchedulerActor:
                 # + the tokens the grammar forces
                 upd, num_forced = self._jump_forward(tracked, upd)
                 self.num_jump_forward_tokens += num_forced
-            token = new_tuple(TokenOutput, (upd, by_row[upd.row]))
             if tracked.info.params.stop:
-                self._stop_tokens.append(token)
+                self._stop_tokens.append(upd)
             else:
-                self._tokens.append(token)
+                self._tokens.append(upd)
                 if upd.finish_reason is not None:
                     ended.append(upd.request_id)
         for rid in ended:  # once all its completions' updates are taken
@@ -414,11 +410,13 @@ class SchedulerActor:
             self._log.info("request_failed", request_id=rid, error=repr(token.error))
         return ended
 
-    def _jump_forward(self, tracked: Tracked, upd: SeqUpdate) -> tuple[SeqUpdate, int]:
+    def _jump_forward(
+        self, tracked: Tracked, upd: EngineCoreOutput
+    ) -> tuple[EngineCoreOutput, int]:
         """Structured outputs' jump-forward: after a sampled token, append the tokens the
         grammar forces next (``EngineConfig.structured_outputs_jump_forward``); the next step
         computes them as a chunk. Not for requests that report logprobs (a forced token's
-        logprob is never computed) or rank by them (best_of). Returns the update with them and
+        logprob is never computed) or rank by them (best_of). Returns the output with them and
         their number."""
         grammars, info = self._grammars, tracked.info
         matcher = tracked.matchers.get(upd.completion)
@@ -473,7 +471,7 @@ class SchedulerActor:
         for rid, seq_id, matched in verdict.matches:
             self.scheduler.finish_seq(rid, seq_id, "stop", matched)
         for token in tokens:
-            self._forget_if_gone(token.update.request_id)
+            self._forget_if_gone(token.request_id)
         self._send_late()
 
     def _forget_if_gone(self, request_id: str) -> None:
@@ -555,41 +553,3 @@ class SchedulerActor:
         self._tokens, self._prompt_logprobs, self._scheduled, self._beams = [], [], [], []
         self._release_due = False
         self._outputs.send_nowait(msg)
-
-
-Rows = dict[tuple[int, int], SampledToken]  # (seq id, sample index) -> its sampled token
-Tops = dict[int, tuple[tuple[int, float], ...]]
-
-
-def tokens_by_seq(sampled: Sequence[SampledToken]) -> tuple[Rows, dict[int, Sequence[int]], Tops]:
-    """The step's rows by (seq id, sample index); each sequence's new tokens, in row order
-    (speculative: the kept proposals, then the target's token); each sequence's first row's
-    top logprobs."""
-    by_row: Rows = {}
-    tokens: dict[int, Sequence[int]] = {}
-    top: Tops = {}
-    for t in sampled:  # the common step: a row per sequence, one token each, in one pass
-        if t.sample_index or t.accepted:
-            return _tokens_by_seq(sampled)
-        by_row[(t.seq_id, 0)] = t
-        tokens[t.seq_id] = (t.token_id,)
-        top[t.seq_id] = t.top_logprobs
-    return by_row, tokens, top
-
-
-def _tokens_by_seq(sampled: Sequence[SampledToken]) -> tuple[Rows, dict[int, Sequence[int]], Tops]:
-    """:func:`tokens_by_seq` for steps with fan-out or speculative rows."""
-    by_row = {(t.seq_id, t.sample_index): t for t in sampled}
-    # Fan-out rows in sample-index order per sequence (others: one row per sequence).
-    fanned = any(index for _, index in by_row)
-    rows: Iterable[tuple[tuple[int, int], SampledToken]] = (
-        sorted(by_row.items()) if fanned else by_row.items()
-    )
-    tokens: dict[int, list[int]] = {}
-    for (seq_id, _), t in rows:
-        if t.accepted:  # speculative: the kept proposals, then the target's token
-            tokens[seq_id] = [*t.accepted, t.token_id]
-        else:
-            tokens.setdefault(seq_id, []).append(t.token_id)
-    top = {t.seq_id: t.top_logprobs for t in by_row.values() if t.sample_index == 0}
-    return by_row, dict(tokens), top

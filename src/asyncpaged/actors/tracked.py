@@ -9,7 +9,7 @@ from typing import Any
 
 from asyncpaged.actors.messages import RequestInfo
 from asyncpaged.sampling.options import SamplingOptions
-from asyncpaged.sched.scheduler import SeqUpdate
+from asyncpaged.sched.scheduler import EngineCoreOutput
 
 
 @dataclass(slots=True, eq=False)
@@ -45,7 +45,7 @@ class Tracked:
         return all(matcher.is_terminated() or matcher.accept_token(t) for t in tokens)
 
     def grammar_stop(
-        self, upd: SeqUpdate, eos_token_ids: frozenset[int]
+        self, upd: EngineCoreOutput, eos_token_ids: frozenset[int]
     ) -> tuple[bool, int | None]:
         """(True, stop reason) if a completion's grammar ended on a stop token that did not end
         it: ``min_tokens`` holds stop tokens back, but where the grammar may only end its

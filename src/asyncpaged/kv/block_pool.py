@@ -195,6 +195,14 @@ class BlockPool:
     def block_ids(self, seq_id: SeqId) -> tuple[int, ...]:
         return tuple(self._table(seq_id).block_ids)
 
+    def block_ids_of(self, seq_ids: Sequence[SeqId]) -> tuple[tuple[int, ...], ...]:
+        """:meth:`block_ids` of each sequence (a step's appended ones: one pass)."""
+        tables = self._tables
+        try:
+            return tuple([tuple(tables[seq_id].block_ids) for seq_id in seq_ids])
+        except KeyError as exc:
+            raise BlockPoolError(f"unknown sequence {exc.args[0]!r}.") from None
+
     def num_tokens(self, seq_id: SeqId) -> int:
         return self._table(seq_id).num_tokens
 
@@ -377,7 +385,9 @@ class BlockPool:
         """The value of the :data:`LATE_TOKEN` last appended to a device sequence (async
         scheduling: the step that sampled it returned after the next one was planned). A
         block it filled is hashed and registered in the prefix cache now."""
-        table = self._device_table(seq_id, "set a late token of")
+        table = self._tables.get(seq_id)  # (_device_table, inline: once per sequence per step)
+        if table is None or table.location is not Location.DEVICE:
+            table = self._device_table(seq_id, "set a late token of")  # raises
         if token < 0:
             raise BlockPoolError(f"token ids must be >= 0, got {token}.")
         if not self.enable_prefix_caching:

@@ -209,7 +209,7 @@ def apply_txn(pool: BlockPool, txn: StepTxn) -> TxnResult:
         _appends_under_pressure(pool, txn, appended)
     else:
         _append(pool, txn, range(len(txn.append_seq_ids)), appended)
-    append_tables = tuple(map(pool.block_ids, txn.append_seq_ids[: len(appended.slots)]))
+    append_tables = pool.block_ids_of(txn.append_seq_ids[: len(appended.slots)])
     swap_ins = []
     for group in () if appended.preempted else txn.swap_ins:
         plan = pool.swap_in(group)

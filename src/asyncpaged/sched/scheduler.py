@@ -6,7 +6,7 @@ The scheduler owns the queues and request state; the allocator owns the block po
     result = apply_txn(pool, txn)            # the allocator (its own actor in the engine)
     output = scheduler.apply(txn, result)    # admissions settled, the step's plan built
     ... the executor runs output (copy-on-write first), swaps run beside it ...
-    updates = scheduler.update(output, sampled_tokens)
+    outputs = scheduler.update(output, sampled)  # the runner's rows -> EngineCoreOutputs
 
 The plan, in order:
 
@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from collections.abc import Sequence as SeqOf
 from collections.abc import Set as AbstractSet
 
@@ -54,33 +54,35 @@ from asyncpaged.kv.txn import (
     StepTxn,
     TxnResult,
 )
+from asyncpaged.sampled_token import SampledToken
 from asyncpaged.sched.beam_search import Hypothesis
 from asyncpaged.sched.policy import QueuePolicy, Room, num_outranked
 from asyncpaged.sched.request import Request, RequestStatus, Sequence
 from asyncpaged.sched.scheduler_types import (
+    EngineCoreOutput,
     PlanBudget,
     PreemptionMode,
     ScheduledSeq,
     SchedulerConfig,
     SchedulerOutput,
     SchedulerStatistics,
-    SeqUpdate,
     insort,
     new_tuple,
 )
 from asyncpaged.spec_decode.stats import SpeculativeStats
 
 __all__ = [
+    "EngineCoreOutput",
     "PreemptionMode",
     "ScheduledSeq",
     "Scheduler",
     "SchedulerConfig",
     "SchedulerOutput",
     "SchedulerStatistics",
-    "SeqUpdate",
 ]
 
 
+_LATE_ROW = (LATE_TOKEN,)  # a late row's one input token: the one the step in flight samples
 Chunks = list[tuple[Sequence, int]]  # (sequence, tokens to compute)
 Drafts = dict[int, tuple[int, ...]]  # seq id -> speculative proposals
 
@@ -146,6 +148,18 @@ def plan_admissions(waiting: list[Request], plan: PlanBudget) -> list[Admission]
         plan.budget_left -= sum(min(chunk, len(s.token_ids)) for s in seqs)
         plan.seats_left -= len(seqs)
     return admissions
+
+
+def draws_by_seq(sampled: SeqOf[SampledToken]) -> dict[int, list[SampledToken]]:
+    """A step's rows by sequence, each sequence's in sample order (a fan-out's draws)."""
+    draws: dict[int, list[SampledToken]] = {}
+    for t in sorted(sampled, key=_seq_and_sample):
+        draws.setdefault(t.seq_id, []).append(t)
+    return draws
+
+
+def _seq_and_sample(t: SampledToken) -> tuple[int, int]:
+    return t.seq_id, t.sample_index
 
 
 def check_stop(request: Request, seq: Sequence, token: int) -> bool:
@@ -328,7 +342,7 @@ class Scheduler:
             self._claim_for_priority(plan)
             if ahead is not None and plan.claim is not None:
                 plan.claim, plan.cut = None, True  # the claim preempts once the step is back
-        appends, sizes = self._plan_running(plan, shared, frees)
+        append_ids, append_tokens, sizes = self._plan_running(plan, shared, frees)
         self.planned_cut = plan.cut
         pressure = plan.short or plan.claim is not None
         swap_ins: list[tuple[int, ...]] = []
@@ -341,7 +355,7 @@ class Scheduler:
         if truncates and frees:  # a sequence freed now (finished, restarted) keeps nothing
             gone = set(frees)
             truncates = [t for t in truncates if t[0] not in gone]
-        num_draft = tuple(n for _, _, n in self._planned)
+        num_draft = tuple([n for _, _, n in self._planned])
         self.num_plans += 1
         return StepTxn(
             late_tokens=tuple(pending.late_tokens),
@@ -350,8 +364,8 @@ class Scheduler:
             pins=tuple(pending.pins),
             unpins=tuple(pending.unpins),
             frees=tuple(frees),
-            append_seq_ids=tuple(seq_id for seq_id, _ in appends),
-            append_token_ids=tuple(tokens for _, tokens in appends),
+            append_seq_ids=tuple(append_ids),
+            append_token_ids=tuple(append_tokens),
             append_num_draft=num_draft if any(num_draft) else (),
             truncates=tuple(truncates),
             swap_ins=tuple(swap_ins),
@@ -392,18 +406,20 @@ class Scheduler:
 
     def _plan_running(
         self, plan: PlanBudget, shared: AbstractSet[int | str], frees: list[int]
-    ) -> tuple[list[tuple[int, tuple[int, ...]]], list[int]]:
-        """The running requests' appends in queue order, within the budgets: (seq id, tokens)
-        per sequence, and the number of them per request. Where the blocks run short
+    ) -> tuple[list[int], list[tuple[int, ...]], list[int]]:
+        """The running requests' appends in queue order, within the budgets: the sequence ids,
+        the tokens of each, and the number of sequences per request. Where the blocks run short
         (``plan.short``) the allocator preempts; the needs here are upper bounds (a tail
         counted as shared may not be). Records the appends in ``self._planned``."""
-        appends: list[tuple[int, tuple[int, ...]]] = []  # (seq id, tokens)
+        append_ids: list[int] = []
+        append_tokens: list[tuple[int, ...]] = []
         sizes: list[int] = []
         planned = self._planned = []
         running = self.running
         i = 0
         pending = plan.pending
         void = self._void
+        long_rope = self.config.rope_switch_len is not None  # (a longrope model's switch)
         while i < len(running):
             request = running[i]
             if pending is None:
@@ -424,7 +440,7 @@ class Scheduler:
             if not chunks:
                 i += 1  # nothing to compute (beams that reported wait for their siblings)
                 continue
-            if _outgrows_short_rope(self.config, request, chunks):
+            if long_rope and _outgrows_short_rope(self.config, request, chunks):
                 behind = _still_short(self.config, chunks)
                 if behind:  # (its sequences apart, by kept proposals: these catch up first)
                     chunks = behind
@@ -447,13 +463,14 @@ class Scheduler:
                 draft = drafts.get(seq.seq_id, ()) if drafts else ()
                 # (a late row's input is the token in flight: one past the sequence's tokens)
                 at_end = late and start == len(seq.token_ids)
-                tokens = (LATE_TOKEN,) if at_end else (*seq.token_ids[start : start + n], *draft)
-                appends.append((seq.seq_id, tokens))
+                tokens = _LATE_ROW if at_end else (*seq.token_ids[start : start + n], *draft)
+                append_ids.append(seq.seq_id)
+                append_tokens.append(tokens)
                 planned.append((request, seq, len(draft)))
                 plan.budget_left -= len(tokens)
                 plan.seats_left -= 1
             i += 1
-        return appends, sizes
+        return append_ids, append_tokens, sizes
 
     def _late_step_of(
         self, request: Request, plan: PlanBudget, shared: AbstractSet[int | str]
@@ -823,23 +840,26 @@ class Scheduler:
     # ---- after the step -------------------------------------------------------------------
 
     def update(
-        self,
-        output: SchedulerOutput,
-        sampled: Mapping[int, SeqOf[int]],
-        top: Mapping[int, tuple[tuple[int, float], ...]] | None = None,
-    ) -> list[SeqUpdate]:
-        """Append each sampled token, apply the stop rules, queue frees of what finished.
+        self, output: SchedulerOutput, sampled: SeqOf[SampledToken]
+    ) -> list[EngineCoreOutput]:
+        """Append each sampled token, apply the stop rules, queue frees of what finished;
+        returns each completion's new tokens with the row that drew them.
 
-        ``sampled[seq_id]`` holds one token per draw of that row: ``num_samples`` of them at a
-        fan-out, where sequence 0 takes the first and sequences 1.. are forked for the others.
-        For beam-search requests ``top[seq_id]`` (each beam's best tokens and logprobs) drives
-        the beam step instead, once every beam of the request has reported.
+        ``sampled`` holds the step's rows (the runner's ``StepResult.sampled``): one per
+        sampling sequence, or ``num_samples`` at a fan-out (sample ``i`` in the row with
+        ``sample_index`` i), where sequence 0 takes the first and sequences 1.. are forked for
+        the others; a speculative row holds the kept proposals before its token. For
+        beam-search requests each beam's row's ``top_logprobs`` drives the beam step instead,
+        once every beam of the request has reported.
         """
-        updates: list[SeqUpdate] = []
+        # each sequence's first row (the only one but at a fan-out)
+        rows = {t.seq_id: t for t in sampled if not t.sample_index}
+        fanned: dict[int, list[SampledToken]] | None = None  # every row by sequence, if needed
+        outputs: list[EngineCoreOutput] = []
         beams: list[Request] = []
-        void = self._void
+        void, requests = self._void, self.requests
         for scheduled in output.seqs:
-            request = self.requests.get(scheduled.request_id)
+            request = requests.get(scheduled.request_id)
             if request is None or not scheduled.samples:
                 # aborted meanwhile, or a prefill chunk short of the prompt's end; a late token's
                 # row whose request the step before ended (or an abort) was computed in vain
@@ -849,32 +869,36 @@ class Scheduler:
             seq = request.seqs[0]
             if seq.seq_id != scheduled.seq_id:
                 seq = next(s for s in request.seqs if s.seq_id == scheduled.seq_id)
-            if seq.is_finished:
+            if seq.finish_reason is not None:
                 continue
             if void and seq.seq_id in void:  # forced tokens replaced this sample
                 void.remove(seq.seq_id)
                 self.num_rows_in_vain += 1
                 continue
+            row = rows[seq.seq_id]
             if request.beam is not None:
-                assert top is not None, "beam search needs the top logprobs"
-                request.beam_top[seq.seq_id] = top[seq.seq_id]
+                request.beam_top[seq.seq_id] = row.top_logprobs
                 if len(request.beam_top) == len(request.live_seqs):
                     beams.append(request)
                 continue
-            tokens = sampled[seq.seq_id]
             if scheduled.num_draft:
-                updates.append(self._verified(request, seq, scheduled.num_draft, tokens))
-                if seq.finish_reason is not None and request.is_finished:
+                outputs.append(self._verified(request, seq, scheduled.num_draft, row))
+                if seq.is_finished and request.is_finished:
                     self._finish(request)
                     self.num_finished += 1
                 continue
             if scheduled.num_samples == 1 and len(request.seqs) == 1:  # the common case
-                updates.append(self._append_one(request, seq, tokens[0]))
+                outputs.append(self._append_one(request, seq, row))
                 continue
-            updates.extend(self._append_family(request, seq, scheduled.num_samples, tokens))
+            draws = [row]
+            if scheduled.num_samples > 1:
+                if fanned is None:
+                    fanned = draws_by_seq(sampled)
+                draws = fanned[seq.seq_id]
+            outputs.extend(self._append_family(request, seq, scheduled.num_samples, draws))
         for request in beams:
             self._beam_step(request)
-        return updates
+        return outputs
 
     def append_forced(
         self, request_id: str, seq_id: int, tokens: SeqOf[int]
@@ -897,49 +921,51 @@ class Scheduler:
             self.num_finished += 1
         return appended, seq.finish_reason, seq.stop_reason
 
-    def _append_one(self, request: Request, seq: Sequence, token: int) -> SeqUpdate:
+    def _append_one(self, request: Request, seq: Sequence, row: SampledToken) -> EngineCoreOutput:
         """A single-sequence request's sampled token (the value of its late token, if the step
         after was planned before it came back)."""
+        token = row.token_id
         seq.token_ids.append(token)
         if self._late and seq.seq_id in self._late:
             self._late.remove(seq.seq_id)
             self._pending.late_tokens.append((seq.seq_id, token))
         finished = check_stop(request, seq, token)
-        update = new_tuple(SeqUpdate, (  # the common case's one allocation per step per row
-            request.request_id, seq.seq_id, seq.index, (seq.seq_id, 0), (token,),
-            seq.finish_reason, seq.stop_reason,
+        output = new_tuple(EngineCoreOutput, (  # the common case's one allocation per row
+            request.request_id, seq.seq_id, seq.index, (token,), seq.finish_reason,
+            seq.stop_reason, row,
         ))  # fmt: skip
         if finished:
             self._release(seq)
             self._finish(request)
             self.num_finished += 1
-        return update
+        return output
 
     def _append_family(
-        self, request: Request, seq: Sequence, num_samples: int, tokens: SeqOf[int]
-    ) -> list[SeqUpdate]:
+        self, request: Request, seq: Sequence, num_samples: int, draws: list[SampledToken]
+    ) -> list[EngineCoreOutput]:
         """A sampled token for ``seq`` of a multi-sequence request; at a fan-out
-        (``num_samples > 1``) the other draws start sequences 1.."""
-        updates: list[SeqUpdate] = []
+        (``num_samples > 1``, ``draws`` in sample order) the other draws start sequences 1.."""
+        outputs: list[EngineCoreOutput] = []
         family = [seq]
         if num_samples > 1:
-            family.extend(self._fan_out(request, seq, tokens[1:]))
-        for i, (s, token) in enumerate(zip(family, tokens, strict=False)):
+            family.extend(self._fan_out(request, seq, [t.token_id for t in draws[1:]]))
+        for s, row in zip(family, draws, strict=False):
+            token = row.token_id
             if s is seq:
                 s.token_ids.append(token)
                 if self._late and s.seq_id in self._late:  # (see _append_one)
                     self._late.remove(s.seq_id)
                     self._pending.late_tokens.append((s.seq_id, token))
             finished = check_stop(request, s, token)
-            updates.append(
-                SeqUpdate(
+            outputs.append(
+                EngineCoreOutput(
                     request_id=request.request_id,
                     seq_id=s.seq_id,
                     completion=s.index,
-                    row=(seq.seq_id, i),
                     new_token_ids=(token,),
                     finish_reason=s.finish_reason,
                     stop_reason=s.stop_reason,
+                    sampled=row,
                 )
             )
             if finished:
@@ -947,34 +973,35 @@ class Scheduler:
         if seq.finish_reason is not None if len(request.seqs) == 1 else request.is_finished:
             self._finish(request)
             self.num_finished += 1
-        return updates
+        return outputs
 
     def _verified(
-        self, request: Request, seq: Sequence, num_draft: int, tokens: SeqOf[int]
-    ) -> SeqUpdate:
+        self, request: Request, seq: Sequence, num_draft: int, row: SampledToken
+    ) -> EngineCoreOutput:
         """A speculative step's result: the accepted proposals then the target's token
-        (``tokens``, 1 to ``num_draft + 1`` of them), appended one by one under the stop
-        rules. The kept proposals' K/V stay (they become computed tokens); the rejected slots
-        roll back in the next transaction, and a sequence that finished is freed instead."""
-        accepted = len(tokens) - 1
-        assert 0 <= accepted <= num_draft, f"{len(tokens)} tokens for {num_draft} proposals"
+        (``row.accepted`` then ``row.token_id``: 1 to ``num_draft + 1`` tokens), appended one
+        by one under the stop rules. The kept proposals' K/V stay (they become computed
+        tokens); the rejected slots roll back in the next transaction, and a sequence that
+        finished is freed instead."""
+        accepted = len(row.accepted)
+        assert accepted <= num_draft, f"{accepted + 1} tokens for {num_draft} proposals"
         self.spec_stats.observe((num_draft,), (accepted,))
         if accepted:
             seq.spec_backoff = 0
         else:  # each wasted round doubles the pause before the next proposal (at most 16)
             self.back_off(seq, self.num_plans)
-        appended = self._append_until_stop(request, seq, tokens)
+        appended = self._append_until_stop(request, seq, (*row.accepted, row.token_id))
         if not seq.is_finished:
             seq.num_computed_tokens += accepted
             self._pending.truncates.append((seq.seq_id, seq.num_computed_tokens))
-        return SeqUpdate(
+        return EngineCoreOutput(
             request_id=request.request_id,
             seq_id=seq.seq_id,
             completion=seq.index,
-            row=(seq.seq_id, 0),
             new_token_ids=appended,
             finish_reason=seq.finish_reason,
             stop_reason=seq.stop_reason,
+            sampled=row,
         )
 
     def _beam_step(self, request: Request) -> None:

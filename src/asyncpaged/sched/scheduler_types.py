@@ -1,5 +1,5 @@
 """The scheduler's configuration and the values it hands out: a step's plan for the executor
-(:class:`SchedulerOutput`), per-sequence results (:class:`SeqUpdate`), statistics, and the
+(:class:`SchedulerOutput`), per-completion results (:class:`EngineCoreOutput`), statistics, and the
 budgets of a step being planned (:class:`PlanBudget`). Also the one queue helper every part of the
 scheduler shares (:func:`insort`: queues stay sorted by :attr:`Request.queue_key`)."""
 
@@ -12,6 +12,7 @@ from typing import Literal, NamedTuple
 
 from asyncpaged.kv.block_table import SwapPlan
 from asyncpaged.kv.txn import Claim
+from asyncpaged.sampled_token import SampledToken
 from asyncpaged.sched.policy import DEFAULT_AGING_STEPS, SchedulingPolicy
 from asyncpaged.sched.request import Request
 
@@ -80,14 +81,19 @@ class SchedulerOutput:
     num_batched_tokens: int
 
 
-class SeqUpdate(NamedTuple):
+class EngineCoreOutput(NamedTuple):
+    """One completion's new tokens from one step (vLLM v1's ``EngineCoreOutput``): made by the
+    core's update, given the grammar's forced tokens and stop by the scheduler actor, and
+    recorded by the output processor. ``sampled`` is the runner's row of the draw that produced
+    them (its logprobs, if asked). A named tuple: one per sampling row per step."""
+
     request_id: str
     seq_id: int
     completion: int  # the completion's index in its request
-    row: tuple[int, int]  # (seq id, sample index) of the draw that produced the token
     new_token_ids: tuple[int, ...]
     finish_reason: str | None
     stop_reason: int | str | None
+    sampled: SampledToken
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -132,6 +138,7 @@ assert ScheduledSeq._fields == (
     "request_id", "seq_id", "token_ids", "start_pos", "slot_mapping", "block_table", "samples",
     "num_samples", "min_rope_len", "num_draft",
 ), "Scheduler._schedule builds ScheduledSeq in this order"  # fmt: skip
-assert SeqUpdate._fields == (
-    "request_id", "seq_id", "completion", "row", "new_token_ids", "finish_reason", "stop_reason",
-), "Scheduler._append_one builds SeqUpdate in this order"  # fmt: skip
+assert EngineCoreOutput._fields == (
+    "request_id", "seq_id", "completion", "new_token_ids", "finish_reason", "stop_reason",
+    "sampled",
+), "Scheduler._append_one builds EngineCoreOutput in this order"  # fmt: skip

@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from asyncpaged._log import get_logger
 from asyncpaged.kv.block_pool import BlockPool
 from asyncpaged.kv.txn import apply_txn, snapshot
+from asyncpaged.sampled_token import SampledToken
 from asyncpaged.sched.beam_search import BeamSearcher
 from asyncpaged.sched.request import Request, RequestStatus, Sequence, StopCriteria
 from asyncpaged.sched.scheduler import PreemptionMode, Scheduler, SchedulerConfig, SchedulerOutput
@@ -40,17 +41,6 @@ from asyncpaged.sim.workload import SimRequest
 log = get_logger(__name__)
 
 SYSTEMS = ("paged", "orca-max", "orca-pow2", "orca-oracle")
-
-
-class _ZeroTokens(dict[int, tuple[int, ...]]):
-    """``n`` -> ``n`` zero tokens (what every simulated draw samples), built once per ``n``."""
-
-    def __missing__(self, n: int) -> tuple[int, ...]:
-        zeros = self[n] = (0,) * n
-        return zeros
-
-
-_ZEROS = _ZeroTokens()
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -279,12 +269,16 @@ class SimEngine:
             heapq.heappush(self._swaps, (done, plan.swap_id))
 
     def _finish_step(self, out: SchedulerOutput) -> None:
-        zeros = _ZEROS
-        sampled = {s.seq_id: zeros[s.num_samples] for s in out.seqs if s.samples}
-        top: dict[int, tuple[tuple[int, float], ...]] = {}
-        if self._has_beams:
-            top = {s.seq_id: self._fake_top(s.request_id) for s in out.seqs if s.samples}
-        updates = self.scheduler.update(out, sampled, top)
+        # every simulated draw samples token 0 (a beam's row: its fake best tokens)
+        beams, new = self._has_beams, tuple.__new__
+        sampled = [
+            new(SampledToken, (s.seq_id, 0, None, None, self._fake_top(s.request_id) if beams
+                               else (), i, None, (), ()))
+            for s in out.seqs
+            if s.samples
+            for i in range(s.num_samples)
+        ]  # fmt: skip
+        updates = self.scheduler.update(out, sampled)
         requests = self.scheduler.requests
         finished = {
             u.request_id

@@ -41,6 +41,7 @@ import json
 import multiprocessing
 import os
 import pickle
+import select
 import subprocess
 import sys
 from collections.abc import Callable
@@ -212,6 +213,10 @@ class RunnerProcess:
         self._drained: anyio.Event | None = None  # set when no reply is left unread
         self._writing: anyio.Event | None = None  # set when a threaded write is done
         self._closed = False
+        # Whether a reply is readable now, in one syscall: a reply already there is read
+        # without registering the pipe with the event loop's selector and removing it again.
+        self._readable = select.poll()
+        self._readable.register(conn.fileno(), select.POLLIN)
 
     @property
     def pid(self) -> int | None:
@@ -294,7 +299,8 @@ class RunnerProcess:
                 await turn.wait()
             try:
                 while True:  # the process's log events come before its reply
-                    await anyio.wait_readable(self._conn.fileno())
+                    if not self._readable.poll(0):
+                        await anyio.wait_readable(self._conn.fileno())
                     reply = pickle.loads(self._conn.recv_bytes())
                     if not isinstance(reply, LogBatch):
                         break

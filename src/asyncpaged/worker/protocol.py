@@ -1,6 +1,7 @@
 """One step's records, exchanged by the scheduler actor and the runner: the plan
 (:class:`StepPlan` of :class:`SequenceStep` rows), the result (:class:`StepResult` of
-:class:`SampledToken` rows), what drives a runner (:class:`StepRunner`), and the functions that
+:class:`~asyncpaged.sampled_token.SampledToken` rows, defined low so the scheduler core reads
+them too), what drives a runner (:class:`StepRunner`), and the functions that
 turn the sampler's tensors into result rows."""
 
 from __future__ import annotations
@@ -12,8 +13,23 @@ from typing import NamedTuple, Protocol
 import numpy as np
 import torch
 
+from asyncpaged.sampled_token import SampledToken
 from asyncpaged.sampling.options import SamplingOptions, derive_generator_key
 from asyncpaged.sampling.sampler import SamplerOutput
+
+__all__ = [
+    "LateDelivery",
+    "PromptLogprobRows",
+    "SampledToken",
+    "SequenceStep",
+    "StepPlan",
+    "StepResult",
+    "StepRunner",
+    "greedy_verdicts",
+    "plain_greedy",
+    "sampled_tokens",
+    "with_generator_keys",
+]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -154,22 +170,6 @@ def _keyed(options: SamplingOptions | None, num_context: int) -> SamplingOptions
     return dataclasses.replace(options, generator_key=key, key_from_position=None)
 
 
-class SampledToken(NamedTuple):
-    """A sampled token; logprobs are the log-softmax of the raw float32 logits (vLLM v1). A
-    named tuple: a step makes one per sampling row, and a tuple is the cheapest immutable
-    record to build."""
-
-    seq_id: int
-    token_id: int
-    logprob: float | None  # of the sampled token, if asked
-    rank: int | None = None  # 1-based rank of the sampled token by raw logprob, if asked
-    top_logprobs: tuple[tuple[int, float], ...] = ()  # (token id, logprob), best first
-    sample_index: int = 0  # which entry of the step's ``fanout`` drew it
-    error: BaseException | None = None  # the row's logits processor raised: the request fails
-    accepted: tuple[int, ...] = ()  # speculative decoding: the proposals kept before token_id
-    proposals: tuple[int, ...] = ()  # the draft model's proposals to follow token_id
-
-
 @dataclass(frozen=True, slots=True, kw_only=True)
 class StepResult:
     """One entry per sequence with ``do_sample``, in plan order.
@@ -270,9 +270,3 @@ def sampled_tokens(
             )
         )
     return tuple(sampled)
-
-
-assert SampledToken._fields == (
-    "seq_id", "token_id", "logprob", "rank", "top_logprobs", "sample_index", "error",
-    "accepted", "proposals",
-), "sampled_tokens builds a plain row's SampledToken in this order"  # fmt: skip
