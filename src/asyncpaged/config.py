@@ -89,27 +89,25 @@ class EngineConfig:
     # process measured faster on both CPU workloads and on an H100 (docs/benchmarks.md,
     # "Engine overhead per step"); choose "thread" for per-request logits_processors.
     executor_backend: Literal["auto", "thread", "process"] = "auto"
-    # Async scheduling (vLLM's async_scheduling): plan step N+1 while step N runs, so the
-    # executor goes from one step to the next without waiting for the loop; a row whose input
-    # is step N's token takes it in the runner. A step is planned ahead only when no request
-    # step N samples has beams (one that fans out in step N, n > 1, sits step N+1 out: its
-    # sequences exist once step N is back); else the engine waits for step N. The runner
-    # adds step N's token to a penalty history itself, and what else a row's sampling reads
-    # of it (a grammar's bitmask; bad words, min_tokens and logits processors, which read the
-    # output) is made once step N is back and taken by the runner just before it samples
-    # (worker/late_inputs.py). A row planned ahead for a sequence that step N's token ends (a
-    # stop token, EOS or a stop string), or after which a grammar forces tokens
-    # (jump-forward), is computed in vain. A plan ahead preempts nothing (a priority claim
-    # included): it waits for step N instead; so do the KV tiers' copies of a plan ahead.
-    # Under tensor parallelism rank 0 sends the other ranks step N's tokens with step N+1.
-    # With speculative decoding a step goes ahead only where step N verifies no proposals and
-    # no sequence it samples would propose next (their proposals follow step N's token): the
-    # steps between proposals go ahead (a miss of the proposer backs off then, aligned so
-    # that sequences propose on the same steps).
-    # "auto" (async_scheduling_for): on with the runner in its own process (it measured
-    # faster there, on CPUs and an H100, with speculative decoding too), off with the thread
-    # (no gain measured on CPUs: the forward and the loop share the GIL) and on devices other
-    # than CPU and CUDA (not measured).
+    # Async scheduling (vLLM's async_scheduling): plan step N+1 while step N runs, so the executor
+    # goes from one step to the next without waiting for the loop; a row whose input is step N's
+    # token takes it in the runner. A step is planned ahead only when no request step N samples has
+    # beams (one that fans out in step N, n > 1, sits step N+1 out: its sequences exist once step N
+    # is back); else the engine waits for step N. The runner adds step N's token to a penalty
+    # history itself, and what else a row's sampling reads of it (a grammar's bitmask; bad words,
+    # min_tokens and logits processors, which read the output) is made once step N is back and taken
+    # by the runner just before it samples (worker/late_inputs.py). A row planned ahead for a
+    # sequence that step N's token ends (a stop token, EOS or a stop string), or after which a
+    # grammar forces tokens (jump-forward), is computed and discarded. A plan ahead preempts nothing
+    # (a priority preemption included): it waits for step N instead; so do the KV tiers' copies of a
+    # plan ahead. Under tensor parallelism rank 0 sends the other ranks step N's tokens with step
+    # N+1. With speculative decoding a step goes ahead only where step N verifies no proposals and
+    # no sequence it samples would propose next (their proposals follow step N's token): the steps
+    # between proposals go ahead (a miss of the proposer backs off then, aligned so that sequences
+    # propose on the same steps). "auto" (async_scheduling_for): on with the runner in its own
+    # process (it measured faster there, on CPUs and an H100, with speculative decoding too), off
+    # with the thread (no gain measured on CPUs: the forward and the loop share the GIL) and on
+    # devices other than CPU and CUDA (not measured).
     async_scheduling: bool | Literal["auto"] = "auto"
     # Structured outputs: append the tokens a grammar forces (a schema's keys, punctuation)
     # without sampling each one; they are computed in the next step like a prefill chunk

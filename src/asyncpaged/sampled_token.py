@@ -18,7 +18,7 @@ class SampledToken(NamedTuple):
     logprob: float | None  # of the sampled token, if asked
     rank: int | None = None  # 1-based rank of the sampled token by raw logprob, if asked
     top_logprobs: tuple[tuple[int, float], ...] = ()  # (token id, logprob), best first
-    sample_index: int = 0  # which entry of the step's ``fanout`` drew it
+    sample_index: int = 0  # which entry of the step's ``parallel_options`` drew it
     error: BaseException | None = None  # the row's logits processor raised: the request fails
     accepted: tuple[int, ...] = ()  # speculative decoding: the proposals kept before token_id
     proposals: tuple[int, ...] = ()  # the draft model's proposals to follow token_id

@@ -125,16 +125,16 @@ def test_shards_hold_their_slices_packed(tiny_checkpoint: Callable[[str], Path])
 
 def test_the_wire_step_keeps_what_every_rank_reads() -> None:
     """A worker's forward reads a row's tokens, context, slots, table and RoPE length: the
-    wire form keeps each of them (a late token replaced by what rank 0 sampled), and the
+    wire form keeps each of them (a placeholder replaced by what rank 0 sampled), and the
     rows sample nothing there."""
-    from asyncpaged.kv.block_table import LATE_TOKEN
+    from asyncpaged.kv.block_table import PLACEHOLDER_TOKEN
     from asyncpaged.worker.protocol import SequenceStep
 
     seqs = (
         SequenceStep(seq_id=3, token_ids=(5, 6, 7), num_computed_tokens=18,
                      slot_mapping=(50, 51, 52), block_table=(9, 2), do_sample=True,
                      min_rope_len=21, table_start=1),
-        SequenceStep(seq_id=8, token_ids=(LATE_TOKEN,), num_computed_tokens=4,
+        SequenceStep(seq_id=8, token_ids=(PLACEHOLDER_TOKEN,), num_computed_tokens=4,
                      slot_mapping=(68,), block_table=(4,), do_sample=True, want_logprob=True),
     )  # fmt: skip
     wire = RunStep.of(StepPlan(seqs=seqs, copy_pairs=((1, 2),)), lambda: {8: 77}).plan()

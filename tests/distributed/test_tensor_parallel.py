@@ -173,7 +173,7 @@ def test_tp2_with_async_scheduling_gives_the_same_tokens(
     hf_reference: Callable[[str], HFReference],
 ) -> None:
     """TP=2 with steps planned ahead: rank 0 puts the token it sampled last into the other
-    rank's rows that have a late token. Greedy tokens equal TP=1's and transformers', under
+    rank's rows that have a placeholder. Greedy tokens equal TP=1's and transformers', under
     swap and recompute preemption too (a plan waits while anything is swapped)."""
     name, tp1, _ = runs
     path = tiny_checkpoint(name)

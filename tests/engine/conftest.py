@@ -58,4 +58,4 @@ def assert_no_leaks(engine: AsyncEngine) -> None:
     assert stats.num_free_device_blocks == stats.num_device_blocks, stats
     assert stats.num_free_host_blocks == stats.num_host_blocks, stats
     assert engine._outputs is not None and not engine._outputs.live, "request states left behind"
-    assert engine._scheduler.num_tracked == 0, "scheduler records left behind"
+    assert engine._scheduler.num_request_states == 0, "scheduler records left behind"

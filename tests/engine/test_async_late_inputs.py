@@ -10,7 +10,7 @@ beside plain ones, draw exactly its tokens with the runner on the thread and in 
 jump-forward on and off, under preemption, and every JSON object that ends validates; so do
 requests with bad words, min_tokens and logits processors, each processor called once per
 token drawn. Parallel sampling (n > 1, best_of) goes ahead once it has fanned out, each
-sequence decoding a late token of its own (the step after the fan-out goes ahead without the
+sequence decoding a placeholder of its own (the step after the fork goes ahead without the
 request: its new sequences do not exist until its tokens are back); seeded draws, penalties, JSON
 with jump-forward and best_of ranking give the sync engine's completions too."""
 
@@ -88,9 +88,9 @@ async def test_grammar_requests_are_planned_ahead_with_the_same_tokens(
     assert stats.num_steps_planned_ahead > stats.num_steps // 3, stats
     if config:
         assert all(s.num_preemptions > 0 for _, s in runs.values()), runs
-    if jump:  # forced tokens after a token in flight: its row's sample was void
+    if jump:  # forced tokens after a token in flight: its row's sample was discarded
         assert stats.num_jump_forward_tokens > 0
-        assert stats.num_rows_in_vain > 0, stats
+        assert stats.num_discarded_rows > 0, stats
     else:
         assert stats.num_jump_forward_tokens == 0
 
@@ -102,7 +102,7 @@ async def test_options_that_read_the_output_come_late_with_the_same_tokens(
     reads the output (the thread runner: processors do not cross to a process) are planned
     ahead, their options made once the step before is back; tokens equal the sync engine's.
     The processor sees exactly the output of each token it helps draw: called once per
-    token, never for a row computed in vain (its request ends on a stop token it forces, or
+    token, never for a row computed and discarded (its request ends on a stop token it forces, or
     on a stop string: the late options wait for the stop check)."""
     path = tiny_checkpoint(MODEL)
     prompts = make_prompts(16, seed=12)
@@ -151,7 +151,7 @@ async def test_options_that_read_the_output_come_late_with_the_same_tokens(
     assert tokens[True] == tokens[False]
     stats = runs[True][1]
     assert stats.num_steps_planned_ahead > stats.num_steps // 2, stats
-    assert stats.num_rows_in_vain > 0, stats
+    assert stats.num_discarded_rows > 0, stats
     for on in (False, True):  # one call per token drawn, with the output before it
         outs = [o.outputs[0] for i, o in enumerate(runs[on][0]) if i % 5 >= 3]
         assert all(len(o.token_ids) <= 6 and o.finish_reason == "stop" for o in outs), outs
@@ -177,7 +177,7 @@ def test_late_inputs_are_taken_in_order() -> None:
 
 def test_late_inputs_go_into_their_rows_only() -> None:
     """Options that read the output replace the planned ones (None: plain greedy, as for a
-    row computed in vain), a bitmask goes into the row's options (greedy ones made for it),
+    row computed and discarded), a bitmask goes into the row's options (greedy ones made for it),
     and rows without late inputs stay the very same objects."""
 
     def row(seq_id: int, sampling: SamplingOptions | None) -> SequenceStep:
@@ -308,8 +308,8 @@ async def test_a_fan_out_in_flight_sits_the_next_step_out(
     backend: str, tiny_checkpoint: Callable[[str], Path]
 ) -> None:
     """n = 2 requests arriving one by one while a long request decodes: the step after each
-    fan-out goes ahead without that request (its sequences exist once the fan-out is back,
-    and the step after forks them), so only the first step waits (before, one per fan-out);
+    fork goes ahead without that request (its sequences exist once the fork is back,
+    and the step after forks them), so only the first step waits (before, one per fork);
     every completion is the sync engine's."""
     path = tiny_checkpoint(MODEL)
     prompts = make_prompts(7, seed=22)

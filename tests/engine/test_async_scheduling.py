@@ -3,9 +3,9 @@ before runs, its decodes fed the tokens that step samples, inside the runner.
 
 Greedy tokens equal transformers' with the runner on the thread and in its process, under
 memory pressure in both preemption modes (preemption waits for the step in flight); a stop
-token that ends a sequence leaves the row planned ahead for it computed in vain and nothing
+token that ends a sequence leaves the row planned ahead for it computed and discarded and nothing
 else; stop strings, seeds and penalties are planned ahead and give the engine's tokens without
-it; n > 1 requests (which sit out the step after their fan-out) run beside the rest; blocks
+it; n > 1 requests (which sit out the step after their fork) run beside the rest; blocks
 are free when the last request returns; what "auto" chooses."""
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from asyncpaged import (
     SpeculativeConfig,
 )
 from asyncpaged.config import async_scheduling_for
-from asyncpaged.kv.block_table import LATE_TOKEN
+from asyncpaged.kv.block_table import PLACEHOLDER_TOKEN
 from asyncpaged.worker import process as runner_process
 from asyncpaged.worker.protocol import SequenceStep, StepPlan
 from asyncpaged.worker.runner import ModelRunner
@@ -79,14 +79,15 @@ async def test_greedy_matches_transformers_under_memory_pressure(
         assert out.outputs[0].token_ids == ref.generate(prompt, 10)[0], prompt
     assert stats.num_preemptions > 0
     assert stats.num_steps_planned_ahead > stats.num_steps // 3, stats
-    assert stats.num_rows_in_vain == 0  # ignore_eos, and max_tokens is known ahead
+    assert stats.num_discarded_rows == 0  # ignore_eos, and max_tokens is known ahead
 
 
 async def test_priorities_preempt_once_the_step_in_flight_is_back(
     tiny_checkpoint: Callable[[str], Path],
     hf_reference: Callable[[str], HFReference],
 ) -> None:
-    """Priority scheduling with steps planned ahead: a plan ahead leaves a claim for the next
+    """Priority scheduling with steps planned ahead: a plan ahead leaves a priority preemption for
+    the next
     plan (after the step in flight), and every request's greedy tokens equal transformers'."""
     path, ref = tiny_checkpoint(MODEL), hf_reference(MODEL)
     prompts = make_prompts(24, seed=3)
@@ -134,14 +135,14 @@ async def test_a_stop_token_leaves_the_row_planned_ahead_computed_in_vain(
         cut = want.index(want[3]) + 1  # the first occurrence of the stop token ends it
         assert out.outputs[0].token_ids == want[:cut]
         assert out.outputs[0].finish_reason == "stop"
-    assert stats.num_rows_in_vain > 0, stats
+    assert stats.num_discarded_rows > 0, stats
 
 
 async def test_requests_that_cannot_go_ahead_run_beside_those_that_can(
     tiny_checkpoint: Callable[[str], Path],
 ) -> None:
     """Stop strings, seeded sampling with penalties, n = 2 (sitting out the step after its
-    fan-out) and unseeded sampling (its options fixed) among plain greedy requests: every
+    fork) and unseeded sampling (its options fixed) among plain greedy requests: every
     output equals the engine's without async scheduling (seeded and greedy ones; the
     unseeded ones only finish, their draws depend on the order)."""
     path = tiny_checkpoint(MODEL)
@@ -176,7 +177,7 @@ async def test_stop_strings_are_planned_ahead_and_end_where_they_match(
     backend: str, tiny_checkpoint: Callable[[str], Path]
 ) -> None:
     """Greedy requests with stop strings go ahead like the others: where a string matches, the
-    step planned meanwhile computed one row in vain, and the text, tokens and stop reasons equal
+    step planned meanwhile computed one row to no use, and the text, tokens and stop reasons equal
     the engine's without async scheduling."""
     path = tiny_checkpoint(MODEL)
     prompts = make_prompts(16, seed=11)
@@ -192,7 +193,7 @@ async def test_stop_strings_are_planned_ahead_and_end_where_they_match(
                for ahead, (outs, _) in runs.items()}  # fmt: skip
     stats = runs[True][1]
     assert stats.num_steps_planned_ahead > stats.num_steps // 2, stats
-    assert stats.num_rows_in_vain > 0, stats
+    assert stats.num_discarded_rows > 0, stats
     assert results[True] == results[False]
     assert sum(1 for *_, stop in results[True] if stop is not None) >= 4
 
@@ -348,7 +349,7 @@ async def test_large_steps_wait_for_the_pipe_and_aborts_free_their_blocks(
 
 
 def test_async_scheduling_combines_with_everything_else() -> None:
-    """Tensor parallelism (rank 0 sends the late tokens), the KV tiers and speculative
+    """Tensor parallelism (rank 0 sends the placeholders), the KV tiers and speculative
     decoding (the steps between proposals go ahead: test_async_speculative) are accepted."""
     spec = SpeculativeConfig(method="ngram", num_speculative_tokens=2)
     EngineConfig(model="m", async_scheduling=True, speculative_config=spec)
@@ -359,7 +360,7 @@ def test_async_scheduling_combines_with_everything_else() -> None:
 def test_a_late_token_takes_what_the_last_step_sampled(
     tiny_checkpoint: Callable[[str], Path],
 ) -> None:
-    """The runner puts the token it sampled last for a sequence where a row has a late token:
+    """The runner puts the token it sampled last for a sequence where a row has a placeholder:
     the same logits, K/V and tokens as the row with the real token, in a mixed step too."""
     path = tiny_checkpoint(MODEL)
     runners = [ModelRunner(path, torch.float32, num_blocks=8, block_size=16, kv_fill_value=0.5)
@@ -371,7 +372,7 @@ def test_a_late_token_takes_what_the_last_step_sampled(
     assert sampled[0] == sampled[1]
     token = sampled[0]
     results = []
-    for runner, given in zip(runners, (token, LATE_TOKEN), strict=True):
+    for runner, given in zip(runners, (token, PLACEHOLDER_TOKEN), strict=True):
         step = StepPlan(seqs=(
             SequenceStep(2, other, 0, (16, 17, 18), (1,), True),  # a prefill beside it
             SequenceStep(1, (given,), 6, (6,), (), True, table_start=1),
@@ -388,7 +389,7 @@ async def test_a_request_is_freed_before_its_final_output_while_steps_run_ahead(
     tiny_checkpoint: Callable[[str], Path], hf_reference: Callable[[str], HFReference]
 ) -> None:
     """Requests ending on a stop token beside n = 2 requests (sitting out the step after
-    their fan-out) arriving over time, prompts prefilled in chunks: when a request's final
+    their fork) arriving over time, prompts prefilled in chunks: when a request's final
     output reaches its reader, the pool holds no block of it (a finish while a step runs that the
     next cannot be planned ahead of is freed by a transaction of its own)."""
     path, ref = tiny_checkpoint(MODEL), hf_reference(MODEL)
@@ -398,7 +399,7 @@ async def test_a_request_is_freed_before_its_final_output_while_steps_run_ahead(
 
     def params(i: int) -> SamplingParams:
         kind = RequestOutputKind.DELTA
-        if i % 3 == 0:  # n = 2: a fan-out
+        if i % 3 == 0:  # n = 2: a fork
             return SamplingParams(temperature=0.8, max_tokens=2, seed=i, ignore_eos=True,
                                   n=2, output_kind=kind)  # fmt: skip
         stop = wants[i][2 + i % 5]  # ends on a stop token, some steps apart
@@ -429,22 +430,22 @@ async def test_a_request_is_freed_before_its_final_output_while_steps_run_ahead(
                     tg.start_soon(one, i)
             stats = engine.statistics()
     assert not held, f"requests still holding blocks at their final output: {held}"
-    assert stats.num_steps_planned_ahead > 0 and stats.num_rows_in_vain > 0, stats
+    assert stats.num_steps_planned_ahead > 0 and stats.num_discarded_rows > 0, stats
 
 
 def test_auto_plans_ahead_with_the_runner_in_its_process_only() -> None:
-    def settle(**kw: Any) -> tuple[bool, str]:
+    def resolved(**kw: Any) -> tuple[bool, str]:
         return async_scheduling_for(EngineConfig(model="m", **kw))
 
-    assert settle(executor_backend="process")[0] is True
-    assert settle(executor_backend="thread")[0] is False
-    assert settle(executor_backend="process", device="cuda")[0] is True  # measured on an H100
-    assert settle(executor_backend="process", device="mps")[0] is False  # not measured
-    assert settle(executor_backend="process", scheduling_policy="priority")[0] is True
+    assert resolved(executor_backend="process")[0] is True
+    assert resolved(executor_backend="thread")[0] is False
+    assert resolved(executor_backend="process", device="cuda")[0] is True  # measured on an H100
+    assert resolved(executor_backend="process", device="mps")[0] is False  # not measured
+    assert resolved(executor_backend="process", scheduling_policy="priority")[0] is True
     spec = SpeculativeConfig(method="ngram", num_speculative_tokens=2)
-    assert settle(executor_backend="process", speculative_config=spec)[0] is True
-    assert settle(executor_backend="thread", speculative_config=spec)[0] is False
-    assert settle(executor_backend="thread", async_scheduling=True) == (True, "configured")
-    assert settle(executor_backend="process", async_scheduling=False) == (False, "configured")
+    assert resolved(executor_backend="process", speculative_config=spec)[0] is True
+    assert resolved(executor_backend="thread", speculative_config=spec)[0] is False
+    assert resolved(executor_backend="thread", async_scheduling=True) == (True, "configured")
+    assert resolved(executor_backend="process", async_scheduling=False) == (False, "configured")
     with pytest.raises(ValueError, match="async_scheduling must be"):
         EngineConfig(model="m", async_scheduling="yes")  # type: ignore[arg-type]

@@ -6,7 +6,7 @@ row starts depends on how many it keeps); so steps go ahead while sequences back
 ``disable_by_batch_size``, and, with async scheduling, after a proposer found nothing (a miss
 backs off too, aligned to the plan count). Tokens must equal the sync engine's (greedy:
 transformers'), with the runner on its thread and in its process, under swap and recompute
-preemption; a draft model's cache must take the late tokens (as the target's own draft every
+preemption; a draft model's cache must take the placeholders (as the target's own draft every
 greedy proposal made after steps that went ahead is accepted). Seeded sampling planned ahead
 is tested beside the sync case in test_speculative.py. Every engine is leak-checked on exit
 (``running_engine``)."""
@@ -92,7 +92,7 @@ async def test_above_the_batch_limit_every_step_may_go_ahead(
 ) -> None:
     """With the target as its own draft every greedy proposal is accepted, if the draft's
     cache holds what the target's does: above ``disable_by_batch_size`` nothing is proposed
-    and steps go ahead (late tokens through the draft's forward too); as requests finish the
+    and steps go ahead (placeholders through the draft's forward too); as requests finish the
     batch falls under the limit and the proposals made over those caches are all kept.
     Penalized too: the options of a row planned ahead come late, and the draft draws the
     proposals after it with them (with the planned ones, plain greedy, it proposed tokens the
@@ -132,7 +132,7 @@ async def test_a_perturbed_draft_planned_ahead_equals_the_sync_engine(
 ) -> None:
     """A draft that is often rejected (so sequences back off and steps go ahead): greedy
     requests, plain and penalized (with the whole histories a draft-model engine sends, which
-    take the late tokens), get the sync engine's tokens. (A sampled row verified against the
+    take the placeholders), get the sync engine's tokens. (A sampled row verified against the
     draft's distribution is exact in distribution, not token for token: its tokens depend on
     what was proposed, which async scheduling changes.)"""
     path = tiny_checkpoint("llama-gqa")
@@ -163,7 +163,7 @@ async def test_a_prompt_ending_in_a_one_token_chunk_fans_out_without_proposals(
 ) -> None:
     """Chunked prefill leaves the last prompt token of an n = 2 request for a step of its
     own: that row draws both first tokens and takes no proposals (before, it took them, the
-    verification dropped the fan-out and the request never finished); the decodes after it
+    verification dropped the fork and the request never finished); the decodes after it
     do."""
     path = tiny_checkpoint("llama-gqa")
     prompt = make_prompts(1, seed=4)[0]

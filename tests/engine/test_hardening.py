@@ -154,8 +154,8 @@ def test_aborts_are_honoured_in_every_stage(
             for stream in (s1, s2):
                 out = await finish(stream)
                 assert out.outputs[0].finish_reason == "abort" and not out.outputs[0].token_ids
-            # Running, then waiting: both seats held by requests of 150 tokens (the victim may
-            # still hold one; the blocker then takes its seat when it ends), whatever the
+            # Running, then waiting: both sequence slots held by requests of 150 tokens (the victim
+            # may still hold one; the blocker then takes its seat when it ends), whatever the
             # victim's progress.
             runner = engine.generate([9, 10, 11], params, request_id="running")
             blocker = engine.generate([14, 15], params, request_id="blocker")

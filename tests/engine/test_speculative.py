@@ -163,7 +163,7 @@ async def test_seeded_sampling_is_token_identical_with_and_without_speculation(
     """Verification draws the target's own token at every position from the same seeded
     stream, so a seeded request's output does not depend on what was proposed. With async
     scheduling (``loop``: the runner's thread or process) too, the proposer finding nothing
-    half the time, so steps go ahead between proposals (penalty histories take late tokens):
+    half the time, so steps go ahead between proposals (penalty histories take placeholders):
     the sync engine's tokens without speculation."""
     path = tiny_checkpoint("llama-gqa")
     prompts = make_prompts(12, seed=9)

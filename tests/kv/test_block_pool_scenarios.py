@@ -507,21 +507,21 @@ def test_prompt_hashes_keep_a_bounded_number_of_prompt_tokens() -> None:
 def test_append_token_after_a_late_token_changes_nothing_when_it_refuses(
     enable_prefix_caching: bool,
 ) -> None:
-    """append_token onto a late token raises (with prefix caching the token must be settled
+    """append_token onto a placeholder raises (with prefix caching the token must be settled
     first) before touching the sequence: its length, its block's fill and the pool's invariants
     are as before."""
-    from asyncpaged.kv.block_table import LATE_TOKEN
+    from asyncpaged.kv.block_table import PLACEHOLDER_TOKEN
 
     pool = BlockPool(4, block_size=4, enable_prefix_caching=enable_prefix_caching)
     assert pool.allocate("s", [3], max_new_tokens=None, extra_key=None) is not None
-    assert pool.append_token("s", LATE_TOKEN) is not None
+    assert pool.append_token("s", PLACEHOLDER_TOKEN) is not None
     before = pool.statistics(), pool.device.state()
     if enable_prefix_caching:
         with pytest.raises(BlockPoolError, match="late"):
             pool.append_token("s", 3)
         assert (pool.statistics(), pool.device.state()) == before
         pool.check_invariants()
-        pool.set_late_token("s", 7)
+        pool.set_placeholder("s", 7)
     assert pool.append_token("s", 3) is not None
     pool.check_invariants()
     pool.free("s")

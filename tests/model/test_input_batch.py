@@ -14,7 +14,7 @@ import pytest
 from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
-from asyncpaged.kv.block_table import LATE_TOKEN
+from asyncpaged.kv.block_table import PLACEHOLDER_TOKEN
 from asyncpaged.sampling.options import SamplingOptions
 from asyncpaged.worker.input_batch import InputBatch, ResolvedRows, SentBatch
 from asyncpaged.worker.protocol import SequenceStep
@@ -247,7 +247,7 @@ def _same_resolution(got: ResolvedRows, want: ResolvedRows) -> None:
 def test_the_runner_always_sees_what_a_whole_resend_gives(data: st.DataObject) -> None:
     """One sender, one runner, random plans: every sent plan resolves to what the same rows
     sent whole (``table_start`` 0, their options, their whole output) resolve to on a fresh
-    runner; plans never sent change nothing; rows planned ahead get the runner's late token."""
+    runner; plans never sent change nothing; rows planned ahead get the runner's placeholder."""
     draw = data.draw
     sender, runner = SentBatch(), InputBatch(rows=2, width=2)
     num_seqs = draw(st.integers(1, 6))
@@ -258,7 +258,7 @@ def test_the_runner_always_sees_what_a_whole_resend_gives(data: st.DataObject) -
     options: dict[int, SamplingOptions | None] = {}
     outputs: dict[int, list[int]] = {s: [] for s in range(num_seqs)}
     next_block = 0
-    num_unsent = num_late = 0
+    num_unsent = num_placeholders = 0
     for _ in range(draw(st.integers(1, 15))):
         sender.start_plan()
         rows, whole = [], []
@@ -288,7 +288,7 @@ def test_the_runner_always_sees_what_a_whole_resend_gives(data: st.DataObject) -
                 first = sender.history_start(s, known, len(prompts[s]), late=late)
                 history = (first, tuple(outputs[s][first:]), late)
             sampling, keep = sender.options(s, opts)
-            token = (LATE_TOKEN,) if late else (1,)
+            token = (PLACEHOLDER_TOKEN,) if late else (1,)
             rows.append(SequenceStep(s, token, 0, (0,), blocks, opts is not None,
                                      sampling=sampling, keep_sampling=keep, table_start=start,
                                      history=history))  # fmt: skip
@@ -303,7 +303,7 @@ def test_the_runner_always_sees_what_a_whole_resend_gives(data: st.DataObject) -
         if not draw(st.booleans(), label="sent") and draw(st.booleans()):
             num_unsent += 1
             continue  # built, never sent: changes nothing on either side
-        num_late += len(in_flight)
+        num_placeholders += len(in_flight)
         sender.sent()
         got = runner.update(rows, in_flight.copy)
         _same_resolution(got, InputBatch().update(whole))
@@ -315,4 +315,4 @@ def test_the_runner_always_sees_what_a_whole_resend_gives(data: st.DataObject) -
         assert sorted(runner.seq_ids()) == sorted(r.seq_id for r in rows)
         assert sorted(runner.history_ids()) == sorted(got.seen)
     event("a plan never sent" if num_unsent else "every plan sent")
-    event("rows planned ahead" if num_late else "no row planned ahead")
+    event("rows planned ahead" if num_placeholders else "no row planned ahead")

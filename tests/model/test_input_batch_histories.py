@@ -49,7 +49,7 @@ def _row(
 
 
 def _whole(seq_id: int, prompt: tuple[int, ...], output: list[int], rep: float) -> SequenceStep:
-    """A row that sends its whole history (a verification or fan-out row)."""
+    """A row that sends its whole history (a verification or fork row)."""
     options = SamplingOptions(temperature=0.0, repetition_penalty=rep,
                               prompt_token_ids=prompt, output_token_ids=tuple(output))  # fmt: skip
     return SequenceStep(seq_id, (1,), len(prompt) + len(output) - 1, (0,), (), True,

@@ -25,7 +25,7 @@ from asyncpaged.kv.tiers import (
     TierIndex,
     TierOp,
 )
-from asyncpaged.kv.txn import Claim, StepTxn, apply_txn, snapshot
+from asyncpaged.kv.txn import PriorityPreemption, StepTxn, apply_txn, snapshot
 from asyncpaged.sched.policy import QueuePolicy, check_priority, num_outranked
 from asyncpaged.sched.request import Request, Sequence, StopCriteria
 from asyncpaged.sched.scheduler import Scheduler, SchedulerConfig
@@ -209,8 +209,9 @@ def test_num_outranked_counts_from_the_end() -> None:
 
 
 def test_claim_takes_the_fewest_victims_or_none() -> None:
-    """The allocator's side of a claim: victims from the front of ``victims`` until the
-    released blocks (counted once when victims share them) and seats cover it; all or none."""
+    """The allocator's side of a priority preemption: victims from the front of ``victims`` until
+    the
+    released blocks (counted once when victims share them) and sequences cover it; all or none."""
 
     def pool_with_shared_prefix() -> BlockPool:
         pool = BlockPool(8, 0, block_size=BS)
@@ -220,22 +221,22 @@ def test_claim_takes_the_fewest_victims_or_none() -> None:
         return pool
 
     victims = ((2,), (1,), (0,))
-    cases = [  # (claim, victims preempted)
-        (Claim(num_victims=2, seats=1, blocks=4 + 1), 1),
+    cases = [  # (preemption, victims preempted)
+        (PriorityPreemption(num_victims=2, num_seqs=1, blocks=4 + 1), 1),
         # The shared block is released only when its last holder goes: 2 victims free 2, not 3.
-        (Claim(num_victims=2, seats=0, blocks=4 + 2), 2),
-        (Claim(num_victims=2, seats=0, blocks=4 + 3), 0),  # all outranked ones cannot: none
-        (Claim(num_victims=3, seats=0, blocks=4 + 4), 3),  # with the third, the shared one too
-        (Claim(num_victims=3, seats=3, blocks=0), 3),
-        (Claim(num_victims=2, seats=3, blocks=0), 0),
+        (PriorityPreemption(num_victims=2, num_seqs=0, blocks=4 + 2), 2),
+        (PriorityPreemption(num_victims=2, num_seqs=0, blocks=4 + 3), 0),  # none
+        (PriorityPreemption(num_victims=3, num_seqs=0, blocks=4 + 4), 3),  # the shared one too
+        (PriorityPreemption(num_victims=3, num_seqs=3, blocks=0), 3),
+        (PriorityPreemption(num_victims=2, num_seqs=3, blocks=0), 0),
     ]  # fmt: skip
-    for claim, expected in cases:
+    for preemption, expected in cases:
         pool = pool_with_shared_prefix()
         assert pool.num_free_device_blocks == 4
-        txn = StepTxn(victims=victims, claim=claim, append_group_sizes=())
+        txn = StepTxn(victims=victims, preemption=preemption, append_group_sizes=())
         result = apply_txn(pool, txn)
-        assert result.preempted == (False,) * expected, claim
-        assert pool.num_free_device_blocks == 4 + [0, 1, 2, 4][expected], claim
+        assert result.preempted == (False,) * expected, preemption
+        assert pool.num_free_device_blocks == 4 + [0, 1, 2, 4][expected], preemption
         pool.check_invariants()
 
 

@@ -1,18 +1,18 @@
 """Async scheduling in the core: steps planned while the one before is in flight (``plan(ahead=)``)
 against the fake executor of ``test_scheduler_property``, which checks every K/V a sampling row
-reads. A row whose input is a late token gets the token the step before sampled, as the runner
-does; a request's output must equal the same request run alone, whichever steps were planned
-ahead, under memory pressure (preemption then waits for the step in flight), priorities (a
-claim waits too), swaps, aborts and stop tokens that make a planned-ahead row compute in vain,
-a fake grammar's forced tokens (jump-forward), which void a sample already in flight, and
-parallel sampling (a request at its fan-out sits a plan ahead out, the next plan, ahead
-too, forks its sequences; then each of them decodes a late token), and speculative decoding:
-a proposer offers the fake model's own continuation, corrupted at a random place or cut
-short, or nothing, and the executor verifies proposals as the runner does (the accepted
-ones, then the model's token). Steps are planned ahead at random wherever the actor may (not
-ahead of proposals in flight), whether or not a sequence would have proposed next (the actor
-waits for those, a policy choice; planning ahead anyway must stay exact), under the
-batch-size limit and the back-off that async scheduling aligns to the plan count."""
+reads. A row whose input is a placeholder gets the token the step before sampled, as the runner
+does; a request's output must equal the same request run alone, whichever steps were planned ahead,
+under memory pressure (preemption then waits for the step in flight), priorities (a priority
+preemption waits too), swaps, aborts and stop tokens that make a planned-ahead row compute for
+nothing, a fake grammar's forced tokens (jump-forward), which discard a sample already in flight,
+and parallel sampling (a request at its fork sits a plan ahead out, the next plan, ahead too, forks
+its sequences; then each of them decodes a placeholder), and speculative decoding: a proposer offers
+the fake model's own continuation, corrupted at a random place or cut short, or nothing, and the
+executor verifies proposals as the runner does (the accepted ones, then the model's token). Steps
+are planned ahead at random wherever the actor may (not ahead of proposals in flight), whether or
+not a sequence would have proposed next (the actor waits for those, a policy choice; planning ahead
+anyway must stay exact), under the batch-size limit and the back-off that async scheduling aligns to
+the plan count."""
 
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ import hypothesis.strategies as st
 from hypothesis import event, given
 
 from asyncpaged.kv.block_pool import BlockPool
-from asyncpaged.kv.block_table import LATE_TOKEN
+from asyncpaged.kv.block_table import PLACEHOLDER_TOKEN
 from asyncpaged.kv.txn import apply_txn, snapshot
 from asyncpaged.sched.request import Request, Sequence, StopCriteria
 from asyncpaged.sched.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
@@ -78,7 +78,7 @@ def reference_forced(
 def execute(
     world: FakeWorld, out: SchedulerOutput, requests: dict[str, Request], late: dict[int, int]
 ) -> Sampled:
-    """The fake runner: K/V for every slot the step hands out (a late token takes what the
+    """The fake runner: K/V for every slot the step hands out (a placeholder takes what the
     step before sampled), then per sampling row the model's token, or for a row with
     proposals the accepted ones and the model's token after them."""
     world.copy_blocks(world.device, world.device, out.copy_on_write)
@@ -87,10 +87,10 @@ def execute(
     contexts: dict[int, list[int]] = {}
     for sch in out.seqs:
         seq = next(s for s in requests[sch.request_id].seqs if s.seq_id == sch.seq_id)
-        if LATE_TOKEN in sch.token_ids:
-            assert sch.token_ids == (LATE_TOKEN,) and sch.start_pos == len(seq.token_ids)
+        if PLACEHOLDER_TOKEN in sch.token_ids:
+            assert sch.token_ids == (PLACEHOLDER_TOKEN,) and sch.start_pos == len(seq.token_ids)
             assert not sch.num_draft
-        new = [late[sch.seq_id] if t == LATE_TOKEN else t for t in sch.token_ids]
+        new = [late[sch.seq_id] if t == PLACEHOLDER_TOKEN else t for t in sch.token_ids]
         context = contexts[sch.seq_id] = [*seq.token_ids[: sch.start_pos], *new]
         salt = requests[sch.request_id].cache_salt
         for i, slot in enumerate(sch.slot_mapping):
@@ -108,7 +108,7 @@ def execute(
             assert world.device.get(slot) == want, f"{sch.request_id} reads bad KV at {pos}"
         # (a sampling row ends where its sequence does, with the token in flight, proposals)
         seq = next(s for s in request.seqs if s.seq_id == sch.seq_id)
-        late_row = sch.token_ids[0] == LATE_TOKEN
+        late_row = sch.token_ids[0] == PLACEHOLDER_TOKEN
         assert len(context) == len(seq.token_ids) + late_row + sch.num_draft, sch
         kept = len(context) - sch.num_draft  # the context the proposals follow
         if sch.num_draft:
@@ -200,13 +200,13 @@ def test_planning_ahead_gives_each_request_its_output_alone(data: st.DataObject)
 
     for _ in range(data.draw(st.integers(1, 12), label="initial requests")):
         add()
-    num_late = data.draw(st.integers(0, 8), label="late requests")
+    num_placeholders = data.draw(st.integers(0, 8), label="late requests")
     in_flight: deque[tuple[SchedulerOutput, Sampled]] = deque()  # executed, not yet updated
     num_ahead = num_vain = 0
     stalled = False  # a plan ahead ran nothing: wait for the step in flight (as the actor does)
     for _ in range(4000):
         idle = not (sched.has_unfinished or sched.has_swaps_in_flight or in_flight)
-        if idle and not sched.has_pending_txn_work and num_late == 0:
+        if idle and not sched.has_pending_txn_work and num_placeholders == 0:
             break
         ahead = (
             bool(in_flight)
@@ -219,12 +219,9 @@ def test_planning_ahead_gives_each_request_its_output_alone(data: st.DataObject)
             and data.draw(st.booleans(), label="plan ahead")
         )
         if (
-            in_flight
-            and not ahead
-            and sched.has_settle_work
-            and data.draw(st.booleans(), label="settle")
+            in_flight and not ahead and sched.can_flush and data.draw(st.booleans(), label="flush")
         ):  # as the actor, while a step runs that the next is not planned ahead of
-            snap = apply_txn(pool, sched.plan_settle()).snapshot
+            snap = apply_txn(pool, sched.plan_flush()).snapshot
         elif in_flight and not ahead:  # the oldest step's tokens come back
             out, sampled = in_flight.popleft()
             stalled = False
@@ -237,38 +234,40 @@ def test_planning_ahead_gives_each_request_its_output_alone(data: st.DataObject)
                     request = every[upd.request_id]
                     seq = next(s for s in request.seqs if s.seq_id == upd.seq_id)
                     forced = forced_after(request.cache_salt, seq.token_ids)
-                    num_void = len(sched._void)
+                    num_void = len(sched._discarded)
                     appended, _, _ = sched.append_forced(upd.request_id, upd.seq_id, forced)
                     outputs[key].extend(appended)
-                    if len(sched._void) > num_void:
+                    if len(sched._discarded) > num_void:
                         event("a sample in flight voided")
         else:
             txn = sched.plan(snap, ahead=in_flight[-1][0] if in_flight else None)
-            if in_flight:  # (forks: a fan-out that sat the plan before out, see below)
-                assert not (txn.victims or txn.swap_ins or txn.claim)
+            if in_flight:  # (forks: a fork that sat the plan before out, see below)
+                assert not (txn.victims or txn.swap_ins or txn.preemption)
                 if txn.forks:
                     event("forks planned ahead")
             result = apply_txn(pool, txn)
             snap = result.snapshot
             out = sched.apply(txn, result)
             num_ahead += bool(in_flight)
-            if any(s.token_ids[0] == LATE_TOKEN and len(every[s.request_id].seqs) > 1
+            if any(s.token_ids[0] == PLACEHOLDER_TOKEN and len(every[s.request_id].seqs) > 1
                    for s in out.seqs):  # fmt: skip
-                event("a fanned-out request decodes late tokens")
+                event("a fanned-out request decodes placeholders")
             stalled = bool(in_flight) and not out.seqs
             late = {k: v[0] for k, v in in_flight[-1][1].items()} if in_flight else {}
             sampled = execute(world, out, every, late)  # (the swaps it starts, if nothing else)
             if out.seqs:
                 in_flight.append((out, sampled))
         pool.check_invariants()
-        num_late = between_steps(data, world, sched, add, num_late, aborted, abort_one_in=16)
+        num_placeholders = between_steps(
+            data, world, sched, add, num_placeholders, aborted, abort_one_in=16
+        )
     else:
         raise AssertionError("the scheduler stopped making progress")
     event("planned ahead" if num_ahead else "never ahead")
     if sched.spec_stats.num_draft_tokens:
         event("proposals accepted" if sched.spec_stats.num_accepted_tokens else "none kept")
     if num_vain:
-        event("a row computed in vain")
+        event("a row computed and discarded")
     if sched.statistics().num_preemptions:
         event(f"preempted ({config.scheduling_policy})")
     for key, want in expected.items():

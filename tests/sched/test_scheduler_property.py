@@ -36,7 +36,7 @@ Content = tuple[str | None, tuple[int, ...]]
 
 
 def next_token(salt: str | None, tokens: list[int] | tuple[int, ...], draw: int = 0) -> int:
-    """The fake model: a hash of the context; ``draw`` tells the fan-out's draws apart."""
+    """The fake model: a hash of the context; ``draw`` tells the fork's draws apart."""
     digest = hashlib.sha256(repr((salt, tuple(tokens), draw)).encode()).digest()
     return digest[0] % VOCAB
 
@@ -154,7 +154,7 @@ def between_steps(
     world: FakeWorld,
     sched: Scheduler,
     add: Callable[[], None],
-    num_late: int,
+    num_placeholders: int,
     aborted: set[str],
     *,
     abort_one_in: int,
@@ -166,14 +166,14 @@ def between_steps(
         if data.draw(st.booleans(), label="complete swap"):
             world.complete(swap_id)
             sched.complete_swap(swap_id)
-    if num_late and data.draw(st.booleans(), label="arrive"):
+    if num_placeholders and data.draw(st.booleans(), label="arrive"):
         add()
-        num_late -= 1
+        num_placeholders -= 1
     if sched.requests and data.draw(st.integers(0, abort_one_in - 1), label="abort?") == 0:
         rid = data.draw(st.sampled_from(sorted(sched.requests)), label="abort which")
         sched.abort(rid)
         aborted.add(rid)
-    return num_late
+    return num_placeholders
 
 
 BASE = [1, 2, 3, 0, 1, 2, 3, 0, 2, 2, 1, 1, 0, 0, 3, 3, 1, 2, 3, 0]
@@ -257,11 +257,11 @@ def test_scheduler_outputs_equal_running_each_request_alone(data: st.DataObject)
 
     for _ in range(data.draw(st.integers(1, 12), label="initial requests")):
         add()
-    num_late = data.draw(st.integers(0, 8), label="late requests")
+    num_placeholders = data.draw(st.integers(0, 8), label="late requests")
     saw_preemption = False
     for _ in range(3000):
         idle = not sched.has_unfinished and not sched.has_swaps_in_flight
-        if idle and not sched.has_pending_txn_work and num_late == 0:
+        if idle and not sched.has_pending_txn_work and num_placeholders == 0:
             break
         swapped_before = bool(sched.swapped)
         waiting_before = {r.request_id for r in sched.waiting}
@@ -295,7 +295,9 @@ def test_scheduler_outputs_equal_running_each_request_alone(data: st.DataObject)
             got_beams[rid] = hypotheses
         sched.finished_beams.clear()
         pool.check_invariants()
-        num_late = between_steps(data, world, sched, add, num_late, aborted, abort_one_in=10)
+        num_placeholders = between_steps(
+            data, world, sched, add, num_placeholders, aborted, abort_one_in=10
+        )
     else:
         raise AssertionError("the scheduler stopped making progress")
     event("preempted" if saw_preemption else "no preemption")

@@ -92,7 +92,7 @@ class ExecutorActor:
 
     async def _release_waiting_steps(self) -> None:
         """The engine stops (or failed) with steps sent whose late inputs will never come:
-        each gets an empty delivery (it samples as planned, in vain), so the running step,
+        each gets an empty delivery (it samples as planned, to no use), so the running step,
         which a stopping engine waits for, ends."""
         with anyio.CancelScope(shield=True), contextlib.suppress(WorkerDiedError):
             while self._awaiting:

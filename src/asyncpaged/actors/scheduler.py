@@ -3,10 +3,10 @@
 The actor holds its state, loop, planning, messages, the taking of a finished step and the
 stop-string check, and decides when a step's outputs go to the output processor
 (``actors/output_processor.py``), which owns the requests' output states. It keeps a
-:class:`Tracked` record of each live request (:mod:`.tracked`) and owns two classes of its own:
-a :class:`StepBuilder` (:mod:`.step_builder`: a step's ``SequenceStep`` rows and a step planned
-ahead's late inputs, with the sampling options of :mod:`.sampling_options`) and
-``pin_prefix``'s :class:`PinWaiters` (:mod:`.pin_waiters`)."""
+:class:`SchedulerRequestState` record of each live request (:mod:`.request_state`) and owns
+two classes of its own: a :class:`StepBuilder` (:mod:`.step_builder`: a step's ``SequenceStep``
+rows and a step planned ahead's late inputs, with the sampling options of
+:mod:`.sampling_options`) and ``pin_prefix``'s :class:`PinWaiters` (:mod:`.pin_waiters`)."""
 
 from __future__ import annotations
 
@@ -43,9 +43,9 @@ from asyncpaged.actors.messages import (
     WatchPin,
 )
 from asyncpaged.actors.pin_waiters import PinWaiters
+from asyncpaged.actors.request_state import SchedulerRequestState
 from asyncpaged.actors.sampling_options import bad_words_token_ids, banned_next_tokens
 from asyncpaged.actors.step_builder import LateRows, StepBuilder, seq_of
-from asyncpaged.actors.tracked import Tracked
 from asyncpaged.errors import NoTokenAllowedError, RequestFailedError
 from asyncpaged.kv.tiers import TierOp
 from asyncpaged.kv.txn import PoolSnapshot, StepTxn, TxnResult
@@ -68,8 +68,8 @@ log = get_logger(__name__)
 
 
 class SchedulerActor:
-    """Owns the request queues (the :class:`Scheduler` core) and its own record of each live
-    request (:class:`Tracked`: the intake's ``RequestInfo``, grammar matchers, prompt-logprob
+    """Owns the request queues (the :class:`Scheduler` core) and its own record of each live request
+    (:class:`SchedulerRequestState`: the intake's ``RequestInfo``, grammar matchers, prompt-logprob
     progress); it never sees a request's output state.
 
     Loop: handle every message that has arrived; if the last step had tokens of requests with
@@ -84,7 +84,7 @@ class SchedulerActor:
     sized for every swap that can be in flight; the output processor's is unbounded, and
     answers a stop check without waiting on anything).
 
-    Invariant: ``_tracked`` holds exactly the requests the core holds (added, not finished).
+    Invariant: ``_states`` holds exactly the requests the core holds (added, not finished).
     """
 
     def __init__(
@@ -113,9 +113,9 @@ class SchedulerActor:
         self._draft_proposals = draft_proposals
         self._grammars = grammars
         self.snapshot = snapshot
-        self._tracked: dict[str, Tracked] = {}
+        self._states: dict[str, SchedulerRequestState] = {}
         self._steps = StepBuilder(
-            scheduler, self._tracked, eos_token_ids=eos_token_ids, tokenizer=tokenizer,
+            scheduler, self._states, eos_token_ids=eos_token_ids, tokenizer=tokenizer,
             grammars=grammars, has_draft_model=draft_proposals is not None,
         )  # fmt: skip
         self._inbox = inbox
@@ -168,9 +168,9 @@ class SchedulerActor:
         return self.scheduler.statistics()
 
     @property
-    def num_tracked(self) -> int:
+    def num_request_states(self) -> int:
         """Requests this actor keeps a record of (the core's live requests)."""
-        return len(self._tracked)
+        return len(self._states)
 
     @property
     def is_idle(self) -> bool:
@@ -224,8 +224,8 @@ class SchedulerActor:
                         stepped = await self._step()
                 elif self._plans_ahead():
                     stepped = await self._step(self._in_flight[0])
-                elif self._async and self.scheduler.has_settle_work:
-                    await self._settle()  # a finished request's blocks return now
+                elif self._async and self.scheduler.can_flush:
+                    await self._flush()  # a finished request's blocks return now
                 self._deliver()  # the last step's outputs, while the next one runs
                 self._idle.notify()
                 if not stepped:
@@ -257,23 +257,23 @@ class SchedulerActor:
         await done.wait()
 
     def _plans_ahead(self) -> bool:
-        """Async scheduling: whether to plan the next step now, while the one in flight runs:
-        the core allows it (:meth:`Scheduler.can_plan_ahead`, and the last plan was not cut
-        short), there is work, and every request the step in flight samples for may decode a
-        token it has not seen (``Tracked.ahead``: no beams; what its sampling reads of that
-        token comes late: ``StepBuilder.late_inputs``; one at its fan-out sits the plan out),
-        and none verifies or is due to make speculative proposals."""
+        """Async scheduling: whether to plan the next step now, while the one in flight runs: the
+        core allows it (:meth:`Scheduler.can_plan_ahead`, and the last plan was not cut short),
+        there is work, and every request the step in flight samples for may decode a token it has
+        not seen (``SchedulerRequestState.ahead``: no beams; what its sampling reads of that token
+        comes late: ``StepBuilder.late_inputs``; one at its fork sits the plan out), and none
+        verifies or is due to make speculative proposals."""
         if not self._async or len(self._in_flight) != 1 or not self._has_work():
             return False
         sched = self.scheduler
         if sched.planned_cut or not sched.can_plan_ahead():
             return False
-        tracked = self._tracked
+        states = self._states
         for s in self._in_flight[0].seqs:
-            t = tracked.get(s.request_id) if s.samples else None
+            t = states.get(s.request_id) if s.samples else None
             if t is None:
                 continue
-            if not t.ahead:  # (a request at its fan-out sits the plan ahead out: the core)
+            if not t.ahead:  # (a request at its fork sits the plan ahead out: the core)
                 return False
             if t.speculates and (s.num_draft or self._proposes_next(s)):
                 return False
@@ -290,11 +290,11 @@ class SchedulerActor:
         seq = seq_of(request, s.seq_id)
         return not seq.is_finished and self.scheduler.next_proposals(request, seq) > 0
 
-    async def _settle(self) -> None:
-        """A transaction of the pending frees, late tokens, forks, pins and swap
+    async def _flush(self) -> None:
+        """A transaction of the pending frees, placeholders, forks, pins and swap
         confirmations alone, while a step runs that the next cannot be planned ahead of."""
         self._planning = True
-        await self._txns.send(self.scheduler.plan_settle())
+        await self._txns.send(self.scheduler.plan_flush())
         result = await self._results.receive()
         self._planning = False
         self.snapshot = result.snapshot
@@ -353,19 +353,19 @@ class SchedulerActor:
         ended: list[str] = []
         for output in outputs:
             upd = output
-            tracked = self._tracked[upd.request_id]
-            if tracked.matchers:
-                if not tracked.accept_grammar_tokens(upd.completion, upd.new_token_ids):
+            states = self._states[upd.request_id]
+            if states.matchers:
+                if not states.accept_grammar_tokens(upd.completion, upd.new_token_ids):
                     self._log.warning("grammar_rejected_token", request_id=upd.request_id,
                                       tokens=list(upd.new_token_ids))  # fmt: skip
-                stops, reason = tracked.grammar_stop(upd, self._eos)
+                stops, reason = states.grammar_stop(upd, self._eos)
                 if stops:
                     self.scheduler.finish_seq(upd.request_id, upd.seq_id, "stop", reason)
                     upd = upd._replace(finish_reason="stop", stop_reason=reason)
                 # + the tokens the grammar forces
-                upd, num_forced = self._jump_forward(tracked, upd)
+                upd, num_forced = self._jump_forward(states, upd)
                 self.num_jump_forward_tokens += num_forced
-            if tracked.info.params.stop:
+            if states.info.params.stop:
                 self._stop_tokens.append(upd)
             else:
                 self._tokens.append(upd)
@@ -382,7 +382,7 @@ class SchedulerActor:
         for rid, hypotheses in self.scheduler.finished_beams:
             self._beams.append((rid, tuple((tuple(h.tokens), h.logprob, h.tokens[-1] in eos)
                                            for h in hypotheses)))  # fmt: skip
-            self._tracked.pop(rid, None)
+            self._states.pop(rid, None)
         self.scheduler.finished_beams.clear()
 
     def _failed_requests(
@@ -411,15 +411,15 @@ class SchedulerActor:
         return ended
 
     def _jump_forward(
-        self, tracked: Tracked, upd: EngineCoreOutput
+        self, states: SchedulerRequestState, upd: EngineCoreOutput
     ) -> tuple[EngineCoreOutput, int]:
         """Structured outputs' jump-forward: after a sampled token, append the tokens the
         grammar forces next (``EngineConfig.structured_outputs_jump_forward``); the next step
         computes them as a chunk. Not for requests that report logprobs (a forced token's
         logprob is never computed) or rank by them (best_of). Returns the output with them and
         their number."""
-        grammars, info = self._grammars, tracked.info
-        matcher = tracked.matchers.get(upd.completion)
+        grammars, info = self._grammars, states.info
+        matcher = states.matchers.get(upd.completion)
         if (
             matcher is None or grammars is None or not grammars.jump_forward
             or upd.finish_reason is not None or info.params.logprobs is not None
@@ -445,7 +445,7 @@ class SchedulerActor:
         by_request = []
         for chunk in rows:
             rid = owner[chunk.seq_id]
-            t = self._tracked.get(rid)
+            t = self._states.get(rid)
             if t is None or t.prompt_known is None:
                 continue  # aborted or failed meanwhile
             by_request.append((rid, chunk))
@@ -476,11 +476,11 @@ class SchedulerActor:
 
     def _forget_if_gone(self, request_id: str) -> None:
         if request_id not in self.scheduler.requests:
-            self._tracked.pop(request_id, None)
+            self._states.pop(request_id, None)
 
     def _send_late(self) -> None:
         """The late inputs of the step in flight (``StepBuilder.late_inputs``), once the step
-        before it is back and its stop strings checked (a sequence one ended samples in vain
+        before it is back and its stop strings checked (a sequence one ended samples for nothing
         and plain, so no logits processor sees a row the sync engine never computes)."""
         if not self._late_back:
             return
@@ -496,15 +496,15 @@ class SchedulerActor:
                 rid = request.request_id
                 params = info.params
                 known = None if params.prompt_logprobs is None else 1
-                self._tracked[rid] = Tracked(
+                self._states[rid] = SchedulerRequestState(
                     info=info, prompt_known=known, ahead=self._async and request.beam is None,
                     speculates=request.num_speculative_tokens > 0,
                 )  # fmt: skip
                 self.scheduler.add_request(request)
                 self._log.debug("request_added", request_id=rid)
             case AbortRequest(request_id=rid, serial=serial):
-                tracked = self._tracked.get(rid)
-                if tracked is None or tracked.info.serial != serial:
+                states = self._states.get(rid)
+                if states is None or states.info.serial != serial:
                     return  # still in intake (which drops it), or already finished
                 if self.scheduler.abort(rid) is not None:
                     self._end(rid, None)
@@ -538,7 +538,7 @@ class SchedulerActor:
 
     def _end(self, request_id: str, error: BaseException | None) -> None:
         """The core ended a request outside its outputs (aborted, failed alone)."""
-        del self._tracked[request_id]
+        del self._states[request_id]
         self._outputs.send_nowait(EndRequest(request_id=request_id, error=error))
 
     def _deliver(self) -> None:

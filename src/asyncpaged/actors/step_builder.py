@@ -22,14 +22,14 @@ from typing import Any
 import torch
 
 from asyncpaged.actors.messages import Scheduled
+from asyncpaged.actors.request_state import SchedulerRequestState
 from asyncpaged.actors.sampling_options import (
     BadWordsCache,
     grammar_allows_only,
     sampling_options,
     verify_options,
 )
-from asyncpaged.actors.tracked import Tracked
-from asyncpaged.kv.block_table import LATE_TOKEN
+from asyncpaged.kv.block_table import PLACEHOLDER_TOKEN
 from asyncpaged.sampling.options import SamplingOptions
 from asyncpaged.sampling_params import SamplingParams
 from asyncpaged.sched.request import Request
@@ -50,13 +50,13 @@ class StepBuilder:
     histories), each row sent as its changes since the last plan sent.
 
     Invariant: after :meth:`build`, :meth:`sent` is called once the executor has the plan,
-    and before the next :meth:`build`; ``tracked`` is the actor's own dict (the same object),
+    and before the next :meth:`build`; ``states`` is the actor's own dict (the same object),
     holding every request of the core's scheduled sequences."""
 
     def __init__(
         self,
         scheduler: Scheduler,
-        tracked: dict[str, Tracked],
+        states: dict[str, SchedulerRequestState],
         *,
         eos_token_ids: frozenset[int],
         tokenizer: Any,
@@ -67,7 +67,7 @@ class StepBuilder:
         speculative method is "draft_model" (rows carry their whole penalty histories then,
         since the draft draws from the same options)."""
         self._scheduler = scheduler
-        self._tracked = tracked
+        self._states = states
         self._eos = eos_token_ids
         self._bad_words = BadWordsCache(tokenizer)
         self._grammars = grammars
@@ -87,7 +87,7 @@ class StepBuilder:
         requests scheduled for the first time or whose cached-token count changed; and the
         rows planned ahead whose sampling inputs come late (a grammar's bitmask, options that
         read the output: :meth:`late_inputs`), in row order."""
-        scheduler, tracked = self._scheduler, self._tracked
+        scheduler, states = self._scheduler, self._states
         batch = self._batch
         has_draft_model = self._has_draft_model
         now = time.monotonic()
@@ -99,7 +99,7 @@ class StepBuilder:
         keeps_history = not has_draft_model
         bitmasks = self._grammar_bitmasks(out)
         for s in out.seqs:
-            t = tracked[s.request_id]
+            t = states[s.request_id]
             request = scheduler.requests[s.request_id]
             if t.reported_cached != request.num_cached_tokens:
                 t.reported_cached = request.num_cached_tokens
@@ -120,7 +120,7 @@ class StepBuilder:
                     table[0], False, None,
                 )))  # fmt: skip
                 continue
-            if s.token_ids[0] == LATE_TOKEN and _options_come_late(t, request, s):
+            if s.token_ids[0] == PLACEHOLDER_TOKEN and _options_come_late(t, request, s):
                 late.append((s.request_id, s.seq_id, True))  # (no options made twice)
                 steps.append(new_tuple(SequenceStep, (
                     s.seq_id, s.token_ids, s.start_pos, s.slot_mapping, table[1], s.samples,
@@ -129,7 +129,9 @@ class StepBuilder:
                 )))  # fmt: skip
                 continue
             step = self._sampled_step(s, request, t, bitmasks, draft_k, table, keeps_history)
-            if s.token_ids[0] == LATE_TOKEN:  # planned ahead: its options may read the output
+            if (
+                s.token_ids[0] == PLACEHOLDER_TOKEN
+            ):  # planned ahead: its options may read the output
                 reads = not (t.info.plain or t.options_ahead)
                 if reads or t.info.grammar is not None:
                     late.append((s.request_id, s.seq_id, reads))
@@ -144,14 +146,14 @@ class StepBuilder:
         self,
         s: ScheduledSeq,
         request: Request,
-        t: Tracked,
+        t: SchedulerRequestState,
         bitmasks: dict[tuple[int, int], torch.Tensor],
         draft_k: int,
         table: tuple[int, tuple[int, ...]],
         keeps_history: bool,
     ) -> SequenceStep:
         """The row of a sequence off the plain greedy path: its sampling options (or a
-        fan-out's, or beam search's candidates), prompt-logprob targets and speculative
+        fork's, or beam search's candidates), prompt-logprob targets and speculative
         verification options. A row sampled once, not verifying proposals, keeps its penalty
         history in the runner when ``keeps_history``."""
         eos_token_ids, bad_words = self._eos, self._bad_words
@@ -198,7 +200,7 @@ class StepBuilder:
         if sampling is not None and sampling.history_seq is not None:
             assert keeps_history
             # a row planned ahead: the runner adds the token in flight after the tail
-            late = s.token_ids[-1] == LATE_TOKEN
+            late = s.token_ids[-1] == PLACEHOLDER_TOKEN
             num_prompt = seq.num_prompt_tokens
             start = self._batch.history_start(seq.seq_id, seq.token_ids, num_prompt, late=late)
             history = (start, tuple(seq.token_ids[num_prompt + start :]), late)
@@ -211,7 +213,9 @@ class StepBuilder:
             table_start=table[0],
             do_sample=s.samples,
             sampling=sampling,
-            fanout=tuple(options(i) for i in range(s.num_samples)) if s.num_samples > 1 else (),
+            parallel_options=tuple(options(i) for i in range(s.num_samples))
+            if s.num_samples > 1
+            else (),
             want_logprob=info.ranks_by_logprob,
             min_rope_len=s.min_rope_len,
             prompt_targets=targets,
@@ -241,8 +245,8 @@ class StepBuilder:
         keys: list[tuple[int, int]] = []
         matchers: list[Any] = []
         for s in out.seqs:
-            t = self._tracked[s.request_id]
-            if not s.samples or t.info.grammar is None or s.token_ids[0] == LATE_TOKEN:
+            t = self._states[s.request_id]
+            if not s.samples or t.info.grammar is None or s.token_ids[0] == PLACEHOLDER_TOKEN:
                 continue
             assert grammars is not None, "a compiled grammar without a grammar backend"
             request = self._scheduler.requests[s.request_id]
@@ -265,19 +269,19 @@ class StepBuilder:
         grammar forced after them): the grammar bitmasks and output-reading options of its
         rows whose sequence that step sampled. Options are made as the sync engine makes them
         for the same output (a seeded row's generator key from its output length). A row
-        whose sample is void or whose sequence has ended samples in vain: plain greedy (no
+        whose sample is discarded or whose sequence has ended samples for nothing: plain greedy (no
         logits processor sees it), or as planned if its options read nothing. The runner keeps
         penalty histories but in a draft-model engine, whose rows carry their outputs."""
-        scheduler, tracked, grammars = self._scheduler, self._tracked, self._grammars
+        scheduler, states, grammars = self._scheduler, self._states, self._grammars
         keeps_histories = not self._has_draft_model
         options: list[tuple[int, SamplingOptions | None]] = []
         masked: list[int] = []
         matchers: list[Any] = []
         for request_id, seq_id, reads in rows:
             request = scheduler.requests.get(request_id)
-            t = tracked.get(request_id)
+            t = states.get(request_id)
             seq = None if request is None or t is None else seq_of(request, seq_id)
-            if seq is None or seq.is_finished or scheduler.sample_is_void(seq_id):
+            if seq is None or seq.is_finished or scheduler.sample_is_discarded(seq_id):
                 if reads:
                     options.append((seq_id, None))
                 continue
@@ -311,7 +315,7 @@ class StepBuilder:
                             masked=tuple(masked), masks=masks)  # fmt: skip
 
 
-def _options_come_late(t: Tracked, request: Request, s: ScheduledSeq) -> bool:
+def _options_come_late(t: SchedulerRequestState, request: Request, s: ScheduledSeq) -> bool:
     """Whether a row planned ahead gets its options only late (:meth:`StepBuilder.late_inputs`),
     none now: they read the output (and keep no penalty history in the runner, which needs the
     options at the row's start)."""
@@ -368,7 +372,7 @@ def seq_of(request: Request, seq_id: int) -> Seq:
 
 assert SequenceStep._fields == (
     "seq_id", "token_ids", "num_computed_tokens", "slot_mapping", "block_table", "do_sample",
-    "want_logprob", "sampling", "fanout", "min_rope_len", "prompt_targets", "prompt_row_offset",
-    "num_prompt_logprobs", "num_draft", "verify_options", "draft_k", "table_start",
-    "keep_sampling", "history",
+    "want_logprob", "sampling", "parallel_options", "min_rope_len", "prompt_targets",
+    "prompt_row_offset", "num_prompt_logprobs", "num_draft", "verify_options", "draft_k",
+    "table_start", "keep_sampling", "history",
 ), "StepBuilder.build builds a plain row's SequenceStep in this order"  # fmt: skip

@@ -24,7 +24,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from asyncpaged.kv.block_table import LATE_TOKEN, SwapDirection
+from asyncpaged.kv.block_table import PLACEHOLDER_TOKEN, SwapDirection
 from asyncpaged.worker.protocol import SequenceStep, StepPlan
 from asyncpaged.worker.runner_logs import LogBatch
 
@@ -56,16 +56,16 @@ class RunStep:
     copy_pairs: tuple[tuple[int, int], ...]
 
     @classmethod
-    def of(cls, plan: StepPlan, late_tokens: Callable[[], dict[int, int]]) -> RunStep:
-        """``late_tokens()``: what rank 0 sampled last, by sequence, for the rows planned
-        ahead of it (async scheduling: their input is a ``LATE_TOKEN`` that only rank 0,
+    def of(cls, plan: StepPlan, placeholder_values: Callable[[], dict[int, int]]) -> RunStep:
+        """``placeholder_values()``: what rank 0 sampled last, by sequence, for the rows planned
+        ahead of it (async scheduling: their input is a ``PLACEHOLDER_TOKEN`` that only rank 0,
         which samples, can fill in)."""
         late: dict[int, int] | None = None
         seqs = []
         for s in plan.seqs:
             tokens = s.token_ids
-            if tokens[-1] == LATE_TOKEN:  # a late row has that one token
-                late = late_tokens() if late is None else late
+            if tokens[-1] == PLACEHOLDER_TOKEN:  # a late row has that one token
+                late = placeholder_values() if late is None else late
                 tokens = (late[s.seq_id],)
             seqs.append((s.seq_id, tokens, s.num_computed_tokens, s.slot_mapping,
                          s.table_start, s.block_table, s.min_rope_len))  # fmt: skip

@@ -248,9 +248,9 @@ class TensorParallelRunner:
     def execute(self, plan: StepPlan) -> StepResult:
         """Broadcast the step, then run rank 0's share of it and sample. Steps run one after
         the other, so what rank 0 sampled last is known here: the other ranks get it in place
-        of a row's late token."""
+        of a row's placeholder."""
         with self._naming_dead_worker():
-            self._send(RunStep.of(plan, self.runner.late_tokens))
+            self._send(RunStep.of(plan, self.runner.placeholder_values))
             return self.runner.execute(plan)
 
     def put_late_inputs(self, delivery: LateDelivery) -> None:

@@ -31,7 +31,7 @@ from asyncpaged.engine.build import (
     check_draft_model,
     load_model,
     load_tokenizers,
-    settle_auto,
+    resolve_auto,
 )
 from asyncpaged.engine.lifecycle import (
     ActorTask,
@@ -124,7 +124,7 @@ class AsyncEngine:
             raise EngineClosedError("an AsyncEngine starts only once; create a new one.")
         self._started = True
         log.info("engine_versions", **runtime_versions())
-        cfg = self.config = settle_auto(self.config)  # for every part to read
+        cfg = self.config = resolve_auto(self.config)  # for every part to read
         # resolve_model_path is looked up here, at the call (the model's and the draft's)
         model = await load_model(cfg, resolve_model_path)
         self.model_path, plan = model.path, model.plan

@@ -87,7 +87,7 @@ __all__ = [
     "load_tokenizers",
     "plan_levers",
     "plan_model",
-    "settle_auto",
+    "resolve_auto",
 ]
 
 log = get_logger("asyncpaged.engine")  # its events are the engine's
@@ -333,7 +333,7 @@ async def load_tokenizers(cfg: EngineConfig, path: Path, plan: ModelPlan) -> Tok
                       limits=limits)  # fmt: skip
 
 
-def settle_auto(config: EngineConfig) -> EngineConfig:
+def resolve_auto(config: EngineConfig) -> EngineConfig:
     """``config`` with its "auto" executor backend and async scheduling settled (the second
     reads the first), each choice logged with its reason."""
     backend, why = executor_backend_for(config)

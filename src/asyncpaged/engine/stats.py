@@ -46,9 +46,9 @@ class EngineStatistics:
     num_jump_forward_tokens: int = 0  # structured outputs: tokens appended without sampling
     # Async scheduling: steps planned while the one before ran, and their rows computed in
     # vain (the step before ended the sequence with a stop token, or a grammar forced the
-    # tokens after its token: the sample planned ahead was void)
+    # tokens after its token: the sample planned ahead was discarded)
     num_steps_planned_ahead: int = 0
-    num_rows_in_vain: int = 0
+    num_discarded_rows: int = 0
     num_cuda_graph_steps: int = 0  # steps whose forward replayed a CUDA graph (decodes, CUDA)
     # Prefix-cache hit tokens by tier (they sum to prefix_cache_hit_tokens) and KV-tier copies
     prefix_cache_device_hit_tokens: int = 0
@@ -96,7 +96,7 @@ def collect_statistics(actor: SchedulerActor, intake: IntakeActor) -> EngineStat
         compute_time_s=actor.compute_time_s,
         num_jump_forward_tokens=actor.num_jump_forward_tokens,
         num_steps_planned_ahead=actor.num_steps_ahead,
-        num_rows_in_vain=actor.scheduler.num_rows_in_vain,
+        num_discarded_rows=actor.scheduler.num_discarded_rows,
         num_cuda_graph_steps=actor.num_steps_graphed,
         prefix_cache_device_hit_tokens=pool.prefix_hit_tokens
         - pool.prefix_host_hit_tokens

@@ -31,7 +31,7 @@ from types import MappingProxyType
 
 from asyncpaged.errors import BlockPoolError
 from asyncpaged.kv.block_table import (
-    LATE_TOKEN,
+    PLACEHOLDER_TOKEN,
     AppendResult,
     BlockTable,
     Location,
@@ -95,8 +95,8 @@ class BlockPool:
       holders' slots, and a shared one is copied on the next append) and registers the full
       blocks the kept tokens complete, so a rejected token never enters the prefix cache.
       Until then the sequence can neither grow, fork nor swap out.
-    * A late token (:data:`LATE_TOKEN`, async scheduling) is a table's last token, appended
-      alone; a block it fills is neither hashed nor registered until :meth:`set_late_token`
+    * A placeholder (:data:`PLACEHOLDER_TOKEN`, async scheduling) is a table's last token, appended
+      alone; a block it fills is neither hashed nor registered until :meth:`set_placeholder`
       gives it its value. Until then the sequence can neither grow, fork, truncate nor swap.
     * With ``tiers`` (kv/tiers.py), every cached block evicted from the device is handed to
       the tier index before it is reused, and a block restored from a tier is a new device block
@@ -338,8 +338,8 @@ class BlockPool:
         """
         table = self._device_table(seq_id, "append to")
         _check_tokens(token_ids)
-        if len(token_ids) > 1 and LATE_TOKEN in token_ids:
-            raise BlockPoolError("a late token is appended alone.")
+        if len(token_ids) > 1 and PLACEHOLDER_TOKEN in token_ids:
+            raise BlockPoolError("a placeholder is appended alone.")
         self._check_settled(table, "append to")
         self._speculative.check_num_speculative(num_speculative_tokens, len(token_ids))
         self._speculative.check_verified(seq_id, "append to")
@@ -369,7 +369,7 @@ class BlockPool:
         if device.ref_cnt[block] != 1:
             return None
         partial = table.partial_token_ids
-        if self.enable_prefix_caching and partial[-1] == LATE_TOKEN:  # (never empty here)
+        if self.enable_prefix_caching and partial[-1] == PLACEHOLDER_TOKEN:  # (never empty here)
             self._check_settled(table, "append to")  # raises before anything changes
         if device.num_filled[block] != offset:  # dead slots past a truncation
             device.set_filled(block, offset)
@@ -377,24 +377,24 @@ class BlockPool:
         table.num_tokens += 1
         if self.enable_prefix_caching:
             partial.append(token)
-            if offset + 1 == bs and token != LATE_TOKEN:
+            if offset + 1 == bs and token != PLACEHOLDER_TOKEN:
                 device.register(block, PrefixCache.seal_full_block(table))
         return block * bs + offset
 
-    def set_late_token(self, seq_id: SeqId, token: int) -> None:
-        """The value of the :data:`LATE_TOKEN` last appended to a device sequence (async
+    def set_placeholder(self, seq_id: SeqId, token: int) -> None:
+        """The value of the :data:`PLACEHOLDER_TOKEN` last appended to a device sequence (async
         scheduling: the step that sampled it returned after the next one was planned). A
         block it filled is hashed and registered in the prefix cache now."""
         table = self._tables.get(seq_id)  # (_device_table, inline: once per sequence per step)
         if table is None or table.location is not Location.DEVICE:
-            table = self._device_table(seq_id, "set a late token of")  # raises
+            table = self._device_table(seq_id, "set a placeholder of")  # raises
         if token < 0:
             raise BlockPoolError(f"token ids must be >= 0, got {token}.")
         if not self.enable_prefix_caching:
             return  # the pool keeps no tokens: nothing changes
         partial = table.partial_token_ids
-        if not partial or partial[-1] != LATE_TOKEN:
-            raise BlockPoolError(f"sequence {table.seq_id!r} has no late token to set.")
+        if not partial or partial[-1] != PLACEHOLDER_TOKEN:
+            raise BlockPoolError(f"sequence {table.seq_id!r} has no placeholder to set.")
         partial[-1] = token
         if len(partial) == self.block_size:
             self.device.register(table.block_ids[-1], PrefixCache.seal_full_block(table))
@@ -611,12 +611,12 @@ class BlockPool:
         return table
 
     def _check_settled(self, table: BlockTable, action: str) -> None:
-        """A sequence waiting for its late token's value cannot change otherwise (the pool
-        knows a late token only with prefix caching)."""
-        if self.enable_prefix_caching and table.partial_token_ids[-1:] == [LATE_TOKEN]:
+        """A sequence waiting for its placeholder's value cannot change otherwise (the pool
+        knows a placeholder only with prefix caching)."""
+        if self.enable_prefix_caching and table.partial_token_ids[-1:] == [PLACEHOLDER_TOKEN]:
             raise BlockPoolError(
                 f"cannot {action} sequence {table.seq_id!r}: its last token is late "
-                "(set_late_token first)."
+                "(set_placeholder first)."
             )
 
     # ---- private: counting ----------------------------------------------------------------
@@ -693,8 +693,8 @@ class BlockPool:
 
         A block that fills up is hashed and registered in the prefix cache at once: the step
         that writes its last token writes the K/V of every token before any attention reads
-        the cache; one filled by a :data:`LATE_TOKEN` waits for its value
-        (:meth:`set_late_token`). Tokens from ``num_verified`` on are speculative: a block
+        the cache; one filled by a :data:`PLACEHOLDER_TOKEN` waits for its value
+        (:meth:`set_placeholder`). Tokens from ``num_verified`` on are speculative: a block
         holding one is hashed into the table but not registered (:meth:`truncate` registers it
         once verified). ``chain``: the hashes of the table's prompt when ``token_ids`` are its
         tokens (read, not computed, for the blocks they fill).
@@ -716,7 +716,7 @@ class BlockPool:
             device.fill(block, n)
             if caching:
                 table.partial_token_ids.extend(token_ids[i : i + n])
-                if offset + n == bs and table.partial_token_ids[-1] != LATE_TOKEN:
+                if offset + n == bs and table.partial_token_ids[-1] != PLACEHOLDER_TOKEN:
                     block_hash = PrefixCache.seal_full_block(table, chain)
                     if pos + n <= cache_end:
                         device.register(block, block_hash)
@@ -749,7 +749,7 @@ class BlockPool:
         return group
 
     def _start_swap(self, seq_ids: Sequence[SeqId], direction: SwapDirection) -> SwapPlan | None:
-        """Start the swap of a group in ``direction``: checked (and no late token), every block
+        """Start the swap of a group in ``direction``: checked (and no placeholder), every block
         mapped to a new block of the other pool (a block shared inside the group once), both
         ends held in flight, the tables moved to the swapping location, and the swap recorded;
         returns its plan, or None, changing nothing, when the destination pool is short."""
@@ -834,9 +834,11 @@ class BlockPool:
             assert not table.partial_token_ids
             return
         partial = table.partial_token_ids
-        # a block filled by a late token stays partial (unhashed) until the token's value is set
-        deferred = len(partial) == bs and partial[-1] == LATE_TOKEN
-        assert LATE_TOKEN not in partial[:-1], f"{table.seq_id!r}: a late token before the last"
+        # a block filled by a placeholder stays partial (unhashed) until the token's value is set
+        deferred = len(partial) == bs and partial[-1] == PLACEHOLDER_TOKEN
+        assert PLACEHOLDER_TOKEN not in partial[:-1], (
+            f"{table.seq_id!r}: a placeholder before the last"
+        )
         full = table.num_tokens // bs - deferred
         assert len(table.block_hashes) == full, f"{table.seq_id!r}: hash count"
         assert len(partial) == (bs if deferred else table.num_tokens % bs)

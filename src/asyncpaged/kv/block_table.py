@@ -10,8 +10,8 @@ from asyncpaged.kv.prefix_hash import BlockHash
 SeqId = int | str
 
 # A token whose value a step still in flight is sampling (async scheduling): appended alone, in
-# place of the real one, whose value the next transaction brings (``BlockPool.set_late_token``).
-LATE_TOKEN = -1
+# place of the real one, whose value the next transaction brings (``BlockPool.set_placeholder``).
+PLACEHOLDER_TOKEN = -1
 
 
 class Location(enum.Enum):
@@ -39,10 +39,9 @@ class BlockTable:
     Invariants: ``len(block_ids) == ceil(num_tokens / block_size)``; the token at position ``p``
     lives in slot ``p % block_size`` of ``block_ids[p // block_size]``. With prefix caching,
     ``block_hashes[i]`` is the chained hash of full block ``i`` (one per full block) and
-    ``partial_token_ids`` holds the tokens of the partially filled last block; a last block
-    filled by a :data:`LATE_TOKEN` stays in ``partial_token_ids`` (full, not yet hashed) until
-    the token's value is set.
-    """
+    ``partial_token_ids`` holds the tokens of the partially filled last block; a last block filled
+    by a :data:`PLACEHOLDER_TOKEN` stays in ``partial_token_ids`` (full, not yet hashed) until the
+    token's value is set."""
 
     seq_id: SeqId
     extra_key: str | None

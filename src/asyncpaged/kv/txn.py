@@ -4,8 +4,8 @@ The scheduler owns the queues and decides what to run; the allocator owns the
 :class:`BlockPool`, applies one :class:`StepTxn` per step atomically, and decides the one thing
 only the pool can answer exactly: how far to preempt. In this order::
 
-    late_tokens -> complete_swaps -> forks -> pins -> unpins -> frees -> truncates
-    -> [claim] -> appends (preempting victims as they need) -> swap_ins -> admissions
+    placeholder_values -> complete_swaps -> forks -> pins -> unpins -> frees -> truncates
+    -> [priority preemption] -> appends (preempting victims as they need) -> swap_ins -> admissions
 
 Up to the appends everything is *mandatory*: planned against the exact :class:`PoolSnapshot`
 the allocator returned after the previous transaction (nothing else consumes blocks in between),
@@ -60,22 +60,22 @@ class PinOp:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class Claim:
+class PriorityPreemption:
     """Priority policy: a waiting request outranks the first ``num_victims`` victims and needs
-    ``seats`` more sequence seats and ``blocks`` free device blocks than there are. The
-    allocator preempts the fewest of those victims (from the front) whose seats and released
+    ``num_seqs`` more sequences and ``blocks`` free device blocks than there are. The
+    allocator preempts the fewest of those victims (from the front) whose sequences and released
     blocks cover both, or none when all of them would not."""
 
     num_victims: int
-    seats: int
+    num_seqs: int
     blocks: int
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class StepTxn:
-    # Async scheduling: (seq id, value) of the late tokens earlier transactions appended
-    # (``BlockPool.set_late_token``), before anything else touches those sequences
-    late_tokens: tuple[tuple[int, int], ...] = ()
+    # Async scheduling: (seq id, value) of the placeholders earlier transactions appended
+    # (``BlockPool.set_placeholder``), before anything else touches those sequences
+    placeholder_values: tuple[tuple[int, int], ...] = ()
     complete_swaps: tuple[int, ...] = ()
     forks: tuple[tuple[int, int], ...] = ()  # (parent, child): never allocates
     pins: tuple[PinOp, ...] = ()  # prefixes whose request computed them (before its frees)
@@ -100,7 +100,7 @@ class StepTxn:
     victims: tuple[tuple[int, ...], ...] = ()
     append_group_sizes: tuple[int, ...] = ()
     swap_victims: bool = False  # swap a victim out when the host pool holds it, else recompute
-    claim: Claim | None = None
+    preemption: PriorityPreemption | None = None
 
 
 @dataclass(slots=True)
@@ -109,7 +109,7 @@ class PendingOps:
     mandatory head of the next :class:`StepTxn` (a plan adds its appends, swap-ins and
     admissions). Fields as in :class:`StepTxn`; the scheduler appends to them as it decides."""
 
-    late_tokens: list[tuple[int, int]] = field(default_factory=list)
+    placeholder_values: list[tuple[int, int]] = field(default_factory=list)
     complete_swaps: list[int] = field(default_factory=list)
     forks: list[tuple[int, int]] = field(default_factory=list)
     pins: list[PinOp] = field(default_factory=list)
@@ -118,27 +118,27 @@ class PendingOps:
     truncates: list[tuple[int, int]] = field(default_factory=list)
 
     @property
-    def can_settle(self) -> bool:
-        """Whether :meth:`settle` has something to send (frees, late tokens' values, pins,
+    def can_flush(self) -> bool:
+        """Whether :meth:`flush` has something to send (frees, placeholders' values, pins,
         unpins, swap confirmations)."""
         return bool(
-            self.frees or self.late_tokens or self.pins or self.unpins or self.complete_swaps
+            self.frees or self.placeholder_values or self.pins or self.unpins or self.complete_swaps
         )
 
     @property
     def has_work(self) -> bool:
         """Whether anything waits for the next transaction."""
-        return self.can_settle or bool(self.forks or self.truncates)
+        return self.can_flush or bool(self.forks or self.truncates)
 
-    def settle(self) -> StepTxn:
+    def flush(self) -> StepTxn:
         """A transaction of everything pending but the truncates (they wait for the plan that
         follows the verification), which leaves this empty but for them."""
         txn = StepTxn(
-            late_tokens=tuple(self.late_tokens), complete_swaps=tuple(self.complete_swaps),
-            forks=tuple(self.forks), pins=tuple(self.pins), unpins=tuple(self.unpins),
-            frees=tuple(self.frees),
+            placeholder_values=tuple(self.placeholder_values),
+            complete_swaps=tuple(self.complete_swaps), forks=tuple(self.forks),
+            pins=tuple(self.pins), unpins=tuple(self.unpins), frees=tuple(self.frees),
         )  # fmt: skip
-        self.late_tokens, self.complete_swaps, self.forks = [], [], []
+        self.placeholder_values, self.complete_swaps, self.forks = [], [], []
         self.pins, self.unpins, self.frees = [], [], []
         return txn
 
@@ -188,8 +188,8 @@ class TxnResult:
 def apply_txn(pool: BlockPool, txn: StepTxn) -> TxnResult:
     """Apply one transaction to the pool (see the module docstring for order and guarantees)."""
     pool.begin_tier_txn()
-    for seq_id, token in txn.late_tokens:
-        pool.set_late_token(seq_id, token)
+    for seq_id, token in txn.placeholder_values:
+        pool.set_placeholder(seq_id, token)
     for swap_id in txn.complete_swaps:
         pool.complete_swap(swap_id)
     for parent, child in txn.forks:
@@ -280,15 +280,15 @@ def _appends_under_pressure(pool: BlockPool, txn: StepTxn, out: _Appended) -> No
         gone.update(group)
         return True
 
-    if txn.claim is not None:
-        for _ in range(_num_claimed(pool, txn.victims, txn.claim)):
+    if txn.preemption is not None:
+        for _ in range(_num_preempted_for(pool, txn.victims, txn.preemption)):
             preempt()
     ids, tokens = txn.append_seq_ids, txn.append_token_ids
     start = 0
     for size in txn.append_group_sizes:
         entries = range(start, start + size)
         if gone.intersection(ids[i] for i in entries):
-            return  # preempted (for a claim, or by an older request): so is every newer one
+            return  # preempted (for a priority preemption, or by an older one): so are newer
         need = pool.num_blocks_to_append_all([(ids[i], len(tokens[i])) for i in entries])
         while need > (free := pool.num_free_device_blocks) and need > free + pool.num_blocks_coming:
             if not preempt() or gone.intersection(ids[i] for i in entries):
@@ -299,16 +299,18 @@ def _appends_under_pressure(pool: BlockPool, txn: StepTxn, out: _Appended) -> No
         start += size
 
 
-def _num_claimed(pool: BlockPool, victims: tuple[tuple[int, ...], ...], claim: Claim) -> int:
-    """The fewest victims from the front whose preemption gives the claim its seats and
+def _num_preempted_for(
+    pool: BlockPool, victims: tuple[tuple[int, ...], ...], preemption: PriorityPreemption
+) -> int:
+    """The fewest victims from the front whose preemption gives ``preemption`` its sequences and
     blocks (released blocks counted once however the victims share them); 0 if all cannot."""
     seq_ids: list[int] = []
     free = pool.num_free_device_blocks
-    for n, group in enumerate(victims[: claim.num_victims], 1):
+    for n, group in enumerate(victims[: preemption.num_victims], 1):
         seq_ids.extend(group)
         counts = pool.release_counts(seq_ids)
         assert counts is not None, f"victim {group} is not on the device"
-        if len(seq_ids) >= claim.seats and free + counts[0] >= claim.blocks:
+        if len(seq_ids) >= preemption.num_seqs and free + counts[0] >= preemption.blocks:
             return n
     return 0
 
@@ -357,9 +359,9 @@ def snapshot(pool: BlockPool) -> PoolSnapshot:
 __all__ = [
     "Admission",
     "AllocateOp",
-    "Claim",
     "PinOp",
     "PoolSnapshot",
+    "PriorityPreemption",
     "SlotGrant",
     "StepTxn",
     "TxnResult",

@@ -12,11 +12,11 @@ convention: lower values first, FCFS among equals):
   goes first. While running it keeps the effective priority it had (no credit is lost, none
   earned).
 * **Preemption for a waiting request.** When the best waiting request cannot be admitted for
-  lack of sequence seats (``max_num_seqs``) or device blocks, the lowest-ranked running groups
+  lack of room for sequences (``max_num_seqs``) or device blocks, the lowest-ranked running groups
   that it strictly outranks are preempted, whole (swap or recompute, as configured), the fewest
   that make room, but only if preempting them makes room; otherwise none are. The scheduler
   counts the outranked groups (:func:`num_outranked`) and the allocator, which knows exactly
-  what preempting them frees, picks (``kv/txn.py``'s claim).
+  what preempting them frees, picks (``kv/txn.py``'s ``PriorityPreemption``).
 * **Swapped requests come back in rank order** with the waiting ones: a waiting request is
   offered for admission once every swapped request ranked above it is coming back.
 """
@@ -36,9 +36,9 @@ DEFAULT_AGING_STEPS = 64
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Room:
-    """What admitting a request needs, and what the step has: sequence seats and blocks."""
+    """What admitting a request needs, and what the step has: sequences and blocks."""
 
-    seats: int
+    num_seqs: int
     blocks: int
 
 
@@ -89,7 +89,7 @@ class QueuePolicy:
 
 def num_outranked(policy: QueuePolicy, candidate: Request, running: SeqOf[Request]) -> int:
     """How many running groups, from the end of ``running`` (queue order: the victims' end),
-    ``candidate`` strictly outranks: the ones a claim may preempt."""
+    ``candidate`` strictly outranks: the ones a priority preemption may take."""
     n = 0
     for victim in reversed(running):
         if not policy.outranks(candidate, victim):

@@ -27,7 +27,7 @@ transaction.
 This module holds the :class:`Scheduler` (the queues, request state and the transaction's
 pending work) with all of its steps as methods: planning (what the running, swapped and
 waiting requests do in a step, the long-RoPE restart, speculative proposals), preemption
-(priority claims, settling the allocator's preemptions), applying the allocator's result
+(priority preemption, applying the allocator's preemptions), applying the allocator's result
 (granted appends, swaps and admissions built into a :class:`SchedulerOutput`) and the update
 after a step (sampled tokens under the stop rules, speculative verification, parallel
 sampling's fork at the prompt's end, beam steps, jump-forward). The pure helpers over a
@@ -43,14 +43,14 @@ from collections.abc import Callable
 from collections.abc import Sequence as SeqOf
 from collections.abc import Set as AbstractSet
 
-from asyncpaged.kv.block_table import LATE_TOKEN, SwapPlan
+from asyncpaged.kv.block_table import PLACEHOLDER_TOKEN, SwapPlan
 from asyncpaged.kv.txn import (
     Admission,
     AllocateOp,
-    Claim,
     PendingOps,
     PinOp,
     PoolSnapshot,
+    PriorityPreemption,
     StepTxn,
     TxnResult,
 )
@@ -82,7 +82,7 @@ __all__ = [
 ]
 
 
-_LATE_ROW = (LATE_TOKEN,)  # a late row's one input token: the one the step in flight samples
+_LATE_ROW = (PLACEHOLDER_TOKEN,)  # a late row's one input token: the one the step in flight samples
 Chunks = list[tuple[Sequence, int]]  # (sequence, tokens to compute)
 Drafts = dict[int, tuple[int, ...]]  # seq id -> speculative proposals
 
@@ -93,12 +93,12 @@ def chunks_of(request: Request, plan: PlanBudget) -> Chunks | None:
     if len(request.seqs) == 1:  # the common case, without the list building below
         seq = request.seqs[0]
         if seq.finish_reason is None:
-            if plan.seats_left < 1 or plan.budget_left < 1:
+            if plan.seqs_left < 1 or plan.budget_left < 1:
                 return None
             todo = len(seq.token_ids) - seq.num_computed_tokens
             return [(seq, min(todo, plan.budget_left))] if todo else []
     seqs = request.live_seqs
-    if plan.seats_left < len(seqs) or plan.budget_left < len(seqs):
+    if plan.seqs_left < len(seqs) or plan.budget_left < len(seqs):
         return None
     share = plan.budget_left // len(seqs)
     # A beam that reported waits (nothing to compute) until its siblings have too.
@@ -135,7 +135,7 @@ def plan_admissions(waiting: list[Request], plan: PlanBudget) -> list[Admission]
     admissions: list[Admission] = []
     for request in waiting:
         seqs = request.live_seqs
-        if plan.seats_left < len(seqs) or plan.budget_left < len(seqs):
+        if plan.seqs_left < len(seqs) or plan.budget_left < len(seqs):
             break
         chunk = plan.budget_left // len(seqs)
         ops = tuple(
@@ -146,12 +146,12 @@ def plan_admissions(waiting: list[Request], plan: PlanBudget) -> list[Admission]
         admissions.append(Admission(request_id=request.request_id, ops=ops))
         # Budget as if nothing were cached; the allocator's grants tell the real count.
         plan.budget_left -= sum(min(chunk, len(s.token_ids)) for s in seqs)
-        plan.seats_left -= len(seqs)
+        plan.seqs_left -= len(seqs)
     return admissions
 
 
 def draws_by_seq(sampled: SeqOf[SampledToken]) -> dict[int, list[SampledToken]]:
-    """A step's rows by sequence, each sequence's in sample order (a fan-out's draws)."""
+    """A step's rows by sequence, each sequence's in sample order (a fork's draws)."""
     draws: dict[int, list[SampledToken]] = {}
     for t in sorted(sampled, key=_seq_and_sample):
         draws.setdefault(t.seq_id, []).append(t)
@@ -221,16 +221,16 @@ class Scheduler:
         self._swaps: dict[int, Request | None] = {}  # swap id -> request (None: aborted)
         self._swapped_back: set[int] = set()
         self._pending = PendingOps()  # the next transaction's mandatory operations
-        # Async scheduling: sequences whose last appended slot holds a late token in the pool,
+        # Async scheduling: sequences whose last appended slot holds a placeholder in the pool,
         # and (seq id, value) of those whose value came back, for the next transaction
-        self._late: set[int] = set()
-        # sequences whose sample in flight is void: a grammar forced the tokens after the
+        self._placeholders: set[int] = set()
+        # sequences whose sample in flight is discarded: a grammar forced the tokens after the
         # token before it (append_forced), so the next plan computes those instead
-        self._void: set[int] = set()
+        self._discarded: set[int] = set()
         self.planned_cut = False  # the last plan, made ahead, stopped short (see plan)
         # rows planned ahead whose sample was not used: their request ended meanwhile, or
-        # their sample was void
-        self.num_rows_in_vain = 0
+        # their sample was discarded
+        self.num_discarded_rows = 0
         self._step_ids = itertools.count()
         self.num_plans = 0  # plans made (speculative back-offs under async scheduling align to it)
         # the last plan's appends: (request, sequence, proposals appended after its tokens)
@@ -297,9 +297,9 @@ class Scheduler:
         return self._pending.has_work
 
     @property
-    def has_settle_work(self) -> bool:
-        """:meth:`plan_settle` has something to send (frees, late tokens, pins, swap ends)."""
-        return self._pending.can_settle
+    def can_flush(self) -> bool:
+        """:meth:`plan_flush` has something to send (frees, placeholders, pins, swap ends)."""
+        return self._pending.can_flush
 
     def unpin(self, pool_pin_id: int) -> None:
         """Release a pinned prefix in the next transaction."""
@@ -318,15 +318,15 @@ class Scheduler:
 
         ``ahead``: the step in flight, whose sampled tokens are not back yet (async scheduling;
         only when :meth:`can_plan_ahead`, and no sequence it samples belongs to a request with
-        beams or verifies proposals; a request at its fan-out there sits this plan out, its
-        new sequences do not exist yet). The other sequences decode a late token
-        (``LATE_TOKEN``, the runner puts in the token it sampled), unless their length ends
+        beams or verifies proposals; a request at its fork there sits this plan out, its
+        new sequences do not exist yet). The other sequences decode a placeholder
+        (``PLACEHOLDER_TOKEN``, the runner puts in the token it sampled), unless their length ends
         them; nothing is preempted, swapped or restarted: the plan stops where the sync rules
         would do that (:attr:`planned_cut`), and admits nothing then."""
         cfg = self.config
         plan = PlanBudget(
             budget_left=cfg.max_num_batched_tokens,
-            seats_left=cfg.max_num_seqs,
+            seqs_left=cfg.max_num_seqs,
             free=snap.num_free_device_blocks,
         )
         if ahead is not None:
@@ -339,12 +339,12 @@ class Scheduler:
         shared = snap.shared_tails | {s for pair in forks for s in pair} | self._swapped_back
         self._swapped_back = set()
         if self.policy.is_priority:
-            self._claim_for_priority(plan)
-            if ahead is not None and plan.claim is not None:
-                plan.claim, plan.cut = None, True  # the claim preempts once the step is back
+            self._plan_priority_preemption(plan)
+            if ahead is not None and plan.preemption is not None:
+                plan.preemption, plan.cut = None, True  # it preempts once the step is back
         append_ids, append_tokens, sizes = self._plan_running(plan, shared, frees)
         self.planned_cut = plan.cut
-        pressure = plan.short or plan.claim is not None
+        pressure = plan.short or plan.preemption is not None
         swap_ins: list[tuple[int, ...]] = []
         admissions: list[Admission] = []
         if plan.cut:  # planned ahead, stopped short: nothing comes in, no one goes
@@ -358,7 +358,7 @@ class Scheduler:
         num_draft = tuple([n for _, _, n in self._planned])
         self.num_plans += 1
         return StepTxn(
-            late_tokens=tuple(pending.late_tokens),
+            placeholder_values=tuple(pending.placeholder_values),
             complete_swaps=tuple(pending.complete_swaps),
             forks=tuple(forks),
             pins=tuple(pending.pins),
@@ -374,16 +374,16 @@ class Scheduler:
             victims=tuple(tuple(s.seq_id for s in r.live_seqs) for r in self._victims),
             append_group_sizes=tuple(sizes) if pressure else (),
             swap_victims=cfg.preemption_mode == "swap",
-            claim=plan.claim,
+            preemption=plan.preemption,
         )
 
-    def plan_settle(self) -> StepTxn:
-        """A transaction of the pending frees, late tokens' values, forks, pins, unpins and
+    def plan_flush(self) -> StepTxn:
+        """A transaction of the pending frees, placeholders' values, forks, pins, unpins and
         swap confirmations alone (no step): with a step in flight that the next cannot be
         planned ahead of, a finished request's blocks return to the pool at once. (A fork is
-        pending here only from a fan-out that sat the step in flight out, so no block it
+        pending here only from a fork that sat the step in flight out, so no block it
         shares is being written; a sequence it makes may already be among the frees.)"""
-        return self._pending.settle()
+        return self._pending.flush()
 
     def _plan_queues(
         self, plan: PlanBudget, pressure: bool
@@ -418,15 +418,17 @@ class Scheduler:
         running = self.running
         i = 0
         pending = plan.pending
-        void = self._void
+        discarded = self._discarded
         long_rope = self.config.rope_switch_len is not None  # (a longrope model's switch)
         while i < len(running):
             request = running[i]
             if pending is None:
                 late = False
-            elif len(request.seqs) == 1:  # (a void sample in flight: the forced tokens are known)
+            elif (
+                len(request.seqs) == 1
+            ):  # (a discarded sample in flight: the forced tokens are known)
                 sid = request.seqs[0].seq_id
-                late = sid in pending and not (void and sid in void)
+                late = sid in pending and not (discarded and sid in discarded)
             else:  # parallel sampling: each sequence whose token is in flight (_late_step_of)
                 late = any(s.seq_id in pending for s in request.seqs)
             step = (
@@ -468,28 +470,32 @@ class Scheduler:
                 append_tokens.append(tokens)
                 planned.append((request, seq, len(draft)))
                 plan.budget_left -= len(tokens)
-                plan.seats_left -= 1
+                plan.seqs_left -= 1
             i += 1
         return append_ids, append_tokens, sizes
 
     def _late_step_of(
         self, request: Request, plan: PlanBudget, shared: AbstractSet[int | str]
     ) -> tuple[Chunks, Drafts, int] | None:
-        """Planning ahead (async scheduling): the decodes of a request's sequences whose next
-        tokens the step in flight is sampling, each as a late token; no chunk for one that its
-        token ends by its length for sure (an end by a stop token is known only then: the row is
-        computed in vain), nor for a request whose fan-out is in flight (it sits this step out:
-        its other sequences exist once that step is back, and its next plan forks them). A
-        parallel-sampling request with a sequence that has known tokens to compute first (a
-        grammar's forced ones after a void sample) waits for the step in flight: no chunks now."""
+        """Planning ahead (async scheduling): the decodes of a request's sequences whose next tokens
+        the step in flight is sampling, each as a placeholder; no chunk for one that its token ends
+        by its length for sure (an end by a stop token is known only then: the row is computed and
+        discarded), nor for a request whose fork is in flight (it sits this step out: its other
+        sequences exist once that step is back, and its next plan forks them). A parallel-sampling
+        request with a sequence that has known tokens to compute first (a grammar's forced ones
+        after a discarded sample) waits for the step in flight: no chunks now."""
         stop = request.stop
         bs = self.config.block_size
         if len(request.seqs) == 1:  # the common case, without the list building below
-            if plan.seats_left < 1 or plan.budget_left < 1:
+            if plan.seqs_left < 1 or plan.budget_left < 1:
                 return None
             seq = request.seqs[0]
             if request.num_samples > 1 and not seq.num_generated:
-                return [], {}, 0  # its fan-out is in flight: its sequences exist once it is back
+                return (
+                    [],
+                    {},
+                    0,
+                )  # its fork is in flight: its sequences exist once it is back
             num_tokens = len(seq.token_ids) + 1  # with the token in flight
             if num_tokens - seq.num_prompt_tokens >= stop.max_tokens or (
                 stop.max_model_len is not None and num_tokens >= stop.max_model_len
@@ -500,7 +506,7 @@ class Scheduler:
             # (num_computed_tokens == len(token_ids): the token in flight comes next)
             return [(seq, 1)], {}, blocks_to_append(seq, 1, seq.seq_id in shared, bs)
         live = request.live_seqs
-        if plan.seats_left < len(live) or plan.budget_left < len(live):
+        if plan.seqs_left < len(live) or plan.budget_left < len(live):
             return None
         if any(s.num_computed_tokens != len(s.token_ids) for s in live):
             return [], {}, 0
@@ -525,7 +531,7 @@ class Scheduler:
         are spent, no chunks if it has nothing to compute."""
         seqs = request.seqs
         if len(seqs) == 1 and seqs[0].finish_reason is None:  # the common case, inline
-            if plan.seats_left < 1 or plan.budget_left < 1:
+            if plan.seqs_left < 1 or plan.budget_left < 1:
                 return None
             seq = seqs[0]
             have = seq.num_computed_tokens
@@ -593,7 +599,7 @@ class Scheduler:
             if draft:
                 drafts[seq.seq_id] = draft
                 budget -= len(draft)
-            elif self.config.spec_async:  # found nothing: waiting for the token was in vain
+            elif self.config.spec_async:  # found nothing: waiting for the token was to no use
                 self.back_off(seq, self.num_plans + 1)
         return drafts
 
@@ -696,11 +702,11 @@ class Scheduler:
 
     # ---- preemption -----------------------------------------------------------------------
 
-    def _claim_for_priority(self, plan: PlanBudget) -> None:
+    def _plan_priority_preemption(self, plan: PlanBudget) -> None:
         """Priority policy: age the waiting and swapped requests; if the best waiting request
-        lacks seats or blocks (estimated without prefix-cache hits), claim the room of the
-        running groups it outranks (``plan.claim``: the allocator preempts the fewest of them
-        that make room, exactly, or none; sched/policy.py's rule)."""
+        lacks room for its sequences or blocks (estimated without prefix-cache hits), plan to
+        preempt the running groups it outranks (``plan.preemption``: the allocator preempts the
+        fewest of them that make room, exactly, or none; sched/policy.py's rule)."""
         policy, cfg = self.policy, self.config
         policy.age(self.waiting)
         policy.age(self.swapped)
@@ -716,17 +722,19 @@ class Scheduler:
         chunk = max(1, plan.budget_left // len(seqs))
         bs = cfg.block_size
         need = Room(
-            seats=len(seqs),
+            num_seqs=len(seqs),
             blocks=sum(-(-min(len(s.token_ids), chunk) // bs) for s in seqs) + self._watermark,
         )
-        seats = cfg.max_num_seqs - sum(len(r.live_seqs) for r in self.running)
-        if seats >= need.seats and plan.free >= need.blocks:
+        num_seqs = cfg.max_num_seqs - sum(len(r.live_seqs) for r in self.running)
+        if num_seqs >= need.num_seqs and plan.free >= need.blocks:
             return
         outranked = num_outranked(policy, best, self.running)
         if outranked:
-            plan.claim = Claim(num_victims=outranked, seats=need.seats - seats, blocks=need.blocks)
+            plan.preemption = PriorityPreemption(
+                num_victims=outranked, num_seqs=need.num_seqs - num_seqs, blocks=need.blocks
+            )
 
-    def _settle_preemption(self, request: Request, swapped: bool) -> None:
+    def _apply_preemption(self, request: Request, swapped: bool) -> None:
         """The allocator preempted ``request`` (all its sequences): swapped out, or freed to be
         recomputed."""
         self.running.remove(request)
@@ -762,8 +770,8 @@ class Scheduler:
             )
         preempted = self._victims[: len(result.preempted)]
         for request, swapped in zip(preempted, result.preempted, strict=True):
-            self._settle_preemption(request, swapped)
-        self._settle_swaps(result)
+            self._apply_preemption(request, swapped)
+        self._apply_swaps(result)
         for request_id, grants in result.admitted:
             request = self.requests[request_id]
             self.waiting.remove(request)
@@ -788,7 +796,7 @@ class Scheduler:
             num_batched_tokens=num_tokens,
         )
 
-    def _settle_swaps(self, result: TxnResult) -> None:
+    def _apply_swaps(self, result: TxnResult) -> None:
         """Record the swaps the allocator started: out (blocks mapped) and in."""
         for plan in result.swap_outs:
             request = self._swap_owner(plan)
@@ -820,9 +828,9 @@ class Scheduler:
         # Proposals are computed but not yet the sequence's: update() counts the kept ones.
         seq.num_computed_tokens = start + n - num_draft
         seq.has_blocks = True
-        if tokens[0] == LATE_TOKEN:  # the token the step in flight samples: one past the end
-            self._late.add(seq.seq_id)
-        # (a late token's row computes one past the end: the step in flight samples its input)
+        if tokens[0] == PLACEHOLDER_TOKEN:  # the token the step in flight samples: one past the end
+            self._placeholders.add(seq.seq_id)
+        # (a placeholder's row computes one past the end: the step in flight samples its input)
         samples = seq.num_computed_tokens >= len(seq.token_ids)
         fan_out = samples and len(request.seqs) == 1 and seq.num_generated == 0
         row = (
@@ -846,34 +854,34 @@ class Scheduler:
         returns each completion's new tokens with the row that drew them.
 
         ``sampled`` holds the step's rows (the runner's ``StepResult.sampled``): one per
-        sampling sequence, or ``num_samples`` at a fan-out (sample ``i`` in the row with
+        sampling sequence, or ``num_samples`` at a fork (sample ``i`` in the row with
         ``sample_index`` i), where sequence 0 takes the first and sequences 1.. are forked for
         the others; a speculative row holds the kept proposals before its token. For
         beam-search requests each beam's row's ``top_logprobs`` drives the beam step instead,
         once every beam of the request has reported.
         """
-        # each sequence's first row (the only one but at a fan-out)
+        # each sequence's first row (the only one but at a fork)
         rows = {t.seq_id: t for t in sampled if not t.sample_index}
         fanned: dict[int, list[SampledToken]] | None = None  # every row by sequence, if needed
         outputs: list[EngineCoreOutput] = []
         beams: list[Request] = []
-        void, requests = self._void, self.requests
+        discarded, requests = self._discarded, self.requests
         for scheduled in output.seqs:
             request = requests.get(scheduled.request_id)
             if request is None or not scheduled.samples:
-                # aborted meanwhile, or a prefill chunk short of the prompt's end; a late token's
-                # row whose request the step before ended (or an abort) was computed in vain
-                if request is None and scheduled.token_ids[0] == LATE_TOKEN:
-                    self.num_rows_in_vain += 1
+                # aborted meanwhile, or a prefill chunk short of the prompt's end; a placeholder's
+                # row whose request the step before ended (or an abort) was computed and discarded
+                if request is None and scheduled.token_ids[0] == PLACEHOLDER_TOKEN:
+                    self.num_discarded_rows += 1
                 continue
             seq = request.seqs[0]
             if seq.seq_id != scheduled.seq_id:
                 seq = next(s for s in request.seqs if s.seq_id == scheduled.seq_id)
             if seq.finish_reason is not None:
                 continue
-            if void and seq.seq_id in void:  # forced tokens replaced this sample
-                void.remove(seq.seq_id)
-                self.num_rows_in_vain += 1
+            if discarded and seq.seq_id in discarded:  # forced tokens replaced this sample
+                discarded.remove(seq.seq_id)
+                self.num_discarded_rows += 1
                 continue
             row = rows[seq.seq_id]
             if request.beam is not None:
@@ -908,13 +916,13 @@ class Scheduler:
         after the last. The stop rules apply token by token (they count toward max_tokens):
         appending ends at the first token that finishes the sequence. Returns the tokens
         appended and the sequence's finish and stop reasons. A sample already in flight for
-        the sequence (a step planned ahead) becomes void (:meth:`sample_is_void`)."""
+        the sequence (a step planned ahead) is discarded (:meth:`sample_is_discarded`)."""
         request = self.requests.get(request_id)
         seq = None if request is None else next(s for s in request.seqs if s.seq_id == seq_id)
         if request is None or seq is None or seq.is_finished:
             return (), None, None
         if tokens and seq.num_computed_tokens == len(seq.token_ids):  # a step planned ahead
-            self._void.add(seq.seq_id)  # samples next: that sample is void
+            self._discarded.add(seq.seq_id)  # samples next: that sample is discarded
         appended = self._append_until_stop(request, seq, tokens)
         if request.is_finished:  # this sequence stopped, and it was the request's last
             self._finish(request)
@@ -922,13 +930,13 @@ class Scheduler:
         return appended, seq.finish_reason, seq.stop_reason
 
     def _append_one(self, request: Request, seq: Sequence, row: SampledToken) -> EngineCoreOutput:
-        """A single-sequence request's sampled token (the value of its late token, if the step
+        """A single-sequence request's sampled token (the value of its placeholder, if the step
         after was planned before it came back)."""
         token = row.token_id
         seq.token_ids.append(token)
-        if self._late and seq.seq_id in self._late:
-            self._late.remove(seq.seq_id)
-            self._pending.late_tokens.append((seq.seq_id, token))
+        if self._placeholders and seq.seq_id in self._placeholders:
+            self._placeholders.remove(seq.seq_id)
+            self._pending.placeholder_values.append((seq.seq_id, token))
         finished = check_stop(request, seq, token)
         output = new_tuple(EngineCoreOutput, (  # the common case's one allocation per row
             request.request_id, seq.seq_id, seq.index, (token,), seq.finish_reason,
@@ -943,7 +951,7 @@ class Scheduler:
     def _append_family(
         self, request: Request, seq: Sequence, num_samples: int, draws: list[SampledToken]
     ) -> list[EngineCoreOutput]:
-        """A sampled token for ``seq`` of a multi-sequence request; at a fan-out
+        """A sampled token for ``seq`` of a multi-sequence request; at a fork
         (``num_samples > 1``, ``draws`` in sample order) the other draws start sequences 1.."""
         outputs: list[EngineCoreOutput] = []
         family = [seq]
@@ -953,9 +961,9 @@ class Scheduler:
             token = row.token_id
             if s is seq:
                 s.token_ids.append(token)
-                if self._late and s.seq_id in self._late:  # (see _append_one)
-                    self._late.remove(s.seq_id)
-                    self._pending.late_tokens.append((s.seq_id, token))
+                if self._placeholders and s.seq_id in self._placeholders:  # (see _append_one)
+                    self._placeholders.remove(s.seq_id)
+                    self._pending.placeholder_values.append((s.seq_id, token))
             finished = check_stop(request, s, token)
             outputs.append(
                 EngineCoreOutput(
@@ -1074,10 +1082,10 @@ class Scheduler:
                 return tuple(tokens[: i + 1])
         return tuple(tokens)
 
-    def sample_is_void(self, seq_id: int) -> bool:
+    def sample_is_discarded(self, seq_id: int) -> bool:
         """Whether the sample in flight for ``seq_id`` will be dropped (tokens a grammar forced
         come first: :meth:`append_forced`)."""
-        return seq_id in self._void
+        return seq_id in self._discarded
 
     def finish_seq(self, request_id: str, seq_id: int, reason: str, stop: int | str | None) -> None:
         """End a sequence from outside (a stop string matched in its text)."""
@@ -1094,8 +1102,8 @@ class Scheduler:
             self.num_finished += 1
 
     def _release(self, seq: Sequence) -> None:
-        self._late.discard(seq.seq_id)  # (its free drops the late token with the table)
-        self._void.discard(seq.seq_id)
+        self._placeholders.discard(seq.seq_id)  # (its free drops the placeholder with the table)
+        self._discarded.discard(seq.seq_id)
         if seq.has_blocks:
             seq.has_blocks = False
             self._pending.frees.append(seq.seq_id)

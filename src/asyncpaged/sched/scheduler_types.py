@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Literal, NamedTuple
 
 from asyncpaged.kv.block_table import SwapPlan
-from asyncpaged.kv.txn import Claim
+from asyncpaged.kv.txn import PriorityPreemption
 from asyncpaged.sampled_token import SampledToken
 from asyncpaged.sched.policy import DEFAULT_AGING_STEPS, SchedulingPolicy
 from asyncpaged.sched.request import Request
@@ -63,7 +63,7 @@ class ScheduledSeq(NamedTuple):
     slot_mapping: tuple[int, ...]
     block_table: tuple[int, ...]
     samples: bool
-    num_samples: int = 1  # > 1: the prompt's end of a parallel-sampling request (fan-out)
+    num_samples: int = 1  # > 1: the prompt's end of a parallel-sampling request (its fork)
     min_rope_len: int = 0  # the RoPE scaling sees at least this length (longrope's long regime)
     # Speculative decoding: the last ``num_draft`` of ``token_ids`` are proposals; the logits of
     # the last ``num_draft + 1`` tokens verify them (the step returns 1 to num_draft + 1 tokens)
@@ -115,12 +115,13 @@ class PlanBudget:
     """A step being planned: budgets and the decisions made so far."""
 
     budget_left: int
-    seats_left: int
+    seqs_left: int
     free: int  # device blocks free for mandatory operations (negative: under pressure)
     short: bool = False  # some request's blocks do not fit: the allocator preempts
-    claim: Claim | None = None  # priority policy: a waiting request claims running groups' room
+    # priority policy: a waiting request preempts the running groups it outranks
+    preemption: PriorityPreemption | None = None
     # Async scheduling: the sequences whose next token the step in flight samples (their rows
-    # take a late token), or None when no step is in flight
+    # take a placeholder), or None when no step is in flight
     pending: AbstractSet[int] | None = None
     cut: bool = False  # planned ahead, stopped where the sync rules would preempt or restart
 

@@ -363,7 +363,7 @@ def _roots(
     wanting = {
         s.seq_id: (i, s)
         for i, s in enumerate(plan.seqs)
-        if s.draft_k and s.do_sample and not s.fanout
+        if s.draft_k and s.do_sample and not s.parallel_options
     }
     roots = []
     for index, t in enumerate(sampled):

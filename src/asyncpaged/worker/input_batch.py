@@ -36,7 +36,7 @@ preemption message is needed. That holds as long as every plan the sender marks
 time; a failed step fails the engine); a plan built but never sent changes nothing. A row with
 ``table_start`` 0, its options and no kept history works on any runner, so plans built by hand
 (tests, benchmarks, probes) run unchanged. Rows that keep no penalty history send their whole
-output in the options: parallel-sampling fan-outs, speculative verification rows, draft-model
+output in the options: parallel-sampling forks, speculative verification rows, draft-model
 engines (the draft draws from the same options), requests with logits processors and beam
 search. A sequence's output only grows while it runs; the sender still checks the token it
 last sent before trusting that, and resends the whole output if it changed.
@@ -49,7 +49,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from asyncpaged.kv.block_table import LATE_TOKEN
+from asyncpaged.kv.block_table import PLACEHOLDER_TOKEN
 from asyncpaged.sampling.options import SamplingOptions, SeenTokens
 from asyncpaged.worker.protocol import SequenceStep
 
@@ -57,7 +57,7 @@ from asyncpaged.worker.protocol import SequenceStep
 class _Sent:
     """What the runner holds of one sequence, as the sender sent it: its table (None: no row
     set it), its options object (None: none) and, for a kept penalty history, (its output
-    length, its last output token, -1 for none or ``LATE_TOKEN`` for one planned ahead)."""
+    length, its last output token, -1 for none or ``PLACEHOLDER_TOKEN`` for one planned ahead)."""
 
     __slots__ = ("options", "output", "table")
 
@@ -135,7 +135,7 @@ class SentBatch:
         num_output = len(token_ids) - num_prompt
         row = self._row(seq_id)
         if late:
-            row.output = (num_output + 1, LATE_TOKEN)
+            row.output = (num_output + 1, PLACEHOLDER_TOKEN)
         else:
             row.output = (num_output, token_ids[-1] if num_output else -1)
         held = self._last.get(seq_id)
@@ -144,7 +144,7 @@ class SentBatch:
         length, token = held.output
         if length > num_output:
             return 0  # not an extension of what was sent (cannot happen while it runs)
-        if length and token != LATE_TOKEN and token_ids[num_prompt + length - 1] != token:
+        if length and token != PLACEHOLDER_TOKEN and token_ids[num_prompt + length - 1] != token:
             return 0
         return length
 
@@ -248,11 +248,11 @@ class InputBatch:
     def update(
         self,
         seqs: Sequence[SequenceStep],
-        late_tokens: Callable[[], dict[int, int]] = dict,
+        placeholder_values: Callable[[], dict[int, int]] = dict,
     ) -> ResolvedRows:
         """Apply a step's rows, in one pass: each row's table changes, kept options and penalty
         history tail. Sequences of the last step absent from ``seqs`` are forgotten (their
-        table rows are reused). ``late_tokens()``: the token the last step sampled, by
+        table rows are reused). ``placeholder_values()``: the token the last step sampled, by
         sequence, for the rows whose ``history`` is late."""
         last, cached = self._seqs, {}
         order = np.empty(len(seqs), dtype=np.int64)
@@ -298,8 +298,8 @@ class InputBatch:
             else:
                 history = self._extend_history(s, opt, state.history)
                 if s.history is not None and s.history[2]:
-                    late = late_tokens() if late is None else late
-                    assert seq_id in late, f"sequence {seq_id}: a late token, none sampled last"
+                    late = placeholder_values() if late is None else late
+                    assert seq_id in late, f"sequence {seq_id}: a placeholder, none sampled last"
                     history.extend((late[seq_id],))
                 state.history = history
                 seen[seq_id] = history.seen()

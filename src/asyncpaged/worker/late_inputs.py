@@ -7,7 +7,7 @@ output that logits processors see, a min_tokens mask near its end). Those exist 
 step in flight is back. So the step starts without them (``StepPlan.late_rows`` names those
 rows), and the runner takes them after the forward, just before sampling: the loop makes them
 while the forward runs (vLLM v1 likewise fills its bitmask while the forward runs). A row with
-neither options nor a bitmask in the delivery samples as planned: its sample is void (a
+neither options nor a bitmask in the delivery samples as planned: its sample is discarded (a
 grammar forced the tokens that follow, see ``Scheduler.append_forced``) or its request has
 ended.
 

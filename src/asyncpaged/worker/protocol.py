@@ -91,8 +91,8 @@ class SequenceStep(NamedTuple):
     want_logprob: bool = False
     sampling: SamplingOptions | None = None
     # Parallel sampling: when not empty, the row is sampled once per entry (sample ``i`` with
-    # ``fanout[i]``) instead of once with ``sampling``.
-    fanout: tuple[SamplingOptions | None, ...] = ()
+    # ``parallel_options[i]``) instead of once with ``sampling``.
+    parallel_options: tuple[SamplingOptions | None, ...] = ()
     min_rope_len: int = 0
     # Prompt logprobs (``prompt_logprobs``): the prompt tokens that rows ``prompt_row_offset ..``
     # of this step predict, and how many top tokens to return for each.
@@ -146,16 +146,18 @@ def with_generator_keys(plan: StepPlan) -> StepPlan:
     itself when no row has such options."""
     seqs: list[SequenceStep] | None = None  # a copy of plan.seqs once a row changes
     for i, s in enumerate(plan.seqs):
-        if s.sampling is None and not s.fanout:
+        if s.sampling is None and not s.parallel_options:
             continue
         n = s.num_computed_tokens + len(s.token_ids)
         sampling = _keyed(s.sampling, n)
-        fanout = tuple(_keyed(o, n) for o in s.fanout)
-        if sampling is s.sampling and all(a is b for a, b in zip(fanout, s.fanout, strict=True)):
+        parallel_options = tuple(_keyed(o, n) for o in s.parallel_options)
+        if sampling is s.sampling and all(
+            a is b for a, b in zip(parallel_options, s.parallel_options, strict=True)
+        ):
             continue
         if seqs is None:
             seqs = list(plan.seqs)
-        seqs[i] = s._replace(sampling=sampling, fanout=fanout)
+        seqs[i] = s._replace(sampling=sampling, parallel_options=parallel_options)
     return plan if seqs is None else dataclasses.replace(plan, seqs=tuple(seqs))
 
 

@@ -11,7 +11,7 @@ Order inside ``execute``: copy-on-write pairs, then the forward (which writes th
 their slots), then the full fp32 head over the prompt rows that want prompt logprobs, if any
 (``prompt_logprobs``), then the verification of speculative proposals, if any, and the LM head
 only for the sampling rows (each sampling sequence's last new token) with the sampler, both
-through a screened head where one applies (``head_sampling``). Swap copies are separate calls
+through a screened head where one applies (``step_sampling``). Swap copies are separate calls
 (``swap_out`` / ``swap_in``) so a swap worker can run them beside steps; the scheduler
 guarantees they never touch blocks of a scheduled sequence.
 
@@ -33,7 +33,7 @@ import numpy as np
 import torch
 
 from asyncpaged._log import get_logger
-from asyncpaged.kv.block_table import LATE_TOKEN
+from asyncpaged.kv.block_table import PLACEHOLDER_TOKEN
 from asyncpaged.model.attention import AttentionBackend, AttentionMetadata
 from asyncpaged.model.attention_select import AttentionChoice, select_attention_backend
 from asyncpaged.model.base import SINGLE_SHARD, CausalLM, TensorShard
@@ -44,7 +44,6 @@ from asyncpaged.model.packed_linear import pack_weight
 from asyncpaged.sampling.options import SeenTokens
 from asyncpaged.worker.cuda_graphs import Capture, DecodeGraphs
 from asyncpaged.worker.draft import DraftModel, DraftSpec
-from asyncpaged.worker.head_sampling import sample_draws, verify_proposals
 from asyncpaged.worker.input_batch import InputBatch, ResolvedRows
 from asyncpaged.worker.instance import ModelInstance
 from asyncpaged.worker.late_inputs import LateInputs, LateSource, with_late_inputs
@@ -59,6 +58,7 @@ from asyncpaged.worker.protocol import (
     sampled_tokens,
     with_generator_keys,
 )
+from asyncpaged.worker.step_sampling import sample_draws, verify_proposals
 
 __all__ = [
     "AttentionChoice",
@@ -359,7 +359,7 @@ class ModelRunner:
         position_tensor = torch.from_numpy(positions).to(self.device)
         return metadata, input_tensor, position_tensor
 
-    def late_tokens(self) -> dict[int, int]:
+    def placeholder_values(self) -> dict[int, int]:
         """The token the last step sampled, by sequence (a row's late input or history; under
         tensor parallelism rank 0 puts them into the other ranks' rows)."""
         return {t.seq_id: t.token_id for t in self._last_sampled}
@@ -367,15 +367,15 @@ class ModelRunner:
     def _fill_late(
         self, ids: np.ndarray, seqs: tuple[SequenceStep, ...], ends: np.ndarray | None
     ) -> None:
-        """Async scheduling: a row planned before the last step returned has a late token
-        (``LATE_TOKEN``) for input, the token the last step sampled for its sequence.
+        """Async scheduling: a row planned before the last step returned has a placeholder
+        (``PLACEHOLDER_TOKEN``) for input, the token the last step sampled for its sequence.
         ``ends``: each sequence's end in ``ids`` (None: one token each)."""
-        positions = np.flatnonzero(ids == LATE_TOKEN)
+        positions = np.flatnonzero(ids == PLACEHOLDER_TOKEN)
         rows = positions if ends is None else np.searchsorted(ends, positions, side="right")
-        last = self.late_tokens()
+        last = self.placeholder_values()
         for pos, row in zip(positions.tolist(), rows.tolist(), strict=True):
             seq_id = seqs[row].seq_id
-            assert seq_id in last, f"sequence {seq_id}: a late token, but no token sampled last"
+            assert seq_id in last, f"sequence {seq_id}: a placeholder, but no token sampled last"
             ids[pos] = last[seq_id]
 
     def put_late_inputs(self, delivery: LateDelivery) -> None:
@@ -402,7 +402,7 @@ class ModelRunner:
         pair with rank 0's ``execute`` of the same plan); no LM head, no sampling."""
         self.instance.copy_blocks(plan.copy_pairs)
         if plan.seqs:
-            rows = self._batch.update(plan.seqs, self.late_tokens)
+            rows = self._batch.update(plan.seqs, self.placeholder_values)
             metadata, input_tensor, position_tensor = self._inputs(plan, rows)
             self.instance.forward(input_tensor, position_tensor, metadata)
         self._record_step_end()
@@ -422,7 +422,7 @@ class ModelRunner:
             draft.copy_blocks(plan.copy_pairs)
         if not plan.seqs:
             return StepResult(sampled=())
-        rows = self._batch.update(plan.seqs, self.late_tokens)
+        rows = self._batch.update(plan.seqs, self.placeholder_values)
         seqs = rows.seqs
         plan = with_generator_keys(plan if seqs is plan.seqs else replace(plan, seqs=seqs))
         inputs = self._inputs(plan, rows)
@@ -432,7 +432,7 @@ class ModelRunner:
         if draft is not None:  # (its proposals drawn with the late options too)
             result = draft.step(plan if seqs is plan.seqs else replace(plan, seqs=seqs),
                                 inputs, result)  # fmt: skip
-        self._last_sampled = result.sampled  # the inputs of the next step's late tokens
+        self._last_sampled = result.sampled  # the inputs of the next step's placeholders
         return result
 
     def _target_step(
@@ -473,12 +473,14 @@ class ModelRunner:
         draws = [
             (seqs[i], k, opt)
             for i in sampling
-            for k, opt in enumerate(seqs[i].fanout or (seqs[i].sampling,))
+            for k, opt in enumerate(seqs[i].parallel_options or (seqs[i].sampling,))
         ]
         # Unless every sequence is a decode (one row each) sampled once: its last row per draw.
         if not len(draws) == len(sampling) == len(seqs) == hidden.shape[0]:
             ends = metadata.query_start_loc_host
-            rows = [ends[i + 1] - 1 for i in sampling for _ in range(len(seqs[i].fanout) or 1)]
+            rows = [
+                ends[i + 1] - 1 for i in sampling for _ in range(len(seqs[i].parallel_options) or 1)
+            ]
             hidden = hidden[torch.tensor(rows, device=self.device)]
         out = sample_draws(
             self.model, draws, hidden,

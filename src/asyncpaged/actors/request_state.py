@@ -1,5 +1,5 @@
-"""The scheduler actor's own record of a live request (:class:`Tracked`), never shared: what the
-intake fixed, its grammar matchers and the progress the actor reports for it."""
+"""The scheduler actor's own record of a live request (:class:`SchedulerRequestState`), never
+shared: what the intake fixed, its grammar matchers and the progress the actor reports for it."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from asyncpaged.sched.scheduler import EngineCoreOutput
 
 
 @dataclass(slots=True, eq=False)
-class Tracked:
+class SchedulerRequestState:
     """The scheduler actor's own record of a live request (never shared): what the intake
     fixed (``info``), its grammar matchers by completion index (made on its first step), its
     prompt logprobs known so far (position 0 included; None: not asked), the cached-token
