@@ -1,5 +1,5 @@
 """Per-request output state, its single-slot sink, and the :class:`RequestStream` users hold
-(the sink wakes the one reader with :class:`~asyncpaged.streams_wakeup.Wakeup`).
+(the sink wakes the one reader with :class:`Wakeup`).
 
 The engine writes into a request's :class:`RequestState` and wakes its sink; it never waits for
 the reader. The reader builds what it sees when it looks: the whole output so far (CUMULATIVE),
@@ -9,6 +9,7 @@ everything new since its last look (DELTA, so a slow reader gets merged deltas),
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import time
 from collections.abc import Awaitable, Callable, Generator
@@ -27,10 +28,51 @@ from asyncpaged.outputs import (
     RequestOutput,
 )
 from asyncpaged.sampling_params import RequestOutputKind, SamplingParams
-from asyncpaged.streams_wakeup import Wakeup
 
 if TYPE_CHECKING:
     from asyncpaged.worker.protocol import PromptLogprobRows
+
+
+class Wakeup:
+    """Wakes the one reader of a request: ``wait`` returns at the first ``set`` after it began
+    (the reader re-checks its state around it, so a ``set`` with no reader waiting is moot).
+
+    On asyncio the reader awaits a bare future, the cheapest wake-up the loop has (a state is
+    woken once per step); on any other loop an ``anyio.Event``. Writer and reader share one
+    event loop."""
+
+    __slots__ = ("_event", "_future", "_loop")
+
+    def __init__(self) -> None:
+        self._future: asyncio.Future[None] | None = None
+        self._event: anyio.Event | None = None
+        self._loop: asyncio.AbstractEventLoop | bool | None = None  # False: not asyncio
+
+    def set(self) -> None:
+        future, event = self._future, self._event
+        if future is not None:
+            self._future = None
+            if not future.done():
+                future.set_result(None)
+        if event is not None:
+            self._event = None
+            event.set()
+
+    def wait(self) -> Awaitable[None]:
+        """What to await: the future itself (no coroutine frame of its own to make and resume
+        once a step per reader), or the event's wait."""
+        loop = self._loop
+        if loop is None:
+            try:
+                loop = self._loop = asyncio.get_running_loop()
+            except RuntimeError:  # trio, or another loop anyio runs on
+                loop = self._loop = False
+        if loop:
+            assert isinstance(loop, asyncio.AbstractEventLoop)
+            future = self._future = loop.create_future()
+            return future
+        event = self._event = anyio.Event()
+        return event.wait()
 
 
 @dataclass(slots=True, eq=False)
@@ -118,11 +160,6 @@ class RequestState:
         if tokenizer is not None and self.params.detokenize:
             for c in self.completions:
                 c.detokenizer = IncrementalDetokenizer(tokenizer, prompt_token_ids, self.params)
-
-    def reject(self, error: BaseException) -> None:
-        """The request was refused before it was queued; its waiter gets ``error``."""
-        self.rejection = error
-        self._event.set()
 
     @property
     def is_done(self) -> bool:

@@ -143,5 +143,5 @@ def test_the_wire_step_keeps_what_every_rank_reads() -> None:
               "min_rope_len")  # fmt: skip
     for got, want in zip(wire.seqs, seqs, strict=True):
         assert [getattr(got, f) for f in fields] == [getattr(want, f) for f in fields]
-        assert not got.do_sample and not got.wants_logprob
+        assert not got.do_sample and not got.want_logprob and got.sampling is None
     assert [s.token_ids for s in wire.seqs] == [(5, 6, 7), (77,)]

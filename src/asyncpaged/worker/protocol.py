@@ -119,12 +119,6 @@ class SequenceStep(NamedTuple):
     # ahead of it); see ``input_batch``
     history: tuple[int, tuple[int, ...], bool] | None = None
 
-    @property
-    def wants_logprob(self) -> bool:
-        return self.want_logprob or (
-            self.sampling is not None and self.sampling.num_logprobs is not None
-        )
-
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class StepPlan:
