@@ -748,6 +748,9 @@ class Scheduler:
         for seq in request.live_seqs:  # the allocator freed them
             seq.num_computed_tokens = 0
             seq.has_blocks = False
+        # A beam that reported before its siblings reports again once recomputed: forget the
+        # rows it reported, or its second report would step the search twice.
+        request.beam_top.clear()
         request.status = RequestStatus.WAITING
         insort(self.waiting, request)
         self.num_recomputes += 1
