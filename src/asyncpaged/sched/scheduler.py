@@ -653,12 +653,19 @@ class Scheduler:
         self.running.remove(request)
         request.long_rope = True
         frees.extend(s.seq_id for s in request.live_seqs)
+        self._requeue_for_recompute(request)
+        self.num_rope_restarts += 1
+
+    def _requeue_for_recompute(self, request: Request) -> None:
+        """``request``'s sequences lost their blocks: it waits to be computed again from its
+        first token. A beam that reported before its siblings reports again once recomputed, so
+        the rows its beams reported are forgotten (else one update would step the search twice)."""
         for seq in request.live_seqs:
             seq.num_computed_tokens = 0
             seq.has_blocks = False
+        request.beam_top.clear()
         request.status = RequestStatus.WAITING
         insort(self.waiting, request)
-        self.num_rope_restarts += 1
 
     def _plan_in_rank_order(
         self, plan: PlanBudget
@@ -745,14 +752,7 @@ class Scheduler:
             insort(self.swapped, request)
             self.num_swap_outs += 1
             return
-        for seq in request.live_seqs:  # the allocator freed them
-            seq.num_computed_tokens = 0
-            seq.has_blocks = False
-        # A beam that reported before its siblings reports again once recomputed: forget the
-        # rows it reported, or its second report would step the search twice.
-        request.beam_top.clear()
-        request.status = RequestStatus.WAITING
-        insort(self.waiting, request)
+        self._requeue_for_recompute(request)  # the allocator freed its blocks
         self.num_recomputes += 1
 
     # ---- applying the allocator's result --------------------------------------------------
