@@ -15,57 +15,16 @@ import threading
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from tests.test_import_cycles import import_graph  # the CI test's graph
-
-
-def components(graph: dict[str, set[str]]) -> list[frozenset[str]]:
-    """Strongly connected components (Tarjan, iterative)."""
-    index: dict[str, int] = {}
-    low: dict[str, int] = {}
-    stack: list[str] = []
-    on: set[str] = set()
-    out: list[frozenset[str]] = []
-    counter = 0
-    for start in sorted(graph):
-        if start in index:
-            continue
-        work = [(start, iter(sorted(graph[start])))]
-        index[start] = low[start] = counter
-        counter += 1
-        stack.append(start)
-        on.add(start)
-        while work:
-            node, it = work[-1]
-            nxt = next(it, None)
-            if nxt is not None:
-                if nxt not in index:
-                    index[nxt] = low[nxt] = counter
-                    counter += 1
-                    stack.append(nxt)
-                    on.add(nxt)
-                    work.append((nxt, iter(sorted(graph.get(nxt, ())))))
-                elif nxt in on:
-                    low[node] = min(low[node], index[nxt])
-                continue
-            work.pop()
-            if work:
-                low[work[-1][0]] = min(low[work[-1][0]], low[node])
-            if low[node] == index[node]:
-                comp = set()
-                while True:
-                    m = stack.pop()
-                    on.discard(m)
-                    comp.add(m)
-                    if m == node:
-                        break
-                out.append(frozenset(comp))
-    return out
+from tests.test_import_cycles import cycles, import_graph  # the CI test's own
 
 
 def longest_chain(graph: dict[str, set[str]]) -> list[str]:
     """The longest import chain, counted over the circles collapsed to one node each."""
-    comps = components(graph)
-    comp_of = {m: c for c in comps for m in c}
+    circles = cycles(graph)
+    comp_of = {m: c for c in circles for m in c}
+    for m in graph:
+        comp_of.setdefault(m, frozenset({m}))
+    comps = set(comp_of.values())
     memo: dict[frozenset[str], list[frozenset[str]]] = {}
 
     def longest(c: frozenset[str]) -> list[frozenset[str]]:
@@ -75,7 +34,6 @@ def longest_chain(graph: dict[str, set[str]]) -> list[str]:
             memo[c] = [c, *best]
         return memo[c]
 
-    sys.setrecursionlimit(10_000)
     chain = max((longest(c) for c in comps), key=len)
     return [min(c) if len(c) == 1 else "{" + ", ".join(sorted(c)) + "}" for c in chain]
 
@@ -117,9 +75,10 @@ def files_one_request_crosses(src: Path) -> list[str]:
 
 
 def main() -> None:
+    sys.setrecursionlimit(10_000)  # the recursive cycle search and chain walk
     src = Path(sys.argv[1] if len(sys.argv) > 1 else Path(__file__).resolve().parents[1] / "src")
     graph = import_graph(src)
-    circles = [c for c in components(graph) if len(c) > 1]
+    circles = sorted(cycles(graph), key=len, reverse=True)
     chain = longest_chain(graph)
     print(f"modules: {len(graph)}")
     print(f"import circles: {len(circles)} ({', '.join(str(len(c)) for c in circles) or 'none'})")
