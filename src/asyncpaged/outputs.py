@@ -19,12 +19,39 @@ __all__ = [
     "RequestMetrics",
     "RequestOutput",
     "SampleLogprobs",
+    "ToolCall",
+    "ToolCallDelta",
 ]
 
-FinishReason: TypeAlias = Literal["stop", "length", "abort"]
+FinishReason: TypeAlias = Literal["stop", "length", "abort", "tool_calls"]
 """Why a sequence ended: ``"stop"`` (EOS, a stop token id or a stop string), ``"length"``
 (``max_tokens`` or the model's context length), ``"abort"`` (cancelled by the client or the
-host)."""
+host), ``"tool_calls"`` (a chat turn that stopped as ``"stop"`` would, with at least one tool
+call parsed from its text)."""
+
+
+@dataclass(frozen=True, slots=True)
+class ToolCall:
+    """A function call parsed from a chat reply (OpenAI's ``tool_calls[i]``): ``arguments`` is
+    the call's arguments as JSON text, as the model wrote them (OpenAI's ``arguments``)."""
+
+    id: str
+    name: str
+    arguments: str
+    type: Literal["function"] = "function"
+
+
+@dataclass(frozen=True, slots=True)
+class ToolCallDelta:
+    """What is new of the tool call number ``index`` (0, 1, ... in the reply) since the previous
+    output, as OpenAI streams ``delta.tool_calls``: the first delta of a call carries its ``id``
+    and ``name``; later ones ``None`` there and a fragment of ``arguments`` (JSON text; the
+    fragments of one call concatenate to its arguments)."""
+
+    index: int
+    id: str | None = None
+    name: str | None = None
+    arguments: str = ""
 
 
 @dataclass(slots=True)
@@ -59,6 +86,13 @@ class CompletionOutput:
     ``cumulative_logprob`` is always the sum over all tokens so far (``None`` unless logprobs
     were requested). ``stop_reason`` is the stop string or stop token id that ended the sequence;
     ``None`` when it ended on EOS, on length, by abort, or has not ended.
+
+    A chat reply parsed by a reasoning parser or a tool parser (``engine.chat``; docs/api.md,
+    "Tool calls and reasoning") has ``text`` without the markup: ``reasoning`` holds the
+    thinking (``None`` without a reasoning parser), ``tool_calls`` the calls parsed so far
+    (``None`` when none; in a CUMULATIVE output before the end, the last one's ``arguments``
+    may still be incomplete) and, with ``RequestOutputKind.DELTA``, ``tool_call_deltas`` what is
+    new of them (``tool_calls`` is then ``None``); ``reasoning`` is a delta there too.
     """
 
     index: int
@@ -68,6 +102,9 @@ class CompletionOutput:
     logprobs: SampleLogprobs | None
     finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None
+    reasoning: str | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_deltas: list[ToolCallDelta] | None = None
 
     def finished(self) -> bool:
         """True once the sequence has ended (``finish_reason`` is set)."""
@@ -171,6 +208,11 @@ def _append_delta(completion: CompletionOutput, delta: CompletionOutput) -> None
     completion.token_ids = [*completion.token_ids, *delta.token_ids]
     if delta.logprobs is not None:
         completion.logprobs = [*(completion.logprobs or []), *delta.logprobs]
+    if delta.reasoning is not None:
+        completion.reasoning = (completion.reasoning or "") + delta.reasoning
+    if delta.tool_call_deltas is not None:
+        earlier = completion.tool_call_deltas or []
+        completion.tool_call_deltas = [*earlier, *delta.tool_call_deltas]
     completion.cumulative_logprob = delta.cumulative_logprob
     completion.finish_reason = delta.finish_reason
     completion.stop_reason = delta.stop_reason
