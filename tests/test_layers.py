@@ -15,7 +15,7 @@ from tests.test_import_cycles import import_graph
 
 LAYERS: tuple[tuple[str, ...], ...] = (
     ("_log", "_gc", "_detached", "errors"),
-    ("spec_decode", "structured_outputs", "sampling_params", "inputs",
+    ("spec_decode", "structured_outputs", "tool_choice", "sampling_params", "inputs",
      "outputs", "sampled_token", "config"),
     ("kv",),
     ("sched",),

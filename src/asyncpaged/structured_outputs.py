@@ -47,7 +47,7 @@ from asyncpaged.errors import InvalidRequestError
 
 __all__ = ["GrammarBackend", "StructuredOutputsParams"]
 
-_KINDS = ("json", "regex", "choice", "grammar", "json_object")
+_KINDS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
 MAX_CACHED = 256  # compiled constraints kept per engine
 EXTRA_HINT = "structured outputs need xgrammar: pip install 'asyncpaged[structured]'"
 
@@ -57,14 +57,17 @@ class StructuredOutputsParams:
     """Exactly one constraint (vLLM's names): ``json`` (a JSON schema, as a dict or a JSON
     string; stored as JSON text, key order kept), ``regex``, ``choice`` (a list of strings: the
     output is one of them), ``grammar`` (EBNF / GBNF, xgrammar's dialect) or
-    ``json_object=True`` (any JSON object). ``disable_any_whitespace`` keeps a schema's JSON
-    compact."""
+    ``json_object=True`` (any JSON object) or ``structural_tag`` (xgrammar's structural tag, as
+    a dict or JSON text: free text with tagged parts, such as tool calls, whose content follows
+    a schema; the engine builds these for ``tool_choice``). ``disable_any_whitespace`` keeps a
+    schema's JSON compact."""
 
     json: str | None
     regex: str | None
     choice: tuple[str, ...] | None
     grammar: str | None
     json_object: bool | None
+    structural_tag: str | None
     disable_any_whitespace: bool
 
     def __init__(
@@ -75,10 +78,12 @@ class StructuredOutputsParams:
         choice: Sequence[str] | None = None,
         grammar: str | None = None,
         json_object: bool | None = None,
+        structural_tag: str | Mapping[str, Any] | None = None,
         disable_any_whitespace: bool = False,
     ) -> None:
         given = [k for k, v in (("json", json), ("regex", regex), ("choice", choice),
-                                ("grammar", grammar), ("json_object", json_object))
+                                ("grammar", grammar), ("json_object", json_object),
+                                ("structural_tag", structural_tag))
                  if v not in (None, False)]  # fmt: skip
         if len(given) != 1:
             raise InvalidRequestError(
@@ -88,7 +93,12 @@ class StructuredOutputsParams:
             if not isinstance(json, Mapping):
                 raise InvalidRequestError("json must be a JSON schema: a dict or a JSON string.")
             json = json_module.dumps(json)  # key order kept: properties generate in it
-        for name, value in (("json", json), ("regex", regex), ("grammar", grammar)):
+        if structural_tag is not None and not isinstance(structural_tag, str):
+            if not isinstance(structural_tag, Mapping):
+                raise InvalidRequestError("structural_tag must be a dict or a JSON string.")
+            structural_tag = json_module.dumps(structural_tag)
+        for name, value in (("json", json), ("regex", regex), ("grammar", grammar),
+                            ("structural_tag", structural_tag)):  # fmt: skip
             if value is not None and (not isinstance(value, str) or not value):
                 raise InvalidRequestError(f"{name} must be a non-empty string.")
         if choice is not None:
@@ -101,7 +111,7 @@ class StructuredOutputsParams:
             raise InvalidRequestError("disable_any_whitespace must be a bool.")
         values: dict[str, object] = {
             "json": json, "regex": regex, "choice": choice, "grammar": grammar,
-            "json_object": True if json_object else None,
+            "json_object": True if json_object else None, "structural_tag": structural_tag,
             "disable_any_whitespace": disable_any_whitespace,
         }  # fmt: skip
         for field_name, field_value in values.items():
@@ -226,6 +236,8 @@ def _compile(compiler: Any, params: StructuredOutputsParams) -> Any:
                 return compiler.compile_grammar(f"root ::= {choices}")
             case "grammar":
                 return compiler.compile_grammar(params.grammar)
+            case "structural_tag":
+                return compiler.compile_structural_tag(params.structural_tag)
             case _:  # json_object: any JSON object (xgrammar's builtin grammar takes any value)
                 return compiler.compile_json_schema(
                     '{"type": "object"}', any_whitespace=not compact

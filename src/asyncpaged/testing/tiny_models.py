@@ -1,7 +1,7 @@
 """Tiny, seeded, random checkpoints of every supported family, saved as real HF directories.
 
 ``build_tiny_checkpoint(name, directory)`` writes ``config.json``, ``model.safetensors`` and the
-files of a small byte-level BPE tokenizer trained in-process (offline) on ``_CORPUS``. Models are
+files of a small byte-level BPE tokenizer trained in-process (offline) on ``CORPUS``. Models are
 built with transformers' own classes and ``save_pretrained``, so they are exactly what transformers
 would load. Weights are drawn with a larger spread than the default (``initializer_range`` 0.02
 makes a random model repeat one token); norms and biases are randomised too, so a mistake in
@@ -20,7 +20,7 @@ VOCAB_SIZE = 320
 PAD_ID, BOS_ID, EOS_ID, UNK_ID = 0, 1, 2, 3
 SPECIAL_TOKENS = ("<pad>", "<s>", "</s>", "<unk>")
 
-_CORPUS = (
+CORPUS = (
     "The paged attention design stores the key value cache of every request in fixed size "
     "blocks, like pages of virtual memory. A block table maps the logical blocks of a sequence "
     "to physical blocks anywhere in the pool, so memory is allocated on demand and shared by "
@@ -315,7 +315,7 @@ def build_tokenizer() -> Any:
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tok.train_from_iterator([_CORPUS], trainer)
+    tok.train_from_iterator([CORPUS], trainer)
     return as_transformers_tokenizer(tok)
 
 

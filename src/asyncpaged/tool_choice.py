@@ -1,0 +1,248 @@
+"""The tools a chat request offers and how its ``tool_choice`` binds the reply (OpenAI's fields).
+
+``check_tools`` and ``check_tool_choice`` refuse malformed input before anything is queued.
+``"none"`` and ``"auto"`` leave the reply free (``auto``: calls are parsed from it); ``"required"``
+and a named function (``{"type": "function", "function": {"name": ...}}``) force calls with the
+grammar engine, so a forced call always parses and its arguments validate against the tool's
+``parameters`` schema. ``auto`` with tools marked ``"strict": true`` constrains a call's
+arguments once the model starts one.
+
+A forced call is written the way the model writes calls when its tool parser declares a
+:class:`CallMarkup` (hermes, llama3_json, mistral): an xgrammar structural tag allows exactly
+those calls, optionally after a thinking block. Without markup (pythonic, a parser of one's
+own) the reply is a JSON value instead, as vLLM forces calls: the arguments object for a named
+function, ``[{"name": ..., "parameters": {...}}, ...]`` for ``required``.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal, TypeAlias
+
+from asyncpaged.errors import InvalidRequestError
+from asyncpaged.structured_outputs import StructuredOutputsParams
+
+__all__ = [
+    "CallMarkup",
+    "ForcedCalls",
+    "ToolChoice",
+    "check_tool_choice",
+    "check_tools",
+    "forced_calls_constraint",
+    "tool_name",
+]
+
+ToolChoice: TypeAlias = str | Mapping[str, Any] | None
+"""``"none"``, ``"auto"``, ``"required"`` or ``{"type": "function", "function": {"name": f}}``;
+``None``: ``"auto"`` when the engine has a tool parser for the model, else ``"none"``."""
+
+_ANY_OBJECT: dict[str, Any] = {"type": "object"}
+
+
+@dataclass(frozen=True, slots=True)
+class CallMarkup:
+    """How a tool-call format writes one call, for a grammar that forces calls: ``begin``
+    (with ``{name}`` where the function's name goes), the arguments as a JSON object, ``end``;
+    ``trigger`` is the text every call starts with (a prefix of ``begin``), ``separator`` what
+    stands between two calls."""
+
+    trigger: str
+    begin: str
+    end: str
+    separator: str = ""
+
+    def tag(self, name: str, schema: Mapping[str, Any]) -> dict[str, Any]:
+        """xgrammar's tag for one call of ``name`` whose arguments follow ``schema``."""
+        return {
+            "type": "tag",
+            "begin": self.begin.replace("{name}", name),
+            "content": {"type": "json_schema", "json_schema": dict(schema)},
+            "end": self.end,
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class ForcedCalls:
+    """A reply that must be tool calls: ``name`` for a named function (else any of the
+    request's tools, at least one call), ``parallel``: more than one call allowed."""
+
+    name: str | None
+    parallel: bool = True
+
+
+def tool_name(tool: Mapping[str, Any]) -> str:
+    """The function name of a checked tool."""
+    name: str = tool["function"]["name"]
+    return name
+
+
+def _schema(tool: Mapping[str, Any]) -> dict[str, Any]:
+    parameters = tool["function"].get("parameters")
+    return dict(parameters) if parameters else dict(_ANY_OBJECT)
+
+
+def check_tools(tools: object) -> tuple[dict[str, Any], ...] | None:
+    """``tools`` as OpenAI's shape (``[{"type": "function", "function": {"name", "description",
+    "parameters", "strict"}}]``), copied; InvalidRequestError for anything else: a tool without
+    a name, a name that is not ``[A-Za-z0-9_.-]`` (at most 64), ``parameters`` that is not a
+    JSON schema object, two tools of one name."""
+    if tools is None:
+        return None
+    if isinstance(tools, str | bytes) or not isinstance(tools, Sequence):
+        raise InvalidRequestError("tools must be a list of tools.")
+    checked: list[dict[str, Any]] = []
+    names: set[str] = set()
+    for i, tool in enumerate(tools):
+        where = f"tools[{i}]"
+        if not isinstance(tool, Mapping):
+            raise InvalidRequestError(f"{where} must be an object.")
+        if tool.get("type", "function") != "function":
+            raise InvalidRequestError(f"{where}.type must be 'function', got {tool['type']!r}.")
+        function = tool.get("function")
+        if not isinstance(function, Mapping):
+            raise InvalidRequestError(f"{where}.function must be an object with a name.")
+        name = function.get("name")
+        if not isinstance(name, str) or not name:
+            raise InvalidRequestError(f"{where}.function.name must be a non-empty string.")
+        if len(name) > 64 or not all(ch.isascii() and (ch.isalnum() or ch in "_-.") for ch in name):
+            raise InvalidRequestError(
+                f"{where}.function.name {name!r} must be at most 64 of a-z, A-Z, 0-9, "
+                "'_', '-', '.'."
+            )
+        if name in names:
+            raise InvalidRequestError(f"{where}: two tools are named {name!r}.")
+        names.add(name)
+        parameters = function.get("parameters")
+        if parameters is not None:
+            if not isinstance(parameters, Mapping):
+                raise InvalidRequestError(
+                    f"{where}.function.parameters must be a JSON schema object."
+                )
+            if parameters.get("type", "object") != "object":
+                raise InvalidRequestError(
+                    f"{where}.function.parameters must describe an object (type 'object'), "
+                    f"got type {parameters['type']!r}."
+                )
+            try:
+                json.dumps(parameters)
+            except (TypeError, ValueError) as exc:
+                raise InvalidRequestError(
+                    f"{where}.function.parameters is not JSON: {exc}"
+                ) from exc
+        for key in ("description",):
+            if function.get(key) is not None and not isinstance(function[key], str):
+                raise InvalidRequestError(f"{where}.function.{key} must be a string.")
+        strict = function.get("strict")
+        if strict is not None and not isinstance(strict, bool):
+            raise InvalidRequestError(f"{where}.function.strict must be a bool.")
+        checked.append({**tool, "type": "function", "function": dict(function)})
+    return tuple(checked)
+
+
+def check_tool_choice(
+    tool_choice: ToolChoice, tools: Sequence[Mapping[str, Any]] | None
+) -> str | ForcedCalls | None:
+    """``tool_choice`` against the checked ``tools``: ``"none"``, ``"auto"``, ``None`` (not
+    given), or the :class:`ForcedCalls` of ``"required"`` or a named function (parallel calls
+    allowed; the caller narrows that). InvalidRequestError for a choice that is none of these,
+    a named function the tools lack, or a forced choice without tools."""
+    if tool_choice is None or tool_choice in ("none", "auto"):
+        return tool_choice  # type: ignore[return-value]
+    names = [tool_name(t) for t in tools or ()]
+    if tool_choice == "required":
+        if not names:
+            raise InvalidRequestError("tool_choice 'required' needs tools.")
+        return ForcedCalls(name=None)
+    if isinstance(tool_choice, Mapping):
+        function = tool_choice.get("function")
+        name = function.get("name") if isinstance(function, Mapping) else None
+        if tool_choice.get("type", "function") != "function" or not isinstance(name, str):
+            raise InvalidRequestError(
+                "tool_choice must be 'none', 'auto', 'required' or "
+                "{'type': 'function', 'function': {'name': ...}}."
+            )
+        if name not in names:
+            raise InvalidRequestError(
+                f"tool_choice names the function {name!r}, which is not among the tools "
+                f"({', '.join(names) or 'none given'})."
+            )
+        return ForcedCalls(name=name)
+    raise InvalidRequestError(
+        f"tool_choice must be 'none', 'auto', 'required' or a named function, got {tool_choice!r}."
+    )
+
+
+def _reasoning_prefix(
+    reasoning: tuple[str, str] | None, in_reasoning: bool
+) -> list[dict[str, Any]]:
+    """The thinking block a constrained reply may start with: none without a reasoning parser;
+    the rest of an open block when the prompt opened it; else an optional whole block."""
+    if reasoning is None:
+        return []
+    start, end = reasoning
+    block = {"type": "tag", "begin": "" if in_reasoning else start,
+             "content": {"type": "any_text"}, "end": end}  # fmt: skip
+    if not in_reasoning:
+        return [{"type": "optional", "content": block}]
+    return [block]
+
+
+def _forced_json_schema(tools: Sequence[Mapping[str, Any]], forced: ForcedCalls) -> dict[str, Any]:
+    if forced.name is not None:
+        return next(_schema(t) for t in tools if tool_name(t) == forced.name)
+    calls = [
+        {
+            "type": "object",
+            "properties": {"name": {"const": tool_name(t)}, "parameters": _schema(t)},
+            "required": ["name", "parameters"],
+        }
+        for t in tools
+    ]
+    array: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
+    if not forced.parallel:
+        array["maxItems"] = 1
+    return array
+
+
+def forced_calls_constraint(
+    tools: Sequence[Mapping[str, Any]],
+    choice: ForcedCalls | Literal["auto"],
+    markup: CallMarkup | None,
+    *,
+    reasoning: tuple[str, str] | None = None,
+    in_reasoning: bool = False,
+    parallel: bool = True,
+) -> StructuredOutputsParams | None:
+    """The grammar of a reply under ``choice`` (checked tools): forced calls, or for ``"auto"``
+    the strict tools' arguments once a call starts (None when no tool is strict, or the format
+    has no markup to find a call's start by). ``reasoning``: the (start, end) markers of the
+    engine's reasoning parser, whose thinking block stays free; ``in_reasoning``: the prompt
+    opened it."""
+    prefix = _reasoning_prefix(reasoning, in_reasoning)
+    body: dict[str, Any]
+    if choice == "auto":
+        strict = [t for t in tools if t["function"].get("strict") is True]
+        if not strict or markup is None:
+            return None
+        tags = [markup.tag(tool_name(t), _schema(t) if t in strict else _ANY_OBJECT) for t in tools]
+        body = {"type": "triggered_tags", "triggers": [markup.trigger], "tags": tags,
+                "stop_after_first": not parallel}  # fmt: skip
+        if prefix:  # free text in the thinking, then free text with constrained calls
+            body = {"type": "sequence", "elements": [*prefix, body]}
+        return StructuredOutputsParams(structural_tag={"type": "structural_tag", "format": body})
+    forced = ForcedCalls(choice.name, choice.parallel and parallel)
+    if markup is None:
+        body = {"type": "json_schema", "json_schema": _forced_json_schema(tools, forced)}
+    elif forced.name is not None:
+        body = markup.tag(
+            forced.name, next(_schema(t) for t in tools if tool_name(t) == forced.name)
+        )
+    else:
+        body = {"type": "tags_with_separator", "separator": markup.separator,
+                "tags": [markup.tag(tool_name(t), _schema(t)) for t in tools],
+                "at_least_one": True, "stop_after_first": not forced.parallel}  # fmt: skip
+    if prefix:
+        body = {"type": "sequence", "elements": [*prefix, body]}
+    return StructuredOutputsParams(structural_tag={"type": "structural_tag", "format": body})
