@@ -22,7 +22,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("kernels", "model", "versions"),
     ("sampling",),
     ("worker", "distributed"),
-    ("tool_parsers", "reasoning", "detokenizer", "streams"),
+    ("tool_parsers", "reasoning", "reply_parser", "detokenizer", "streams"),
     ("actors",),
     ("engine", "request_checks", "memory_budget"),
     ("server", "tools", "sim", "testing", "default_model", "__main__", ""),

@@ -112,6 +112,11 @@ class EngineConfig:
     # Structured outputs: append the tokens a grammar forces (a schema's keys, punctuation)
     # without sampling each one; they are computed in the next step like a prefill chunk
     structured_outputs_jump_forward: bool = True
+    # The format chat replies' tool calls are parsed from (asyncpaged.tool_parsers: "hermes",
+    # "llama3_json", "mistral", "pythonic" or one registered by the host): "auto" takes it from
+    # the chat template where that is unambiguous, None parses no calls; engine.chat's
+    # tool_call_parser overrides it per request
+    tool_call_parser: str | None = "auto"
     # gc.freeze() once started (every object alive then leaves the cyclic GC's walks, which
     # otherwise stall the host loop 100+ ms), gc.unfreeze() when the last such engine closes
     gc_freeze: bool = True
@@ -216,6 +221,10 @@ class EngineConfig:
             (self.max_cudagraph_capture_size is None or self.max_cudagraph_capture_size >= 1,
              "max_cudagraph_capture_size must be at least 1 or None, got "
              f"{self.max_cudagraph_capture_size}."),
+            (self.tool_call_parser is None or (isinstance(self.tool_call_parser, str)
+                                                and bool(self.tool_call_parser)),
+             f"tool_call_parser must be a parser's name, 'auto' or None, got "
+             f"{self.tool_call_parser!r}."),
             (self.attention_backend in ("auto", "torch", "triton", "cpu"),
              f"attention_backend must be 'auto', 'torch', 'triton' or 'cpu', got "
              f"{self.attention_backend!r}."),

@@ -514,6 +514,15 @@ class SamplingParams:
         object.__setattr__(merged, "explicit_fields", self.explicit_fields)
         return merged
 
+    def replace(self, **changes: Any) -> SamplingParams:
+        """A copy with ``changes`` (validated as at construction); the fields given explicitly
+        stay so, and so do the changed ones."""
+        kwargs = {f.name: getattr(self, f.name) for f in fields(self) if f.init}
+        kwargs.update(changes)
+        copy = SamplingParams(**kwargs)
+        object.__setattr__(copy, "explicit_fields", self.explicit_fields | frozenset(changes))
+        return copy
+
     @property
     def num_sequences(self) -> int:
         """Sequences the engine generates for the request: ``best_of``, or ``n`` when unset."""

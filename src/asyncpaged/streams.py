@@ -27,6 +27,7 @@ from asyncpaged.outputs import (
     RequestMetrics,
     RequestOutput,
 )
+from asyncpaged.reply_parser import ReplyParser, ReplyParsing
 from asyncpaged.sampling_params import RequestOutputKind, SamplingParams
 
 if TYPE_CHECKING:
@@ -87,6 +88,7 @@ class _Completion:
     stop_reason: int | str | None = None
     read_tokens: int = 0  # DELTA cursors
     read_text: int = 0
+    reply: ReplyParser | None = None  # a chat reply split into thinking, calls and content
 
 
 def is_plain(params: SamplingParams, *, beam: bool) -> bool:
@@ -119,6 +121,7 @@ class RequestState:
         arrival_time: float,
         *,
         beam: bool = False,
+        reply_parsing: ReplyParsing | None = None,
     ) -> None:
         self.request_id = request_id
         self.serial = next(_serials)  # this submission, whatever later reuses its id
@@ -131,6 +134,7 @@ class RequestState:
         self.ranks_by_logprob = ranks_by_logprob(params)
         self._stop_strings = bool(params.stop)  # only then can the text end a completion
         self.beam = beam  # completions are filled in at the end (finish_beams)
+        self.reply_parsing = reply_parsing
         for c in self.completions:
             if params.logprobs is not None:
                 c.logprobs = []
@@ -151,15 +155,21 @@ class RequestState:
         self._reader_wants_end = False
         self._held = False  # recorded outputs hidden from the reader until release()
 
-    def start(self, prompt_token_ids: list[int], tokenizer: Any) -> None:
-        """The request reached the scheduler: set up detokenizing (no tokenizer: ids only)."""
+    def start(
+        self, prompt_token_ids: list[int], tokenizer: Any, *, in_reasoning: bool = False
+    ) -> None:
+        """The request reached the scheduler: set up detokenizing (no tokenizer: ids only) and
+        a chat reply's parsing (``in_reasoning``: the prompt opened a thinking block)."""
         self.prompt_token_ids = prompt_token_ids
         self.metrics.num_prompt_tokens = len(prompt_token_ids)
         if self.params.prompt_logprobs is not None:
             self.prompt_logprobs = [None]
         if tokenizer is not None and self.params.detokenize:
+            parsing = self.reply_parsing
             for c in self.completions:
                 c.detokenizer = IncrementalDetokenizer(tokenizer, prompt_token_ids, self.params)
+                if parsing is not None:
+                    c.reply = parsing.start(in_reasoning=in_reasoning)
 
     @property
     def is_done(self) -> bool:
@@ -206,16 +216,24 @@ class RequestState:
         if detokenizer is not None:
             # The scheduler stops with "stop" only on EOS or a stop token id: the last id.
             text = detokenizer.update(token_ids, stop_terminated=finish_reason == "stop")
-            if text:
-                c.text += text
             if finish_reason is not None:
                 if not detokenizer.finished:
-                    c.text += detokenizer.finish()
+                    text += detokenizer.finish()
             elif self._stop_strings and detokenizer.stop_reason is not None:
                 matched = detokenizer.stop_reason
                 finish_reason, stop_reason = "stop", matched
                 consumed = len(detokenizer.output_token_ids)
                 del c.token_ids[consumed:]  # ids after the stop string were never produced
+            if text:
+                c.text += text
+            reply = c.reply
+            if reply is not None:
+                if text:
+                    reply.feed(text)
+                if finish_reason is not None:
+                    reply.finish()
+                    if finish_reason == "stop" and reply.num_calls:
+                        finish_reason = "tool_calls"
         if finish_reason is not None:
             c.finish_reason, c.stop_reason = finish_reason, stop_reason
             if self.finished:
@@ -326,12 +344,12 @@ class RequestState:
                 return True
             if kind is RequestOutputKind.FINAL_ONLY:
                 return False
-            return c.read_tokens < len(c.token_ids) or c.read_text < len(c.text)
+            return c.read_tokens < len(c.token_ids) or _unread_text(c)
         if self.finished:
             return True
         if kind is RequestOutputKind.FINAL_ONLY or self.ranks_by_logprob or self.beam:
             return False
-        return any(c.read_tokens < len(c.token_ids) or c.read_text < len(c.text)
+        return any(c.read_tokens < len(c.token_ids) or _unread_text(c)
                    for c in completions)  # fmt: skip
 
     def news(self, kind: RequestOutputKind) -> Awaitable[None] | None:
@@ -374,15 +392,25 @@ class RequestState:
                     logprobs = list(logprobs)
             c.read_tokens, c.read_text = len(token_ids), len(c.text)
             # (positional, in the fields' order: a reader makes one per step)
-            outputs.append(CompletionOutput(c.index, text, tokens, c.cumulative_logprob,
-                                            logprobs, c.finish_reason,  # type: ignore[arg-type]
-                                            c.stop_reason))  # fmt: skip
+            out = CompletionOutput(c.index, text, tokens, c.cumulative_logprob, logprobs,
+                                   c.finish_reason, c.stop_reason)  # type: ignore[arg-type]  # fmt: skip
+            if c.reply is not None:
+                view = c.reply.delta() if delta else c.reply.whole()
+                out.text, out.reasoning = view.content, view.reasoning
+                out.tool_calls, out.tool_call_deltas = view.tool_calls, view.tool_call_deltas
+            outputs.append(out)
         prompt_logprobs = None if self.prompt_logprobs is None else self._prompt_logprobs_out(kind)
         return RequestOutput(
             self.request_id, self.prompt,
             self.prompt_token_ids,  # one list for every output, as vLLM
             outputs, self.finished, self.metrics, self.num_cached_tokens, prompt_logprobs,
         )  # fmt: skip
+
+
+def _unread_text(c: _Completion) -> bool:
+    if c.reply is not None:
+        return c.reply.has_news()
+    return c.read_text < len(c.text)
 
 
 class RequestStream:

@@ -25,12 +25,12 @@ from asyncpaged.errors import InvalidRequestError
 from asyncpaged.structured_outputs import StructuredOutputsParams
 
 __all__ = [
+    "CallGrammar",
     "CallMarkup",
     "ForcedCalls",
     "ToolChoice",
     "check_tool_choice",
     "check_tools",
-    "forced_calls_constraint",
     "tool_name",
 ]
 
@@ -39,6 +39,9 @@ ToolChoice: TypeAlias = str | Mapping[str, Any] | None
 ``None``: ``"auto"`` when the engine has a tool parser for the model, else ``"none"``."""
 
 _ANY_OBJECT: dict[str, Any] = {"type": "object"}
+# Whitespace allowed in a row inside constrained arguments: a call's JSON as models write it
+# (one line, or a little indentation), never a run that spends the reply's tokens on blanks.
+MAX_WHITESPACE = 4
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,7 +61,7 @@ class CallMarkup:
         return {
             "type": "tag",
             "begin": self.begin.replace("{name}", name),
-            "content": {"type": "json_schema", "json_schema": dict(schema)},
+            "content": _json_content(schema),
             "end": self.end,
         }
 
@@ -70,6 +73,14 @@ class ForcedCalls:
 
     name: str | None
     parallel: bool = True
+
+
+def _json_content(schema: Mapping[str, Any]) -> dict[str, Any]:
+    return {
+        "type": "json_schema",
+        "json_schema": dict(schema),
+        "max_whitespace_cnt": MAX_WHITESPACE,
+    }
 
 
 def tool_name(tool: Mapping[str, Any]) -> str:
@@ -206,43 +217,62 @@ def _forced_json_schema(tools: Sequence[Mapping[str, Any]], forced: ForcedCalls)
     return array
 
 
-def forced_calls_constraint(
-    tools: Sequence[Mapping[str, Any]],
-    choice: ForcedCalls | Literal["auto"],
-    markup: CallMarkup | None,
-    *,
-    reasoning: tuple[str, str] | None = None,
-    in_reasoning: bool = False,
-    parallel: bool = True,
-) -> StructuredOutputsParams | None:
-    """The grammar of a reply under ``choice`` (checked tools): forced calls, or for ``"auto"``
-    the strict tools' arguments once a call starts (None when no tool is strict, or the format
-    has no markup to find a call's start by). ``reasoning``: the (start, end) markers of the
-    engine's reasoning parser, whose thinking block stays free; ``in_reasoning``: the prompt
-    opened it."""
-    prefix = _reasoning_prefix(reasoning, in_reasoning)
-    body: dict[str, Any]
-    if choice == "auto":
-        strict = [t for t in tools if t["function"].get("strict") is True]
-        if not strict or markup is None:
+@dataclass(frozen=True, slots=True)
+class CallGrammar:
+    """The grammar of a chat reply's tool calls: ``choice`` forces calls, or (``"auto"``)
+    constrains the strict tools' arguments once a call starts. ``tools`` are checked;
+    ``markup``: how the model writes a call (None: forced calls are written as JSON);
+    ``reasoning``: the (start, end) markers of the engine's reasoning parser, whose thinking
+    block stays free; ``parallel``: more than one call allowed."""
+
+    tools: tuple[dict[str, Any], ...]
+    choice: ForcedCalls | Literal["auto"]
+    markup: CallMarkup | None
+    reasoning: tuple[str, str] | None = None
+    parallel: bool = True
+
+    @classmethod
+    def of(
+        cls,
+        tools: tuple[dict[str, Any], ...],
+        choice: ForcedCalls | Literal["auto"],
+        markup: CallMarkup | None,
+        *,
+        reasoning: tuple[str, str] | None = None,
+        parallel: bool = True,
+    ) -> CallGrammar | None:
+        """The grammar, or None when nothing is constrained (``auto`` without strict tools, or
+        without markup to find a call's start by)."""
+        if choice == "auto" and (
+            markup is None or not any(t["function"].get("strict") is True for t in tools)
+        ):
             return None
-        tags = [markup.tag(tool_name(t), _schema(t) if t in strict else _ANY_OBJECT) for t in tools]
-        body = {"type": "triggered_tags", "triggers": [markup.trigger], "tags": tags,
-                "stop_after_first": not parallel}  # fmt: skip
-        if prefix:  # free text in the thinking, then free text with constrained calls
+        return cls(tools, choice, markup, reasoning, parallel)
+
+    def constraint(self, *, in_reasoning: bool = False) -> StructuredOutputsParams:
+        """As structured outputs; ``in_reasoning``: the prompt opened a thinking block."""
+        tools, markup = self.tools, self.markup
+        prefix = _reasoning_prefix(self.reasoning, in_reasoning)
+        body: dict[str, Any]
+        if self.choice == "auto":
+            assert markup is not None
+            tags = [
+                markup.tag(tool_name(t), _schema(t) if t["function"].get("strict") else _ANY_OBJECT)
+                for t in tools
+            ]
+            body = {"type": "triggered_tags", "triggers": [markup.trigger], "tags": tags,
+                    "stop_after_first": not self.parallel}  # fmt: skip
+        else:
+            forced = ForcedCalls(self.choice.name, self.choice.parallel and self.parallel)
+            if markup is None:
+                body = _json_content(_forced_json_schema(tools, forced))
+            elif forced.name is not None:
+                schema = next(_schema(t) for t in tools if tool_name(t) == forced.name)
+                body = markup.tag(forced.name, schema)
+            else:
+                body = {"type": "tags_with_separator", "separator": markup.separator,
+                        "tags": [markup.tag(tool_name(t), _schema(t)) for t in tools],
+                        "at_least_one": True, "stop_after_first": not forced.parallel}  # fmt: skip
+        if prefix:  # the thinking first, free
             body = {"type": "sequence", "elements": [*prefix, body]}
         return StructuredOutputsParams(structural_tag={"type": "structural_tag", "format": body})
-    forced = ForcedCalls(choice.name, choice.parallel and parallel)
-    if markup is None:
-        body = {"type": "json_schema", "json_schema": _forced_json_schema(tools, forced)}
-    elif forced.name is not None:
-        body = markup.tag(
-            forced.name, next(_schema(t) for t in tools if tool_name(t) == forced.name)
-        )
-    else:
-        body = {"type": "tags_with_separator", "separator": markup.separator,
-                "tags": [markup.tag(tool_name(t), _schema(t)) for t in tools],
-                "at_least_one": True, "stop_after_first": not forced.parallel}  # fmt: skip
-    if prefix:
-        body = {"type": "sequence", "elements": [*prefix, body]}
-    return StructuredOutputsParams(structural_tag={"type": "structural_tag", "format": body})

@@ -16,6 +16,7 @@ ARGS: dict[str, tuple[str, ...]] = {
     "block_pool_tour.py": (),
     "generate.py": (),
     "trio_host.py": ("--max-tokens", "4"),
+    "tool_loop.py": (),
 }
 TESTED_ELSEWHERE = {
     "fastapi_mount.py": "a server that runs until stopped: tests/server/test_mount_and_cli.py",
@@ -26,6 +27,7 @@ EXPECT = {
     "block_pool_tour.py": "c: cached tokens",
     "generate.py": "EngineStatistics(",
     "trio_host.py": "aborted 1, free blocks 64/64",
+    "tool_loop.py": "tool loop done",
 }
 
 

@@ -24,6 +24,7 @@ from asyncpaged.sampling_params import BeamSearchParams, SamplingParams
 from asyncpaged.sched.request import Request
 from asyncpaged.sched.scheduler import EngineCoreOutput, SchedulerOutput
 from asyncpaged.streams import RequestState
+from asyncpaged.tool_choice import CallGrammar
 from asyncpaged.worker.protocol import (
     LateDelivery,
     PromptLogprobRows,
@@ -42,6 +43,8 @@ class ChatPrompt:
     continue_final_message: bool = False
     tools: tuple[dict[str, Any], ...] | None = None
     chat_template_kwargs: tuple[tuple[str, Any], ...] = ()
+    # the grammar of the reply's tool calls, compiled for the rendered prompt (tool_choice)
+    call_grammar: CallGrammar | None = None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -55,19 +55,24 @@ from asyncpaged.engine.submit import (
     abort_request,
     beam_sampling_params,
     chat_prompt,
+    chat_replies,
     queue_request,
+    resolve_tool_parser,
     submission,
     submitted_prompt,
     with_model_defaults,
 )
-from asyncpaged.errors import EngineClosedError, EngineDeadError
+from asyncpaged.errors import EngineClosedError, EngineDeadError, InvalidRequestError
 from asyncpaged.inputs import ChatMessage, PromptType
 from asyncpaged.model.generation_config import GenerationDefaults
 from asyncpaged.model.hub import resolve_model_path
+from asyncpaged.reply_parser import ReplyParsing
 from asyncpaged.sampling_params import BeamSearchParams, SamplingParams
 from asyncpaged.sched.block_map import BlockMap, build_block_map
 from asyncpaged.sched.policy import check_priority
 from asyncpaged.streams import RequestState, RequestStream
+from asyncpaged.tool_choice import ToolChoice, check_tools
+from asyncpaged.tool_parsers import ToolParser, get_tool_parser, tool_parser_for_template
 from asyncpaged.versions import runtime_versions
 from asyncpaged.worker.kv_tier_remote import TierStore
 from asyncpaged.worker.process import RunnerProcess
@@ -149,6 +154,7 @@ class AsyncEngine:
         self.generation_defaults: GenerationDefaults = tokenizers.generation_defaults
         self._eos = self.generation_defaults.eos_token_ids
         self._limits = tokenizers.limits
+        self.tool_parser = resolve_tool_parser(cfg.tool_call_parser, self.tokenizer)
         self.num_device_blocks, self.num_host_blocks = plan.num_device_blocks, plan.num_host_blocks
         tiers, self._tier_store = await build_kv_tier_store(cfg, step_runner, self.model_path)
         self._seq_ids = itertools.count()  # shared by intake and scheduler (one event loop)
@@ -341,6 +347,9 @@ class AsyncEngine:
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
         tools: Sequence[Mapping[str, Any]] | None = None,
+        tool_choice: ToolChoice = None,
+        parallel_tool_calls: bool = True,
+        tool_call_parser: str | None = None,
         chat_template_kwargs: Mapping[str, Any] | None = None,
         request_id: str | None = None,
         cache_salt: str | None = None,
@@ -356,15 +365,46 @@ class AsyncEngine:
         (assistant) message instead of starting a new one; it needs
         ``add_generation_prompt=False``, as in transformers and vLLM.
 
-        A malformed conversation raises :class:`InvalidRequestError` here; a template that fails
-        on it, or a rendered prompt that is too long, raises it when the stream is awaited.
-        Earlier turns share their prompt's KV blocks through the prefix cache.
+        Tool calls and reasoning (docs/api.md, "Tool calls and reasoning"): with ``tools`` (OpenAI's
+        ``[{"type": "function", "function": {"name", "parameters", ...}}]``) the reply's calls
+        are parsed into ``outputs[i].tool_calls`` by the engine's tool parser
+        (``EngineConfig.tool_call_parser``, or ``tool_call_parser`` here) and the turn ends with
+        finish reason ``"tool_calls"``; ``tool_choice`` is ``"none"``, ``"auto"`` (the default
+        with a parser), ``"required"`` or ``{"type": "function", "function": {"name": ...}}``,
+        the last two enforced by a grammar so the calls always parse and their arguments
+        validate; ``parallel_tool_calls=False`` allows one call where a grammar applies. The
+        engine's reasoning parser puts the thinking in ``outputs[i].reasoning``.
+
+        A malformed conversation or tools raise :class:`InvalidRequestError` here; a template
+        that fails on it, or a rendered prompt that is too long, raises it when the stream is
+        awaited. Earlier turns share their prompt's KV blocks through the prefix cache.
         """
         self._check_alive()
-        chat = chat_prompt(messages, chat_template, add_generation_prompt, continue_final_message,
-                           tools, chat_template_kwargs)  # fmt: skip
+        checked_tools = check_tools(tools)
+        parser = self._tool_parser_for(tool_call_parser, chat_template)
         params = with_model_defaults(params, self.generation_defaults)
-        return self._submit_request(None, params, request_id, cache_salt, chat=chat)
+        parsing, grammar, params = chat_replies(
+            checked_tools, tool_choice, params, parallel_tool_calls=parallel_tool_calls,
+            tool_parser=parser, reasoning=self.reasoning_parser,
+        )  # fmt: skip
+        chat = chat_prompt(messages, chat_template, add_generation_prompt, continue_final_message,
+                           checked_tools, chat_template_kwargs, grammar)  # fmt: skip
+        return self._submit_request(None, params, request_id, cache_salt, chat=chat,
+                                    reply_parsing=parsing)  # fmt: skip
+
+    def _tool_parser_for(
+        self, name: str | None, chat_template: str | None
+    ) -> type[ToolParser] | None:
+        """The tool parser of a chat request: the one named, else the engine's (for a request's
+        own chat template under ``tool_call_parser="auto"``: the one that template implies)."""
+        if name is not None:
+            if not isinstance(name, str):
+                raise InvalidRequestError("tool_call_parser must be a parser's name.")
+            return get_tool_parser(name)
+        if chat_template is not None and self.config.tool_call_parser == "auto":
+            implied = tool_parser_for_template(chat_template)
+            return None if implied is None else get_tool_parser(implied)
+        return self.tool_parser
 
     def _submit_request(
         self,
@@ -376,6 +416,7 @@ class AsyncEngine:
         beam: BeamSearchParams | None = None,
         chat: ChatPrompt | None = None,
         priority: int = 0,
+        reply_parsing: ReplyParsing | None = None,
     ) -> RequestStream:
         """Queue a checked request for the intake (``submit.submission``); its state
         is registered with the output processor first."""
@@ -384,7 +425,7 @@ class AsyncEngine:
         msg = submission(
             prompt, params, request_id, cache_salt, pin_id=pin_id, beam=beam, chat=chat,
             priority=priority, live=outputs.live, cfg=self.config, limits=self._limits,
-            max_prompt_chars=self.max_prompt_chars,
+            max_prompt_chars=self.max_prompt_chars, reply_parsing=reply_parsing,
         )  # fmt: skip
         return queue_request(msg, outputs, self._submit, self._scheduler, self._abort_state)
 

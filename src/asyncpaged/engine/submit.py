@@ -25,6 +25,8 @@ from asyncpaged.config import EngineConfig
 from asyncpaged.errors import EngineClosedError, InvalidRequestError
 from asyncpaged.inputs import ChatMessage, PromptType, check_messages, parse_prompt, truncate_prompt
 from asyncpaged.model.generation_config import GenerationDefaults
+from asyncpaged.reasoning import ReasoningParser
+from asyncpaged.reply_parser import ReplyParsing
 from asyncpaged.request_checks import (
     RequestLimits,
     check_cache_salt,
@@ -36,13 +38,22 @@ from asyncpaged.sampling_params import BeamSearchParams, RequestOutputKind, Samp
 from asyncpaged.streams import RequestState, RequestStream
 from asyncpaged.structured_outputs import EXTRA_HINT as STRUCTURED_EXTRA_HINT
 from asyncpaged.structured_outputs import is_available as structured_outputs_available
+from asyncpaged.tool_choice import CallGrammar, ForcedCalls, ToolChoice, check_tool_choice
+from asyncpaged.tool_parsers import (
+    ToolParser,
+    get_tool_parser,
+    tool_parser_for_template,
+    tool_parser_names,
+)
 
 __all__ = [
     "abort_request",
     "beam_sampling_params",
     "chat_prompt",
+    "chat_replies",
     "check_submission",
     "queue_request",
+    "resolve_tool_parser",
     "submission",
     "submitted_prompt",
     "with_model_defaults",
@@ -92,25 +103,85 @@ def chat_prompt(
     chat_template: str | None,
     add_generation_prompt: bool,
     continue_final_message: bool,
-    tools: Sequence[Mapping[str, Any]] | None,
+    tools: tuple[dict[str, Any], ...] | None,
     chat_template_kwargs: Mapping[str, Any] | None,
+    call_grammar: CallGrammar | None = None,
 ) -> ChatPrompt:
-    """``chat``'s arguments checked, as the prompt the intake renders."""
+    """``chat``'s arguments checked (``tools`` by ``check_tools``), as the prompt the intake
+    renders."""
     checked = check_messages(messages)
     if add_generation_prompt and continue_final_message:
         raise InvalidRequestError("continue_final_message=True needs add_generation_prompt=False.")
     if chat_template is not None and not isinstance(chat_template, str):
         raise InvalidRequestError("chat_template must be a str (a Jinja template).")
-    if tools is not None and not all(isinstance(t, Mapping) for t in tools):
-        raise InvalidRequestError("tools must be a list of dicts (JSON schemas).")
     return ChatPrompt(
         messages=tuple(checked),
         chat_template=chat_template,
         add_generation_prompt=bool(add_generation_prompt),
         continue_final_message=bool(continue_final_message),
-        tools=None if tools is None else tuple(dict(t) for t in tools),
+        tools=tools,
         chat_template_kwargs=tuple((chat_template_kwargs or {}).items()),
+        call_grammar=call_grammar,
     )
+
+
+def resolve_tool_parser(name: str | None, tokenizer: Any) -> type[ToolParser] | None:
+    """``EngineConfig.tool_call_parser`` as a parser class: ``"auto"``, the one the tokenizer's
+    chat template implies (None when it implies none); an unknown name raises
+    InvalidRequestError."""
+    if name == "auto":
+        template = getattr(tokenizer, "chat_template", None)
+        name = tool_parser_for_template(template if isinstance(template, str) else None)
+    return None if name is None else get_tool_parser(name)
+
+
+def chat_replies(
+    tools: tuple[dict[str, Any], ...] | None,
+    tool_choice: ToolChoice,
+    params: SamplingParams,
+    *,
+    parallel_tool_calls: bool,
+    tool_parser: type[ToolParser] | None,
+    reasoning: type[ReasoningParser] | None,
+) -> tuple[ReplyParsing | None, CallGrammar | None, SamplingParams]:
+    """How a chat request's replies are parsed, the grammar of its tool calls (None: free),
+    and its parameters with that grammar's constraint (the one of a prompt that opens no
+    thinking block; the intake compiles the one that fits the rendered prompt).
+
+    ``tool_choice`` None is ``"auto"`` with tools and a parser, else ``"none"``; ``"auto"`` given
+    without a parser is refused (the calls could not be found), and so are forced calls or
+    strict tools together with ``structured_outputs``, one grammar per request."""
+    choice = check_tool_choice(tool_choice, tools)
+    if choice is None:
+        choice = "auto" if tools and tool_parser is not None else "none"
+    if choice == "auto" and tools and tool_parser is None:
+        raise InvalidRequestError(
+            "tool_choice 'auto' needs a tool call parser, and none matches this model's chat "
+            f"template: name one (tool_call_parser=, one of {', '.join(tool_parser_names())})."
+        )
+    parser, forced_json, grammar = None, None, None
+    if tools and choice != "none":
+        markup = tool_parser.call_markup if tool_parser is not None else None
+        markers = None if reasoning is None else (reasoning.start, reasoning.end)
+        assert choice == "auto" or isinstance(choice, ForcedCalls)
+        grammar = CallGrammar.of(tools, choice, markup, reasoning=markers,
+                                 parallel=parallel_tool_calls)  # fmt: skip
+        if isinstance(choice, ForcedCalls) and markup is None:
+            forced_json = choice
+        else:
+            parser = tool_parser
+    if grammar is not None:
+        if params.structured_outputs is not None:
+            raise InvalidRequestError(
+                "structured_outputs cannot be combined with a forced tool_choice or strict "
+                "tools (one grammar per request)."
+            )
+        params = params.replace(structured_outputs=grammar.constraint())
+    if reasoning is None and parser is None and forced_json is None:
+        return None, grammar, params
+    parsing = ReplyParsing(reasoning=reasoning, tool_parser=parser, forced_json=forced_json,
+                           tools=tools)  # fmt: skip
+    return parsing, grammar, params
 
 
 def check_submission(
@@ -173,6 +244,7 @@ def submission(
     cfg: EngineConfig,
     limits: RequestLimits,
     max_prompt_chars: int,
+    reply_parsing: ReplyParsing | None = None,
 ) -> SubmitRequest:
     """The checked request (:func:`check_submission`) as the intake's message, with its new
     :class:`RequestState` (``msg.state``)."""
@@ -180,7 +252,8 @@ def submission(
         prompt, params, request_id, cache_salt, is_beam=beam is not None, live=live, cfg=cfg,
         limits=limits, max_prompt_chars=max_prompt_chars,
     )  # fmt: skip
-    state = RequestState(rid, text, params, time.monotonic(), beam=beam is not None)
+    state = RequestState(rid, text, params, time.monotonic(), beam=beam is not None,
+                         reply_parsing=reply_parsing)  # fmt: skip
     return SubmitRequest(state=state, prompt=text, prompt_token_ids=ids, params=params,
                          cache_salt=cache_salt, priority=priority, pin_id=pin_id, beam=beam,
                          chat=chat)  # fmt: skip

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from asyncpaged.outputs import CompletionOutput, Logprob, RequestOutput
+from asyncpaged.outputs import CompletionOutput, Logprob, RequestOutput, ToolCallDelta
 
 __all__ = ["ChunkWriter", "chat_response", "completion_response", "error_body", "usage"]
 
@@ -105,15 +105,45 @@ def completion_response(rid: str, model: str, outputs: Sequence[RequestOutput], 
             "choices": choices, "usage": usage(outputs)}  # fmt: skip
 
 
+def chat_message(c: CompletionOutput) -> JSON:
+    """A whole assistant message: ``content`` (null when the reply is only tool calls, as
+    OpenAI's), ``tool_calls`` when there are any, ``reasoning`` (and ``reasoning_content``, its
+    name in older clients) when the reply thought."""
+    message: JSON = {"role": "assistant", "content": c.text}
+    if c.tool_calls:
+        message["tool_calls"] = [
+            {"id": call.id, "type": call.type,
+             "function": {"name": call.name, "arguments": call.arguments}}
+            for call in c.tool_calls
+        ]  # fmt: skip
+        if not c.text.strip():
+            message["content"] = None
+    if c.reasoning is not None:
+        message["reasoning"] = message["reasoning_content"] = c.reasoning
+    return message
+
+
 def chat_response(rid: str, model: str, out: RequestOutput, k: int) -> JSON:
     choices = [
-        {"index": j, "message": {"role": "assistant", "content": c.text},
+        {"index": j, "message": chat_message(c),
          "logprobs": chat_logprobs(c, k), "finish_reason": c.finish_reason,
          "stop_reason": c.stop_reason}
         for j, c in enumerate(out.outputs)
     ]  # fmt: skip
     return {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": model,
             "choices": choices, "usage": usage([out])}  # fmt: skip
+
+
+def _tool_call_chunk(delta: ToolCallDelta) -> JSON:
+    """One ``delta.tool_calls`` entry, as OpenAI streams it: the call's first chunk carries
+    its ``id``, ``type`` and ``function.name``; every chunk a fragment of the arguments."""
+    function: JSON = {"arguments": delta.arguments}
+    entry: JSON = {"index": delta.index, "function": function}
+    if delta.id is not None:
+        entry["id"], entry["type"] = delta.id, "function"
+    if delta.name is not None:
+        function["name"] = delta.name
+    return entry
 
 
 @dataclass(slots=True)
@@ -138,7 +168,8 @@ class ChunkWriter:
         for j, c in enumerate(out.outputs):
             index = prompt_index * n + j
             first = index not in self._started
-            if not (c.text or c.token_ids or c.finish_reason or first):
+            if not (c.text or c.token_ids or c.finish_reason or first or c.reasoning
+                    or c.tool_call_deltas):  # fmt: skip
                 continue
             self._started.add(index)
             chunks.append(self._chat(index, c, first) if self.chat else
@@ -157,6 +188,10 @@ class ChunkWriter:
         delta: JSON = {"role": "assistant", "content": c.text} if first else {}
         if c.text and not first:
             delta["content"] = c.text
+        if c.reasoning:
+            delta["reasoning"] = delta["reasoning_content"] = c.reasoning
+        if c.tool_call_deltas:
+            delta["tool_calls"] = [_tool_call_chunk(d) for d in c.tool_call_deltas]
         choice = {"index": index, "delta": delta, "logprobs": chat_logprobs(c, self.k),
                   "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}  # fmt: skip
         return self._wrap("chat.completion.chunk", choice)
