@@ -11,6 +11,7 @@ SSE header. A client that goes away aborts its requests: a non-streamed request 
 from __future__ import annotations
 
 import json
+import os
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
@@ -80,7 +81,7 @@ def create_app(engine: AsyncEngine, *, served_model_name: str | None = None) -> 
     (default: ``engine.config.model``). Routes: ``GET /v1/models``, ``POST /v1/completions``,
     ``POST /v1/chat/completions``, ``GET /health``, ``GET /metrics``, ``GET /blocks``,
     ``GET /blocks.json``."""
-    server = _Server(engine, served_model_name or engine.config.model)
+    server = _Server(engine, served_model_name or os.fspath(engine.config.model))
     routes = [
         Route("/v1/models", server.models, methods=["GET"]),
         Route("/v1/completions", server.completions, methods=["POST"]),
