@@ -28,7 +28,7 @@ class BearerAuth:
     paths pass unchecked."""
 
     def __init__(self, app: ASGIApp, *, api_key: str, also_protected: Collection[str] = ()) -> None:
-        assert isinstance(api_key, str) and api_key, "create_app checks the key"
+        assert api_key, "create_app checks the key: a non-empty str"
         self.app = app
         self._key = api_key.encode()
         self._also_protected = frozenset(also_protected)
