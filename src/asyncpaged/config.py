@@ -45,7 +45,9 @@ class EngineConfig:
     lookup or a draft model proposes, the target verifies; the output distribution is unchanged).
     """
 
-    model: str  # a checkpoint directory or a hub id ("org/name") in the Hugging Face cache
+    # A checkpoint directory or a hub id ("org/name") in the Hugging Face cache; a path
+    # (os.PathLike, such as default_model.path()) is stored as its str
+    model: str | os.PathLike[str]
     revision: str | None = None  # hub ids: the branch, tag or commit of the snapshot
     # "auto": the checkpoint's generation_config.json gives the EOS ids and the sampling
     # defaults of unset SamplingParams fields; "none": neither; a directory: its file instead
@@ -150,6 +152,8 @@ class EngineConfig:
     max_cudagraph_capture_size: int | None = None
 
     def __post_init__(self) -> None:
+        if isinstance(self.model, os.PathLike):
+            object.__setattr__(self, "model", os.fspath(self.model))
         checks = [
             (isinstance(self.model, str) and bool(self.model),
              f"model must be a checkpoint directory or a hub id, got {self.model!r}."),

@@ -1,4 +1,5 @@
-"""Prompt forms, as vLLM accepts them, and chat messages.
+"""Prompt forms, as vLLM accepts them, and chat messages (OpenAI's, made ready for a chat
+template).
 
 A prompt is a ``str``, a list of token ids, ``{"prompt": str}`` (:class:`TextPrompt`) or
 ``{"prompt_token_ids": [...]}`` (:class:`TokensPrompt`); either dict may carry a ``cache_salt``.
@@ -8,6 +9,7 @@ range and the prompt's length are checked by the engine against the model.
 
 from __future__ import annotations
 
+import json
 import operator
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -129,8 +131,18 @@ def truncate_prompt(token_ids: Sequence[int], params: Any) -> tuple[int, ...]:
 
 
 def check_messages(messages: object) -> list[dict[str, Any]]:
-    """A chat conversation: a non-empty list of dicts, each with a str ``role`` (and, for the
-    template, usually ``content``: a str or a list of parts). Returned as plain dicts."""
+    """A chat conversation, checked and made ready for a chat template; returned as new plain
+    dicts (the caller's are not changed).
+
+    A non-empty list of dicts, each with a str ``role``. ``content`` is a str, None, or
+    OpenAI's list of content parts: text parts (``{"type": "text", "text": ...}``) are joined
+    with ``"\\n"`` into one str, as vLLM does for templates that take a str; any other part
+    (``image_url``, ``input_audio``, ...) is refused, the model taking text only. An assistant
+    message may carry ``tool_calls`` (``[{"id", "type": "function", "function": {"name",
+    "arguments"}}]``, ``content`` then None or absent): ``arguments`` given as a JSON string is
+    parsed to a dict, as transformers' tool-use templates expect (an empty string is ``{}``, as
+    in vLLM); an empty list is dropped. A ``role: "tool"`` message needs a str ``tool_call_id``.
+    """
     if isinstance(messages, str | bytes | Mapping) or not isinstance(messages, Sequence):
         raise InvalidRequestError(
             f"messages must be a list of {{'role': ..., 'content': ...}} dicts, got "
@@ -138,15 +150,90 @@ def check_messages(messages: object) -> list[dict[str, Any]]:
         )
     if not messages:
         raise InvalidRequestError("messages must not be empty.")
-    out = []
-    for i, message in enumerate(messages):
-        if not isinstance(message, Mapping) or not isinstance(message.get("role"), str):
-            raise InvalidRequestError(f"messages[{i}] must be a dict with a str 'role'.")
-        content = message.get("content")
-        if content is not None and not isinstance(content, str | list):
+    return [_check_message(i, message) for i, message in enumerate(messages)]
+
+
+def _check_message(i: int, message: object) -> dict[str, Any]:
+    if not isinstance(message, Mapping) or not isinstance(message.get("role"), str):
+        raise InvalidRequestError(f"messages[{i}] must be a dict with a str 'role'.")
+    out = dict(message)
+    content = out.get("content")
+    if isinstance(content, list):
+        out["content"] = _flatten_parts(i, content)
+    elif content is not None and not isinstance(content, str):
+        raise InvalidRequestError(
+            f"messages[{i}]['content'] must be a str or a list of parts, got "
+            f"{type(content).__name__}."
+        )
+    role = out["role"]
+    if role == "tool" and not isinstance(out.get("tool_call_id"), str):
+        raise InvalidRequestError(
+            f"messages[{i}] has role 'tool' and needs a str 'tool_call_id' (the id of the "
+            "assistant's tool call it answers)."
+        )
+    if out.get("tool_calls") is not None:
+        if role != "assistant":
             raise InvalidRequestError(
-                f"messages[{i}]['content'] must be a str or a list of parts, got "
-                f"{type(content).__name__}."
+                f"messages[{i}] has role {role!r}: only assistant messages carry tool_calls."
             )
-        out.append(dict(message))
+        calls = out["tool_calls"]
+        if not isinstance(calls, list):
+            raise InvalidRequestError(
+                f"messages[{i}]['tool_calls'] must be a list, got {type(calls).__name__}."
+            )
+        calls = [_check_tool_call(i, j, call) for j, call in enumerate(calls)]
+        if calls:
+            out["tool_calls"] = calls
+        else:
+            del out["tool_calls"]  # an empty list would steer templates off the plain path
     return out
+
+
+def _flatten_parts(i: int, parts: list[Any]) -> str:
+    """OpenAI's content parts as one str: the text parts joined with newlines."""
+    texts = []
+    for j, part in enumerate(parts):
+        where = f"messages[{i}]['content'][{j}]"
+        kind = part.get("type") if isinstance(part, Mapping) else None
+        if not isinstance(kind, str):
+            raise InvalidRequestError(f"{where} must be a dict with a str 'type'.")
+        if kind != "text":
+            raise InvalidRequestError(
+                f"{where} is a {kind!r} part: this model takes text only (content parts of "
+                "type 'text')."
+            )
+        text = part.get("text")
+        if not isinstance(text, str):
+            raise InvalidRequestError(f"{where} is a text part and needs a str 'text'.")
+        texts.append(text)
+    return "\n".join(texts)
+
+
+def _check_tool_call(i: int, j: int, call: object) -> dict[str, Any]:
+    """One of an assistant message's ``tool_calls``, its ``arguments`` as a dict."""
+    where = f"messages[{i}]['tool_calls'][{j}]"
+    if not isinstance(call, Mapping):
+        raise InvalidRequestError(f"{where} must be a dict, got {type(call).__name__}.")
+    if not isinstance(call.get("id"), str):
+        raise InvalidRequestError(f"{where} needs a str 'id'.")
+    if call.get("type", "function") != "function":
+        raise InvalidRequestError(f"{where}['type'] must be 'function', got {call['type']!r}.")
+    function = call.get("function")
+    if not isinstance(function, Mapping) or not isinstance(function.get("name"), str):
+        raise InvalidRequestError(f"{where}['function'] must be a dict with a str 'name'.")
+    arguments = function.get("arguments")
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments) if arguments.strip() else {}
+        except ValueError as exc:
+            raise InvalidRequestError(
+                f"{where}['function']['arguments'] is not valid JSON: {exc}."
+            ) from None
+    elif arguments is None:
+        arguments = {}
+    if not isinstance(arguments, Mapping):
+        raise InvalidRequestError(
+            f"{where}['function']['arguments'] must be a JSON object (a str or a dict), got "
+            f"{type(arguments).__name__}."
+        )
+    return {**call, "type": "function", "function": {**function, "arguments": dict(arguments)}}

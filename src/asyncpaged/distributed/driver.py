@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import multiprocessing
+import os
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -78,7 +79,7 @@ def worker_spec(
     block counts, the CPU levers rank 0 planned; rank 0's torch thread count; the CUDA graphs'
     sizes, for ``max_model_len`` tokens)."""
     return WorkerSpec(
-        model=config.model,
+        model=os.fspath(config.model),  # a str once EngineConfig is built
         dtype=str(dtype).removeprefix("torch."),
         kv_cache_dtype=str(kv_dtype).removeprefix("torch."),
         num_device_blocks=num_device_blocks,

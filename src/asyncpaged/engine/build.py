@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -212,7 +213,7 @@ async def load_model(cfg: EngineConfig, resolve: Callable[[str, str | None], Pat
     if cfg.executor_backend == "process":
         launch = await anyio.to_thread.run_sync(RunnerLaunch)
     try:
-        path = await anyio.to_thread.run_sync(resolve, cfg.model, cfg.revision)
+        path = await anyio.to_thread.run_sync(resolve, os.fspath(cfg.model), cfg.revision)
         hf_config = await anyio.to_thread.run_sync(load_config, path)
         memory = await anyio.to_thread.run_sync(cuda_memory, cfg, path, resolve)
         plan = await anyio.to_thread.run_sync(plan_model, cfg, hf_config, memory)

@@ -6,11 +6,16 @@ field, a prompt too long once tokenized, a chat template or JSON schema that fai
 model is answered with OpenAI's error body (400, 404 for the model) and never with a 200 or an
 SSE header. A client that goes away aborts its requests: a non-streamed request is watched for
 ``http.disconnect`` while it runs, a streamed one is cancelled by the SSE response.
+
+In front of that: the API key (``BearerAuth``: a 401 before the body is read), the size limits
+(``ServerLimits``: 413 for a body, 400 for messages or tools), and OpenAI's body for a path or
+method that has no route (404, 405).
 """
 
 from __future__ import annotations
 
 import json
+import os
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
@@ -21,6 +26,8 @@ from anyio.abc import ObjectReceiveStream, ObjectSendStream
 from pydantic import BaseModel, ValidationError
 from sse_starlette import EventSourceResponse
 from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import HTMLResponse, JSONResponse, Response
 from starlette.routing import Route
@@ -35,7 +42,10 @@ from asyncpaged.errors import (
 )
 from asyncpaged.outputs import RequestOutput
 from asyncpaged.sampling_params import SamplingParams
+from asyncpaged.server.api_error import ApiError
+from asyncpaged.server.auth import BearerAuth
 from asyncpaged.server.block_page import PAGE, block_map_json
+from asyncpaged.server.limits import MAX_MESSAGES, MAX_REQUEST_BYTES, MAX_TOOLS, ServerLimits
 from asyncpaged.server.metrics import ServerMetrics
 from asyncpaged.server.protocol import ChatCompletionRequest, CompletionRequest, to_sampling_params
 from asyncpaged.server.responses import (
@@ -50,37 +60,48 @@ __all__ = ["create_app"]
 
 log = get_logger(__name__)
 
-MAX_BODY_BYTES = 32 << 20
 T = TypeVar("T")
 B = TypeVar("B", bound=BaseModel)
-
-
-class ApiError(Exception):
-    """An error answered with OpenAI's body before any response has started."""
-
-    def __init__(self, status: int, message: str, *, type_: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None) -> None:  # fmt: skip
-        super().__init__(message)
-        self.status, self.message, self.type, self.param, self.code = (
-            status, message, type_, param, code,
-        )  # fmt: skip
-
-    def response(self) -> JSONResponse:
-        body = error_body(self.message, type_=self.type, param=self.param, code=self.code)
-        return JSONResponse(body, status_code=self.status)
 
 
 class ClientGone(Exception):
     """The client disconnected before the response started (its requests were aborted)."""
 
 
-def create_app(engine: AsyncEngine, *, served_model_name: str | None = None) -> Starlette:
+MONITORING_PATHS = ("/metrics", "/blocks", "/blocks.json")
+
+
+def create_app(
+    engine: AsyncEngine,
+    *,
+    served_model_name: str | None = None,
+    api_key: str | None = None,
+    protect_metrics: bool = False,
+    chat_template: str | None = None,
+    max_request_bytes: int = MAX_REQUEST_BYTES,
+    max_messages: int = MAX_MESSAGES,
+    max_tools: int = MAX_TOOLS,
+) -> Starlette:
     """The server for a running ``engine`` (entered with ``async with`` by the host, which keeps
     it: the app never starts or stops it). ``served_model_name`` is the ``model`` clients send
     (default: ``engine.config.model``). Routes: ``GET /v1/models``, ``POST /v1/completions``,
     ``POST /v1/chat/completions``, ``GET /health``, ``GET /metrics``, ``GET /blocks``,
-    ``GET /blocks.json``."""
-    server = _Server(engine, served_model_name or engine.config.model)
+    ``GET /blocks.json``; any other path or method is a 404 or 405 with OpenAI's error body.
+
+    ``api_key``: every ``/v1`` path needs ``Authorization: Bearer <api_key>`` (401 otherwise,
+    before the body is read); ``protect_metrics`` puts ``/metrics``, ``/blocks`` and
+    ``/blocks.json`` behind it too (``/health`` always stays open, for probes).
+    ``chat_template``: the Jinja template of chat requests that give none (default: the
+    tokenizer's). ``max_request_bytes``, ``max_messages`` and ``max_tools``: the most a request
+    may carry (:class:`~asyncpaged.server.limits.ServerLimits`)."""
+    limits = ServerLimits(max_request_bytes=max_request_bytes, max_messages=max_messages,
+                          max_tools=max_tools)  # fmt: skip
+    if api_key is not None and not (isinstance(api_key, str) and api_key):
+        raise ValueError(f"api_key must be a non-empty str or None, got {api_key!r}.")
+    if chat_template is not None and not isinstance(chat_template, str):
+        raise ValueError("chat_template must be a str (a Jinja template).")
+    model = served_model_name or os.fspath(engine.config.model)
+    server = _Server(engine, model, limits, chat_template)
     routes = [
         Route("/v1/models", server.models, methods=["GET"]),
         Route("/v1/completions", server.completions, methods=["POST"]),
@@ -90,21 +111,45 @@ def create_app(engine: AsyncEngine, *, served_model_name: str | None = None) -> 
         Route("/blocks", server.blocks_page, methods=["GET"]),
         Route("/blocks.json", server.blocks_json, methods=["GET"]),
     ]
-    app = Starlette(routes=routes)
+    middleware = []
+    if api_key is not None:
+        protected = MONITORING_PATHS if protect_metrics else ()
+        middleware.append(Middleware(BearerAuth, api_key=api_key, also_protected=protected))
+    app = Starlette(routes=routes, middleware=middleware,
+                    exception_handlers={HTTPException: _http_error})  # fmt: skip
     app.state.asyncpaged = server
     return app
 
 
+async def _http_error(request: Request, exc: Exception) -> Response:
+    """Starlette's own 404 (no route) and 405 (a route, not this method) as OpenAI's body."""
+    assert isinstance(exc, HTTPException)
+    if exc.status_code == 404:
+        message = f"Invalid URL ({request.method} {request.url.path})"
+    elif exc.status_code == 405:
+        allowed = (exc.headers or {}).get("Allow", "")
+        message = (f"Method {request.method} is not allowed for {request.url.path} "
+                   f"(allowed: {allowed}).")  # fmt: skip
+    else:
+        message = exc.detail
+    return ApiError(exc.status_code, message, headers=exc.headers).response()
+
+
 class _Server:
-    def __init__(self, engine: AsyncEngine, model: str) -> None:
+    def __init__(self, engine: AsyncEngine, model: str, limits: ServerLimits,
+                 chat_template: str | None) -> None:  # fmt: skip
         self.engine = engine
         self.model = model
+        self.limits = limits
+        self.chat_template = chat_template
         self.metrics = ServerMetrics(engine)
         self.created = int(time.time())
 
     # ---- small endpoints ----------------------------------------------------------------------
 
     async def models(self, request: Request) -> Response:
+        if (why := self._unavailable()) is not None:
+            return ApiError(503, why, type_="server_error").response()
         card = {"id": self.model, "object": "model", "created": self.created,
                 "owned_by": "asyncpaged", "max_model_len": self.engine.max_model_len}  # fmt: skip
         return JSONResponse({"object": "list", "data": [card]})
@@ -169,9 +214,7 @@ class _Server:
                             type_="server_error").response()  # fmt: skip
 
     async def _body(self, request: Request, model: type[B]) -> B:
-        raw = await request.body()
-        if len(raw) > MAX_BODY_BYTES:
-            raise ApiError(413, f"the request body is over {MAX_BODY_BYTES} bytes.")
+        raw = await self.limits.read_body(request)
         try:
             data = json.loads(raw)
         except (ValueError, UnicodeDecodeError) as exc:
@@ -216,12 +259,14 @@ class _Server:
 
     async def _chat(self, request: Request) -> Response:
         body = await self._body(request, ChatCompletionRequest)
+        self.limits.check_chat(len(body.messages), len(body.tools or ()))
         params = self._params(body)
+        template = body.chat_template if body.chat_template is not None else self.chat_template
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         streams = _Streams()
         try:
             streams.add(self.engine.chat(
-                body.messages, params, chat_template=body.chat_template,
+                body.messages, params, chat_template=template,
                 add_generation_prompt=body.add_generation_prompt,
                 continue_final_message=body.continue_final_message, tools=body.tools,
                 chat_template_kwargs=body.chat_template_kwargs, request_id=rid,

@@ -2,8 +2,12 @@
 their translation into :class:`SamplingParams`.
 
 Unknown fields are refused (as OpenAI does: "Unrecognized request argument"), so a misspelt
-option never silently changes nothing. A field left out keeps the model's default
-(``generation_config.json``), as in vLLM: only the fields given reach ``SamplingParams``.
+option never silently changes nothing. The chat fields OpenAI's clients send that this engine
+has no use for by design (storage, billing, reasoning and verbosity hints:
+``IGNORED_CHAT_FIELDS``) are accepted and ignored; a request for audio output is refused (the
+model writes text). Fields of ``stream_options`` beyond the known ones are ignored: they only
+shape a stream's extras. A field left out keeps the model's default (``generation_config.json``),
+as in vLLM: only the fields given reach ``SamplingParams``.
 """
 
 from __future__ import annotations
@@ -16,7 +20,12 @@ from asyncpaged.errors import InvalidRequestError
 from asyncpaged.sampling_params import RequestOutputKind, SamplingParams
 from asyncpaged.structured_outputs import StructuredOutputsParams
 
-__all__ = ["ChatCompletionRequest", "CompletionRequest", "to_sampling_params"]
+__all__ = [
+    "IGNORED_CHAT_FIELDS",
+    "ChatCompletionRequest",
+    "CompletionRequest",
+    "to_sampling_params",
+]
 
 MAX_LOGPROBS = 20  # OpenAI's bound on top_logprobs (vLLM's default max_logprobs)
 
@@ -25,9 +34,12 @@ class _Body(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
-class StreamOptions(_Body):
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="ignore")  # OpenAI adds to these; none changes the text
+
     include_usage: bool = False
     continuous_usage_stats: bool = False  # vLLM: usage in every chunk
+    include_obfuscation: bool | None = None  # OpenAI's padding of chunks: accepted, unused
 
 
 class JsonSchema(BaseModel):
@@ -109,12 +121,34 @@ class ChatCompletionRequest(_SamplingFields):
     tools: list[dict[str, Any]] | None = None
     tool_choice: Literal["none"] | None = None  # no tool-call parsing: only "none"
     parallel_tool_calls: bool | None = None  # accepted, unused
+    # OpenAI's fields this engine ignores by design (IGNORED_CHAT_FIELDS)
+    reasoning_effort: str | None = None
+    verbosity: str | None = None
+    store: bool | None = None
+    metadata: dict[str, str] | None = None
+    service_tier: str | None = None
+    prediction: dict[str, Any] | None = None
+    web_search_options: dict[str, Any] | None = None
+    prompt_cache_key: str | None = None
+    safety_identifier: str | None = None
+    modalities: list[str] | None = None  # only ["text"]
+    audio: dict[str, Any] | None = None  # audio output parameters: refused when given
     # vLLM's chat extras
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
 
+
+IGNORED_CHAT_FIELDS = (
+    "user", "parallel_tool_calls", "reasoning_effort", "verbosity", "store", "metadata",
+    "service_tier", "prediction", "web_search_options", "prompt_cache_key", "safety_identifier",
+    "modalities", "audio",
+)  # fmt: skip
+"""Chat fields OpenAI's clients send that change nothing here: stored completions and their
+metadata, billing tiers and ids, reasoning and verbosity hints (a model reasons as its chat
+template and ``chat_template_kwargs`` say), predicted outputs (a speed hint), web search. Only
+text comes out: ``modalities`` other than ``["text"]`` and ``audio`` are refused."""
 
 _PASS_THROUGH = (
     "n", "temperature", "top_p", "seed", "presence_penalty", "frequency_penalty", "top_k",
@@ -147,6 +181,7 @@ def to_sampling_params(
             given["best_of"] = body.best_of
         max_tokens = body.max_tokens
     else:
+        _check_text_only(body)
         if body.top_logprobs is not None and not body.logprobs:
             raise InvalidRequestError("top_logprobs needs logprobs=true.")
         if body.logprobs:
@@ -168,6 +203,15 @@ def _check_completion_fields(body: CompletionRequest) -> None:
         raise InvalidRequestError("suffix is not supported.")
     if body.echo and body.logprobs is not None:
         raise InvalidRequestError("echo with logprobs is not supported (no prompt logprobs).")
+
+
+def _check_text_only(body: ChatCompletionRequest) -> None:
+    if body.modalities is not None and any(m != "text" for m in body.modalities):
+        raise InvalidRequestError(
+            f"modalities {body.modalities} is not supported: this model answers text only."
+        )
+    if body.audio is not None:
+        raise InvalidRequestError("audio output is not supported: this model answers text only.")
 
 
 def _check_logprobs(name: str, value: int) -> int:
