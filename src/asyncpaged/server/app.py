@@ -269,6 +269,8 @@ class _Server:
                 body.messages, params, chat_template=template,
                 add_generation_prompt=body.add_generation_prompt,
                 continue_final_message=body.continue_final_message, tools=body.tools,
+                tool_choice=body.tool_choice,
+                parallel_tool_calls=body.parallel_tool_calls is not False,
                 chat_template_kwargs=body.chat_template_kwargs, request_id=rid,
                 cache_salt=body.cache_salt,
             ))  # fmt: skip

@@ -119,8 +119,10 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = None
     tools: list[dict[str, Any]] | None = None
-    tool_choice: Literal["none"] | None = None  # no tool-call parsing: only "none"
-    parallel_tool_calls: bool | None = None  # accepted, unused
+    # "none", "auto", "required" or {"type": "function", "function": {"name": ...}}; checked by
+    # the engine (asyncpaged.tool_choice); None: "auto" with tools and a tool parser
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None  # False: one call at most where a grammar applies
     # OpenAI's fields this engine ignores by design (IGNORED_CHAT_FIELDS)
     reasoning_effort: str | None = None
     verbosity: str | None = None
@@ -141,7 +143,7 @@ class ChatCompletionRequest(_SamplingFields):
 
 
 IGNORED_CHAT_FIELDS = (
-    "user", "parallel_tool_calls", "reasoning_effort", "verbosity", "store", "metadata",
+    "user", "reasoning_effort", "verbosity", "store", "metadata",
     "service_tier", "prediction", "web_search_options", "prompt_cache_key", "safety_identifier",
     "modalities", "audio",
 )  # fmt: skip
