@@ -16,7 +16,7 @@ from typing import Any
 from asyncpaged.outputs import ToolCall, ToolCallDelta
 from asyncpaged.reasoning import ReasoningParser
 from asyncpaged.tool_choice import ForcedCalls
-from asyncpaged.tool_parsers import ToolParser, new_call_id
+from asyncpaged.tool_parsers import ToolParser, random_call_id
 
 __all__ = ["ReplyParser", "ReplyParsing", "ReplyView"]
 
@@ -33,10 +33,11 @@ class ReplyParsing:
     forced_json: ForcedCalls | None = None
     tools: tuple[dict[str, Any], ...] | None = None
 
-    def start(self, *, in_reasoning: bool) -> ReplyParser:
+    def start(self, *, in_reasoning: bool, streamed: bool = True) -> ReplyParser:
         """A parser for one sequence's reply; ``in_reasoning``: its prompt opened a thinking
-        block."""
-        return ReplyParser(self, in_reasoning=in_reasoning)
+        block; ``streamed``: someone reads it before the end (else the calls are parsed from
+        the whole answer at the end, where a broken call becomes content whole)."""
+        return ReplyParser(self, in_reasoning=in_reasoning, streamed=streamed)
 
 
 @dataclass(slots=True)
@@ -61,7 +62,7 @@ class ReplyParser:
     """One sequence's reply, split. ``feed`` and ``finish`` are the writer's; ``has_news``,
     ``delta`` and ``whole`` the reader's (``delta`` moves the reader's cursors)."""
 
-    def __init__(self, parsing: ReplyParsing, *, in_reasoning: bool) -> None:
+    def __init__(self, parsing: ReplyParsing, *, in_reasoning: bool, streamed: bool = True) -> None:
         self._reasoning_parser = (
             None if parsing.reasoning is None else parsing.reasoning(in_reasoning=in_reasoning)
         )
@@ -69,7 +70,8 @@ class ReplyParser:
             None if parsing.tool_parser is None else parsing.tool_parser(parsing.tools)
         )
         self._forced_json = parsing.forced_json
-        self._held = ""  # forced JSON: the whole answer, parsed at the end
+        self._streamed = streamed
+        self._held = ""  # the whole answer, parsed at the end: forced JSON, or not streamed
         self.content = ""
         self.reasoning = ""
         self._deltas: list[ToolCallDelta] = []
@@ -96,7 +98,10 @@ class ReplyParser:
             self.reasoning += piece.reasoning
             self._answer(piece.content)
         if self._tool_parser is not None:
-            parsed = self._tool_parser.finish()
+            if self._streamed:
+                parsed = self._tool_parser.finish()
+            else:
+                parsed = self._tool_parser.parse(self._held)
             self.content += parsed.content
             self._add_deltas(parsed.tool_calls)
         elif self._forced_json is not None:
@@ -105,11 +110,11 @@ class ReplyParser:
     def _answer(self, text: str) -> None:
         if not text:
             return
-        if self._tool_parser is not None:
+        if self._tool_parser is not None and self._streamed:
             parsed = self._tool_parser.feed(text)
             self.content += parsed.content
             self._add_deltas(parsed.tool_calls)
-        elif self._forced_json is not None:
+        elif self._tool_parser is not None or self._forced_json is not None:
             self._held += text
         else:
             self.content += text
@@ -118,7 +123,7 @@ class ReplyParser:
         for delta in deltas:
             self._deltas.append(delta)
             if delta.index == len(self._calls):
-                self._calls.append(_Call(delta.id or new_call_id(), delta.name or ""))
+                self._calls.append(_Call(delta.id or random_call_id(), delta.name or ""))
             self._calls[delta.index].arguments += delta.arguments
 
     def _parse_forced(self, text: str) -> None:
@@ -148,7 +153,7 @@ class ReplyParser:
             return
         start = len(self._calls)
         self._add_deltas(
-            [ToolCallDelta(start + i, new_call_id(), name, json.dumps(args, ensure_ascii=False))
+            [ToolCallDelta(start + i, random_call_id(), name, json.dumps(args, ensure_ascii=False))
              for i, (name, args) in enumerate(calls)]
         )  # fmt: skip
 

@@ -169,7 +169,8 @@ class RequestState:
             for c in self.completions:
                 c.detokenizer = IncrementalDetokenizer(tokenizer, prompt_token_ids, self.params)
                 if parsing is not None:
-                    c.reply = parsing.start(in_reasoning=in_reasoning)
+                    streamed = self.params.output_kind is not RequestOutputKind.FINAL_ONLY
+                    c.reply = parsing.start(in_reasoning=in_reasoning, streamed=streamed)
 
     @property
     def is_done(self) -> bool:

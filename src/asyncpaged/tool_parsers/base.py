@@ -12,9 +12,10 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 from asyncpaged.outputs import ToolCallDelta
+from asyncpaged.tool_choice import CallMarkup
 from asyncpaged.tool_parsers.call_ids import random_call_id
 
 __all__ = ["ToolParseDelta", "ToolParser"]
@@ -49,6 +50,11 @@ class ToolParser(ABC):
     may still turn out to be markup (``<tool_`` at the end of a piece, say) is held back until
     it is decided, and :meth:`finish` releases what never became markup.
     """
+
+    #: How this format writes one call, for the grammar of forced calls (``tool_choice``
+    #: ``"required"`` or a named function) and strict tools; None: forced calls are written as
+    #: JSON instead (asyncpaged.tool_choice).
+    call_markup: ClassVar[CallMarkup | None] = None
 
     tools: tuple[Mapping[str, Any], ...]
     tool_names: frozenset[str] | None

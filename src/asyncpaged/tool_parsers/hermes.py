@@ -21,6 +21,7 @@ from collections.abc import Callable, Mapping, Sequence
 from enum import Enum, auto
 from typing import Any
 
+from asyncpaged.tool_choice import CallMarkup
 from asyncpaged.tool_parsers.base import ToolParseDelta, ToolParser
 from asyncpaged.tool_parsers.delta_builder import DeltaBuilder
 from asyncpaged.tool_parsers.json_call import JsonCall
@@ -45,6 +46,10 @@ class _Mode(Enum):
 @register_tool_parser("hermes")
 class HermesToolParser(ToolParser):
     """``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` (see the module's doc)."""
+
+    call_markup = CallMarkup(
+        "<tool_call>", '<tool_call>\n{"name": "{name}", "arguments": ', "}\n</tool_call>", "\n"
+    )
 
     def __init__(
         self,

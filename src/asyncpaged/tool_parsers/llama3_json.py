@@ -16,6 +16,7 @@ from collections.abc import Callable, Mapping, Sequence
 from enum import Enum, auto
 from typing import Any
 
+from asyncpaged.tool_choice import CallMarkup
 from asyncpaged.tool_parsers.base import ToolParseDelta, ToolParser
 from asyncpaged.tool_parsers.delta_builder import DeltaBuilder
 from asyncpaged.tool_parsers.json_call import JsonCall
@@ -37,6 +38,8 @@ class _Mode(Enum):
 @register_tool_parser("llama3_json")
 class Llama3JsonToolParser(ToolParser):
     """``{"name": ..., "parameters": {...}}; ...`` (see the module's doc)."""
+
+    call_markup = CallMarkup('{"name": ', '{"name": "{name}", "parameters": ', "}", "; ")
 
     def __init__(
         self,

@@ -17,6 +17,7 @@ from collections.abc import Callable, Mapping, Sequence
 from enum import Enum, auto
 from typing import Any
 
+from asyncpaged.tool_choice import CallMarkup
 from asyncpaged.tool_parsers.base import ToolParseDelta, ToolParser
 from asyncpaged.tool_parsers.call_ids import mistral_call_id
 from asyncpaged.tool_parsers.delta_builder import DeltaBuilder
@@ -44,7 +45,10 @@ class _Mode(Enum):
 
 @register_tool_parser("mistral")
 class MistralToolParser(ToolParser):
-    """``[TOOL_CALLS][{...}, ...]`` and ``[TOOL_CALLS]name[ARGS]{...}`` (see the module's doc)."""
+    """``[TOOL_CALLS][{...}, ...]`` and ``[TOOL_CALLS]name[ARGS]{...}`` (see the module's doc);
+    forced calls are written the newer way."""
+
+    call_markup = CallMarkup("[TOOL_CALLS]", "[TOOL_CALLS]{name}[ARGS]", "", "")
 
     def __init__(
         self,
