@@ -4,10 +4,10 @@ result goes back as a ``tool`` message, and the model answers.
     python examples/tool_loop.py                          # a tiny random Qwen3-style model
     python examples/tool_loop.py --model Qwen/Qwen3-0.6B --tool-choice auto
 
-The tiny model writes nonsense, so by default the call is forced (``tool_choice="required"``):
-the grammar makes it a well-formed ``<tool_call>`` whose arguments match the tool's schema. A
-real model chooses for itself under ``"auto"``. The first turn is streamed: the call's name
-arrives once, its arguments as fragments.
+The tiny model writes nonsense, so by default the call is forced (``tool_choice="required"``,
+one call per turn): the grammar makes it a well-formed ``<tool_call>`` whose arguments match the
+tool's schema. A real model chooses for itself under ``"auto"``. The first turn is streamed:
+the call's name arrives once, its arguments as fragments.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ TOOLS = [
             "parameters": {
                 "type": "object",
                 "properties": {
-                    "city": {"type": "string", "maxLength": 20},
+                    "city": {"type": "string", "pattern": "^[A-Z][a-z]{1,15}$"},
                     "unit": {"enum": ["celsius", "fahrenheit"]},
                 },
                 "required": ["city", "unit"],
@@ -65,8 +65,9 @@ async def main(args: argparse.Namespace) -> None:
             # Turn 1, streamed: the call arrives as deltas (name once, then argument fragments).
             calls: dict[int, dict[str, str]] = {}
             finish = None
-            async for out in engine.chat(messages, params, tools=TOOLS,
-                                         tool_choice=args.tool_choice):  # fmt: skip
+            stream = engine.chat(messages, params, tools=TOOLS, tool_choice=args.tool_choice,
+                                 parallel_tool_calls=False)  # fmt: skip
+            async for out in stream:
                 completion = out.outputs[0]
                 for delta in completion.tool_call_deltas or ():
                     call = calls.setdefault(delta.index, {"id": "", "name": "", "arguments": ""})
@@ -75,6 +76,8 @@ async def main(args: argparse.Namespace) -> None:
                     call["arguments"] += delta.arguments
                 finish = completion.finish_reason or finish
             print(f"turn 1 finished: {finish}, {len(calls)} call(s)")
+            if finish != "tool_calls":
+                raise SystemExit("the model answered without a (complete) call")
             tool_calls = [ToolCall(c["id"], c["name"], c["arguments"]) for c in calls.values()]
             messages.append({
                 "role": "assistant",
@@ -104,6 +107,6 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", help="a chat checkpoint with tool calls (default: a tiny one)")
     parser.add_argument("--tool-choice", default="required", help="none, auto or required")
-    parser.add_argument("--max-tokens", type=int, default=96)
+    parser.add_argument("--max-tokens", type=int, default=192)
     parser.add_argument("--seed", type=int, default=0)
     anyio.run(main, parser.parse_args())

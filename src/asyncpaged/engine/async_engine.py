@@ -448,6 +448,10 @@ class AsyncEngine:
     def _check_alive(self) -> None:
         check_alive(self._dead, closed=self._closed, running=self._task.tg is not None)
 
+    @property
+    def reasoning_parser(self) -> Any:  # TEMPORARY until the reasoning branch lands
+        return None
+
     # ---- statistics ---------------------------------------------------------------------------
 
     @property

@@ -108,13 +108,15 @@ def build_tiny_chat_tokenizer() -> Any:
 
 def build_tiny_chat_checkpoint(directory: str | Path, seed: int = 0) -> Path:
     """Save the tiny ``qwen3`` model with the chat tokenizer into ``directory``: its EOS is
-    ``<|im_end|>``, so a reply ends where a turn does."""
+    ``<|im_end|>``, so a reply ends where a turn does; its context 4096 tokens."""
     path = Path(directory)
     path.mkdir(parents=True, exist_ok=True)
     tokenizer = build_tiny_chat_tokenizer()
     model = build_tiny_model("qwen3", seed)
     eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
     model.config.eos_token_id = eos
+    # A tools prompt is ~900 tokens of this tiny vocabulary: room for it and a few turns.
+    model.config.max_position_embeddings = 4096
     model.generation_config.eos_token_id = eos
     model.save_pretrained(str(path))
     tokenizer.save_pretrained(str(path))
