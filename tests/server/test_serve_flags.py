@@ -50,6 +50,15 @@ def test_vllm_spellings_map_onto_engine_config() -> None:
 
 
 @pytest.mark.parametrize(
+    ("argv", "parser"),
+    [((), "auto"), (("--tool-call-parser", "hermes", "--enable-auto-tool-choice"), "hermes"),
+     (("--tool-call-parser", "none"), None)],
+)  # fmt: skip
+def test_tool_call_parser_flag(argv: tuple[str, ...], parser: str | None) -> None:
+    assert engine_config(_parse(*argv)).tool_call_parser == parser
+
+
+@pytest.mark.parametrize(
     ("argv", "enabled"),
     [((), True), (("--enable-prefix-caching",), True), (("--no-enable-prefix-caching",), False),
      (("--no-prefix-caching",), False)],

@@ -78,7 +78,9 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
     }
     if args.swap_space_mib is not None:
         options["swap_space_bytes"] = int(args.swap_space_mib * _MIB)
-    return EngineConfig(**{k: v for k, v in options.items() if v is not None})
+    given = {k: v for k, v in options.items() if v is not None}
+    given["tool_call_parser"] = None if args.tool_call_parser == "none" else args.tool_call_parser
+    return EngineConfig(**given)
 
 
 def app_options(args: argparse.Namespace) -> AppOptions:
@@ -218,6 +220,16 @@ def add_parser(sub: Any) -> None:
         help="where the model runner runs (EngineConfig.executor_backend; auto: its own "
         "process on a CPU or CUDA device with 2+ cores, so the forward runs while the event loop "
         "serves)",
+    )  # fmt: skip
+    serve.add_argument(
+        "--tool-call-parser", default="auto",
+        help="the format tool calls are parsed from: hermes, llama3_json, mistral, pythonic, "
+        "auto (from the chat template, the default) or none",
+    )  # fmt: skip
+    serve.add_argument(
+        "--enable-auto-tool-choice", action="store_true",
+        help="accepted for vLLM's command lines: tool_choice 'auto' works whenever there is a "
+        "tool call parser",
     )  # fmt: skip
     serve.add_argument("--chat-template",
                        help="a Jinja file or inline template for chat requests that give none "
