@@ -138,6 +138,9 @@ class RequestState:
                 c.cumulative_logprob = 0.0
         self.metrics = RequestMetrics(arrival_time=arrival_time)
         self.num_cached_tokens = 0
+        # The prompt opened a thinking block (the engine's reasoning parser's
+        # prompt_opens_reasoning), set before the first output; False without a parser
+        self.in_reasoning_at_start = False
         # prompt_logprobs: [None, position 1, ...], filled in position order by the steps
         self.prompt_logprobs: PromptLogprobs | None = None
         self._prompt_logprobs_read = False  # DELTA: sent once
