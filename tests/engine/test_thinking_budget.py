@@ -67,15 +67,16 @@ async def test_budget_forces_the_end_marker(thinking_model: Path, async_scheduli
         async with running_engine(thinking_model, async_scheduling=async_scheduling) as engine:
             assert engine.reasoning_parser is DeepSeekR1ReasoningParser  # "auto": the template
             base = await engine.chat(CHAT, _greedy(m))
-            prompt = list(base.prompt_token_ids)
+            prompt = list(base.prompt_token_ids or ())
             assert base.prompt is not None and base.prompt.endswith("assistant: <think>\n")
             free = list(base.outputs[0].token_ids)
             assert END not in free  # this model never closes its thinking by itself
             for n in (0, 1, 5):
                 stream = engine.chat(CHAT, _greedy(m, thinking_token_budget=n))
-                assert stream._state.in_reasoning_at_start is False  # not known before intake
+                state = stream._state
+                before = state.in_reasoning_at_start  # not known before the intake
                 out = await stream
-                assert stream._state.in_reasoning_at_start is True
+                assert (before, state.in_reasoning_at_start) == (False, True)
                 got = list(out.outputs[0].token_ids)
                 assert got[:n] == free[:n]
                 assert got[n] == END
@@ -101,7 +102,7 @@ async def test_a_reply_that_closes_its_thinking_is_untouched(thinking_model: Pat
     with anyio.fail_after(60):
         async with running_engine(thinking_model) as engine:
             base = await engine.chat(CHAT, SamplingParams(**params))
-            prompt, free = list(base.prompt_token_ids), list(base.outputs[0].token_ids)
+            prompt, free = list(base.prompt_token_ids or ()), list(base.outputs[0].token_ids)
             p = free.index(END)
             for budget in (p, p + 1, p + 5):
                 got = await _ids(
@@ -122,7 +123,7 @@ async def test_n2_and_recompute_preemption(thinking_model: Path) -> None:
         async with running_engine(thinking_model) as engine:
             base = await engine.chat(CHAT, sampled)
             out = await engine.chat(CHAT, budgeted)
-            prompt = list(base.prompt_token_ids)
+            prompt = list(base.prompt_token_ids or ())
             for b, o in zip(base.outputs, out.outputs, strict=True):
                 assert list(o.token_ids[:4]) == list(b.token_ids[:4])
                 assert o.token_ids[4] == END and END not in b.token_ids
