@@ -150,6 +150,12 @@ class EngineConfig:
     # elsewhere the forward runs eagerly. True: always eager.
     enforce_eager: bool = False
     max_cudagraph_capture_size: int | None = None
+    # Reasoning models (asyncpaged.reasoning; docs/api.md, "Reasoning models"): the parser
+    # whose markers (<think>, </think>) the engine knows, for SamplingParams.thinking_token_budget
+    # and for splitting replies. "auto": the one the tokenizer's chat template calls for
+    # (reasoning_parser_for_template; none for a model that does not think); a registered
+    # name ("qwen3", "deepseek_r1"); None: none.
+    reasoning_parser: str | None = "auto"
 
     def __post_init__(self) -> None:
         if isinstance(self.model, os.PathLike):
@@ -229,6 +235,10 @@ class EngineConfig:
                                                 and bool(self.tool_call_parser)),
              f"tool_call_parser must be a parser's name, 'auto' or None, got "
              f"{self.tool_call_parser!r}."),
+            (self.reasoning_parser is None
+             or (isinstance(self.reasoning_parser, str) and bool(self.reasoning_parser)),
+             "reasoning_parser must be 'auto', a reasoning parser's name or None, got "
+             f"{self.reasoning_parser!r}."),
             (self.attention_backend in ("auto", "torch", "triton", "cpu"),
              f"attention_backend must be 'auto', 'torch', 'triton' or 'cpu', got "
              f"{self.attention_backend!r}."),

@@ -266,6 +266,33 @@ MODEL_DEFAULT_FIELDS = frozenset(MODEL_DEFAULTS)
 """The fields a model's generation config supplies where the caller set none."""
 
 
+def verify_thinking_budget(
+    budget: int | None,
+    structured_outputs: object,
+    logprobs: int | None,
+    n: int,
+    best_of: int | None,
+) -> int | None:
+    """``thinking_token_budget``: None or an int >= 0, without what the end marker it forces
+    (tokens appended unsampled) cannot serve."""
+    if budget is None:
+        return None
+    if check_int("thinking_token_budget", budget) < 0:
+        raise InvalidRequestError(f"thinking_token_budget must be non-negative, got {budget}.")
+    conflict = (
+        "structured_outputs" if structured_outputs is not None
+        else "logprobs" if logprobs is not None
+        else "best_of > n" if best_of is not None and best_of > n
+        else None
+    )  # fmt: skip
+    if conflict is not None:
+        raise InvalidRequestError(
+            f"thinking_token_budget cannot be combined with {conflict}: the end marker it "
+            "forces is appended unsampled (no logprob, not checked by a grammar)."
+        )
+    return budget
+
+
 def _verify_counts(
     n: int, best_of: int | None, output_kind: RequestOutputKind
 ) -> tuple[int, int | None, RequestOutputKind]:
@@ -335,6 +362,12 @@ class SamplingParams:
       raises fails its own request (``RequestFailedError``) and no other.
     * ``structured_outputs=None``: a ``StructuredOutputsParams`` constraint (JSON schema, regex,
       choice, grammar, any JSON object) the output follows (``asyncpaged.structured_outputs``).
+    * ``thinking_token_budget=None``: an int N >= 0 ends a reasoning model's thinking after N
+      tokens: the engine appends its reasoning parser's end marker (``</think>``) to the output
+      and the model goes on with the answer (docs/api.md, "Reasoning models"). It needs an
+      engine with a reasoning parser, and takes no ``structured_outputs``, ``logprobs`` or
+      ``best_of > n`` (the appended tokens are not sampled: they have no logprob, and a
+      grammar would have to accept them).
 
     Model defaults: ``temperature``, ``top_p``, ``top_k``, ``min_p``, ``repetition_penalty`` and
     ``max_tokens`` left unset (``explicit_fields`` records the ones given) take the model's
@@ -370,6 +403,7 @@ class SamplingParams:
     detokenize: bool
     truncate_prompt_tokens: int | None
     logits_processors: tuple[LogitsProcessor, ...]
+    thinking_token_budget: int | None
     #: The model-default fields (``MODEL_DEFAULT_FIELDS``) the caller gave explicitly; the rest
     #: take the model's ``generation_config.json`` values in the engine (``with_defaults``).
     explicit_fields: frozenset[str] = field(init=False, compare=False, repr=False)
@@ -405,6 +439,7 @@ class SamplingParams:
         detokenize: bool = True,
         truncate_prompt_tokens: int | None = None,
         logits_processors: Sequence[LogitsProcessor] | None = None,
+        thinking_token_budget: int | None = None,
     ) -> None:
         """Validate and normalize; raise ``InvalidRequestError`` naming the first bad value."""
         given = {"temperature": temperature, "top_p": top_p, "top_k": top_k, "min_p": min_p,
@@ -470,6 +505,9 @@ class SamplingParams:
             "truncate_prompt_tokens": truncate_prompt_tokens,
             "logits_processors": as_tuple(
                 "logits_processors", logits_processors or (), "a list of callables"
+            ),
+            "thinking_token_budget": verify_thinking_budget(
+                thinking_token_budget, structured_outputs, logprobs, n, best_of
             ),
         }
         if not all(callable(p) for p in values["logits_processors"]):  # type: ignore[attr-defined]

@@ -142,6 +142,9 @@ class RequestState:
                 c.cumulative_logprob = 0.0
         self.metrics = RequestMetrics(arrival_time=arrival_time)
         self.num_cached_tokens = 0
+        # The prompt opened a thinking block (the engine's reasoning parser's
+        # prompt_opens_reasoning), set before the first output; False without a parser
+        self.in_reasoning_at_start = False
         # prompt_logprobs: [None, position 1, ...], filled in position order by the steps
         self.prompt_logprobs: PromptLogprobs | None = None
         self._prompt_logprobs_read = False  # DELTA: sent once
@@ -155,11 +158,9 @@ class RequestState:
         self._reader_wants_end = False
         self._held = False  # recorded outputs hidden from the reader until release()
 
-    def start(
-        self, prompt_token_ids: list[int], tokenizer: Any, *, in_reasoning: bool = False
-    ) -> None:
+    def start(self, prompt_token_ids: list[int], tokenizer: Any) -> None:
         """The request reached the scheduler: set up detokenizing (no tokenizer: ids only) and
-        a chat reply's parsing (``in_reasoning``: the prompt opened a thinking block)."""
+        a chat reply's parsing (``in_reasoning_at_start`` is set by then)."""
         self.prompt_token_ids = prompt_token_ids
         self.metrics.num_prompt_tokens = len(prompt_token_ids)
         if self.params.prompt_logprobs is not None:
@@ -170,7 +171,8 @@ class RequestState:
                 c.detokenizer = IncrementalDetokenizer(tokenizer, prompt_token_ids, self.params)
                 if parsing is not None:
                     streamed = self.params.output_kind is not RequestOutputKind.FINAL_ONLY
-                    c.reply = parsing.start(in_reasoning=in_reasoning, streamed=streamed)
+                    c.reply = parsing.start(in_reasoning=self.in_reasoning_at_start,
+                                            streamed=streamed)  # fmt: skip
 
     @property
     def is_done(self) -> bool:

@@ -154,13 +154,15 @@ def check_tools(tools: object) -> tuple[dict[str, Any], ...] | None:
 
 def check_tool_choice(
     tool_choice: ToolChoice, tools: Sequence[Mapping[str, Any]] | None
-) -> str | ForcedCalls | None:
+) -> Literal["none", "auto"] | ForcedCalls | None:
     """``tool_choice`` against the checked ``tools``: ``"none"``, ``"auto"``, ``None`` (not
     given), or the :class:`ForcedCalls` of ``"required"`` or a named function (parallel calls
     allowed; the caller narrows that). InvalidRequestError for a choice that is none of these,
     a named function the tools lack, or a forced choice without tools."""
-    if tool_choice is None or tool_choice in ("none", "auto"):
-        return tool_choice  # type: ignore[return-value]
+    if tool_choice is None:
+        return None
+    if isinstance(tool_choice, str) and tool_choice in ("none", "auto"):
+        return "none" if tool_choice == "none" else "auto"
     names = [tool_name(t) for t in tools or ()]
     if tool_choice == "required":
         if not names:
@@ -186,11 +188,12 @@ def check_tool_choice(
 
 
 def _reasoning_prefix(
-    reasoning: tuple[str, str] | None, in_reasoning: bool
+    reasoning: tuple[str, str] | None, in_reasoning: bool, thinking_closed: bool
 ) -> list[dict[str, Any]]:
-    """The thinking block a constrained reply may start with: none without a reasoning parser;
-    the rest of an open block when the prompt opened it; else an optional whole block."""
-    if reasoning is None:
+    """The thinking block a constrained reply may start with: none without a reasoning parser
+    or when the prompt closed one (a template's thinking switched off); the rest of an open
+    block when the prompt opened it; else an optional whole block."""
+    if reasoning is None or (thinking_closed and not in_reasoning):
         return []
     start, end = reasoning
     block = {"type": "tag", "begin": "" if in_reasoning else start,
@@ -249,10 +252,13 @@ class CallGrammar:
             return None
         return cls(tools, choice, markup, reasoning, parallel)
 
-    def constraint(self, *, in_reasoning: bool = False) -> StructuredOutputsParams:
-        """As structured outputs; ``in_reasoning``: the prompt opened a thinking block."""
+    def constraint(
+        self, *, in_reasoning: bool = False, thinking_closed: bool = False
+    ) -> StructuredOutputsParams:
+        """As structured outputs; ``in_reasoning``: the prompt opened a thinking block;
+        ``thinking_closed``: it ends with a closed one (no thinking in the reply)."""
         tools, markup = self.tools, self.markup
-        prefix = _reasoning_prefix(self.reasoning, in_reasoning)
+        prefix = _reasoning_prefix(self.reasoning, in_reasoning, thinking_closed)
         body: dict[str, Any]
         if self.choice == "auto":
             assert markup is not None

@@ -15,6 +15,7 @@ from asyncpaged.sampling_params import (
     SamplingParams,
     SamplingType,
 )
+from asyncpaged.structured_outputs import StructuredOutputsParams
 
 # vLLM's SamplingParams defaults, written out by hand from vllm/sampling_params.py.
 VLLM_DEFAULTS = {
@@ -47,6 +48,7 @@ VLLM_DEFAULTS = {
     "detokenize": True,
     "truncate_prompt_tokens": None,
     "logits_processors": (),
+    "thinking_token_budget": None,
 }
 
 
@@ -151,6 +153,24 @@ def _msg(text: str) -> str:
         (
             {"temperature": 0.0, "n": 2, "best_of": 3},
             "best_of must equal n when using greedy sampling, got n=2 and best_of=3.",
+        ),
+        ({"thinking_token_budget": -1}, "thinking_token_budget must be non-negative, got -1."),
+        ({"thinking_token_budget": 2.0}, "thinking_token_budget must be an int, got float."),
+        ({"thinking_token_budget": True}, "thinking_token_budget must be an int, got bool."),
+        (
+            {"thinking_token_budget": 4, "logprobs": 0},
+            "thinking_token_budget cannot be combined with logprobs: the end marker it forces "
+            "is appended unsampled (no logprob, not checked by a grammar).",
+        ),
+        (
+            {"thinking_token_budget": 4, "n": 1, "best_of": 2},
+            "thinking_token_budget cannot be combined with best_of > n: the end marker it forces "
+            "is appended unsampled (no logprob, not checked by a grammar).",
+        ),
+        (
+            {"thinking_token_budget": 0, "structured_outputs": StructuredOutputsParams(regex="a")},
+            "thinking_token_budget cannot be combined with structured_outputs: the end marker "
+            "it forces is appended unsampled (no logprob, not checked by a grammar).",
         ),
     ],
 )

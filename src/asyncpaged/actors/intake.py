@@ -26,6 +26,7 @@ from asyncpaged.actors.worker_thread import WorkerThread
 from asyncpaged.errors import InvalidRequestError
 from asyncpaged.inputs import truncate_prompt
 from asyncpaged.model.loader import load_tokenizer
+from asyncpaged.reasoning import ReasoningParser
 from asyncpaged.sched.beam_search import BeamSearcher
 from asyncpaged.sched.request import Request, StopCriteria
 from asyncpaged.sched.request import Sequence as Seq
@@ -50,6 +51,10 @@ class IntakeActor:
     finished with "abort" (an ``EndRequest`` without error) instead of being handed on. It
     writes no request state.
 
+    With a reasoning parser (``reasoning``), it tells each request whether its prompt opened a
+    thinking block (``prompt_opens_reasoning`` of the rendered chat or text prompt; for a
+    prompt of ids, of its last tokens decoded: :func:`ids_open_reasoning`).
+
     Invariant: every message taken from the inbox ends in exactly one of: an ``AddRequest`` sent,
     a rejection, an abort; ``on_released`` is called for the latter two (the scheduler counts
     requests still in intake as not idle).
@@ -67,8 +72,14 @@ class IntakeActor:
         grammars: GrammarBackend | None = None,
         on_released: Callable[[], None] | None = None,
         num_speculative_tokens: int = 0,
+        reasoning: type[ReasoningParser] | None = None,
+        loop_tokenizer: Any = None,
     ) -> None:
+        """``loop_tokenizer``: the event loop's tokenizer (the intake's own belongs to its
+        worker thread), to decode the end of a prompt of ids handed on from the loop."""
         self.tokenizer = tokenizer
+        self._reasoning = reasoning
+        self._loop_tokenizer = loop_tokenizer
         self._num_speculative = num_speculative_tokens
         self._grammars = grammars
         self._validate_ids = validate_ids
@@ -106,22 +117,25 @@ class IntakeActor:
         except InvalidRequestError as exc:
             self._release(msg, exc)
             return
-        self._hand_on(msg, ids, max_tokens, None, None)
+        opens = self._reasoning is not None and ids_open_reasoning(
+            self._reasoning, ids, self._loop_tokenizer
+        )
+        self._hand_on(msg, ids, max_tokens, None, None, opens)
 
     async def _admit(self, msg: SubmitRequest) -> None:
         """Render, tokenize and validate (worker thread), compile the grammar, hand it on."""
         try:
-            text, ids, max_tokens = await self.thread.run(self._prepare, msg)
-            grammar = await self._compile_grammar(msg)
+            text, ids, max_tokens, opens = await self.thread.run(self._prepare, msg)
+            grammar = await self._compile_grammar(msg, text, opens)
         except InvalidRequestError as exc:
             self._release(msg, exc)
             return
-        self._hand_on(msg, ids, max_tokens, text, grammar)
+        self._hand_on(msg, ids, max_tokens, text, grammar, opens)
 
-    def _prepare(self, msg: SubmitRequest) -> tuple[str | None, tuple[int, ...], int]:
-        """(a chat's rendered text, prompt ids, max new tokens), in the worker thread: nothing
-        here is O(prompt) on the event loop. What the tokenizer or template raises fails this
-        request alone."""
+    def _prepare(self, msg: SubmitRequest) -> tuple[str | None, tuple[int, ...], int, bool]:
+        """(a chat's rendered text, prompt ids, max new tokens, whether the prompt opened a
+        thinking block), in the worker thread: nothing here is O(prompt) on the event loop.
+        What the tokenizer or template raises fails this request alone."""
         text = None
         if msg.prompt_token_ids is not None:
             ids: Sequence[int] = msg.prompt_token_ids
@@ -131,11 +145,21 @@ class IntakeActor:
             assert msg.prompt is not None
             ids = tokenize(self.tokenizer, msg.prompt)
         truncated = truncate_prompt(ids, msg.params)
-        return text, truncated, self._validate_ids(truncated, msg.params)
+        max_tokens = self._validate_ids(truncated, msg.params)
+        reasoning, opens = self._reasoning, False
+        if reasoning is not None:
+            # (a truncated prompt keeps its end, where the thinking opens)
+            source = text if text is not None else msg.prompt
+            opens = (
+                reasoning.prompt_opens_reasoning(source)
+                if source is not None
+                else ids_open_reasoning(reasoning, truncated, self.tokenizer)
+            )
+        return text, truncated, max_tokens, opens
 
     def _hand_on(
         self, msg: SubmitRequest, ids: tuple[int, ...], max_tokens: int, text: str | None,
-        grammar: Any,
+        grammar: Any, in_reasoning: bool,
     ) -> None:  # fmt: skip
         """Send the request on, unless it was aborted meanwhile (synchronous: an abort either
         comes before, and is seen here, or after, and reaches the scheduler)."""
@@ -149,11 +173,12 @@ class IntakeActor:
         info = RequestInfo(
             params=msg.params, serial=state.serial, plain=is_plain(msg.params, beam=state.beam),
             ranks_by_logprob=ranks_by_logprob(msg.params), prompt_token_ids=ids, grammar=grammar,
+            in_reasoning_at_start=in_reasoning,
         )  # fmt: skip
         self.num_pending -= 1
-        self._outputs.send_nowait(
-            PromptReady(request_id=state.request_id, prompt=text, prompt_token_ids=ids)
-        )
+        self._outputs.send_nowait(PromptReady(request_id=state.request_id, prompt=text,
+                                              prompt_token_ids=ids,
+                                              in_reasoning_at_start=in_reasoning))  # fmt: skip
         self._outbox.send_nowait(AddRequest(request=request, info=info))
 
     def _release(self, msg: SubmitRequest, error: InvalidRequestError | None) -> None:
@@ -193,10 +218,17 @@ class IntakeActor:
             request.num_speculative_tokens = self._num_speculative
         return request
 
-    async def _compile_grammar(self, msg: SubmitRequest) -> Any:
+    async def _compile_grammar(self, msg: SubmitRequest, text: str | None, opens: bool) -> Any:
         """Structured outputs: the request's compiled constraint (cached; None without one),
-        compiled in the worker thread; whatever the compiler raises fails this request alone."""
+        compiled in the worker thread; whatever the compiler raises fails this request alone.
+        A chat's tool-call grammar fits its rendered prompt ``text``: the thinking it opened
+        (``opens``) goes on, an empty one it closed is not repeated."""
         constraint = msg.params.structured_outputs
+        call_grammar = None if msg.chat is None else msg.chat.call_grammar
+        if call_grammar is not None:
+            end = None if call_grammar.reasoning is None else call_grammar.reasoning[1]
+            closed = end is not None and text is not None and text.rstrip().endswith(end)
+            constraint = call_grammar.constraint(in_reasoning=opens, thinking_closed=closed)
         if constraint is None:
             return None
         assert self._grammars is not None, "structured outputs without a grammar backend"
@@ -216,12 +248,28 @@ class IntakeActor:
 def speculates(params: Any) -> bool:
     """Whether speculative decoding serves a request: not with a grammar (its bitmask would be
     needed per proposal), logprobs, or best_of ranking by them (their rows are the plain
-    path's); beam search never speculates."""
+    path's), nor a thinking budget (kept proposals could run past it); beam search never
+    speculates."""
     return (
         params.structured_outputs is None
         and params.logprobs is None
         and params.num_sequences == params.n
+        and params.thinking_token_budget is None
     )
+
+
+# Tokens decoded from a prompt of ids' end: its start marker and the whitespace after it
+_REASONING_TAIL_TOKENS = 16
+
+
+def ids_open_reasoning(
+    reasoning: type[ReasoningParser], ids: Sequence[int], tokenizer: Any
+) -> bool:
+    """Whether a prompt of token ids opened a thinking block: ``prompt_opens_reasoning`` of its
+    last tokens decoded (special tokens kept), a constant cost per prompt. A start marker
+    followed by more whitespace than that many tokens hold is not seen."""
+    tail = tokenizer.decode(list(ids[-_REASONING_TAIL_TOKENS:]), skip_special_tokens=False)
+    return reasoning.prompt_opens_reasoning(str(tail))
 
 
 def thread_copy(tokenizer: Any, model_path: Any) -> Any:

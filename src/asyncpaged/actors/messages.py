@@ -68,8 +68,10 @@ class SubmitRequest:
 class RequestInfo:
     """What the scheduler actor needs of a request beyond the core's :class:`Request`, fixed
     when the intake hands it on: its parameters, its submission's serial (aborts name it),
-    whether its rows take the plain greedy path, whether best_of ranks by logprob, and its
-    compiled grammar (structured outputs; the scheduler actor makes the matchers)."""
+    whether its rows take the plain greedy path, whether best_of ranks by logprob, its
+    compiled grammar (structured outputs; the scheduler actor makes the matchers) and whether
+    its prompt opened a thinking block (the engine's reasoning parser's
+    ``prompt_opens_reasoning``; False without one)."""
 
     params: SamplingParams
     serial: int
@@ -77,6 +79,7 @@ class RequestInfo:
     ranks_by_logprob: bool
     prompt_token_ids: tuple[int, ...]  # the (truncated) prompt, for penalties and logprobs
     grammar: Any = None
+    in_reasoning_at_start: bool = False
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -94,6 +97,7 @@ class PromptReady:
     request_id: str
     prompt: str | None  # a chat's rendered text (None: the state's prompt stands)
     prompt_token_ids: tuple[int, ...]
+    in_reasoning_at_start: bool = False  # the prompt opened a thinking block (RequestInfo's)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -105,6 +105,7 @@ class OutputProcessor:
                 state = self._live[rid]
                 if prompt is not None:
                     state.prompt = prompt
+                state.in_reasoning_at_start = msg.in_reasoning_at_start
                 state.start(list(ids), self._tokenizer)
             case RecordOutputs():
                 self._record(msg)

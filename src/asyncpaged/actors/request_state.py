@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from asyncpaged.actors.messages import RequestInfo
+from asyncpaged.actors.thinking_budget import ThinkingBudget
 from asyncpaged.sampling.options import SamplingOptions
 from asyncpaged.sched.scheduler import EngineCoreOutput
 
@@ -22,7 +23,7 @@ class SchedulerRequestState:
     ``step_builder``), by completion index, and whether its decodes may be planned ahead
     (``ahead``) and then need no late options (``options_ahead``: its options read no output
     token, being fixed or none, penalized with the history kept in the runner, or a grammar's
-    whose bitmask alone comes late)."""
+    whose bitmask alone comes late), and its thinking budget's progress (None: no budget)."""
 
     info: RequestInfo
     matchers: dict[int, Any] = field(default_factory=dict)
@@ -34,6 +35,7 @@ class SchedulerRequestState:
     ahead: bool = False
     options_ahead: bool = False
     speculates: bool = False  # a request with num_speculative_tokens
+    thinking: ThinkingBudget | None = None  # SamplingParams.thinking_token_budget
 
     def accept_grammar_tokens(self, index: int, tokens: Sequence[int]) -> bool:
         """Feed completion ``index``'s new tokens to its matcher; False if the grammar refused

@@ -32,6 +32,7 @@ from asyncpaged.actors.messages import (
     ForgetPin,
     OutputsInbox,
     RecordOutputs,
+    RequestInfo,
     Scheduled,
     SchedulerInbox,
     StepDone,
@@ -46,11 +47,13 @@ from asyncpaged.actors.pin_waiters import PinWaiters
 from asyncpaged.actors.request_state import SchedulerRequestState
 from asyncpaged.actors.sampling_options import bad_words_token_ids, banned_next_tokens
 from asyncpaged.actors.step_builder import LateRows, StepBuilder, seq_of
+from asyncpaged.actors.thinking_budget import ThinkingBudget
 from asyncpaged.errors import NoTokenAllowedError, RequestFailedError
 from asyncpaged.kv.tiers import TierOp
 from asyncpaged.kv.txn import PoolSnapshot, StepTxn, TxnResult
+from asyncpaged.reasoning import ReasoningMarkers
 from asyncpaged.sampled_token import SampledToken
-from asyncpaged.sched.request import RequestStatus
+from asyncpaged.sched.request import Request, RequestStatus
 from asyncpaged.sched.scheduler import (
     EngineCoreOutput,
     ScheduledSeq,
@@ -104,12 +107,15 @@ class SchedulerActor:
         *,
         draft_proposals: DraftProposals | None = None,
         async_scheduling: bool = False,
+        reasoning: ReasoningMarkers | None = None,
     ) -> None:
         """``draft_proposals``: the draft model's proposals (speculative method
         "draft_model"), refilled from every step's result for the core's proposer;
         ``tokenizer``: the loop's, for bad words; ``async_scheduling``: plan a step while the
-        one before runs, where its requests allow (:meth:`_plans_ahead`)."""
+        one before runs, where its requests allow (:meth:`_plans_ahead`); ``reasoning``: the
+        engine's reasoning markers, for thinking budgets (``actors/thinking_budget.py``)."""
         self.scheduler = scheduler
+        self._reasoning = reasoning
         self._draft_proposals = draft_proposals
         self._grammars = grammars
         self.snapshot = snapshot
@@ -143,6 +149,7 @@ class SchedulerActor:
         self.step_time_s = 0.0
         self.compute_time_s = 0.0
         self.num_jump_forward_tokens = 0  # tokens a grammar forced, appended without sampling
+        self.num_thinking_forced_tokens = 0  # end-marker tokens a thinking budget appended
         self.num_steps_ahead = 0  # steps planned while the one before ran (async scheduling)
         self.num_steps_graphed = 0  # steps whose forward replayed a CUDA graph
         self._pins = PinWaiters(scheduler, self._log)  # engine.pin_prefix's waiters (WatchPin)
@@ -365,6 +372,8 @@ class SchedulerActor:
                 # + the tokens the grammar forces
                 upd, num_forced = self._jump_forward(states, upd)
                 self.num_jump_forward_tokens += num_forced
+            if states.thinking is not None:
+                upd = self._end_thinking(states.thinking, upd)
             if states.info.params.stop:
                 self._stop_tokens.append(upd)
             else:
@@ -432,6 +441,55 @@ class SchedulerActor:
         appended, reason, stop = self.scheduler.append_forced(upd.request_id, upd.seq_id, forced)
         return upd._replace(new_token_ids=upd.new_token_ids + appended,
                             finish_reason=reason, stop_reason=stop), len(appended)  # fmt: skip
+
+    def _end_thinking(self, thinking: ThinkingBudget, upd: EngineCoreOutput) -> EngineCoreOutput:
+        """A thinking budget: append the end marker after the token that spends it
+        (``append_forced``, as jump-forward does; the next step computes it as a chunk), and
+        report a marker appended when the request was added before the completion's first
+        sampled token (:meth:`_start_thinking_budget`)."""
+        forced = thinking.forced_after(upd.completion, upd.new_token_ids)
+        if forced and upd.finish_reason is None:
+            appended, reason, stop = self.scheduler.append_forced(
+                upd.request_id, upd.seq_id, forced
+            )
+            self.num_thinking_forced_tokens += len(appended)
+            upd = upd._replace(new_token_ids=upd.new_token_ids + appended,
+                               finish_reason=reason, stop_reason=stop)  # fmt: skip
+        prefix = thinking.reported_prefix(upd.completion)
+        if prefix:
+            upd = upd._replace(new_token_ids=prefix + upd.new_token_ids)
+        return upd
+
+    def _start_thinking_budget(self, request: Request, info: RequestInfo) -> ThinkingBudget | None:
+        """A new request's thinking budget (None: it has none). A budget of 0 on a prompt
+        that opened the thinking appends the end marker to the new sequence now, so the first
+        step computes it after the prompt and samples the answer; it is reported with the first
+        sampled token (:meth:`_end_thinking`). Where it cannot go first (``n``/``best_of`` > 1,
+        a ``max_tokens`` it does not fit in, an id of it that stops the sequence), the first
+        sampled token spends the budget and the marker follows it."""
+        budget = info.params.thinking_token_budget
+        if budget is None:
+            return None
+        markers = self._reasoning
+        assert markers is not None, "a thinking budget on an engine without a reasoning parser"
+        stop, end = request.stop, markers.end_ids
+        # (not before a fork: the core forks a parallel-sampling request's sequences from
+        # its prompt alone, at its first sampled token)
+        can_lead = (
+            request.num_samples == 1
+            and stop.max_tokens > len(end)
+            and not set(end) & (stop.stop_token_ids | stop.eos_token_ids)
+        )
+        thinking = ThinkingBudget(markers, budget, in_reasoning=info.in_reasoning_at_start,
+                                  can_lead=can_lead)  # fmt: skip
+        if thinking.forced_first:
+            seq = request.seqs[0]
+            appended, reason, _ = self.scheduler.append_forced(
+                request.request_id, seq.seq_id, thinking.forced_first
+            )
+            assert reason is None, "the end marker stopped the sequence (can_lead)"
+            self.num_thinking_forced_tokens += len(appended)
+        return thinking
 
     def _prompt_logprob_progress(
         self, out: SchedulerOutput, rows: tuple[PromptLogprobRows, ...]
@@ -501,6 +559,7 @@ class SchedulerActor:
                     speculates=request.num_speculative_tokens > 0,
                 )  # fmt: skip
                 self.scheduler.add_request(request)
+                self._states[rid].thinking = self._start_thinking_budget(request, info)
                 self._log.debug("request_added", request_id=rid)
             case AbortRequest(request_id=rid, serial=serial):
                 states = self._states.get(rid)

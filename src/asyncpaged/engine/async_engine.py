@@ -66,6 +66,7 @@ from asyncpaged.errors import EngineClosedError, EngineDeadError, InvalidRequest
 from asyncpaged.inputs import ChatMessage, PromptType
 from asyncpaged.model.generation_config import GenerationDefaults
 from asyncpaged.model.hub import resolve_model_path
+from asyncpaged.reasoning import ReasoningMarkers, ReasoningParser, get_reasoning_parser
 from asyncpaged.reply_parser import ReplyParsing
 from asyncpaged.sampling_params import BeamSearchParams, SamplingParams
 from asyncpaged.sched.block_map import BlockMap, build_block_map
@@ -93,7 +94,12 @@ class AsyncEngine:
     """
 
     def __init__(self, config: EngineConfig) -> None:
+        """Raises :class:`InvalidRequestError` for a ``reasoning_parser`` name that no parser
+        is registered under."""
+        if config.reasoning_parser not in (None, "auto"):
+            get_reasoning_parser(config.reasoning_parser)
         self.config = config
+        self._reasoning: ReasoningMarkers | None = None  # EngineConfig.reasoning_parser, resolved
         self._dead: BaseException | None = None
         self._closed = False
         self._outputs: OutputProcessor | None = None  # the live requests' states, once started
@@ -155,6 +161,7 @@ class AsyncEngine:
         self._eos = self.generation_defaults.eos_token_ids
         self._limits = tokenizers.limits
         self.tool_parser = resolve_tool_parser(cfg.tool_call_parser, self.tokenizer)
+        self._reasoning = tokenizers.reasoning
         self.num_device_blocks, self.num_host_blocks = plan.num_device_blocks, plan.num_host_blocks
         tiers, self._tier_store = await build_kv_tier_store(cfg, step_runner, self.model_path)
         self._seq_ids = itertools.count()  # shared by intake and scheduler (one event loop)
@@ -426,6 +433,7 @@ class AsyncEngine:
             prompt, params, request_id, cache_salt, pin_id=pin_id, beam=beam, chat=chat,
             priority=priority, live=outputs.live, cfg=self.config, limits=self._limits,
             max_prompt_chars=self.max_prompt_chars, reply_parsing=reply_parsing,
+            has_reasoning_parser=self._reasoning is not None,
         )  # fmt: skip
         return queue_request(msg, outputs, self._submit, self._scheduler, self._abort_state)
 
@@ -449,8 +457,12 @@ class AsyncEngine:
         check_alive(self._dead, closed=self._closed, running=self._task.tg is not None)
 
     @property
-    def reasoning_parser(self) -> Any:  # TEMPORARY until the reasoning branch lands
-        return None
+    def reasoning_parser(self) -> type[ReasoningParser] | None:
+        """The reasoning parser class the engine resolved at start
+        (``EngineConfig.reasoning_parser``; "auto": the one the chat template calls for), or
+        None: no reasoning parser (then ``thinking_token_budget`` is refused). Whether a
+        request's prompt opened the thinking is its ``RequestState.in_reasoning_at_start``."""
+        return None if self._reasoning is None else self._reasoning.parser
 
     # ---- statistics ---------------------------------------------------------------------------
 

@@ -61,6 +61,11 @@ from asyncpaged.model.loader import (
     stored_dtype,
     text_config,
 )
+from asyncpaged.reasoning import (
+    ReasoningMarkers,
+    get_reasoning_parser,
+    reasoning_parser_for_template,
+)
 from asyncpaged.request_checks import RequestLimits, max_prompt_chars
 from asyncpaged.sched.scheduler import Scheduler, SchedulerConfig
 from asyncpaged.spec_decode import NgramProposer, SpeculativeConfig
@@ -307,6 +312,7 @@ class Tokenizers:
     max_prompt_chars: int  # a longer text prompt cannot fit: refused by its length at generate
     generation_defaults: GenerationDefaults
     limits: RequestLimits  # what the model and the KV cache allow a request
+    reasoning: ReasoningMarkers | None  # EngineConfig.reasoning_parser, resolved (None: none)
 
 
 async def load_tokenizers(cfg: EngineConfig, path: Path, plan: ModelPlan) -> Tokenizers:
@@ -331,7 +337,22 @@ async def load_tokenizers(cfg: EngineConfig, path: Path, plan: ModelPlan) -> Tok
     )  # fmt: skip
     return Tokenizers(tokenizer=tokenizer, intake_tokenizer=intake_tokenizer,
                       max_prompt_chars=max_chars, generation_defaults=defaults,
-                      limits=limits)  # fmt: skip
+                      limits=limits, reasoning=reasoning_markers(cfg, tokenizer))  # fmt: skip
+
+
+def reasoning_markers(cfg: EngineConfig, tokenizer: Any) -> ReasoningMarkers | None:
+    """``cfg.reasoning_parser`` resolved ("auto": the one the tokenizer's chat template calls
+    for, if any) with its markers tokenized; None: no reasoning parser. The choice is logged."""
+    name = cfg.reasoning_parser
+    if name == "auto":
+        template = getattr(tokenizer, "chat_template", None)
+        name = reasoning_parser_for_template(template if isinstance(template, str) else None)
+    if name is None:
+        return None
+    markers = ReasoningMarkers.from_tokenizer(get_reasoning_parser(name), tokenizer)
+    log.info("reasoning_parser_chosen", reasoning_parser=name, configured=cfg.reasoning_parser,
+             start_ids=list(markers.start_ids), end_ids=list(markers.end_ids))  # fmt: skip
+    return markers
 
 
 def resolve_auto(config: EngineConfig) -> EngineConfig:
@@ -452,8 +473,11 @@ def build_actors(
     seq_ids: Iterator[int],
     tier_store: TierStore | None,
     draft_proposals: DraftProposals | None,
+    reasoning: ReasoningMarkers | None = None,
 ) -> EngineActors:
-    """The actors and the channels between them (none started yet)."""
+    """The actors and the channels between them (none started yet); ``reasoning``: the
+    engine's reasoning parser and its markers (thinking budgets; whether prompts open the
+    thinking)."""
     spec = cfg.speculative_config
     eos = limits.eos_token_ids
     sched_send, sched_recv = anyio.create_memory_object_stream[SchedulerInbox](math.inf)
@@ -484,12 +508,14 @@ def build_actors(
         scheduler, allocator.snapshot(), sched_recv, txn_send, res_recv,
         exec_send, swap_send, out_send.clone(), stops_recv, eos, tokenizer, grammars,
         draft_proposals=draft_proposals, async_scheduling=cfg.async_scheduling is True,
+        reasoning=reasoning,
     )  # fmt: skip
     intake = IntakeActor(
         intake_tokenizer, limits.check_ids, limits.stop_criteria, intake_recv,
         sched_send.clone(), out_send, seq_ids, grammars,
         on_released=sched_actor.intake_released,
         num_speculative_tokens=spec.num_speculative_tokens if spec else 0,
+        reasoning=None if reasoning is None else reasoning.parser, loop_tokenizer=tokenizer,
     )  # fmt: skip
     return EngineActors(allocator=allocator, executor=executor, swap_space=swap_space,
                         outputs=outputs, scheduler=sched_actor, intake=intake,

@@ -54,7 +54,7 @@ def build_engine_actors(
     return build_actors(
         cfg, pool, scheduler, runner, tokenizer=tokenizers.tokenizer,
         intake_tokenizer=tokenizers.intake_tokenizer, limits=tokenizers.limits, seq_ids=seq_ids,
-        tier_store=tier_store, draft_proposals=draft_proposals,
+        tier_store=tier_store, draft_proposals=draft_proposals, reasoning=tokenizers.reasoning,
     )  # fmt: skip
 
 

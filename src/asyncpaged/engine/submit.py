@@ -163,7 +163,6 @@ def chat_replies(
     if tools and choice != "none":
         markup = tool_parser.call_markup if tool_parser is not None else None
         markers = None if reasoning is None else (reasoning.start, reasoning.end)
-        assert choice == "auto" or isinstance(choice, ForcedCalls)
         grammar = CallGrammar.of(tools, choice, markup, reasoning=markers,
                                  parallel=parallel_tool_calls)  # fmt: skip
         if isinstance(choice, ForcedCalls) and markup is None:
@@ -195,10 +194,12 @@ def check_submission(
     cfg: EngineConfig,
     limits: RequestLimits,
     max_prompt_chars: int,
+    has_reasoning_parser: bool = False,
 ) -> tuple[str, str | None, tuple[int, ...] | None]:
     """The request's id (a fresh one when None), text and token ids (one of them, or neither
     for a chat), once every check a request passes before it is queued has passed; ``live``:
-    the requests submitted so far (an unfinished one's id is in use)."""
+    the requests submitted so far (an unfinished one's id is in use); ``has_reasoning_parser``:
+    the engine knows its model's thinking markers (``thinking_token_budget`` needs them)."""
     rid = check_request_id(request_id if request_id is not None else f"req-{uuid.uuid4().hex[:12]}")
     check_cache_salt(cache_salt)
     if not is_beam:  # sizes before any per-sequence state is built
@@ -220,6 +221,11 @@ def check_submission(
         raise InvalidRequestError(STRUCTURED_EXTRA_HINT)
     if params.structured_outputs is not None and is_beam:
         raise InvalidRequestError("beam search does not take structured outputs.")
+    if params.thinking_token_budget is not None and not has_reasoning_parser:
+        raise InvalidRequestError(
+            "thinking_token_budget needs a reasoning parser: this engine has none (set "
+            "EngineConfig.reasoning_parser to one of asyncpaged.reasoning's names)."
+        )
     if prompt is None:
         return rid, None, None
     if isinstance(prompt, str):
@@ -245,12 +251,14 @@ def submission(
     limits: RequestLimits,
     max_prompt_chars: int,
     reply_parsing: ReplyParsing | None = None,
+    has_reasoning_parser: bool = False,
 ) -> SubmitRequest:
     """The checked request (:func:`check_submission`) as the intake's message, with its new
     :class:`RequestState` (``msg.state``)."""
     rid, text, ids = check_submission(
         prompt, params, request_id, cache_salt, is_beam=beam is not None, live=live, cfg=cfg,
         limits=limits, max_prompt_chars=max_prompt_chars,
+        has_reasoning_parser=has_reasoning_parser,
     )  # fmt: skip
     state = RequestState(rid, text, params, time.monotonic(), beam=beam is not None,
                          reply_parsing=reply_parsing)  # fmt: skip
