@@ -257,3 +257,19 @@ async def test_auto_needs_a_parser(chat_model: Path) -> None:
                                 tools=TOOLS, tool_choice="required",
                                 chat_template_kwargs=NO_THINKING)  # fmt: skip
         _valid_calls(out, {"get_weather", "add"})
+
+
+async def test_strict_tools_under_auto_constrain_a_call_once_it_starts(chat_model: Path) -> None:
+    strict_add = {**ADD, "function": {**ADD["function"], "strict": True}}
+    async with running_engine(chat_model, num_device_blocks=256) as engine:
+        start = engine.tokenizer.convert_tokens_to_ids("<tool_call>")
+        eos = engine.tokenizer.eos_token_id
+        for seed in range(6):
+            # the random model is pushed to open a call (and to end the turn where it may);
+            # from "<tool_call>" on the grammar writes a strict tool's call by its schema
+            params = SamplingParams(temperature=1.0, seed=seed, max_tokens=200,
+                                    logit_bias={start: 8.0, eos: 4.0})  # fmt: skip
+            out = await engine.chat(MESSAGES, params, tools=[strict_add], tool_choice="auto",
+                                    parallel_tool_calls=False,
+                                    chat_template_kwargs=NO_THINKING)  # fmt: skip
+            assert [name for name, _ in _valid_calls(out, {"add"})] == ["add"]

@@ -59,6 +59,15 @@ def test_tool_call_parser_flag(argv: tuple[str, ...], parser: str | None) -> Non
 
 
 @pytest.mark.parametrize(
+    ("argv", "parser"),
+    [((), "auto"), (("--reasoning-parser", "qwen3"), "qwen3"),
+     (("--reasoning-parser", "none"), None)],
+)  # fmt: skip
+def test_reasoning_parser_flag(argv: tuple[str, ...], parser: str | None) -> None:
+    assert engine_config(_parse(*argv)).reasoning_parser == parser
+
+
+@pytest.mark.parametrize(
     ("argv", "enabled"),
     [((), True), (("--enable-prefix-caching",), True), (("--no-enable-prefix-caching",), False),
      (("--no-prefix-caching",), False)],

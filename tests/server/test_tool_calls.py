@@ -197,3 +197,26 @@ def test_a_tool_loop_through_the_server(client: openai.OpenAI) -> None:
     assert second.choices[0].finish_reason in ("stop", "length")
     assert second.choices[0].message.tool_calls is None
     assert second.usage is not None and second.usage.prompt_tokens > first.usage.prompt_tokens  # type: ignore[union-attr]
+
+
+def _regex(text: str) -> str:
+    return "".join("\\" + ch if ch in ".^$*+?()[]{}|\\" else ch for ch in text)
+
+
+def test_reasoning_is_its_own_field_streamed_or_not(client: openai.OpenAI) -> None:
+    reply = "<think>\nThe user asks.\n</think>\n\nIt is <b>sunny</b>."
+    kw: dict[str, Any] = {
+        "model": MODEL_NAME, "messages": MESSAGES, "max_tokens": 64, "temperature": 0.0,
+        "extra_body": {"structured_outputs": {"regex": _regex(reply)}},
+    }  # fmt: skip
+    whole = client.chat.completions.create(**kw).choices[0]
+    extra = whole.message.model_extra or {}
+    assert extra["reasoning"] == extra["reasoning_content"] == "\nThe user asks.\n"
+    assert whole.message.content == "\n\nIt is <b>sunny</b>."
+    content, reasoning = "", ""
+    for chunk in client.chat.completions.create(stream=True, **kw):
+        for choice in chunk.choices:
+            content += choice.delta.content or ""
+            delta_extra = choice.delta.model_extra or {}
+            reasoning += delta_extra.get("reasoning") or ""
+    assert (content, reasoning) == (whole.message.content, extra["reasoning"])

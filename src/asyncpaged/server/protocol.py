@@ -136,6 +136,7 @@ class ChatCompletionRequest(_SamplingFields):
     modalities: list[str] | None = None  # only ["text"]
     audio: dict[str, Any] | None = None  # audio output parameters: refused when given
     # vLLM's chat extras
+    thinking_token_budget: int | None = None  # the thinking ends after this many tokens
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     add_generation_prompt: bool = True
@@ -188,6 +189,8 @@ def to_sampling_params(
             raise InvalidRequestError("top_logprobs needs logprobs=true.")
         if body.logprobs:
             given["logprobs"] = _check_logprobs("top_logprobs", body.top_logprobs or 0)
+        if body.thinking_token_budget is not None:
+            given["thinking_token_budget"] = body.thinking_token_budget
         max_tokens = body.max_completion_tokens or body.max_tokens
         if max_tokens is None and not model_sets_max_tokens:
             given["max_tokens"] = None  # chat: the rest of the context, as vLLM and OpenAI

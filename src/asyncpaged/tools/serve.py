@@ -80,6 +80,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         options["swap_space_bytes"] = int(args.swap_space_mib * _MIB)
     given = {k: v for k, v in options.items() if v is not None}
     given["tool_call_parser"] = None if args.tool_call_parser == "none" else args.tool_call_parser
+    given["reasoning_parser"] = None if args.reasoning_parser == "none" else args.reasoning_parser
     return EngineConfig(**given)
 
 
@@ -225,6 +226,11 @@ def add_parser(sub: Any) -> None:
         "--tool-call-parser", default="auto",
         help="the format tool calls are parsed from: hermes, llama3_json, mistral, pythonic, "
         "auto (from the chat template, the default) or none",
+    )  # fmt: skip
+    serve.add_argument(
+        "--reasoning-parser", default="auto",
+        help="the thinking markers replies are split by: qwen3, deepseek_r1, auto (from the chat "
+        "template, the default) or none",
     )  # fmt: skip
     serve.add_argument(
         "--enable-auto-tool-choice", action="store_true",
