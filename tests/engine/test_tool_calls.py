@@ -273,3 +273,14 @@ async def test_strict_tools_under_auto_constrain_a_call_once_it_starts(chat_mode
                                     parallel_tool_calls=False,
                                     chat_template_kwargs=NO_THINKING)  # fmt: skip
             assert [name for name, _ in _valid_calls(out, {"add"})] == ["add"]
+
+
+def test_llm_chat_takes_tools(chat_model: Path) -> None:
+    from asyncpaged import LLM
+
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    with LLM(chat_model, num_device_blocks=128, dtype="float32") as llm:
+        (out,) = llm.chat(MESSAGES, SamplingParams(temperature=0.0, max_tokens=160),
+                          tools=TOOLS, tool_choice=named, chat_template_kwargs=NO_THINKING,
+                          use_tqdm=False)  # fmt: skip
+    assert [name for name, _ in _valid_calls(out, {"get_weather"})] == ["get_weather"]
