@@ -120,9 +120,7 @@ def test_auto_is_free_without_strict_tools_or_markup() -> None:
     assert CallGrammar.of(tools, "auto", HERMES) is not None
 
 
-def _walk(
-    compiled: Any, rng: random.Random, max_chars: int = 600, prefix: str = ""
-) -> str | None:
+def _walk(compiled: Any, rng: random.Random, max_chars: int = 600, prefix: str = "") -> str | None:
     """A random string the grammar accepts after ``prefix``, built character by character
     (None if it does not end within ``max_chars``)."""
     matcher = xgr.GrammarMatcher(compiled)
