@@ -4,6 +4,7 @@ and tensor table (typed errors or success, never another exception)."""
 
 from __future__ import annotations
 
+import itertools
 import struct
 import tempfile
 from pathlib import Path
@@ -55,16 +56,18 @@ SMALL = [
 ]
 
 
-def small_parts(**changes: tuple[tuple[int, ...], int, int]) -> tuple[list[bytes], list[bytes], bytes]:
+def small_parts(
+    **changes: tuple[tuple[int, ...], int, int],
+) -> tuple[list[bytes], list[bytes], bytes]:
     """metadata, tensor table and data of a small valid file; ``changes`` overrides a tensor's
     (ne, type, offset) by name (dots as underscores)."""
     rng = np.random.default_rng(0)
     kvs = [kv_string("general.architecture", "llama"), kv_u32("general.alignment", 32)]
     infos, data = [], b""
-    for name, ne, qtype, nbytes in SMALL:
+    for name, stored_ne, qtype, nbytes in SMALL:
         data += b"\0" * (-len(data) % 32)  # the last tensor ends the file
-        offset = len(data)
-        ne, qtype_id, offset = changes.get(name.replace(".", "_"), (ne, int(qtype), offset))
+        default = (stored_ne, int(qtype), len(data))
+        ne, qtype_id, offset = changes.get(name.replace(".", "_"), default)
         infos.append(tensor_info(name, ne, qtype_id, offset))
         data += rng.integers(0, 256, nbytes, dtype=np.uint8).tobytes()
     return kvs, infos, data
@@ -140,10 +143,10 @@ def test_split_metadata_must_agree(tmp_path: Path) -> None:
         name = tmp_path / f"x-0000{number}-of-00002.gguf"
         body = (infos, data) if number == 1 else ([], b"")
         name.write_bytes(gguf_bytes(kvs + extra, *body))
-    with pytest.raises(GGUFError, match="split.no is 5"):
+    with pytest.raises(GGUFError, match=r"split\.no is 5"):
         open_gguf(tmp_path / "x-00001-of-00002.gguf")
-    (tmp_path / "y.gguf").write_bytes(gguf_bytes(kvs + [kv_u32("split.count", 3)], infos, data))
-    with pytest.raises(GGUFError, match="split.count is 3"):
+    (tmp_path / "y.gguf").write_bytes(gguf_bytes([*kvs, kv_u32("split.count", 3)], infos, data))
+    with pytest.raises(GGUFError, match=r"split\.count is 3"):
         open_gguf(tmp_path / "y.gguf")
     assert split_paths(tmp_path / "y.gguf") == (tmp_path / "y.gguf",)
 
@@ -270,8 +273,8 @@ def test_fuzz_header_and_tensor_table(mutations: list[tuple[str, int, int]], cut
         for tensor in file.tensors.values():
             assert isinstance(tensor, GGUFTensor)
             assert tensor.data.nbytes == tensor.nbytes == tensor.num_rows * tensor.row_bytes
-            assert 0 <= tensor.offset and tensor.offset + tensor.nbytes <= len(raw)
+            assert tensor.offset >= 0 and tensor.offset + tensor.nbytes <= len(raw)
             assert tensor.data.tobytes() == raw[tensor.offset : tensor.offset + tensor.nbytes]
             spans.append((tensor.offset, tensor.offset + tensor.nbytes))
         spans.sort()
-        assert all(end <= start for (_, end), (start, _) in zip(spans, spans[1:], strict=False))
+        assert all(end <= start for (_, end), (start, _) in itertools.pairwise(spans))

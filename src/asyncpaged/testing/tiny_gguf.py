@@ -206,9 +206,11 @@ def write_tiny_gguf(
     split_max_tensors: int = 0,
     chat_template: str = CHAT_TEMPLATE,
     seed: int = 0,
+    extra_tensors: Mapping[str, np.ndarray] | None = None,
 ) -> Path:
     """Write ``TINY_GGUF_MODELS[name]`` as a GGUF file at ``path`` (the first part of a split set
-    when ``split_max_tensors`` splits it); returns the path to open."""
+    when ``split_max_tensors`` splits it); returns the path to open. ``extra_tensors`` (float32,
+    GGUF names) are written after the model's."""
     import gguf
 
     base, overrides = TINY_GGUF_MODELS[name]
@@ -220,7 +222,8 @@ def write_tiny_gguf(
     writer = gguf.GGUFWriter(file, arch, split_max_tensors=split_max_tensors)
     _metadata(writer, config, arch, f"tiny-{name}")
     _tokenizer_metadata(writer, chat_template)
-    write_gguf_tensors(writer, gguf_tensors(model), qtypes or {}, default)
+    tensors = {**gguf_tensors(model), **(extra_tensors or {})}
+    write_gguf_tensors(writer, tensors, qtypes or {}, default)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
