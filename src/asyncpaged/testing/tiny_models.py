@@ -342,12 +342,15 @@ def _randomise(model: torch.nn.Module, std: float, generator: torch.Generator) -
                 param.copy_(noise * std)
 
 
-def build_tiny_model(name: str, seed: int = 0) -> Any:
-    """The transformers model (float32, eval mode) for ``name`` in ``TINY_MODELS``."""
+def build_tiny_model(
+    name: str, seed: int = 0, config_overrides: dict[str, Any] | None = None
+) -> Any:
+    """The transformers model (float32, eval mode) for ``name`` in ``TINY_MODELS``, with
+    ``config_overrides`` applied to its config kwargs."""
     import transformers
 
     config_cls_name, kwargs, std = TINY_MODELS[name]
-    config = getattr(transformers, config_cls_name)(**kwargs)
+    config = getattr(transformers, config_cls_name)(**{**kwargs, **(config_overrides or {})})
     model_cls: Callable[[Any], Any] = getattr(transformers, model_class_name(config_cls_name))
     torch.manual_seed(seed)
     model = model_cls(config)
