@@ -58,11 +58,17 @@ def _looks_like_repo_id(model: str) -> bool:
 
 
 def resolve_model_path(model: str, revision: str | None = None) -> Path:
-    """The checkpoint directory for ``model`` (a directory, or a hub id in the HF cache).
+    """The checkpoint directory for ``model`` (a directory, a GGUF file, or a hub id in the HF
+    cache).
 
     Raises ``CheckpointError`` when neither is found; nothing else is raised for a missing
     model. Downloads only what is missing and only when not offline."""
     local = Path(model).expanduser()
+    if local.is_file() and local.suffix == ".gguf":  # a GGUF file (the first of a split set)
+        if revision is not None:
+            raise CheckpointError(f"revision={revision!r} selects a hub snapshot, but {model!r} "
+                                  "is a local GGUF file; drop revision.")  # fmt: skip
+        return local
     if local.is_dir():
         if revision is not None:
             raise CheckpointError(

@@ -28,10 +28,18 @@ import torch
 from asyncpaged.model.base import SINGLE_SHARD, CausalLM, ShardRule, TensorShard
 from asyncpaged.model.errors import CheckpointError, UnsupportedModelError
 from asyncpaged.model.gemma import Gemma3ForConditionalGenerationText, GemmaForCausalLM
+from asyncpaged.model.gguf_checkpoint import (
+    GGUFCheckpoint,
+    is_gguf_path,
+    load_gguf_tokenizer,
+    open_gguf_checkpoint,
+)
+from asyncpaged.model.gguf_checkpoint import dequantize as dequantize_gguf
 from asyncpaged.model.gpt2 import GPT2LMHeadModel
 from asyncpaged.model.llama import LlamaForCausalLM
 from asyncpaged.model.opt import OPTForCausalLM
 from asyncpaged.model.phi3 import Phi3ForCausalLM
+from asyncpaged.model.quantized_linear import QuantizedWeight, attach_quantized
 
 #: transformers architecture name -> family class
 MODEL_REGISTRY: dict[str, Callable[[Any, TensorShard], CausalLM]] = {
@@ -77,7 +85,11 @@ def check_transformers_version(version: str | None = None) -> None:
 
 
 def load_config(path: str | Path) -> Any:
-    """Read ``config.json`` through transformers; CheckpointError when it is missing."""
+    """Read ``config.json`` through transformers (a GGUF file: the config transformers builds
+    from its metadata); CheckpointError when it is missing."""
+    if is_gguf_path(path):
+        check_transformers_version()
+        return open_gguf_checkpoint(path).config
     directory = Path(path)
     if not (directory / "config.json").is_file():
         raise CheckpointError(f"no config.json in checkpoint directory {str(directory)!r}.")
@@ -269,6 +281,47 @@ def load_weights(
     model.load_state_dict(loaded, strict=True, assign=True)
 
 
+def load_gguf_weights(
+    model: CausalLM, checkpoint: GGUFCheckpoint, dtype: torch.dtype, device: torch.device
+) -> None:
+    """Fill ``model`` from a GGUF file, strictly by name and shape: the weight of every
+    ``nn.Linear`` stored in a quantized type (but the LM head) stays quantized
+    (``quantized_linear``); everything else (embeddings, norms, float tensors, the LM head) is
+    dequantized to ``dtype``. One shard only, on the CPU."""
+    if model.shard.world_size != 1 or device.type != "cpu":
+        raise UnsupportedModelError(
+            "a GGUF model runs on one CPU rank (no tensor parallelism, no CUDA) for now."
+        )
+    expected = {name: p.shape for name, p in model.named_parameters()}
+    linears = {f"{name}.weight": m for name, m in model.named_modules()
+               if isinstance(m, torch.nn.Linear)}  # fmt: skip
+    head = model.lm_head_weight()
+    tensors = checkpoint.tensors
+    missing = sorted(set(expected) - set(tensors))
+    unexpected = sorted(set(tensors) - set(expected) - set(model.dropped_checkpoint_keys()))
+    if missing or unexpected:
+        raise CheckpointError(
+            f"GGUF file {str(checkpoint.path)!r} does not match its config: missing tensors "
+            f"{missing[:10]}, unexpected tensors {unexpected[:10]}."
+        )
+    loaded: dict[str, torch.Tensor] = {}
+    for name, shape in expected.items():
+        tensor = tensors[name]
+        if tuple(tensor.shape) != tuple(shape):
+            raise CheckpointError(
+                f"tensor {name!r} has shape {tensor.shape} in {str(checkpoint.path)!r}, but the "
+                f"config implies {tuple(shape)}."
+            )
+        layer = linears.get(name)
+        if tensor.qtype.block_size > 1 and layer is not None and layer.weight is not head:
+            rows = tensor.rows()
+            attach_quantized(layer, QuantizedWeight.from_rows(
+                rows, tensor.qtype.name, int(shape[1]), tensor.row_permutation))  # fmt: skip
+            continue
+        loaded[name] = dequantize_gguf(tensor).to(device=device, dtype=dtype).contiguous()
+    model.load_state_dict(loaded, strict=False, assign=True)
+
+
 def load_model(
     path: str | Path,
     dtype: str | torch.dtype = "auto",
@@ -278,7 +331,8 @@ def load_model(
     """Build the family for ``path``'s architecture and load its weights (only ``shard``'s part
     of the split ones); eval mode, no grad."""
     directory = Path(path)
-    config = load_config(directory)
+    gguf = open_gguf_checkpoint(directory) if is_gguf_path(directory) else None
+    config = load_config(directory) if gguf is None else gguf.config
     architectures = list(getattr(config, "architectures", None) or [])
     family = next((MODEL_REGISTRY[a] for a in architectures if a in MODEL_REGISTRY), None)
     if family is None:
@@ -289,7 +343,10 @@ def load_model(
     torch_device = torch.device(device)
     torch_dtype = resolve_dtype(dtype, config, torch_device)
     model = family(config, shard)  # uninitialised parameters (base.Linear / base.Embedding)
-    load_weights(model, directory, torch_dtype, torch_device)
+    if gguf is None:
+        load_weights(model, directory, torch_dtype, torch_device)
+    else:
+        load_gguf_weights(model, gguf, torch_dtype, torch_device)
     model.eval().requires_grad_(False)
     return model
 
@@ -312,7 +369,10 @@ def linear_shapes(path: str | Path) -> tuple[tuple[int, int, bool], ...]:
 
 
 def load_tokenizer(path: str | Path) -> Any:
-    """The checkpoint's tokenizer through ``transformers.AutoTokenizer``."""
+    """The checkpoint's tokenizer through ``transformers.AutoTokenizer`` (a GGUF file: the one
+    transformers builds from its metadata)."""
+    if is_gguf_path(path):
+        return load_gguf_tokenizer(path)
     from transformers import AutoTokenizer
 
     try:

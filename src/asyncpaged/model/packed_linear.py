@@ -29,6 +29,7 @@ import torch
 from torch import nn
 
 from asyncpaged._log import get_logger
+from asyncpaged.model.quantized_linear import QUANT_ATTR, quantized_linear
 from asyncpaged.model.row_buckets import bucketed
 
 _log = get_logger(__name__)
@@ -73,6 +74,8 @@ def pack_linears(model: nn.Module, batch_hint: int, keep: tuple[torch.Tensor, ..
     count = 0
     for module in model.modules():
         if not isinstance(module, nn.Linear) or PACKED_ATTR in module.__dict__:
+            continue
+        if QUANT_ATTR in module.__dict__:  # a quantized weight: its own kernel
             continue
         weight = module.weight
         if not packable.get(weight.dtype) or weight.device.type != "cpu" or id(weight) in shared:
@@ -123,6 +126,9 @@ def _shared_weight_ids(model: nn.Module) -> set[int]:
 def linear(layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     """``layer(x)`` for x [..., in] -> [..., out], through the packed weight when there is one
     (rows bucketed: ``row_buckets``)."""
+    quantized = layer.__dict__.get(QUANT_ATTR)
+    if quantized is not None:
+        return quantized_linear(layer, quantized, x)
     packed = layer.__dict__.get(PACKED_ATTR)
     bias = layer.bias
     if packed is not None:

@@ -1,0 +1,106 @@
+"""GGUF files through the engine: greedy output token-identical to transformers' dequantized
+float32 model (its own GGUF reading) per family and tensor type, with concurrent requests and
+preemption; logprobs close; the projections' weights kept quantized (no float copy); a broken
+file refused at start with a typed error."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import anyio
+import pytest
+import torch
+
+from asyncpaged import AsyncEngine, EngineConfig, SamplingParams
+from asyncpaged.model.errors import GGUFError
+from asyncpaged.model.quantized_linear import QUANT_ATTR
+from asyncpaged.testing.tiny_gguf import load_transformers_gguf, write_tiny_gguf
+from tests.engine.conftest import running_engine
+
+pytestmark = pytest.mark.anyio
+
+PROMPTS = [[5, 6, 7, 8, 9, 10], [11, 12, 13], [40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50, 51, 52,
+           53, 54, 55, 56, 57], [100, 7], [3, 30, 60, 90, 120]]  # fmt: skip
+MAX_TOKENS = 10
+CASES = [
+    ("llama-gqa", "Q8_0"), ("llama-gqa", "Q4_0"), ("llama-mha", "Q8_0"), ("qwen2", "Q4_0"),
+    ("qwen3", "Q8_0"), ("qwen3-moe", "Q4_0"), ("llama-wide", "Q4_K"), ("llama-wide", "Q5_K"),
+    ("llama-wide", "Q6_K"), ("qwen2", "F16"), ("llama-gqa", "BF16"),
+]  # fmt: skip
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+@pytest.fixture(scope="module")
+def gguf_file(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    made: dict[tuple[str, str], Path] = {}
+
+    def get(name: str, qtype: str) -> Path:
+        if (name, qtype) not in made:
+            folder = tmp_path_factory.mktemp(f"{name}-{qtype}")
+            made[name, qtype] = write_tiny_gguf(name, folder / f"{name}-{qtype}.gguf",
+                                                default=qtype)  # fmt: skip
+        return made[name, qtype]
+
+    return get
+
+
+def _reference(path: Path) -> tuple[list[list[int]], list[list[torch.Tensor]]]:
+    """transformers' greedy tokens and per-step log-probabilities for every prompt."""
+    model = load_transformers_gguf(path)
+    tokens, logprobs = [], []
+    with torch.no_grad():
+        for prompt in PROMPTS:
+            out = model.generate(torch.tensor([prompt]), max_new_tokens=MAX_TOKENS,
+                                 do_sample=False, output_logits=True,
+                                 return_dict_in_generate=True)  # fmt: skip
+            tokens.append(out.sequences[0, len(prompt) :].tolist())
+            logprobs.append([torch.log_softmax(s[0].double(), -1) for s in out.logits])
+    return tokens, logprobs
+
+
+@pytest.mark.parametrize(("name", "qtype"), CASES, ids=str)
+async def test_greedy_equals_transformers(gguf_file: Any, name: str, qtype: str) -> None:
+    path = gguf_file(name, qtype)
+    want, want_logprobs = _reference(path)
+    # few blocks: the five requests preempt each other (recompute)
+    async with running_engine(path, num_device_blocks=9, block_size=4,
+                              executor_backend="thread") as engine:  # fmt: skip
+        params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True,
+                                logprobs=1)  # fmt: skip
+        outs: list[Any] = [None] * len(PROMPTS)
+
+        async def one(i: int) -> None:
+            outs[i] = await engine.generate(PROMPTS[i], params)
+
+        async with anyio.create_task_group() as tg:
+            for i in range(len(PROMPTS)):
+                tg.start_soon(one, i)
+        assert engine.statistics().num_preemptions > 0
+        model = engine.runner.model if engine.runner is not None else None
+    for i, out in enumerate(outs):
+        completion = out.outputs[0]
+        assert completion.token_ids == want[i], (i, completion.token_ids, want[i])
+        for step, token in enumerate(completion.token_ids):
+            got = completion.logprobs[step][token].logprob
+            assert abs(got - float(want_logprobs[i][step][token])) < 1e-3
+    assert model is not None
+    quantized = [m for m in model.modules() if QUANT_ATTR in m.__dict__]
+    if qtype in ("F16", "BF16"):
+        assert not quantized
+    else:  # every projection kept in its blocks, its float weight empty
+        assert quantized and all(m.weight.numel() == 0 for m in quantized)
+        assert all(m.__dict__[QUANT_ATTR].qtype == qtype for m in quantized)
+
+
+async def test_a_truncated_file_is_refused_at_start(gguf_file: Any, tmp_path: Path) -> None:
+    data = gguf_file("llama-gqa", "Q8_0").read_bytes()
+    broken = tmp_path / "broken.gguf"
+    broken.write_bytes(data[: len(data) // 2])
+    with pytest.raises(GGUFError, match=r"broken\.gguf"):
+        async with AsyncEngine(EngineConfig(model=str(broken), executor_backend="thread")):
+            pass
