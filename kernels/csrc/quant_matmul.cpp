@@ -1,0 +1,404 @@
+// y[M, N] = x[M, K] @ W[N, K]^T with W kept in its GGUF block layout (Q8_0, Q4_0, Q4_K, Q5_K,
+// Q6_K) and x, y float32, contiguous. Weights are dequantized in registers, never as a matrix.
+//
+// Exactness: every weight is dequantized to the float32 value gguf-py's dequantize gives (the
+// same operations in the same order: d * q, or (d * sc) * q, or (d * sc) * q - dmin * m, each
+// product exact in float32), and the dot products accumulate those values in float32. So the
+// result is x @ dequantize(W).T in float32 up to the summation order alone.
+//
+// Block layouts (little endian; fp16 = IEEE half), as llama.cpp / gguf-py:
+//
+//   Q8_0  34 B / 32:  d fp16 | qs int8[32]                        w[i] = d * qs[i]
+//   Q4_0  18 B / 32:  d fp16 | qs u8[16]                          w[i] = d * ((qs[i % 16] >> 4 * (i >= 16)) & 15) - 8)
+//   Q4_K 144 B / 256: d | dmin | scales u8[12] | qs u8[128]       8 sub-blocks j of 32:
+//                     w = (d * sc[j]) * q - (dmin * m[j]), q = nibble (j % 2) of qs[32 * (j / 2) + i]
+//   Q5_K 176 B / 256: d | dmin | scales u8[12] | qh u8[32] | qs u8[128]
+//                     as Q4_K with q |= ((qh[i] >> j) & 1) << 4
+//   Q6_K 210 B / 256: ql u8[128] | qh u8[64] | scales int8[16] | d fp16
+//                     element e = 128 h + r: q = ((ql[64 h + r % 64] >> 4 * (r / 64)) & 15)
+//                       | (((qh[32 h + r % 32] >> 2 * (r / 32)) & 3) << 4), w = (d * sc[e / 16]) * (q - 32)
+//
+// K-quant 6-bit scales and mins (12 bytes s): j < 4: sc = s[j] & 63, m = s[j + 4] & 63; j >= 4:
+// sc = (s[j + 4] & 15) | ((s[j - 4] >> 6) << 4), m = (s[j + 4] >> 4) | ((s[j] >> 6) << 4).
+//
+// Every type is decoded in groups of 32 elements, one W-lane vector at a time; no vector
+// crosses a scale's 16 elements (W <= 16), and no load reaches past the block it decodes.
+//
+// Two paths:
+//   gemv  (few rows, decode): for each row of W, one pass over its blocks; each vector of
+//         weights is decoded once and multiplied into up to kGemvTile rows of x (accumulators
+//         in registers, reduced across lanes at the row's end).
+//   tiled (prefill): for NT = 2 W columns of y and a K chunk of 256, the W tile is decoded once
+//         into an L1 buffer transposed ([k][NT]), then every MT-row tile of x runs a register
+//         tiled micro-kernel over it (broadcast x, FMA into MT x 2 vectors); y accumulates over
+//         the chunks in k order.
+// Work decomposition: rows of W (gemv) or NT-column tiles (tiled) split over the threads,
+// schedule static, when the call is large enough to pay for the OpenMP region.
+
+#include "cpu_vec.h"
+
+#include <cstdint>
+#include <cstring>
+#include <utility>
+
+namespace {
+
+typedef uint8_t vb __attribute__((vector_size(W)));
+typedef int8_t vsb __attribute__((vector_size(W)));
+
+constexpr int kGroup = 32;                       // elements per decode group
+constexpr int kVecsPerGroup = kGroup / W;
+constexpr int kGemvTile = kNumRegs >= 32 ? 16 : 8;  // most x rows per gemv pass
+constexpr int kTileCols = 2 * W;                 // NT: columns of y per tiled work item
+constexpr int kTileRows = kNumRegs >= 32 ? 12 : 6;  // MT: rows of the micro-kernel
+constexpr int kChunkK = 256;                     // K elements per decoded W tile
+constexpr int64_t kParallelWork = 1 << 16;       // fewer weight elements x rows: one thread
+static_assert(kGroup % W == 0 && 16 % W == 0, "a vector must stay inside one scale group");
+
+enum QType : int32_t { kQ4_0 = 2, kQ8_0 = 8, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14 };
+enum Path : int32_t { kAuto = 0, kGemv = 1, kTiled = 2 };
+
+template <typename F, size_t... I>
+inline void unrolled(F&& f, std::index_sequence<I...>) {
+  (f(std::integral_constant<int, static_cast<int>(I)>{}), ...);
+}
+
+inline vb load_bytes(const uint8_t* p) {
+  vb v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+
+inline vf to_vf(vb u) { return __builtin_convertvector(u, vf); }
+
+// IEEE half -> float, exact, in integer arithmetic (no dependence on the FPU's denormal mode).
+inline float fp16_to_float(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, sizeof h);
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
+  uint32_t exp = (h >> 10) & 0x1fu;
+  uint32_t mant = h & 0x3ffu;
+  uint32_t bits;
+  if (exp == 0x1f) {
+    bits = sign | 0x7f800000u | (mant << 13);  // inf, NaN
+  } else if (exp != 0) {
+    bits = sign | ((exp + 112) << 23) | (mant << 13);
+  } else if (mant == 0) {
+    bits = sign;
+  } else {  // subnormal half: normalize
+    const int shift = __builtin_clz(mant) - 21;
+    mant = (mant << shift) & 0x3ffu;
+    exp = static_cast<uint32_t>(1 - shift + 112);
+    bits = sign | (exp << 23) | (mant << 13);
+  }
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+// Each type: kElems per block, kBytes per block, and decode(block, f) calling
+// f(offset, I, w) for every vector of the block: w holds elements [offset + I W, + W) with I a
+// compile-time index in [0, kVecsPerGroup) and offset a multiple of kGroup.
+
+struct Q8_0 {
+  static constexpr int kElems = 32, kBytes = 34;
+  template <typename F>
+  static inline void decode(const uint8_t* b, F&& f) {
+    const float d = fp16_to_float(b);
+    unrolled([&](auto i) {
+      constexpr int I = decltype(i)::value;
+      vsb q;
+      std::memcpy(&q, b + 2 + I * W, sizeof q);
+      f(0, i, __builtin_convertvector(q, vf) * d);
+    }, std::make_index_sequence<kVecsPerGroup>{});
+  }
+};
+
+struct Q4_0 {
+  static constexpr int kElems = 32, kBytes = 18;
+  template <typename F>
+  static inline void decode(const uint8_t* b, F&& f) {
+    const float d = fp16_to_float(b);
+    unrolled([&](auto i) {
+      constexpr int E = decltype(i)::value * W;
+      vb u = load_bytes(b + 2 + E % 16);
+      u = E >= 16 ? u >> 4 : u & 15;
+      const vi q = __builtin_convertvector(u, vi) - 8;
+      f(0, i, __builtin_convertvector(q, vf) * d);
+    }, std::make_index_sequence<kVecsPerGroup>{});
+  }
+};
+
+// The 6-bit scale and min of sub-block j of a K-quant block's 12 scale bytes.
+inline void scale_min_k4(const uint8_t* s, int j, int& sc, int& m) {
+  if (j < 4) {
+    sc = s[j] & 63;
+    m = s[j + 4] & 63;
+  } else {
+    sc = (s[j + 4] & 15) | ((s[j - 4] >> 6) << 4);
+    m = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
+  }
+}
+
+template <bool kHigh>  // Q4_K (kHigh false) and Q5_K (true): same scales, Q5_K adds a fifth bit
+struct QK_45 {
+  static constexpr int kElems = 256, kBytes = kHigh ? 176 : 144;
+  template <typename F>
+  static inline void decode(const uint8_t* b, F&& f) {
+    const float d = fp16_to_float(b);
+    const float dmin = fp16_to_float(b + 2);
+    const uint8_t* scales = b + 4;
+    const uint8_t* qh = b + 16;
+    const uint8_t* qs = b + (kHigh ? 48 : 16);
+    for (int j = 0; j < 8; ++j) {
+      int sc, m;
+      scale_min_k4(scales, j, sc, m);
+      const float dj = d * static_cast<float>(sc);
+      const float mj = dmin * static_cast<float>(m);
+      const uint8_t* q = qs + 32 * (j / 2);
+      const int shift = 4 * (j % 2);
+      unrolled([&](auto i) {
+        constexpr int I = decltype(i)::value;
+        vb u = (load_bytes(q + I * W) >> shift) & 15;
+        if constexpr (kHigh) u |= ((load_bytes(qh + I * W) >> j) & 1) << 4;
+        f(kGroup * j, i, to_vf(u) * dj - mj);
+      }, std::make_index_sequence<kVecsPerGroup>{});
+    }
+  }
+};
+using Q4_K = QK_45<false>;
+using Q5_K = QK_45<true>;
+
+struct Q6_K {
+  static constexpr int kElems = 256, kBytes = 210;
+  template <typename F>
+  static inline void decode(const uint8_t* b, F&& f) {
+    const uint8_t* ql = b;
+    const uint8_t* qh = b + 128;
+    const int8_t* scales = reinterpret_cast<const int8_t*>(b + 192);
+    const float d = fp16_to_float(b + 208);
+    for (int g = 0; g < 8; ++g) {  // group g: elements 32 g .. + 32 (h = g / 4, r = 32 (g % 4))
+      const uint8_t* lo = ql + 64 * (g / 4) + 32 * (g % 2);
+      const int lo_shift = 4 * ((g % 4) / 2);
+      const uint8_t* hi = qh + 32 * (g / 4);
+      const int hi_shift = 2 * (g % 4);
+      unrolled([&](auto i) {
+        constexpr int I = decltype(i)::value;
+        const float ds = d * static_cast<float>(scales[2 * g + (I * W) / 16]);
+        const vb u = ((load_bytes(lo + I * W) >> lo_shift) & 15)
+                     | (((load_bytes(hi + I * W) >> hi_shift) & 3) << 4);
+        const vi q = __builtin_convertvector(u, vi) - 32;
+        f(kGroup * g, i, __builtin_convertvector(q, vf) * ds);
+      }, std::make_index_sequence<kVecsPerGroup>{});
+    }
+  }
+};
+
+// ---- gemv: rows [n0, n1) of W times MT rows of x (x [MT, K] at row stride K; y at stride N).
+
+template <typename Q, int MT>
+void gemv_rows(const float* x, int64_t K, const uint8_t* w, int64_t row_bytes, int64_t n0,
+               int64_t n1, float* y, int64_t N) {
+  // Independent accumulator chains per x row when there are few rows (FMA latency).
+  constexpr int NA = std::min(kVecsPerGroup, std::max(1, 4 / MT));
+  const int64_t num_blocks = K / Q::kElems;
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* row = w + n * row_bytes;
+    vf acc[MT][NA];
+#pragma GCC unroll 16
+    for (int m = 0; m < MT; ++m)
+#pragma GCC unroll 4
+      for (int a = 0; a < NA; ++a) acc[m][a] = vf{};
+    for (int64_t kb = 0; kb < num_blocks; ++kb) {
+      const float* xb = x + kb * Q::kElems;
+      Q::decode(row + kb * Q::kBytes, [&](int offset, auto i, vf wv) {
+        constexpr int I = decltype(i)::value;
+        const float* xk = xb + offset + I * W;
+#pragma GCC unroll 16
+        for (int m = 0; m < MT; ++m) acc[m][I % NA] += load(xk + m * K) * wv;
+      });
+    }
+#pragma GCC unroll 16
+    for (int m = 0; m < MT; ++m) {
+      vf s = acc[m][0];
+#pragma GCC unroll 4
+      for (int a = 1; a < NA; ++a) s += acc[m][a];
+      y[m * N + n] = reduce_add(s);
+    }
+  }
+}
+
+template <typename Q, int MT>
+void gemv_dispatch(int mt, const float* x, int64_t K, const uint8_t* w, int64_t row_bytes,
+                   int64_t n0, int64_t n1, float* y, int64_t N) {
+  if constexpr (MT >= 1) {
+    if (mt == MT) {
+      gemv_rows<Q, MT>(x, K, w, row_bytes, n0, n1, y, N);
+    } else {
+      gemv_dispatch<Q, MT - 1>(mt, x, K, w, row_bytes, n0, n1, y, N);
+    }
+  }
+}
+
+template <typename Q>
+void gemv(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t N, int64_t row_bytes,
+          float* y, int32_t num_threads) {
+  // Rows of x in passes of at most kGemvTile, balanced (M = 20 on avx2: 7 + 7 + 6, not 8 + 8 + 4).
+  const int64_t passes = (M + kGemvTile - 1) / kGemvTile;
+  const bool parallel = num_threads > 1 && N > 1 && N * K * M >= kParallelWork;
+  const int64_t row_chunk = 16;
+  const int64_t num_chunks = (N + row_chunk - 1) / row_chunk;
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (parallel)
+  for (int64_t c = 0; c < num_chunks; ++c) {
+    const int64_t n0 = c * row_chunk, n1 = std::min(N, n0 + row_chunk);
+    int64_t m0 = 0;
+    for (int64_t p = 0; p < passes; ++p) {
+      const int64_t mt = (M - m0) / (passes - p);
+      gemv_dispatch<Q, kGemvTile>(static_cast<int>(mt), x + m0 * K, K, w, row_bytes, n0, n1,
+                                  y + m0 * N, N);
+      m0 += mt;
+    }
+  }
+}
+
+// ---- tiled: decode an [NT columns x kc] tile of W once, transposed, and run all of x over it.
+
+// wt[k * NT + r] = W[n0 + r, k0 + k] for k < kc, r < num_cols (columns past num_cols are zero).
+template <typename Q>
+void pack_tile(const uint8_t* w, int64_t row_bytes, int64_t n0, int num_cols, int64_t k0,
+               int64_t kc, float* wt) {
+  for (int r = 0; r < kTileCols; ++r) {
+    if (r >= num_cols) {
+      for (int64_t k = 0; k < kc; ++k) wt[k * kTileCols + r] = 0.0f;
+      continue;
+    }
+    const uint8_t* row = w + (n0 + r) * row_bytes + (k0 / Q::kElems) * Q::kBytes;
+    for (int64_t kb = 0; kb < kc / Q::kElems; ++kb) {
+      float* out = wt + (kb * Q::kElems) * kTileCols + r;
+      Q::decode(row + kb * Q::kBytes, [&](int offset, auto i, vf wv) {
+        constexpr int I = decltype(i)::value;
+        float* o = out + (offset + I * W) * kTileCols;
+#pragma GCC unroll 16
+        for (int l = 0; l < W; ++l) o[l * kTileCols] = wv[l];
+      });
+    }
+  }
+}
+
+// y[m, 0..num_cols) (+)= sum_k x[m, k] wt[k, :] for MT rows (x at stride K, y at stride N).
+template <int MT>
+void micro_kernel(const float* x, int64_t K, const float* wt, int64_t kc, float* y, int64_t N,
+                  int num_cols, bool first) {
+  constexpr int NV = kTileCols / W;
+  vf acc[MT][NV];
+#pragma GCC unroll 16
+  for (int m = 0; m < MT; ++m) {
+#pragma GCC unroll 4
+    for (int v = 0; v < NV; ++v) acc[m][v] = vf{};
+    if (!first) {
+      float tmp[kTileCols] = {};
+      std::memcpy(tmp, y + m * N, num_cols * sizeof(float));
+#pragma GCC unroll 4
+      for (int v = 0; v < NV; ++v) acc[m][v] = load(tmp + v * W);
+    }
+  }
+  for (int64_t k = 0; k < kc; ++k) {
+    vf wv[NV];
+#pragma GCC unroll 4
+    for (int v = 0; v < NV; ++v) wv[v] = load(wt + k * kTileCols + v * W);
+#pragma GCC unroll 16
+    for (int m = 0; m < MT; ++m) {
+      const vf xb = splat(x[m * K + k]);
+#pragma GCC unroll 4
+      for (int v = 0; v < NV; ++v) acc[m][v] += xb * wv[v];
+    }
+  }
+#pragma GCC unroll 16
+  for (int m = 0; m < MT; ++m) {
+    float tmp[kTileCols];
+#pragma GCC unroll 4
+    for (int v = 0; v < NV; ++v) store(tmp + v * W, acc[m][v]);
+    std::memcpy(y + m * N, tmp, num_cols * sizeof(float));
+  }
+}
+
+template <int MT>
+void micro_dispatch(int mt, const float* x, int64_t K, const float* wt, int64_t kc, float* y,
+                    int64_t N, int num_cols, bool first) {
+  if constexpr (MT >= 1) {
+    if (mt == MT) {
+      micro_kernel<MT>(x, K, wt, kc, y, N, num_cols, first);
+    } else {
+      micro_dispatch<MT - 1>(mt, x, K, wt, kc, y, N, num_cols, first);
+    }
+  }
+}
+
+template <typename Q>
+void tiled(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t N, int64_t row_bytes,
+           float* y, int32_t num_threads) {
+  static_assert(kChunkK % Q::kElems == 0, "a K chunk holds whole blocks");
+  const int64_t num_tiles = (N + kTileCols - 1) / kTileCols;
+  const bool parallel = num_threads > 1 && num_tiles > 1 && N * K * M >= kParallelWork;
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (parallel)
+  for (int64_t t = 0; t < num_tiles; ++t) {
+    alignas(64) float wt[kChunkK * kTileCols];
+    const int64_t n0 = t * kTileCols;
+    const int num_cols = static_cast<int>(std::min<int64_t>(kTileCols, N - n0));
+    for (int64_t k0 = 0; k0 < K; k0 += kChunkK) {
+      const int64_t kc = std::min<int64_t>(kChunkK, K - k0);
+      pack_tile<Q>(w, row_bytes, n0, num_cols, k0, kc, wt);
+      for (int64_t m0 = 0; m0 < M; m0 += kTileRows) {
+        const int mt = static_cast<int>(std::min<int64_t>(kTileRows, M - m0));
+        micro_dispatch<kTileRows>(mt, x + m0 * K + k0, K, wt, kc, y + m0 * N + n0, N, num_cols,
+                                  k0 == 0);
+      }
+    }
+  }
+}
+
+template <typename Q>
+int32_t run(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t N, int64_t row_bytes,
+            float* y, int32_t path, int32_t num_threads) {
+  if (K <= 0 || K % Q::kElems != 0 || row_bytes != K / Q::kElems * Q::kBytes) return kBadIndex;
+  if (M == 0 || N == 0) return kOk;
+  if (path == kAuto) path = M <= kGemvTile ? kGemv : kTiled;
+  if (path == kGemv) {
+    gemv<Q>(x, M, K, w, N, row_bytes, y, num_threads);
+  } else if (path == kTiled) {
+    tiled<Q>(x, M, K, w, N, row_bytes, y, num_threads);
+  } else {
+    return kBadIndex;
+  }
+  return kOk;
+}
+
+}  // namespace
+
+extern "C" {
+
+// y [M, N] = x [M, K] @ dequantize(w)^T: x, y float32 contiguous; w [N, row_bytes] uint8, each
+// row K / block_elems blocks of GGML type qtype (2 Q4_0, 8 Q8_0, 12 Q4_K, 13 Q5_K, 14 Q6_K).
+// path: 0 auto, 1 gemv, 2 tiled. Returns a Status (0 = ok; kBadDtype: unknown qtype; kBadIndex:
+// K not a positive multiple of the block, row_bytes not K's, negative sizes or an unknown path).
+int32_t asyncpaged_quant_matmul(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t N,
+                                int64_t row_bytes, int32_t qtype, float* y, int32_t path,
+                                int32_t num_threads) {
+  if (M < 0 || N < 0) return kBadIndex;
+  switch (qtype) {
+    case kQ8_0:
+      return run<Q8_0>(x, M, K, w, N, row_bytes, y, path, num_threads);
+    case kQ4_0:
+      return run<Q4_0>(x, M, K, w, N, row_bytes, y, path, num_threads);
+    case kQ4_K:
+      return run<Q4_K>(x, M, K, w, N, row_bytes, y, path, num_threads);
+    case kQ5_K:
+      return run<Q5_K>(x, M, K, w, N, row_bytes, y, path, num_threads);
+    case kQ6_K:
+      return run<Q6_K>(x, M, K, w, N, row_bytes, y, path, num_threads);
+    default:
+      return kBadDtype;
+  }
+}
+
+}  // extern "C"

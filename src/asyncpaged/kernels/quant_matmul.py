@@ -1,0 +1,265 @@
+"""Matmul with GGUF-quantized weights kept in their block layout (``csrc/quant_matmul.cpp``).
+
+``quant_matmul(x, w, qtype, k)`` is ``x @ dequantize_rows(w, qtype, k).T``: ``x`` [M, K] float32,
+``w`` [N, row_bytes] uint8 holding N rows of raw GGUF blocks of ``qtype`` (``QTYPES``), ``y``
+[M, N] float32. The native kernel dequantizes each block in registers (the matrix is never
+dequantized) to exactly the float32 values gguf-py's ``dequantize`` gives, and sums in float32,
+so it differs from ``x @ dequantize(w).T`` in float32 only by summation order:
+``|y - y_exact| <= K * eps * (|x| @ |W|.T)`` with ``eps = 2**-23`` (twice the unit roundoff, the
+bound of any summation order). Few rows (decode) take a GEMV that decodes each block once for all
+rows; more rows (prefill) decode a W tile once into an L1 buffer and run every row over it.
+
+Without the native library (no g++, or its build failed) ``quant_matmul`` falls back to
+``torch_quant_matmul``: the same result through ``dequantize_rows`` of a few hundred rows at a
+time and a float32 matmul.
+
+::
+
+    QTYPE  elements/block  bytes/block
+    Q4_0   32              18   (d fp16, 16 B of nibbles: q - 8)
+    Q8_0   32              34   (d fp16, 32 int8)
+    Q4_K   256             144  (d, dmin fp16, 12 B of 6-bit scales/mins, 128 B of nibbles)
+    Q5_K   256             176  (as Q4_K plus 32 B of fifth bits)
+    Q6_K   256             210  (128 B low nibbles, 64 B high 2-bit pairs, 16 int8 scales, d)
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+from dataclasses import dataclass
+from typing import Final
+
+import torch
+
+from .cpu_build import load_library
+
+__all__ = [
+    "QTYPES",
+    "QuantType",
+    "dequantize_rows",
+    "native_quant_matmul",
+    "quant_matmul",
+    "row_bytes",
+    "torch_quant_matmul",
+]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class QuantType:
+    """A GGML block type: its GGML type id, elements and bytes per block."""
+
+    name: str
+    ggml_type: int
+    block_elems: int
+    block_bytes: int
+
+
+QTYPES: Final = {
+    q.name: q
+    for q in (
+        QuantType(name="Q4_0", ggml_type=2, block_elems=32, block_bytes=18),
+        QuantType(name="Q8_0", ggml_type=8, block_elems=32, block_bytes=34),
+        QuantType(name="Q4_K", ggml_type=12, block_elems=256, block_bytes=144),
+        QuantType(name="Q5_K", ggml_type=13, block_elems=256, block_bytes=176),
+        QuantType(name="Q6_K", ggml_type=14, block_elems=256, block_bytes=210),
+    )
+}
+PATHS: Final = {"auto": 0, "gemv": 1, "tiled": 2}
+FALLBACK_ROWS: Final = 256  # rows of W dequantized at a time by the torch fallback
+_STATUS_MESSAGES: Final = {6: "unknown quantization type", 7: "inconsistent sizes or path"}
+
+
+def quant_type(qtype: str) -> QuantType:
+    """The ``QuantType`` named ``qtype`` (``ValueError`` if unsupported)."""
+    if not isinstance(qtype, str) or qtype not in QTYPES:
+        raise ValueError(f"qtype must be one of {sorted(QTYPES)}, got {qtype!r}.")
+    return QTYPES[qtype]
+
+
+def row_bytes(qtype: str, k: int) -> int:
+    """Bytes of one row of ``k`` elements of ``qtype`` (``k`` a positive multiple of its block)."""
+    q = quant_type(qtype)
+    if not isinstance(k, int) or k <= 0 or k % q.block_elems != 0:
+        raise ValueError(
+            f"k must be a positive multiple of {q.name}'s block of {q.block_elems}, got {k!r}."
+        )
+    return k // q.block_elems * q.block_bytes
+
+
+def check_weight(w: torch.Tensor, qtype: str, k: int) -> QuantType:
+    """``w`` must be a contiguous uint8 CPU tensor [N, row_bytes(qtype, k)]."""
+    q = quant_type(qtype)
+    want = row_bytes(qtype, k)
+    if not isinstance(w, torch.Tensor) or w.dtype != torch.uint8 or w.device.type != "cpu":
+        raise ValueError(f"w must be a uint8 CPU tensor, got {_describe(w)}.")
+    if w.dim() != 2 or w.shape[1] != want or not w.is_contiguous():
+        raise ValueError(
+            f"w must be contiguous [N, {want}] ({k} {q.name} elements per row), got "
+            f"{tuple(w.shape)} strides {w.stride()}."
+        )
+    return q
+
+
+def check_input(x: torch.Tensor, k: int) -> None:
+    """``x`` must be a contiguous float32 CPU tensor [M, k]."""
+    if not isinstance(x, torch.Tensor) or x.dtype != torch.float32 or x.device.type != "cpu":
+        raise ValueError(f"x must be a float32 CPU tensor, got {_describe(x)}.")
+    if x.dim() != 2 or x.shape[1] != k or not x.is_contiguous():
+        raise ValueError(
+            f"x must be contiguous [M, {k}], got {tuple(x.shape)} strides {x.stride()}."
+        )
+
+
+def _describe(t: object) -> str:
+    if isinstance(t, torch.Tensor):
+        return f"{t.dtype} {tuple(t.shape)} on {t.device}"
+    return type(t).__name__
+
+
+class NativeQuantMatmul:
+    """The quantized matmul of one loaded kernel library, unchecked (``quant_matmul`` checks)."""
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        ptr, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32
+        self._matmul = lib.asyncpaged_quant_matmul
+        self._matmul.restype = i32
+        self._matmul.argtypes = [ptr, i64, i64, ptr, i64, i64, i32, ptr, i32, i32]
+
+    def __call__(
+        self, x: torch.Tensor, w: torch.Tensor, q: QuantType, k: int, path: str, num_threads: int
+    ) -> torch.Tensor:
+        y = torch.empty(x.shape[0], w.shape[0], dtype=torch.float32)
+        status = self._matmul(
+            x.data_ptr(), x.shape[0], k, w.data_ptr(), w.shape[0], w.shape[1], q.ggml_type,
+            y.data_ptr(), PATHS[path], num_threads,
+        )  # fmt: skip
+        if status != 0:
+            message = _STATUS_MESSAGES.get(status, str(status))
+            raise ValueError(f"the quantized matmul kernel refused its inputs: {message}.")
+        return y
+
+
+@functools.cache
+def native_quant_matmul(target: str | None = None) -> NativeQuantMatmul | None:
+    """The kernel of the library for ``target`` (default: the best this CPU runs), or ``None``
+    when it cannot be built here."""
+    lib = load_library(target)
+    return None if lib is None else NativeQuantMatmul(lib)
+
+
+def quant_matmul(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    qtype: str,
+    k: int,
+    *,
+    num_threads: int | None = None,
+    target: str | None = None,
+    path: str = "auto",
+) -> torch.Tensor:
+    """``x @ dequantize_rows(w, qtype, k).T``: x [M, k] float32, w [N, row_bytes(qtype, k)]
+    uint8, both contiguous on the CPU -> [M, N] float32 (exact up to float32 summation order).
+
+    ``path``: ``"auto"`` (GEMV for few rows, tiled for many), ``"gemv"`` or ``"tiled"``;
+    ``num_threads`` defaults to ``torch.get_num_threads()``; ``target``: the native build (default:
+    the best this CPU runs). Falls back to ``torch_quant_matmul`` without the native library.
+    Raises ``ValueError`` on any inconsistent input, before native code runs.
+    """
+    q = check_weight(w, qtype, k)
+    check_input(x, k)
+    if path not in PATHS:
+        raise ValueError(f"path must be one of {sorted(PATHS)}, got {path!r}.")
+    threads = torch.get_num_threads() if num_threads is None else num_threads
+    if threads < 1:
+        raise ValueError(f"num_threads must be >= 1, got {threads}.")
+    op = native_quant_matmul(target)
+    if op is None:
+        return torch_quant_matmul(x, w, qtype, k)
+    return op(x, w, q, k, path, threads)
+
+
+def torch_quant_matmul(x: torch.Tensor, w: torch.Tensor, qtype: str, k: int) -> torch.Tensor:
+    """``quant_matmul`` in torch: ``FALLBACK_ROWS`` rows of W dequantized at a time."""
+    check_weight(w, qtype, k)
+    check_input(x, k)
+    y = torch.empty(x.shape[0], w.shape[0], dtype=torch.float32)
+    for n0 in range(0, w.shape[0], FALLBACK_ROWS):
+        rows = w[n0 : n0 + FALLBACK_ROWS]
+        torch.matmul(x, dequantize_rows(rows, qtype, k).T, out=y[:, n0 : n0 + rows.shape[0]])
+    return y
+
+
+def dequantize_rows(w: torch.Tensor, qtype: str, k: int) -> torch.Tensor:
+    """w [N, row_bytes(qtype, k)] uint8 -> [N, k] float32, bit for bit what gguf-py's
+    ``gguf.quants.dequantize`` gives (the same float32 operations in the same order)."""
+    q = check_weight(w, qtype, k)
+    blocks = w.reshape(-1, q.block_bytes)
+    out = _DEQUANTIZE[q.name](blocks)
+    return out.reshape(w.shape[0], k)
+
+
+def _fp16(blocks: torch.Tensor, offset: int) -> torch.Tensor:
+    """The fp16 at byte ``offset`` of each block as float32 [n, 1]."""
+    return blocks[:, offset : offset + 2].contiguous().view(torch.float16).float()
+
+
+def _shifted(b: torch.Tensor, shape: tuple[int, ...], shifts: tuple[int, ...]) -> torch.Tensor:
+    """``b`` (int32) reshaped to ``shape`` (its third dimension 1) shifted right by each of
+    ``shifts`` along that dimension."""
+    shift = torch.tensor(shifts, dtype=torch.int32).reshape(1, 1, len(shifts), 1)
+    return b.reshape(shape) >> shift
+
+
+def _q8_0(b: torch.Tensor) -> torch.Tensor:
+    d = _fp16(b, 0)
+    return b[:, 2:].contiguous().view(torch.int8).float() * d
+
+
+def _q4_0(b: torch.Tensor) -> torch.Tensor:
+    d = _fp16(b, 0)
+    qs = _shifted(b[:, 2:].int(), (b.shape[0], -1, 1, 16), (0, 4))
+    return d * ((qs & 15).reshape(b.shape[0], -1) - 8).float()
+
+
+def _scale_min_k4(scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The eight 6-bit scales and mins of K-quant blocks from their 12 bytes (int32 [n, 12])."""
+    d, m, m_d = scales[:, 0:4], scales[:, 4:8], scales[:, 8:12]
+    sc = torch.cat([d & 0x3F, (m_d & 0x0F) | ((d >> 2) & 0x30)], dim=1)
+    mn = torch.cat([m & 0x3F, (m_d >> 4) | ((m >> 2) & 0x30)], dim=1)
+    return sc, mn
+
+
+def _qk_45(b: torch.Tensor, *, high_bits: bool) -> torch.Tensor:
+    n = b.shape[0]
+    d, dmin = _fp16(b, 0), _fp16(b, 2)
+    bi = b.int()
+    sc, mn = _scale_min_k4(bi[:, 4:16])
+    dl = (d * sc.float()).reshape(n, -1, 1)
+    ml = (dmin * mn.float()).reshape(n, -1, 1)
+    qs_at = 48 if high_bits else 16
+    q = (_shifted(bi[:, qs_at : qs_at + 128], (n, -1, 1, 32), (0, 4)) & 15).reshape(n, -1, 32)
+    if high_bits:
+        qh = _shifted(bi[:, 16:48], (n, -1, 1, 32), tuple(range(8))) & 1
+        q = q | (qh.reshape(n, -1, 32) << 4)
+    return (dl * q.float() - ml).reshape(n, 256)
+
+
+def _q6_k(b: torch.Tensor) -> torch.Tensor:
+    n = b.shape[0]
+    bi = b.int()
+    scales = b[:, 192:208].contiguous().view(torch.int8).float()
+    d = (_fp16(b, 208) * scales).reshape(n, 16, 1)
+    ql = (_shifted(bi[:, 0:128], (n, -1, 1, 64), (0, 4)) & 15).reshape(n, -1, 32)
+    qh = (_shifted(bi[:, 128:192], (n, -1, 1, 32), (0, 2, 4, 6)) & 3).reshape(n, -1, 32)
+    q = ((ql | (qh << 4)) - 32).reshape(n, 16, -1).float()
+    return (d * q).reshape(n, 256)
+
+
+_DEQUANTIZE: Final = {
+    "Q8_0": _q8_0,
+    "Q4_0": _q4_0,
+    "Q4_K": functools.partial(_qk_45, high_bits=False),
+    "Q5_K": functools.partial(_qk_45, high_bits=True),
+    "Q6_K": _q6_k,
+}
