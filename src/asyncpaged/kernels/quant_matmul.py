@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Final
 
@@ -256,7 +257,7 @@ def _q6_k(b: torch.Tensor) -> torch.Tensor:
     return (d * q).reshape(n, 256)
 
 
-_DEQUANTIZE: Final = {
+_DEQUANTIZE: Final[dict[str, Callable[[torch.Tensor], torch.Tensor]]] = {
     "Q8_0": _q8_0,
     "Q4_0": _q4_0,
     "Q4_K": functools.partial(_qk_45, high_bits=False),
