@@ -8,15 +8,16 @@
 //
 // Block layouts (little endian; fp16 = IEEE half), as llama.cpp / gguf-py:
 //
-//   Q8_0  34 B / 32:  d fp16 | qs int8[32]                        w[i] = d * qs[i]
-//   Q4_0  18 B / 32:  d fp16 | qs u8[16]                          w[i] = d * ((qs[i % 16] >> 4 * (i >= 16)) & 15) - 8)
-//   Q4_K 144 B / 256: d | dmin | scales u8[12] | qs u8[128]       8 sub-blocks j of 32:
-//                     w = (d * sc[j]) * q - (dmin * m[j]), q = nibble (j % 2) of qs[32 * (j / 2) + i]
+//   Q8_0  34 B / 32:  d fp16 | qs int8[32]               w[i] = d * qs[i]
+//   Q4_0  18 B / 32:  d fp16 | qs u8[16]     w[i] = d * (((qs[i % 16] >> 4 (i >= 16)) & 15) - 8)
+//   Q4_K 144 B / 256: d | dmin | scales u8[12] | qs u8[128]; 8 sub-blocks j of 32 elements i:
+//                     w = (d * sc[j]) * q - (dmin * m[j]), q = nibble j % 2 of qs[32 (j / 2) + i]
 //   Q5_K 176 B / 256: d | dmin | scales u8[12] | qh u8[32] | qs u8[128]
 //                     as Q4_K with q |= ((qh[i] >> j) & 1) << 4
 //   Q6_K 210 B / 256: ql u8[128] | qh u8[64] | scales int8[16] | d fp16
-//                     element e = 128 h + r: q = ((ql[64 h + r % 64] >> 4 * (r / 64)) & 15)
-//                       | (((qh[32 h + r % 32] >> 2 * (r / 32)) & 3) << 4), w = (d * sc[e / 16]) * (q - 32)
+//                     element e = 128 h + r: q = ((ql[64 h + r % 64] >> 4 (r / 64)) & 15)
+//                       | (((qh[32 h + r % 32] >> 2 (r / 32)) & 3) << 4),
+//                     w = (d * sc[e / 16]) * (q - 32)
 //
 // K-quant 6-bit scales and mins (12 bytes s): j < 4: sc = s[j] & 63, m = s[j + 4] & 63; j >= 4:
 // sc = (s[j + 4] & 15) | ((s[j - 4] >> 6) << 4), m = (s[j + 4] >> 4) | ((s[j] >> 6) << 4).
@@ -24,10 +25,11 @@
 // Every type is decoded in groups of 32 elements, one W-lane vector at a time; no vector
 // crosses a scale's 16 elements (W <= 16), and no load reaches past the block it decodes.
 //
-// Two paths:
+// Two paths (auto: gemv up to 2 kGemvTile rows, where the tiled path caught up on Zen 4):
 //   gemv  (few rows, decode): for each row of W, one pass over its blocks; each vector of
 //         weights is decoded once and multiplied into up to kGemvTile rows of x (accumulators
-//         in registers, reduced across lanes at the row's end).
+//         in registers, reduced across lanes at the row's end). K runs in chunks whose x stays
+//         in L1 across a work item's 8 rows of W.
 //   tiled (prefill): for NT = 2 W columns of y and a K chunk of 256, the W tile is decoded once
 //         into an L1 buffer transposed ([k][NT]), then every MT-row tile of x runs a register
 //         tiled micro-kernel over it (broadcast x, FMA into MT x 2 vectors); y accumulates over
@@ -39,16 +41,21 @@
 
 #include <cstdint>
 #include <cstring>
+#include <memory>
+#include <new>
 #include <utility>
 
-namespace {
+#if defined(__SSE2__)
+#include <immintrin.h>
+#endif
 
-typedef uint8_t vb __attribute__((vector_size(W)));
-typedef int8_t vsb __attribute__((vector_size(W)));
+namespace {
 
 constexpr int kGroup = 32;                       // elements per decode group
 constexpr int kVecsPerGroup = kGroup / W;
 constexpr int kGemvTile = kNumRegs >= 32 ? 16 : 8;  // most x rows per gemv pass
+constexpr int64_t kGemvRows = 8;       // rows of W per gemv work item
+constexpr int64_t kGemvFloats = 4096;  // floats of x per gemv K chunk (16 KiB: half of L1)
 constexpr int kTileCols = 2 * W;                 // NT: columns of y per tiled work item
 constexpr int kTileRows = kNumRegs >= 32 ? 12 : 6;  // MT: rows of the micro-kernel
 constexpr int kChunkK = 256;                     // K elements per decoded W tile
@@ -57,19 +64,36 @@ static_assert(kGroup % W == 0 && 16 % W == 0, "a vector must stay inside one sca
 
 enum QType : int32_t { kQ4_0 = 2, kQ8_0 = 8, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14 };
 enum Path : int32_t { kAuto = 0, kGemv = 1, kTiled = 2 };
+constexpr int32_t kNoMemory = 8;  // Status: the packed copy of x could not be allocated
 
 template <typename F, size_t... I>
 inline void unrolled(F&& f, std::index_sequence<I...>) {
   (f(std::integral_constant<int, static_cast<int>(I)>{}), ...);
 }
 
-inline vb load_bytes(const uint8_t* p) {
-  vb v;
+// W bytes at p, zero-extended to W int32 lanes. Intrinsics here: GCC 12 lowers a byte vector's
+// __builtin_convertvector (and its shuffles with zero) to scalar code through general registers.
+inline vi load_u8(const uint8_t* p) {
+  vi out;
+#if ASYNCPAGED_VEC_BYTES >= 64 && defined(__AVX512F__)
+  const __m512i r = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  std::memcpy(&out, &r, sizeof out);
+#elif ASYNCPAGED_VEC_BYTES == 32 && defined(__AVX2__)
+  const __m256i r = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  std::memcpy(&out, &r, sizeof out);
+#elif ASYNCPAGED_VEC_BYTES == 16 && defined(__SSE2__)
+  int32_t v;
   std::memcpy(&v, p, sizeof v);
-  return v;
+  const __m128i zero = _mm_setzero_si128();
+  const __m128i r = _mm_unpacklo_epi16(_mm_unpacklo_epi8(_mm_cvtsi32_si128(v), zero), zero);
+  std::memcpy(&out, &r, sizeof out);
+#else
+  for (int l = 0; l < W; ++l) out[l] = p[l];
+#endif
+  return out;
 }
 
-inline vf to_vf(vb u) { return __builtin_convertvector(u, vf); }
+inline vf to_vf(vi q) { return __builtin_convertvector(q, vf); }
 
 // IEEE half -> float, exact, in integer arithmetic (no dependence on the FPU's denormal mode).
 inline float fp16_to_float(const uint8_t* p) {
@@ -107,9 +131,8 @@ struct Q8_0 {
     const float d = fp16_to_float(b);
     unrolled([&](auto i) {
       constexpr int I = decltype(i)::value;
-      vsb q;
-      std::memcpy(&q, b + 2 + I * W, sizeof q);
-      f(0, i, __builtin_convertvector(q, vf) * d);
+      const vi q = (load_u8(b + 2 + I * W) ^ 0x80) - 0x80;  // int8, sign-extended
+      f(0, i, to_vf(q) * d);
     }, std::make_index_sequence<kVecsPerGroup>{});
   }
 };
@@ -121,10 +144,9 @@ struct Q4_0 {
     const float d = fp16_to_float(b);
     unrolled([&](auto i) {
       constexpr int E = decltype(i)::value * W;
-      vb u = load_bytes(b + 2 + E % 16);
-      u = E >= 16 ? u >> 4 : u & 15;
-      const vi q = __builtin_convertvector(u, vi) - 8;
-      f(0, i, __builtin_convertvector(q, vf) * d);
+      const vi u = load_u8(b + 2 + E % 16);
+      const vi q = (E >= 16 ? u >> 4 : u & 15) - 8;
+      f(0, i, to_vf(q) * d);
     }, std::make_index_sequence<kVecsPerGroup>{});
   }
 };
@@ -150,6 +172,7 @@ struct QK_45 {
     const uint8_t* scales = b + 4;
     const uint8_t* qh = b + 16;
     const uint8_t* qs = b + (kHigh ? 48 : 16);
+#pragma GCC unroll 8
     for (int j = 0; j < 8; ++j) {
       int sc, m;
       scale_min_k4(scales, j, sc, m);
@@ -159,8 +182,8 @@ struct QK_45 {
       const int shift = 4 * (j % 2);
       unrolled([&](auto i) {
         constexpr int I = decltype(i)::value;
-        vb u = (load_bytes(q + I * W) >> shift) & 15;
-        if constexpr (kHigh) u |= ((load_bytes(qh + I * W) >> j) & 1) << 4;
+        vi u = (load_u8(q + I * W) >> shift) & 15;
+        if constexpr (kHigh) u |= ((load_u8(qh + I * W) >> j) & 1) << 4;
         f(kGroup * j, i, to_vf(u) * dj - mj);
       }, std::make_index_sequence<kVecsPerGroup>{});
     }
@@ -177,6 +200,7 @@ struct Q6_K {
     const uint8_t* qh = b + 128;
     const int8_t* scales = reinterpret_cast<const int8_t*>(b + 192);
     const float d = fp16_to_float(b + 208);
+#pragma GCC unroll 8
     for (int g = 0; g < 8; ++g) {  // group g: elements 32 g .. + 32 (h = g / 4, r = 32 (g % 4))
       const uint8_t* lo = ql + 64 * (g / 4) + 32 * (g % 2);
       const int lo_shift = 4 * ((g % 4) / 2);
@@ -185,44 +209,72 @@ struct Q6_K {
       unrolled([&](auto i) {
         constexpr int I = decltype(i)::value;
         const float ds = d * static_cast<float>(scales[2 * g + (I * W) / 16]);
-        const vb u = ((load_bytes(lo + I * W) >> lo_shift) & 15)
-                     | (((load_bytes(hi + I * W) >> hi_shift) & 3) << 4);
-        const vi q = __builtin_convertvector(u, vi) - 32;
-        f(kGroup * g, i, __builtin_convertvector(q, vf) * ds);
+        const vi q = (((load_u8(lo + I * W) >> lo_shift) & 15)
+                      | (((load_u8(hi + I * W) >> hi_shift) & 3) << 4)) - 32;
+        f(kGroup * g, i, to_vf(q) * ds);
       }, std::make_index_sequence<kVecsPerGroup>{});
     }
   }
 };
 
-// ---- gemv: rows [n0, n1) of W times MT rows of x (x [MT, K] at row stride K; y at stride N).
+// ---- x packed per tile of rows, so a tile's loads are contiguous: rows at a stride of K floats
+// (a multiple of 4 KiB for the usual K) would all fall into one L1 set and evict each other.
 
+// gemv layout of rows [m0, m0 + mt): vector kv of row m at xp[m0 K + (kv mt + m) W].
+void pack_gemv(const float* x, int64_t m0, int64_t mt, int64_t K, float* xp) {
+  const int64_t num_vecs = K / W;
+  for (int64_t kv = 0; kv < num_vecs; ++kv)
+    for (int64_t m = 0; m < mt; ++m)
+      std::memcpy(xp + m0 * K + (kv * mt + m) * W, x + (m0 + m) * K + kv * W, W * sizeof(float));
+}
+
+// tiled layout of rows [m0, m0 + mt): x[m0 + m, k] at xp[m0 K + k mt + m].
+void pack_tiled(const float* x, int64_t m0, int64_t mt, int64_t K, float* xp) {
+  for (int64_t m = 0; m < mt; ++m)
+    for (int64_t k = 0; k < K; ++k) xp[m0 * K + k * mt + m] = x[(m0 + m) * K + k];
+}
+
+// ---- gemv: rows [n0, n1) of W times MT rows of x (x packed by pack_gemv; y at stride N).
+
+// K runs in chunks of x that stay in L1 (kGemvFloats floats of the tile) while each of the at
+// most kGemvRows rows of W takes its part; the rows' partial sums (vectors) wait in part[].
 template <typename Q, int MT>
 void gemv_rows(const float* x, int64_t K, const uint8_t* w, int64_t row_bytes, int64_t n0,
                int64_t n1, float* y, int64_t N) {
   // Independent accumulator chains per x row when there are few rows (FMA latency).
   constexpr int NA = std::min(kVecsPerGroup, std::max(1, 4 / MT));
-  const int64_t num_blocks = K / Q::kElems;
-  for (int64_t n = n0; n < n1; ++n) {
-    const uint8_t* row = w + n * row_bytes;
-    vf acc[MT][NA];
+  constexpr int64_t KC = std::max<int64_t>(Q::kElems, kGemvFloats / MT / Q::kElems * Q::kElems);
+  vf part[kGemvRows][MT][NA];
+  for (int64_t k0 = 0; k0 < K; k0 += KC) {
+    const int64_t kb0 = k0 / Q::kElems, kb1 = std::min(K, k0 + KC) / Q::kElems;
+    for (int64_t n = n0; n < n1; ++n) {
+      const uint8_t* row = w + n * row_bytes;
+      vf acc[MT][NA];
 #pragma GCC unroll 16
-    for (int m = 0; m < MT; ++m)
+      for (int m = 0; m < MT; ++m)
 #pragma GCC unroll 4
-      for (int a = 0; a < NA; ++a) acc[m][a] = vf{};
-    for (int64_t kb = 0; kb < num_blocks; ++kb) {
-      const float* xb = x + kb * Q::kElems;
-      Q::decode(row + kb * Q::kBytes, [&](int offset, auto i, vf wv) {
-        constexpr int I = decltype(i)::value;
-        const float* xk = xb + offset + I * W;
+        for (int a = 0; a < NA; ++a) acc[m][a] = k0 == 0 ? vf{} : part[n - n0][m][a];
+      for (int64_t kb = kb0; kb < kb1; ++kb) {
+        const float* xb = x + kb * Q::kElems * MT;
+        Q::decode(row + kb * Q::kBytes, [&](int offset, auto i, vf wv) {
+          constexpr int I = decltype(i)::value;
+          const float* xk = xb + (offset + I * W) * MT;
 #pragma GCC unroll 16
-        for (int m = 0; m < MT; ++m) acc[m][I % NA] += load(xk + m * K) * wv;
-      });
+          for (int m = 0; m < MT; ++m) acc[m][I % NA] += load(xk + m * W) * wv;
+        });
+      }
+#pragma GCC unroll 16
+      for (int m = 0; m < MT; ++m)
+#pragma GCC unroll 4
+        for (int a = 0; a < NA; ++a) part[n - n0][m][a] = acc[m][a];
     }
+  }
+  for (int64_t n = n0; n < n1; ++n) {
 #pragma GCC unroll 16
     for (int m = 0; m < MT; ++m) {
-      vf s = acc[m][0];
+      vf s = part[n - n0][m][0];
 #pragma GCC unroll 4
-      for (int a = 1; a < NA; ++a) s += acc[m][a];
+      for (int a = 1; a < NA; ++a) s += part[n - n0][m][a];
       y[m * N + n] = reduce_add(s);
     }
   }
@@ -240,23 +292,28 @@ void gemv_dispatch(int mt, const float* x, int64_t K, const uint8_t* w, int64_t 
   }
 }
 
+// Rows of x in passes of at most kGemvTile, balanced (M = 20 on avx2: 7 + 7 + 6, not 8 + 8 + 4):
+// pass p holds rows [pass_start(p), pass_start(p + 1)).
+inline int64_t pass_start(int64_t p, int64_t M, int64_t passes) { return p * M / passes; }
+
 template <typename Q>
 void gemv(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t N, int64_t row_bytes,
-          float* y, int32_t num_threads) {
-  // Rows of x in passes of at most kGemvTile, balanced (M = 20 on avx2: 7 + 7 + 6, not 8 + 8 + 4).
+          float* xp, float* y, int32_t num_threads) {
   const int64_t passes = (M + kGemvTile - 1) / kGemvTile;
+  for (int64_t p = 0; p < passes && xp != nullptr; ++p) {
+    const int64_t m0 = pass_start(p, M, passes);
+    pack_gemv(x, m0, pass_start(p + 1, M, passes) - m0, K, xp);
+  }
+  const float* xs = xp != nullptr ? xp : x;  // one row is its own packing
   const bool parallel = num_threads > 1 && N > 1 && N * K * M >= kParallelWork;
-  const int64_t row_chunk = 16;
-  const int64_t num_chunks = (N + row_chunk - 1) / row_chunk;
+  const int64_t num_chunks = (N + kGemvRows - 1) / kGemvRows;
 #pragma omp parallel for schedule(static) num_threads(num_threads) if (parallel)
   for (int64_t c = 0; c < num_chunks; ++c) {
-    const int64_t n0 = c * row_chunk, n1 = std::min(N, n0 + row_chunk);
-    int64_t m0 = 0;
+    const int64_t n0 = c * kGemvRows, n1 = std::min(N, n0 + kGemvRows);
     for (int64_t p = 0; p < passes; ++p) {
-      const int64_t mt = (M - m0) / (passes - p);
-      gemv_dispatch<Q, kGemvTile>(static_cast<int>(mt), x + m0 * K, K, w, row_bytes, n0, n1,
-                                  y + m0 * N, N);
-      m0 += mt;
+      const int64_t m0 = pass_start(p, M, passes);
+      const int mt = static_cast<int>(pass_start(p + 1, M, passes) - m0);
+      gemv_dispatch<Q, kGemvTile>(mt, xs + m0 * K, K, w, row_bytes, n0, n1, y + m0 * N, N);
     }
   }
 }
@@ -285,9 +342,10 @@ void pack_tile(const uint8_t* w, int64_t row_bytes, int64_t n0, int num_cols, in
   }
 }
 
-// y[m, 0..num_cols) (+)= sum_k x[m, k] wt[k, :] for MT rows (x at stride K, y at stride N).
+// y[m, 0..num_cols) (+)= sum_k x[m, k] wt[k, :] for MT rows (x packed by pack_tiled, at its
+// chunk's first k; y at stride N).
 template <int MT>
-void micro_kernel(const float* x, int64_t K, const float* wt, int64_t kc, float* y, int64_t N,
+void micro_kernel(const float* x, const float* wt, int64_t kc, float* y, int64_t N,
                   int num_cols, bool first) {
   constexpr int NV = kTileCols / W;
   vf acc[MT][NV];
@@ -308,7 +366,7 @@ void micro_kernel(const float* x, int64_t K, const float* wt, int64_t kc, float*
     for (int v = 0; v < NV; ++v) wv[v] = load(wt + k * kTileCols + v * W);
 #pragma GCC unroll 16
     for (int m = 0; m < MT; ++m) {
-      const vf xb = splat(x[m * K + k]);
+      const vf xb = splat(x[k * MT + m]);
 #pragma GCC unroll 4
       for (int v = 0; v < NV; ++v) acc[m][v] += xb * wv[v];
     }
@@ -323,21 +381,24 @@ void micro_kernel(const float* x, int64_t K, const float* wt, int64_t kc, float*
 }
 
 template <int MT>
-void micro_dispatch(int mt, const float* x, int64_t K, const float* wt, int64_t kc, float* y,
+void micro_dispatch(int mt, const float* x, const float* wt, int64_t kc, float* y,
                     int64_t N, int num_cols, bool first) {
   if constexpr (MT >= 1) {
     if (mt == MT) {
-      micro_kernel<MT>(x, K, wt, kc, y, N, num_cols, first);
+      micro_kernel<MT>(x, wt, kc, y, N, num_cols, first);
     } else {
-      micro_dispatch<MT - 1>(mt, x, K, wt, kc, y, N, num_cols, first);
+      micro_dispatch<MT - 1>(mt, x, wt, kc, y, N, num_cols, first);
     }
   }
 }
 
 template <typename Q>
 void tiled(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t N, int64_t row_bytes,
-           float* y, int32_t num_threads) {
+           float* xp, float* y, int32_t num_threads) {
   static_assert(kChunkK % Q::kElems == 0, "a K chunk holds whole blocks");
+  for (int64_t m0 = 0; m0 < M && xp != nullptr; m0 += kTileRows)
+    pack_tiled(x, m0, std::min<int64_t>(kTileRows, M - m0), K, xp);
+  const float* xs = xp != nullptr ? xp : x;
   const int64_t num_tiles = (N + kTileCols - 1) / kTileCols;
   const bool parallel = num_threads > 1 && num_tiles > 1 && N * K * M >= kParallelWork;
 #pragma omp parallel for schedule(static) num_threads(num_threads) if (parallel)
@@ -350,8 +411,8 @@ void tiled(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t N, in
       pack_tile<Q>(w, row_bytes, n0, num_cols, k0, kc, wt);
       for (int64_t m0 = 0; m0 < M; m0 += kTileRows) {
         const int mt = static_cast<int>(std::min<int64_t>(kTileRows, M - m0));
-        micro_dispatch<kTileRows>(mt, x + m0 * K + k0, K, wt, kc, y + m0 * N + n0, N, num_cols,
-                                  k0 == 0);
+        micro_dispatch<kTileRows>(mt, xs + m0 * K + k0 * mt, wt, kc, y + m0 * N + n0, N,
+                                  num_cols, k0 == 0);
       }
     }
   }
@@ -362,13 +423,18 @@ int32_t run(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t N, i
             float* y, int32_t path, int32_t num_threads) {
   if (K <= 0 || K % Q::kElems != 0 || row_bytes != K / Q::kElems * Q::kBytes) return kBadIndex;
   if (M == 0 || N == 0) return kOk;
-  if (path == kAuto) path = M <= kGemvTile ? kGemv : kTiled;
+  if (path == kAuto) path = M <= 2 * kGemvTile ? kGemv : kTiled;  // measured crossover
+  if (path != kGemv && path != kTiled) return kBadIndex;
+  // x packed for the tiles (a copy of x, not of W); a single row needs none.
+  std::unique_ptr<float[]> xp;
+  if (M > 1) {
+    xp.reset(new (std::nothrow) float[M * K]);
+    if (!xp) return kNoMemory;
+  }
   if (path == kGemv) {
-    gemv<Q>(x, M, K, w, N, row_bytes, y, num_threads);
-  } else if (path == kTiled) {
-    tiled<Q>(x, M, K, w, N, row_bytes, y, num_threads);
+    gemv<Q>(x, M, K, w, N, row_bytes, xp.get(), y, num_threads);
   } else {
-    return kBadIndex;
+    tiled<Q>(x, M, K, w, N, row_bytes, xp.get(), y, num_threads);
   }
   return kOk;
 }
@@ -380,7 +446,8 @@ extern "C" {
 // y [M, N] = x [M, K] @ dequantize(w)^T: x, y float32 contiguous; w [N, row_bytes] uint8, each
 // row K / block_elems blocks of GGML type qtype (2 Q4_0, 8 Q8_0, 12 Q4_K, 13 Q5_K, 14 Q6_K).
 // path: 0 auto, 1 gemv, 2 tiled. Returns a Status (0 = ok; kBadDtype: unknown qtype; kBadIndex:
-// K not a positive multiple of the block, row_bytes not K's, negative sizes or an unknown path).
+// K not a positive multiple of the block, row_bytes not K's, negative sizes or an unknown path;
+// 8: no memory for the packed copy of x, M x K floats, made when M > 1).
 int32_t asyncpaged_quant_matmul(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t N,
                                 int64_t row_bytes, int32_t qtype, float* y, int32_t path,
                                 int32_t num_threads) {

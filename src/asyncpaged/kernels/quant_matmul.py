@@ -68,7 +68,11 @@ QTYPES: Final = {
 }
 PATHS: Final = {"auto": 0, "gemv": 1, "tiled": 2}
 FALLBACK_ROWS: Final = 256  # rows of W dequantized at a time by the torch fallback
-_STATUS_MESSAGES: Final = {6: "unknown quantization type", 7: "inconsistent sizes or path"}
+_STATUS_MESSAGES: Final = {
+    6: "unknown quantization type",
+    7: "inconsistent sizes or path",
+    8: "out of memory for the packed copy of x",
+}
 
 
 def quant_type(qtype: str) -> QuantType:
