@@ -1,5 +1,5 @@
 """``asyncpaged bench MODE``: throughput, latency, memory, multiturn, structured, overhead, soak,
-speculative.
+speculative, quantized.
 
 Each mode is its own module (``bench_throughput``, ``bench_latency``, ``bench_memory``) with an
 ``add_parser`` and a ``run``; the reference workload they share is in ``bench_workload``.
@@ -16,6 +16,7 @@ def add_parser(sub: Any) -> None:
         bench_memory,
         bench_multiturn,
         bench_overhead,
+        bench_quantized,
         bench_soak,
         bench_speculative,
         bench_structured,
@@ -32,3 +33,4 @@ def add_parser(sub: Any) -> None:
     bench_soak.add_parser(modes)
     bench_overhead.add_parser(modes)
     bench_speculative.add_parser(modes)
+    bench_quantized.add_parser(modes)
