@@ -70,6 +70,7 @@ SOURCES: Final = tuple(
         "fused_ops.cpp",
         "argmax.cpp",
         "quant_matmul.cpp",
+        "scaled_matmul.cpp",
     )
 )
 HEADERS: Final = (_CSRC / "cpu_vec.h",)
