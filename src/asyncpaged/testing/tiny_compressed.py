@@ -31,12 +31,14 @@ __all__ = ["SCHEMES", "TinyScheme", "load_transformers_compressed", "write_tiny_
 class TinyScheme:
     """A compressed-tensors weight scheme for the tiny models: ``weights`` and
     ``input_activations`` are ``QuantizationArgs`` keyword arguments; ``scale_dtype`` is the dtype
-    the scales are stored in (the model's dtype, in llm-compressor)."""
+    the scales are stored in (the model's dtype, in llm-compressor); ``quantize_lm_head``: the
+    LM head too (it is in ``ignore`` otherwise)."""
 
     format: str
     weights: dict[str, Any]
     input_activations: dict[str, Any] | None = None
     scale_dtype: torch.dtype = torch.float32
+    quantize_lm_head: bool = False
 
 
 _FP8_TOKEN = {"num_bits": 8, "type": "float", "strategy": "token", "dynamic": True}
@@ -113,7 +115,8 @@ def write_tiny_compressed(name: str, directory: str | Path, scheme: str | TinySc
         weights=QuantizationArgs(**tiny.weights),
         input_activations=None if activations is None else QuantizationArgs(**activations),
     )
-    config = QuantizationConfig(config_groups={"group_0": group}, ignore=["lm_head"])
+    ignore = [] if tiny.quantize_lm_head else ["lm_head"]
+    config = QuantizationConfig(config_groups={"group_0": group}, ignore=ignore)
     apply_quantization_config(model, config)
     with torch.no_grad():
         for module in model.modules():
