@@ -2,9 +2,9 @@
 
 ``load_library(target)`` compiles the sources in ``csrc/`` (``paged_decode.cpp``,
 ``paged_prefill.cpp``, ``cache_write.cpp``, ``fused_ops.cpp``, ``argmax.cpp``,
-``quant_matmul.cpp``, sharing ``cpu_vec.h``) into one shared library for one build target and
-returns it loaded, or ``None`` when there is no compiler or the build fails (a warning is logged
-once; callers fall back to torch). Targets, best first:
+``quant_matmul.cpp``, ``scaled_matmul.cpp``, sharing ``cpu_vec.h``) into one shared library for
+one build target and returns it loaded, or ``None`` when there is no compiler or the build fails
+(a warning is logged once; callers fall back to torch). Targets, best first:
 
 =========  ===========================  ===========================================
 target     flags                        CPU needs (``/proc/cpuinfo`` flags)
@@ -70,6 +70,7 @@ SOURCES: Final = tuple(
         "fused_ops.cpp",
         "argmax.cpp",
         "quant_matmul.cpp",
+        "scaled_matmul.cpp",
     )
 )
 HEADERS: Final = (_CSRC / "cpu_vec.h",)

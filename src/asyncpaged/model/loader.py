@@ -26,6 +26,13 @@ from typing import Any
 import torch
 
 from asyncpaged.model.base import SINGLE_SHARD, CausalLM, ShardRule, TensorShard
+from asyncpaged.model.compressed_tensors_scheme import (
+    CompressedTensorsPlan,
+    WeightScheme,
+    build_weight,
+    dequantize_weight,
+    parse_quantization_config,
+)
 from asyncpaged.model.errors import CheckpointError, UnsupportedModelError
 from asyncpaged.model.gemma import Gemma3ForConditionalGenerationText, GemmaForCausalLM
 from asyncpaged.model.gguf_checkpoint import (
@@ -35,11 +42,12 @@ from asyncpaged.model.gguf_checkpoint import (
     open_gguf_checkpoint,
 )
 from asyncpaged.model.gguf_checkpoint import dequantize as dequantize_gguf
+from asyncpaged.model.gguf_weight import GGUFWeight
 from asyncpaged.model.gpt2 import GPT2LMHeadModel
 from asyncpaged.model.llama import LlamaForCausalLM
 from asyncpaged.model.opt import OPTForCausalLM
 from asyncpaged.model.phi3 import Phi3ForCausalLM
-from asyncpaged.model.quantized_linear import QuantizedWeight, attach_quantized
+from asyncpaged.model.quantized_linear import attach_quantized
 
 #: transformers architecture name -> family class
 MODEL_REGISTRY: dict[str, Callable[[Any, TensorShard], CausalLM]] = {
@@ -235,18 +243,35 @@ def _canonical_name(name: str, model: CausalLM, expected: dict[str, torch.Size])
 
 
 def load_weights(
-    model: CausalLM, directory: str | Path, dtype: torch.dtype, device: torch.device
+    model: CausalLM,
+    directory: str | Path,
+    dtype: torch.dtype,
+    device: torch.device,
+    plan: CompressedTensorsPlan | None = None,
 ) -> None:
     """Fill ``model`` (built uninitialised) from the checkpoint, strictly by name and shape.
 
-    A tensor-parallel shard reads only its slice of each split parameter."""
+    A tensor-parallel shard reads only its slice of each split parameter. With ``plan`` (a
+    compressed-tensors checkpoint) every ``nn.Linear`` a config group targets reads its stored
+    tensors (``scheme.tensor_names()``, nothing else) and keeps its weight quantized
+    (``quantized_linear``); a quantized LM head is dequantized to ``dtype``."""
     expected = {name: p.shape for name, p in model.named_parameters()}
+    quantized = {} if plan is None else _quantized_linears(model, plan)
+    for module in quantized:
+        del expected[f"{module}.weight"]
+    pending: dict[str, dict[str, torch.Tensor]] = {module: {} for module in quantized}
+    known = expected | {f"{module}.weight": torch.Size() for module in quantized}
     rules = model.shard_rules()
     dropped = model.dropped_checkpoint_keys()
     loaded: dict[str, torch.Tensor] = {}
     unexpected: list[str] = []
     for entry in iter_checkpoint_entries(directory):
         raw_name = entry.name
+        prefix, _, suffix = raw_name.rpartition(".")
+        module = _canonical_name(f"{prefix}.weight", model, known)[: -len(".weight")]
+        if module in quantized and suffix in quantized[module][1].tensor_names():
+            pending[module][suffix] = entry.read(None)
+            continue
         name = _canonical_name(raw_name, model, expected)
         if name not in expected:
             if not (model.is_ignored_checkpoint_key(name) or name in dropped):
@@ -271,6 +296,23 @@ def load_weights(
             tensor = _read_shard(entry, rule, stored_dim, model.shard)
         stored = tensor.t() if transposed else tensor
         loaded[name] = stored.to(device=device, dtype=dtype).contiguous()
+    head = model.lm_head_weight()
+    for module, (layer, scheme) in quantized.items():
+        names = scheme.tensor_names()
+        absent = [f"{module}.{n}" for n in names if n not in pending[module]]
+        if absent:
+            raise CheckpointError(
+                f"checkpoint {str(directory)!r} lacks {absent} of layer {module!r}, which "
+                f"config group {scheme.group!r} quantizes ({scheme.format})."
+            )
+        weight = build_weight(scheme, pending.pop(module), module, layer.out_features,
+                              layer.in_features)  # fmt: skip
+        if layer.weight is head:  # the LM head is read elsewhere: kept in float
+            loaded[f"{module}.weight"] = dequantize_weight(weight).to(device=device, dtype=dtype)
+        else:
+            attach_quantized(layer, weight)
+            loaded[f"{module}.weight"] = layer.weight
+        expected[f"{module}.weight"] = loaded[f"{module}.weight"].shape
     missing = sorted(set(expected) - set(loaded))
     if missing or unexpected:
         raise CheckpointError(
@@ -279,6 +321,43 @@ def load_weights(
             f"{sorted(unexpected)[:10]}{' ...' if len(unexpected) > 10 else ''}."
         )
     model.load_state_dict(loaded, strict=True, assign=True)
+
+
+def _quantized_linears(
+    model: CausalLM, plan: CompressedTensorsPlan
+) -> dict[str, tuple[torch.nn.Linear, WeightScheme]]:
+    """module name -> (layer, scheme) for every ``nn.Linear`` the plan quantizes."""
+    if model.shard.world_size != 1:
+        raise UnsupportedModelError(
+            "a compressed-tensors model runs on one CPU rank (no tensor parallelism) for now."
+        )
+    found = {}
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.Linear):
+            scheme = plan.scheme_for(name, module)
+            if scheme is not None:
+                if model.is_transposed_checkpoint_key(f"{name}.weight"):
+                    raise UnsupportedModelError(
+                        f"layer {name!r} is stored transposed (Conv1D): compressed-tensors "
+                        "weights for it are not supported."
+                    )
+                found[name] = (module, scheme)
+    return found
+
+
+def compressed_tensors_plan(directory: str | Path) -> CompressedTensorsPlan | None:
+    """The parsed ``quantization_config`` of the directory's config.json (None without one);
+    UnsupportedModelError for a quantization method or scheme asyncpaged does not run."""
+    path = Path(directory) / "config.json"
+    try:
+        raw = json.loads(path.read_text()).get("quantization_config")
+    except (OSError, json.JSONDecodeError, AttributeError) as exc:
+        raise CheckpointError(f"cannot read {str(path)!r}: {exc}") from exc
+    if raw is None:
+        return None
+    if not isinstance(raw, dict):
+        raise CheckpointError(f"{str(path)!r}: quantization_config must be an object.")
+    return parse_quantization_config(raw, str(path))
 
 
 def load_gguf_weights(
@@ -315,7 +394,7 @@ def load_gguf_weights(
         layer = linears.get(name)
         if tensor.qtype.block_size > 1 and layer is not None and layer.weight is not head:
             rows = tensor.rows()
-            attach_quantized(layer, QuantizedWeight.from_rows(
+            attach_quantized(layer, GGUFWeight.from_rows(
                 rows, tensor.qtype.name, int(shape[1]), tensor.row_permutation))  # fmt: skip
             continue
         loaded[name] = dequantize_gguf(tensor).to(device=device, dtype=dtype).contiguous()
@@ -344,7 +423,12 @@ def load_model(
     torch_dtype = resolve_dtype(dtype, config, torch_device)
     model = family(config, shard)  # uninitialised parameters (base.Linear / base.Embedding)
     if gguf is None:
-        load_weights(model, directory, torch_dtype, torch_device)
+        plan = compressed_tensors_plan(directory)
+        if plan is not None and torch_device.type != "cpu":
+            raise UnsupportedModelError(
+                "a compressed-tensors model runs on the CPU (no CUDA kernels) for now."
+            )
+        load_weights(model, directory, torch_dtype, torch_device, plan)
     else:
         load_gguf_weights(model, gguf, torch_dtype, torch_device)
     model.eval().requires_grad_(False)

@@ -1,58 +1,53 @@
-"""Linear layers whose weight stays quantized: GGUF blocks (Q8_0, Q4_0, Q4_K, Q5_K, Q6_K) kept
-as the file stores them and multiplied by ``kernels.quant_matmul`` (dequantized in registers,
-float32 accumulation), never a float copy of the matrix.
+"""Linear layers whose weight stays quantized: a :class:`QuantizedWeight` multiplies float32
+activations by a matrix it keeps in its quantized layout (dequantized in registers by a native
+kernel, float32 accumulation), never as a float copy of the matrix.
 
-The loader attaches a :class:`QuantizedWeight` to an ``nn.Linear`` (under ``QUANT_ATTR`` in its
-``__dict__``, as ``packed_linear`` attaches a packed weight) and empties its ``weight``;
-``packed_linear.linear`` sends such a layer here. The raw bytes are a view of the mapped file
-(rows reordered into a copy only where the file permuted them: llama's Q and K projections).
+Implementations, one per storage: ``gguf_weight.GGUFWeight`` (GGUF blocks: Q8_0, Q4_0, Q4_K,
+Q5_K, Q6_K), ``packed_int_weight.PackedIntWeight`` (compressed-tensors' int4 and int8
+``pack-quantized`` weights) and ``fp8_weight.FP8Weight`` (compressed-tensors' fp8
+``float-quantized`` weights).
+
+The loader attaches a weight to an ``nn.Linear`` (under ``QUANT_ATTR`` in its ``__dict__``, as
+``packed_linear`` attaches a packed weight) and empties its ``weight``; ``packed_linear.linear``
+sends such a layer here.
 """
 
 from __future__ import annotations
 
-import warnings
-from dataclasses import dataclass
+from abc import ABC, abstractmethod
 
-import numpy as np
 import torch
 from torch import nn
-
-from asyncpaged.kernels.quant_matmul import quant_matmul
 
 __all__ = ["QUANT_ATTR", "QuantizedWeight", "attach_quantized", "quantized_linear"]
 
 QUANT_ATTR = "quantized_weight"
 
 
-@dataclass(frozen=True, slots=True, eq=False)
-class QuantizedWeight:
-    """``raw`` uint8 ``[out_features, row_bytes]`` of ``qtype`` blocks; ``in_features`` values a
-    row."""
+class QuantizedWeight(ABC):
+    """An ``[out_features, in_features]`` weight kept quantized.
 
-    raw: torch.Tensor
-    qtype: str
-    in_features: int
+    Invariants: ``matmul`` is ``x @ W.T`` for the float32 matrix ``W`` the format dequantizes to,
+    up to float32 summation order; it never builds ``W``."""
 
-    @property
-    def out_features(self) -> int:
-        return int(self.raw.shape[0])
+    __slots__ = ()
 
     @property
+    @abstractmethod
+    def in_features(self) -> int: ...
+
+    @property
+    @abstractmethod
+    def out_features(self) -> int: ...
+
+    @property
+    @abstractmethod
     def nbytes(self) -> int:
-        return int(self.raw.numel())
+        """Bytes held for the weight (codes, scales and zero points)."""
 
-    @classmethod
-    def from_rows(
-        cls, rows: np.ndarray, qtype: str, in_features: int, permutation: tuple[int, ...] | None
-    ) -> QuantizedWeight:
-        """From a (read-only) ``uint8 [out, row_bytes]`` view; ``permutation``: row ``i`` is
-        stored row ``permutation[i]`` (a copy of the reordered rows)."""
-        if permutation is not None:
-            rows = rows[np.asarray(permutation)]
-        with warnings.catch_warnings():  # a read-only view of the mapped file: never written
-            warnings.simplefilter("ignore", UserWarning)
-            raw = torch.from_numpy(rows)
-        return cls(raw, qtype, in_features)
+    @abstractmethod
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """x [M, in_features] float32, contiguous -> [M, out_features] float32."""
 
 
 def attach_quantized(layer: nn.Linear, weight: QuantizedWeight) -> None:
@@ -71,7 +66,7 @@ def quantized_linear(layer: nn.Linear, weight: QuantizedWeight, x: torch.Tensor)
     rows = x.reshape(-1, weight.in_features)
     if rows.dtype != torch.float32:
         rows = rows.float()
-    out = quant_matmul(rows.contiguous(), weight.raw, weight.qtype, weight.in_features)
+    out = weight.matmul(rows.contiguous())
     if layer.bias is not None:
         out += layer.bias.float()
     return out.to(x.dtype).reshape(*x.shape[:-1], weight.out_features)

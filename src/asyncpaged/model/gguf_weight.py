@@ -1,0 +1,58 @@
+"""A GGUF-quantized linear weight: the raw rows of GGUF blocks (Q8_0, Q4_0, Q4_K, Q5_K, Q6_K)
+as the file stores them, multiplied by ``kernels.quant_matmul``.
+
+The raw bytes are a view of the mapped file (rows reordered into a copy only where the file
+permuted them: llama's Q and K projections).
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+import torch
+
+from asyncpaged.kernels.quant_matmul import quant_matmul
+from asyncpaged.model.quantized_linear import QuantizedWeight
+
+__all__ = ["GGUFWeight"]
+
+
+class GGUFWeight(QuantizedWeight):
+    """``raw`` uint8 ``[out_features, row_bytes]`` of ``qtype`` blocks; ``in_features`` values a
+    row."""
+
+    __slots__ = ("_in_features", "qtype", "raw")
+
+    def __init__(self, raw: torch.Tensor, qtype: str, in_features: int) -> None:
+        self.raw = raw
+        self.qtype = qtype
+        self._in_features = in_features
+
+    @property
+    def in_features(self) -> int:
+        return self._in_features
+
+    @property
+    def out_features(self) -> int:
+        return int(self.raw.shape[0])
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.raw.numel())
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        return quant_matmul(x, self.raw, self.qtype, self._in_features)
+
+    @classmethod
+    def from_rows(
+        cls, rows: np.ndarray, qtype: str, in_features: int, permutation: tuple[int, ...] | None
+    ) -> GGUFWeight:
+        """From a (read-only) ``uint8 [out, row_bytes]`` view; ``permutation``: row ``i`` is
+        stored row ``permutation[i]`` (a copy of the reordered rows)."""
+        if permutation is not None:
+            rows = rows[np.asarray(permutation)]
+        with warnings.catch_warnings():  # a read-only view of the mapped file: never written
+            warnings.simplefilter("ignore", UserWarning)
+            raw = torch.from_numpy(rows)
+        return cls(raw, qtype, in_features)
