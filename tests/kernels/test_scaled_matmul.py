@@ -23,8 +23,8 @@ import torch
 
 from asyncpaged.kernels import scaled_matmul as sm
 
-ROWS = (1, 2, 3, 7, 16, 33)
-COLS = (1, 5, 37)
+ROWS = (1, 16, 33)  # one row, the gemv tile, past it
+COLS = (37,)  # past the column tiles, not a multiple of them
 EPS = 2.0**-23
 SCALE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 #: (group_size, row_block) per strategy; None: K (one group per row), 0: N (one scale)
@@ -134,14 +134,14 @@ def test_dequantize_is_compressed_tensors(
     assert torch.equal(got.view(torch.int32), want.view(torch.int32))
 
 
-@pytest.mark.parametrize("path", ["auto", "gemv", "tiled"])
+@pytest.mark.parametrize("path", ["gemv", "tiled"])  # ("auto" picks one of them)
 @pytest.mark.parametrize("scale_dtype", SCALE_DTYPES, ids=str)
 @pytest.mark.parametrize(("code", "grouping", "asym"), _cases(), ids=str)
 def test_matches_float64(
     target: str, code: str, grouping: str, asym: bool, scale_dtype: torch.dtype, path: str
 ) -> None:
     gen = torch.Generator().manual_seed(0)
-    for k in (64, 320):
+    for k in (320,):  # 5 groups of 64, 10 of 32, a partial 2-D block
         for n in COLS:
             w, layout = random_layout(code, n, k, grouping, scale_dtype, asym, seed=k + n)
             for m in ROWS:
