@@ -119,6 +119,10 @@ class EngineConfig:
     # the chat template where that is unambiguous, None parses no calls; engine.chat's
     # tool_call_parser overrides it per request
     tool_call_parser: str | None = "auto"
+    # GGUF weights (docs/quantized.md): "float32" multiplies the model's activations in float32
+    # (exact: transformers' dequantized model, up to summation order); "int8" quantizes them per
+    # weight block first and sums in integers, as llama.cpp does (faster, not exact)
+    quantized_activations: Literal["float32", "int8"] = "float32"
     # gc.freeze() once started (every object alive then leaves the cyclic GC's walks, which
     # otherwise stall the host loop 100+ ms), gc.unfreeze() when the last such engine closes
     gc_freeze: bool = True
@@ -231,6 +235,9 @@ class EngineConfig:
             (self.max_cudagraph_capture_size is None or self.max_cudagraph_capture_size >= 1,
              "max_cudagraph_capture_size must be at least 1 or None, got "
              f"{self.max_cudagraph_capture_size}."),
+            (self.quantized_activations in ("float32", "int8"),
+             "quantized_activations must be 'float32' or 'int8', got "
+             f"{self.quantized_activations!r}."),
             (self.tool_call_parser is None or (isinstance(self.tool_call_parser, str)
                                                 and bool(self.tool_call_parser)),
              f"tool_call_parser must be a parser's name, 'auto' or None, got "

@@ -96,6 +96,7 @@ def worker_spec(
         num_threads=torch.get_num_threads(),
         cuda_graph_sizes=cuda_graph_sizes(config) if max_model_len else (),
         max_model_len=max_model_len,
+        quantized_activations=config.quantized_activations,
     )
 
 

@@ -11,23 +11,25 @@ import warnings
 
 import numpy as np
 import torch
+from torch import nn
 
 from asyncpaged.kernels.quant_matmul import quant_matmul
-from asyncpaged.model.quantized_linear import QuantizedWeight
+from asyncpaged.model.quantized_linear import QUANT_ATTR, QuantizedWeight
 
-__all__ = ["GGUFWeight"]
+__all__ = ["GGUFWeight", "set_activations"]
 
 
 class GGUFWeight(QuantizedWeight):
     """``raw`` uint8 ``[out_features, row_bytes]`` of ``qtype`` blocks; ``in_features`` values a
     row."""
 
-    __slots__ = ("_in_features", "qtype", "raw")
+    __slots__ = ("_in_features", "activations", "qtype", "raw")
 
     def __init__(self, raw: torch.Tensor, qtype: str, in_features: int) -> None:
         self.raw = raw
         self.qtype = qtype
         self._in_features = in_features
+        self.activations = "float32"  # or "int8": x quantized per block (set_activations)
 
     @property
     def in_features(self) -> int:
@@ -42,7 +44,8 @@ class GGUFWeight(QuantizedWeight):
         return int(self.raw.numel())
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        return quant_matmul(x, self.raw, self.qtype, self._in_features)
+        return quant_matmul(x, self.raw, self.qtype, self._in_features,
+                            activations=self.activations)  # fmt: skip
 
     @classmethod
     def from_rows(
@@ -56,3 +59,14 @@ class GGUFWeight(QuantizedWeight):
             warnings.simplefilter("ignore", UserWarning)
             raw = torch.from_numpy(rows)
         return cls(raw, qtype, in_features)
+
+
+def set_activations(model: nn.Module, activations: str) -> int:
+    """Make every GGUF weight of ``model`` multiply ``activations`` ("float32": exact; "int8":
+    quantized per block, llama.cpp's way); returns how many there are."""
+    weights = [
+        w for m in model.modules() if isinstance(w := m.__dict__.get(QUANT_ATTR), GGUFWeight)
+    ]
+    for weight in weights:
+        weight.activations = activations
+    return len(weights)

@@ -22,6 +22,7 @@ import torch
 from asyncpaged.errors import InvalidRequestError
 from asyncpaged.model.attention import AttentionBackend, AttentionMetadata
 from asyncpaged.model.base import FUSED_DTYPES, SINGLE_SHARD, CausalLM, TensorShard
+from asyncpaged.model.gguf_weight import set_activations
 from asyncpaged.model.kv_cache import PagedKVCache, swap_in, swap_out
 from asyncpaged.model.loader import load_model
 from asyncpaged.model.packed_linear import pack_linears
@@ -53,6 +54,7 @@ class ModelInstance:
         packed_linears: bool = True,
         fused_elementwise: bool = True,
         shard: TensorShard = SINGLE_SHARD,
+        quantized_activations: str = "float32",
     ) -> None:
         """Load ``shard`` of the checkpoint on ``device`` and allocate ``num_blocks`` device
         blocks and ``num_host_blocks`` host blocks of ``block_size`` tokens.
@@ -62,9 +64,11 @@ class ModelInstance:
         pre-packs the layers' weights for oneDNN (not the LM head's: its owner decides) and
         ``fused_elementwise`` gives the model native fused norm / RoPE / SiLU ops
         (``CausalLM.fused_ops``) when the kernel library builds here. ``attn_backend`` must be
-        this instance's own (backends keep per-step plans)."""
+        this instance's own (backends keep per-step plans). ``quantized_activations``: how
+        GGUF weights multiply (``gguf_weight.set_activations``)."""
         self.device = device
         self.model: CausalLM = load_model(checkpoint_path, dtype, device, shard)
+        set_activations(self.model, quantized_activations)
         if attn_backend is not None:
             self.model.attn_backend = attn_backend
         self.dtype = self.model.lm_head_weight().dtype

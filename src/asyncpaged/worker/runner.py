@@ -106,6 +106,7 @@ class WorkerSpec:
     # ranks capture together once every rank is ready: ``CaptureGraphs``)
     cuda_graph_sizes: tuple[int, ...] = ()
     max_model_len: int = 0
+    quantized_activations: str = "float32"  # GGUF weights: EngineConfig.quantized_activations
 
 
 class ModelRunner:
@@ -138,6 +139,7 @@ class ModelRunner:
         fused_elementwise: bool = True,
         native_bf16_decode: bool = True,
         shard: TensorShard = SINGLE_SHARD,
+        quantized_activations: str = "float32",
     ) -> None:
         """Load the checkpoint and allocate caches; ``kv_fill_value`` poisons them (tests: NaN).
 
@@ -158,7 +160,8 @@ class ModelRunner:
         sequence (transformers' bits; ``CpuAttentionBackend.sdpa_bf16_decode``). ``shard``
         picks a
         tensor-parallel shard of the weights and KV heads (a rank other than 0 never samples, so
-        it builds no screened head).
+        it builds no screened head). ``quantized_activations`` ("int8"): GGUF weights multiply
+        int8-quantized activations (``EngineConfig.quantized_activations``).
         """
         if num_blocks <= 0 or block_size <= 0 or num_host_blocks < 0:
             raise ValueError(
@@ -170,6 +173,7 @@ class ModelRunner:
             block_size=block_size, num_host_blocks=num_host_blocks, kv_cache_dtype=kv_cache_dtype,
             attn_backend=attn_backend, kv_fill_value=kv_fill_value, packed_linears=packed_linears,
             fused_elementwise=fused_elementwise, shard=shard,
+            quantized_activations=quantized_activations,
         )  # fmt: skip
         self.device = self.instance.device
         self.dtype = self.instance.dtype
@@ -261,7 +265,7 @@ class ModelRunner:
             kv_cache_dtype=getattr(torch, spec.kv_cache_dtype), packed_linears=spec.packed_linears,
             screened_lm_head=spec.screened_lm_head, int8_lm_head=spec.int8_lm_head,
             fused_elementwise=spec.fused_elementwise, native_bf16_decode=spec.native_bf16_decode,
-            shard=shard,
+            shard=shard, quantized_activations=spec.quantized_activations,
         )  # fmt: skip
 
     @torch.inference_mode()
