@@ -26,10 +26,15 @@
 // crosses a scale's 16 elements (W <= 16), and no load reaches past the block it decodes.
 //
 // Two paths (auto: gemv up to 2 kGemvTile rows, where the tiled path caught up on Zen 4):
-//   gemv  (few rows, decode): for each row of W, one pass over its blocks; each vector of
-//         weights is decoded once and multiplied into up to kGemvTile rows of x (accumulators
-//         in registers, reduced across lanes at the row's end). K runs in chunks whose x stays
-//         in L1 across a work item's 8 rows of W.
+//   gemv  (few rows, decode), in passes of at most kGemvTile rows of x:
+//         one row (gemv_rows): for each row of W, one pass over its blocks, each vector of
+//         weights decoded in registers and multiplied into the row (accumulators reduced
+//         across lanes at the row's end); K runs in chunks whose x stays in L1 across a work
+//         item's 8 rows of W.
+//         two or more rows (gemv_blocked): per K chunk of 256, C = 4 rows of W are decoded
+//         once into an L1 buffer (vector stores), and every R-row tile of x runs an R x C
+//         register-blocked kernel over them (R + C vector loads per R C FMAs, R = 4 with 32
+//         registers, 2 with 16); partial sums stay vectors until the row's end.
 //   tiled (prefill): for NT = 2 W columns of y and a K chunk of 256, the W tile is decoded once
 //         into an L1 buffer transposed ([k][NT]), then every MT-row tile of x runs a register
 //         tiled micro-kernel over it (broadcast x, FMA into MT x 2 vectors); y accumulates over
@@ -53,9 +58,10 @@ namespace {
 
 constexpr int kGroup = 32;                       // elements per decode group
 constexpr int kVecsPerGroup = kGroup / W;
-constexpr int kGemvTile = kNumRegs >= 32 ? 16 : 8;  // most x rows per gemv pass
+constexpr int kGemvTile = 16;  // most x rows per gemv pass
 constexpr int64_t kGemvRows = 8;       // rows of W per gemv work item
-constexpr int64_t kGemvFloats = 4096;  // floats of x per gemv K chunk (16 KiB: half of L1)
+constexpr int64_t kGemvFloats = 4096;  // floats of x per gemv_rows K chunk (16 KiB: half of L1)
+constexpr int kBlockMin = 2;  // rows of x from which gemv blocks registers (one: gemv_rows)
 constexpr int kTileCols = 2 * W;                 // NT: columns of y per tiled work item
 constexpr int kTileRows = kNumRegs >= 32 ? 12 : 6;  // MT: rows of the micro-kernel
 constexpr int kChunkK = 256;                     // K elements per decoded W tile
@@ -67,13 +73,13 @@ enum Path : int32_t { kAuto = 0, kGemv = 1, kTiled = 2 };
 constexpr int32_t kNoMemory = 8;  // Status: the packed copy of x could not be allocated
 
 template <typename F, size_t... I>
-inline void unrolled(F&& f, std::index_sequence<I...>) {
+[[gnu::always_inline]] inline void unrolled(F&& f, std::index_sequence<I...>) {
   (f(std::integral_constant<int, static_cast<int>(I)>{}), ...);
 }
 
 // W bytes at p, zero-extended to W int32 lanes. Intrinsics here: GCC 12 lowers a byte vector's
 // __builtin_convertvector (and its shuffles with zero) to scalar code through general registers.
-inline vi load_u8(const uint8_t* p) {
+[[gnu::always_inline]] inline vi load_u8(const uint8_t* p) {
   vi out;
 #if ASYNCPAGED_VEC_BYTES >= 64 && defined(__AVX512F__)
   const __m512i r = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
@@ -96,9 +102,12 @@ inline vi load_u8(const uint8_t* p) {
 inline vf to_vf(vi q) { return __builtin_convertvector(q, vf); }
 
 // IEEE half -> float, exact, in integer arithmetic (no dependence on the FPU's denormal mode).
-inline float fp16_to_float(const uint8_t* p) {
+[[gnu::always_inline]] inline float fp16_to_float(const uint8_t* p) {
   uint16_t h;
   std::memcpy(&h, p, sizeof h);
+#if defined(__F16C__)
+  return _cvtsh_ss(h);  // exact for every half, subnormals included (DAZ does not apply)
+#endif
   const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
   uint32_t exp = (h >> 10) & 0x1fu;
   uint32_t mant = h & 0x3ffu;
@@ -120,39 +129,41 @@ inline float fp16_to_float(const uint8_t* p) {
   return f;
 }
 
-// Each type: kElems per block, kBytes per block, and decode(block, f) calling
-// f(offset, I, w) for every vector of the block: w holds elements [offset + I W, + W) with I a
-// compile-time index in [0, kVecsPerGroup) and offset a multiple of kGroup.
+// Each type: kElems per block, kBytes per block, kGroups = kElems / kGroup, Head (the block's
+// fp16 scales as float: head(block)), and group(block, head, g, out) writing elements
+// [32 g, 32 g + 32) as kVecsPerGroup vectors (g a compile-time constant after unrolling).
+// decode(block, f) calls f(offset, I, w) for every vector of the block: w holds elements
+// [offset + I W, + W) with I a compile-time index in [0, kVecsPerGroup) and offset = 32 g.
 
 struct Q8_0 {
-  static constexpr int kElems = 32, kBytes = 34;
-  template <typename F>
-  static inline void decode(const uint8_t* b, F&& f) {
-    const float d = fp16_to_float(b);
+  static constexpr int kElems = 32, kBytes = 34, kGroups = 1;
+  struct Head { float d; };
+  [[gnu::always_inline]] static inline Head head(const uint8_t* b) { return {fp16_to_float(b)}; }
+  [[gnu::always_inline]] static inline void group(const uint8_t* b, Head h, int, vf* out) {
     unrolled([&](auto i) {
       constexpr int I = decltype(i)::value;
       const vi q = (load_u8(b + 2 + I * W) ^ 0x80) - 0x80;  // int8, sign-extended
-      f(0, i, to_vf(q) * d);
+      out[I] = to_vf(q) * h.d;
     }, std::make_index_sequence<kVecsPerGroup>{});
   }
 };
 
 struct Q4_0 {
-  static constexpr int kElems = 32, kBytes = 18;
-  template <typename F>
-  static inline void decode(const uint8_t* b, F&& f) {
-    const float d = fp16_to_float(b);
+  static constexpr int kElems = 32, kBytes = 18, kGroups = 1;
+  struct Head { float d; };
+  [[gnu::always_inline]] static inline Head head(const uint8_t* b) { return {fp16_to_float(b)}; }
+  [[gnu::always_inline]] static inline void group(const uint8_t* b, Head h, int, vf* out) {
     unrolled([&](auto i) {
       constexpr int E = decltype(i)::value * W;
       const vi u = load_u8(b + 2 + E % 16);
       const vi q = (E >= 16 ? u >> 4 : u & 15) - 8;
-      f(0, i, to_vf(q) * d);
+      out[decltype(i)::value] = to_vf(q) * h.d;
     }, std::make_index_sequence<kVecsPerGroup>{});
   }
 };
 
 // The 6-bit scale and min of sub-block j of a K-quant block's 12 scale bytes.
-inline void scale_min_k4(const uint8_t* s, int j, int& sc, int& m) {
+[[gnu::always_inline]] inline void scale_min_k4(const uint8_t* s, int j, int& sc, int& m) {
   if (j < 4) {
     sc = s[j] & 63;
     m = s[j + 4] & 63;
@@ -164,68 +175,69 @@ inline void scale_min_k4(const uint8_t* s, int j, int& sc, int& m) {
 
 template <bool kHigh>  // Q4_K (kHigh false) and Q5_K (true): same scales, Q5_K adds a fifth bit
 struct QK_45 {
-  static constexpr int kElems = 256, kBytes = kHigh ? 176 : 144;
-  template <typename F>
-  static inline void decode(const uint8_t* b, F&& f) {
-    const float d = fp16_to_float(b);
-    const float dmin = fp16_to_float(b + 2);
-    const uint8_t* scales = b + 4;
+  static constexpr int kElems = 256, kBytes = kHigh ? 176 : 144, kGroups = 8;
+  struct Head { float d, dmin; };
+  [[gnu::always_inline]] static inline Head head(const uint8_t* b) { return {fp16_to_float(b), fp16_to_float(b + 2)}; }
+  [[gnu::always_inline]] static inline void group(const uint8_t* b, Head h, int j, vf* out) {
     const uint8_t* qh = b + 16;
-    const uint8_t* qs = b + (kHigh ? 48 : 16);
-#pragma GCC unroll 8
-    for (int j = 0; j < 8; ++j) {
-      int sc, m;
-      scale_min_k4(scales, j, sc, m);
-      const float dj = d * static_cast<float>(sc);
-      const float mj = dmin * static_cast<float>(m);
-      const uint8_t* q = qs + 32 * (j / 2);
-      const int shift = 4 * (j % 2);
-      unrolled([&](auto i) {
-        constexpr int I = decltype(i)::value;
-        vi u = (load_u8(q + I * W) >> shift) & 15;
-        if constexpr (kHigh) u |= ((load_u8(qh + I * W) >> j) & 1) << 4;
-        f(kGroup * j, i, to_vf(u) * dj - mj);
-      }, std::make_index_sequence<kVecsPerGroup>{});
-    }
+    const uint8_t* q = b + (kHigh ? 48 : 16) + 32 * (j / 2);
+    int sc, m;
+    scale_min_k4(b + 4, j, sc, m);
+    const float dj = h.d * static_cast<float>(sc);
+    const float mj = h.dmin * static_cast<float>(m);
+    const int shift = 4 * (j % 2);
+    unrolled([&](auto i) {
+      constexpr int I = decltype(i)::value;
+      vi u = (load_u8(q + I * W) >> shift) & 15;
+      if constexpr (kHigh) u |= ((load_u8(qh + I * W) >> j) & 1) << 4;
+      out[I] = to_vf(u) * dj - mj;  // dj * u is exact: one rounding, as gguf-py's two steps
+    }, std::make_index_sequence<kVecsPerGroup>{});
   }
 };
 using Q4_K = QK_45<false>;
 using Q5_K = QK_45<true>;
 
 struct Q6_K {
-  static constexpr int kElems = 256, kBytes = 210;
-  template <typename F>
-  static inline void decode(const uint8_t* b, F&& f) {
-    const uint8_t* ql = b;
-    const uint8_t* qh = b + 128;
+  static constexpr int kElems = 256, kBytes = 210, kGroups = 8;
+  struct Head { float d; };
+  [[gnu::always_inline]] static inline Head head(const uint8_t* b) { return {fp16_to_float(b + 208)}; }
+  // group g: elements 32 g .. + 32 (h = g / 4, r = 32 (g % 4))
+  [[gnu::always_inline]] static inline void group(const uint8_t* b, Head h, int g, vf* out) {
+    const uint8_t* lo = b + 64 * (g / 4) + 32 * (g % 2);
+    const int lo_shift = 4 * ((g % 4) / 2);
+    const uint8_t* hi = b + 128 + 32 * (g / 4);
+    const int hi_shift = 2 * (g % 4);
     const int8_t* scales = reinterpret_cast<const int8_t*>(b + 192);
-    const float d = fp16_to_float(b + 208);
-#pragma GCC unroll 8
-    for (int g = 0; g < 8; ++g) {  // group g: elements 32 g .. + 32 (h = g / 4, r = 32 (g % 4))
-      const uint8_t* lo = ql + 64 * (g / 4) + 32 * (g % 2);
-      const int lo_shift = 4 * ((g % 4) / 2);
-      const uint8_t* hi = qh + 32 * (g / 4);
-      const int hi_shift = 2 * (g % 4);
-      unrolled([&](auto i) {
-        constexpr int I = decltype(i)::value;
-        const float ds = d * static_cast<float>(scales[2 * g + (I * W) / 16]);
-        const vi q = (((load_u8(lo + I * W) >> lo_shift) & 15)
-                      | (((load_u8(hi + I * W) >> hi_shift) & 3) << 4)) - 32;
-        f(kGroup * g, i, to_vf(q) * ds);
-      }, std::make_index_sequence<kVecsPerGroup>{});
-    }
+    unrolled([&](auto i) {
+      constexpr int I = decltype(i)::value;
+      const float ds = h.d * static_cast<float>(scales[2 * g + (I * W) / 16]);
+      const vi q = (((load_u8(lo + I * W) >> lo_shift) & 15)
+                    | (((load_u8(hi + I * W) >> hi_shift) & 3) << 4)) - 32;
+      out[I] = to_vf(q) * ds;
+    }, std::make_index_sequence<kVecsPerGroup>{});
   }
 };
+
+template <typename Q, typename F>
+[[gnu::always_inline]] inline void decode(const uint8_t* b, F&& f) {
+  const typename Q::Head h = Q::head(b);
+  unrolled([&](auto g) {
+    vf out[kVecsPerGroup];
+    Q::group(b, h, decltype(g)::value, out);
+    unrolled([&](auto i) { f(kGroup * decltype(g)::value, i, out[decltype(i)::value]); },
+             std::make_index_sequence<kVecsPerGroup>{});
+  }, std::make_index_sequence<Q::kGroups>{});
+}
 
 // ---- x packed per tile of rows, so a tile's loads are contiguous: rows at a stride of K floats
 // (a multiple of 4 KiB for the usual K) would all fall into one L1 set and evict each other.
 
-// gemv layout of rows [m0, m0 + mt): vector kv of row m at xp[m0 K + (kv mt + m) W].
-void pack_gemv(const float* x, int64_t m0, int64_t mt, int64_t K, float* xp) {
+// gemv layout of mt rows of x: vector kv of row m at xp[(kv stride + m) W] (stride >= mt).
+void pack_gemv(const float* x, int64_t mt, int64_t K, int64_t stride, float* xp) {
   const int64_t num_vecs = K / W;
   for (int64_t kv = 0; kv < num_vecs; ++kv)
     for (int64_t m = 0; m < mt; ++m)
-      std::memcpy(xp + m0 * K + (kv * mt + m) * W, x + (m0 + m) * K + kv * W, W * sizeof(float));
+      std::memcpy(xp + (kv * stride + m) * W, x + m * K + kv * W, W * sizeof(float));
 }
 
 // tiled layout of rows [m0, m0 + mt): x[m0 + m, k] at xp[m0 K + k mt + m].
@@ -256,7 +268,7 @@ void gemv_rows(const float* x, int64_t K, const uint8_t* w, int64_t row_bytes, i
         for (int a = 0; a < NA; ++a) acc[m][a] = k0 == 0 ? vf{} : part[n - n0][m][a];
       for (int64_t kb = kb0; kb < kb1; ++kb) {
         const float* xb = x + kb * Q::kElems * MT;
-        Q::decode(row + kb * Q::kBytes, [&](int offset, auto i, vf wv) {
+        decode<Q>(row + kb * Q::kBytes, [&](int offset, auto i, vf wv) {
           constexpr int I = decltype(i)::value;
           const float* xk = xb + (offset + I * W) * MT;
 #pragma GCC unroll 16
@@ -280,16 +292,94 @@ void gemv_rows(const float* x, int64_t K, const uint8_t* w, int64_t row_bytes, i
   }
 }
 
-template <typename Q, int MT>
-void gemv_dispatch(int mt, const float* x, int64_t K, const uint8_t* w, int64_t row_bytes,
-                   int64_t n0, int64_t n1, float* y, int64_t N) {
-  if constexpr (MT >= 1) {
-    if (mt == MT) {
-      gemv_rows<Q, MT>(x, K, w, row_bytes, n0, n1, y, N);
-    } else {
-      gemv_dispatch<Q, MT - 1>(mt, x, K, w, row_bytes, n0, n1, y, N);
+// Register-blocked gemv for several rows of x (mt >= kBlockMin, packed by pack_gemv at a
+// stride of kGemvTile rows): per K chunk of kBlockK, kBlockCols rows of W are decoded once into
+// an L1 buffer (plain vector stores), then every tile of R rows of x runs over it with R x C
+// accumulators (R + C loads per R C FMAs). Partial sums wait in part[] across the chunks, as
+// in gemv_rows.
+constexpr int kBlockRows = kNumRegs >= 32 ? 4 : 2;  // R: rows of x per register block
+constexpr int kBlockCols = 4;                       // C: rows of W per register block
+constexpr int kBlockK = 256;                        // K elements per decoded chunk
+
+template <int R, int C>
+inline void gemv_block(const float* x, const float* wd, int num_vecs, vf (*part)[kGemvTile],
+                       bool first) {
+  vf acc[R][C];
+#pragma GCC unroll 16
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 8
+    for (int c = 0; c < C; ++c) acc[r][c] = first ? vf{} : part[c][r];
+  for (int v = 0; v < num_vecs; ++v) {
+    vf wv[C];
+#pragma GCC unroll 8
+    for (int c = 0; c < C; ++c) {
+      vf t = load(wd + c * kBlockK + v * W);
+      asm("" : "+v"(t));  // one load per vector (GCC would fold it into every FMA)
+      wv[c] = t;
+    }
+#pragma GCC unroll 16
+    for (int r = 0; r < R; ++r) {
+      vf xv = load(x + (v * kGemvTile + r) * W);
+      asm("" : "+v"(xv));
+#pragma GCC unroll 8
+      for (int c = 0; c < C; ++c) acc[r][c] += xv * wv[c];
     }
   }
+#pragma GCC unroll 16
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 8
+    for (int c = 0; c < C; ++c) part[c][r] = acc[r][c];
+}
+
+template <int R, int C>
+inline void gemv_block_rows(int rr, const float* x, const float* wd, int num_vecs,
+                            vf (*part)[kGemvTile], bool first) {
+  if constexpr (R >= 1) {
+    if (rr == R) {
+      gemv_block<R, C>(x, wd, num_vecs, part, first);
+    } else {
+      gemv_block_rows<R - 1, C>(rr, x, wd, num_vecs, part, first);
+    }
+  }
+}
+
+template <typename Q>
+void gemv_blocked(const float* x, int mt, int64_t K, const uint8_t* w, int64_t row_bytes,
+                  int64_t n0, int64_t n1, float* y, int64_t N) {
+  constexpr int C = kBlockCols;
+  constexpr int64_t KC = std::max(kBlockK, Q::kElems);
+  static_assert(KC == kBlockK, "a chunk holds whole blocks");
+  alignas(64) float wd[C * kBlockK];
+  vf part[kGemvRows][kGemvTile];
+  for (int64_t k0 = 0; k0 < K; k0 += KC) {
+    const int64_t kb0 = k0 / Q::kElems, kb1 = std::min(K, k0 + KC) / Q::kElems;
+    const int num_vecs = static_cast<int>((kb1 - kb0) * Q::kElems / W);
+    for (int64_t n = n0; n < n1; n += C) {
+      const int nc = static_cast<int>(std::min<int64_t>(C, n1 - n));
+      for (int c = 0; c < nc; ++c) {
+        const uint8_t* row = w + (n + c) * row_bytes;
+        for (int64_t kb = kb0; kb < kb1; ++kb) {
+          float* out = wd + c * kBlockK + (kb - kb0) * Q::kElems;
+          decode<Q>(row + kb * Q::kBytes, [&](int offset, auto i, vf wv) {
+            store(out + offset + decltype(i)::value * W, wv);
+          });
+        }
+      }
+      for (int r0 = 0; r0 < mt; r0 += kBlockRows) {
+        const int rr = std::min(kBlockRows, mt - r0);
+        const float* xr = x + k0 * kGemvTile + r0 * W;
+        vf(*pp)[kGemvTile] = reinterpret_cast<vf(*)[kGemvTile]>(&part[n - n0][r0]);
+        if (nc == C) {
+          gemv_block_rows<kBlockRows, C>(rr, xr, wd, num_vecs, pp, k0 == 0);
+        } else {
+          for (int c = 0; c < nc; ++c)
+            gemv_block_rows<kBlockRows, 1>(rr, xr, wd + c * kBlockK, num_vecs, pp + c, k0 == 0);
+        }
+      }
+    }
+  }
+  for (int64_t n = n0; n < n1; ++n)
+    for (int m = 0; m < mt; ++m) y[m * N + n] = reduce_add(part[n - n0][m]);
 }
 
 // Rows of x in passes of at most kGemvTile, balanced (M = 20 on avx2: 7 + 7 + 6, not 8 + 8 + 4):
@@ -299,10 +389,12 @@ inline int64_t pass_start(int64_t p, int64_t M, int64_t passes) { return p * M /
 template <typename Q>
 void gemv(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t N, int64_t row_bytes,
           float* xp, float* y, int32_t num_threads) {
+  // Pass p's rows packed at xp + p kGemvTile K: at a stride of kGemvTile rows (compile-time
+  // offsets) for the register-blocked kernel, of its own row count for gemv_rows.
   const int64_t passes = (M + kGemvTile - 1) / kGemvTile;
   for (int64_t p = 0; p < passes && xp != nullptr; ++p) {
-    const int64_t m0 = pass_start(p, M, passes);
-    pack_gemv(x, m0, pass_start(p + 1, M, passes) - m0, K, xp);
+    const int64_t m0 = pass_start(p, M, passes), mt = pass_start(p + 1, M, passes) - m0;
+    pack_gemv(x + m0 * K, mt, K, mt >= kBlockMin ? kGemvTile : mt, xp + p * kGemvTile * K);
   }
   const float* xs = xp != nullptr ? xp : x;  // one row is its own packing
   const bool parallel = num_threads > 1 && N > 1 && N * K * M >= kParallelWork;
@@ -313,7 +405,12 @@ void gemv(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t N, int
     for (int64_t p = 0; p < passes; ++p) {
       const int64_t m0 = pass_start(p, M, passes);
       const int mt = static_cast<int>(pass_start(p + 1, M, passes) - m0);
-      gemv_dispatch<Q, kGemvTile>(mt, xs + m0 * K, K, w, row_bytes, n0, n1, y + m0 * N, N);
+      const float* xt = xs + p * kGemvTile * K;
+      if (mt >= kBlockMin) {
+        gemv_blocked<Q>(xt, mt, K, w, row_bytes, n0, n1, y + m0 * N, N);
+      } else {
+        gemv_rows<Q, 1>(xt, K, w, row_bytes, n0, n1, y + m0 * N, N);
+      }
     }
   }
 }
@@ -332,7 +429,7 @@ void pack_tile(const uint8_t* w, int64_t row_bytes, int64_t n0, int num_cols, in
     const uint8_t* row = w + (n0 + r) * row_bytes + (k0 / Q::kElems) * Q::kBytes;
     for (int64_t kb = 0; kb < kc / Q::kElems; ++kb) {
       float* out = wt + (kb * Q::kElems) * kTileCols + r;
-      Q::decode(row + kb * Q::kBytes, [&](int offset, auto i, vf wv) {
+      decode<Q>(row + kb * Q::kBytes, [&](int offset, auto i, vf wv) {
         constexpr int I = decltype(i)::value;
         float* o = out + (offset + I * W) * kTileCols;
 #pragma GCC unroll 16
@@ -428,7 +525,8 @@ int32_t run(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t N, i
   // x packed for the tiles (a copy of x, not of W); a single row needs none.
   std::unique_ptr<float[]> xp;
   if (M > 1) {
-    xp.reset(new (std::nothrow) float[M * K]);
+    const int64_t rows = path == kGemv ? (M + kGemvTile - 1) / kGemvTile * kGemvTile : M;
+    xp.reset(new (std::nothrow) float[rows * K]);
     if (!xp) return kNoMemory;
   }
   if (path == kGemv) {
