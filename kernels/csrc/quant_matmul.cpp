@@ -25,7 +25,8 @@
 // Every type is decoded in groups of 32 elements, one W-lane vector at a time; no vector
 // crosses a scale's 16 elements (W <= 16), and no load reaches past the block it decodes.
 //
-// Two paths (auto: gemv up to 2 kGemvTile rows, where the tiled path caught up on Zen 4):
+// Two paths (auto: gemv up to kGemvTile = 16 rows; from 17 to 32 the tiled path was 0-12%
+// faster on Zen 4, and the more so the larger M):
 //   gemv  (few rows, decode), in passes of at most kGemvTile rows of x:
 //         one row (gemv_rows): for each row of W, one pass over its blocks, each vector of
 //         weights decoded in registers and multiplied into the row (accumulators reduced
@@ -36,9 +37,12 @@
 //         register-blocked kernel over them (R + C vector loads per R C FMAs, R = 4 with 32
 //         registers, 2 with 16); partial sums stay vectors until the row's end.
 //   tiled (prefill): for NT = 2 W columns of y and a K chunk of 256, the W tile is decoded once
-//         into an L1 buffer transposed ([k][NT]), then every MT-row tile of x runs a register
+//         into an L1 buffer transposed ([k][NT]; each row's block decoded with vector stores,
+//         then W x W transposes in registers), then every MT-row tile of x runs a register
 //         tiled micro-kernel over it (broadcast x, FMA into MT x 2 vectors); y accumulates over
 //         the chunks in k order.
+// A third product, opt-in, quantizes x to int8 and sums integers (asyncpaged_quant_matmul_int8;
+// see "int8 activations" below).
 // Work decomposition: rows of W (gemv) or NT-column tiles (tiled) split over the threads,
 // schedule static, when the call is large enough to pay for the OpenMP region.
 
@@ -499,24 +503,53 @@ void gemv(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t N, int
 
 // ---- tiled: decode an [NT columns x kc] tile of W once, transposed, and run all of x over it.
 
+// One step of a W x W transpose of vectors (vf or vi): swaps bit S of the row and column index.
+template <int S, typename V, size_t... J>
+[[gnu::always_inline]] inline void transpose_step(V& a, V& b, std::index_sequence<J...>) {
+  const V lo = __builtin_shufflevector(a, b, ((J & S) == 0 ? J : W + J - S)...);
+  const V hi = __builtin_shufflevector(a, b, ((J & S) == 0 ? J + S : W + J)...);
+  a = lo;
+  b = hi;
+}
+
+// r[0..W) transposed in place (log2 W stages of W two-source shuffles).
+template <int S, typename V>
+[[gnu::always_inline]] inline void transpose_stage(V* r) {
+  if constexpr (S >= 1) {
+#pragma GCC unroll 16
+    for (int i = 0; i < W; ++i)
+      if ((i & S) == 0) transpose_step<S>(r[i], r[i + S], std::make_index_sequence<W>{});
+    transpose_stage<S / 2>(r);
+  }
+}
+
 // wt[k * NT + r] = W[n0 + r, k0 + k] for k < kc, r < num_cols (columns past num_cols are zero).
+// Per block and W columns: each row's block decoded with vector stores into a row-major buffer,
+// then W x W transposes in registers store whole vectors of wt.
 template <typename Q>
 void pack_tile(const uint8_t* w, int64_t row_bytes, int64_t n0, int num_cols, int64_t k0,
                int64_t kc, float* wt) {
-  for (int r = 0; r < kTileCols; ++r) {
-    if (r >= num_cols) {
-      for (int64_t k = 0; k < kc; ++k) wt[k * kTileCols + r] = 0.0f;
-      continue;
-    }
-    const uint8_t* row = w + (n0 + r) * row_bytes + (k0 / Q::kElems) * Q::kBytes;
-    for (int64_t kb = 0; kb < kc / Q::kElems; ++kb) {
-      float* out = wt + (kb * Q::kElems) * kTileCols + r;
-      decode<Q>(row + kb * Q::kBytes, [&](int offset, auto i, vf wv) {
-        constexpr int I = decltype(i)::value;
-        float* o = out + (offset + I * W) * kTileCols;
+  alignas(64) float rows[W][Q::kElems];
+  for (int64_t kb = 0; kb < kc / Q::kElems; ++kb) {
+    for (int h = 0; h < kTileCols; h += W) {
+      for (int r = 0; r < W; ++r) {
+        if (h + r >= num_cols) {
+          std::memset(rows[r], 0, sizeof rows[r]);
+          continue;
+        }
+        const uint8_t* blk = w + (n0 + h + r) * row_bytes + (k0 / Q::kElems + kb) * Q::kBytes;
+        decode<Q>(blk, [&](int offset, auto i, vf wv) {
+          store(rows[r] + offset + decltype(i)::value * W, wv);
+        });
+      }
+      for (int k = 0; k < Q::kElems; k += W) {
+        vf t[W];
 #pragma GCC unroll 16
-        for (int l = 0; l < W; ++l) o[l * kTileCols] = wv[l];
-      });
+        for (int r = 0; r < W; ++r) t[r] = load(rows[r] + k);
+        transpose_stage<W / 2>(t);
+#pragma GCC unroll 16
+        for (int j = 0; j < W; ++j) store(wt + (kb * Q::kElems + k + j) * kTileCols + h, t[j]);
+      }
     }
   }
 }
@@ -660,25 +693,6 @@ inline void block_factors(const uint8_t* b, float& a, float& bm, int16_t* mins) 
 #else
   for (int l = 0; l < W; ++l) p[l] = static_cast<int16_t>(v[l]);
 #endif
-}
-
-// One step of a W x W transpose: swaps bit S of the row and column index.
-template <int S, size_t... J>
-[[gnu::always_inline]] inline void transpose_step(vi& a, vi& b, std::index_sequence<J...>) {
-  const vi lo = __builtin_shufflevector(a, b, ((J & S) == 0 ? J : W + J - S)...);
-  const vi hi = __builtin_shufflevector(a, b, ((J & S) == 0 ? J + S : W + J)...);
-  a = lo;
-  b = hi;
-}
-
-template <int S>
-[[gnu::always_inline]] inline void transpose_stage(vi* r) {
-  if constexpr (S >= 1) {
-#pragma GCC unroll 16
-    for (int i = 0; i < W; ++i)
-      if ((i & S) == 0) transpose_step<S>(r[i], r[i + S], std::make_index_sequence<W>{});
-    transpose_stage<S / 2>(r);
-  }
 }
 
 inline int32_t pair16(int16_t lo, int16_t hi) {
@@ -1165,7 +1179,7 @@ int32_t run(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t N, i
             float* y, int32_t path, int32_t num_threads) {
   if (K <= 0 || K % Q::kElems != 0 || row_bytes != K / Q::kElems * Q::kBytes) return kBadIndex;
   if (M == 0 || N == 0) return kOk;
-  if (path == kAuto) path = M <= 2 * kGemvTile ? kGemv : kTiled;  // measured crossover
+  if (path == kAuto) path = M <= kGemvTile ? kGemv : kTiled;  // measured crossover (Zen 4)
   if (path != kGemv && path != kTiled) return kBadIndex;
   // x packed for the tiles (a copy of x, not of W); a single row needs none.
   std::unique_ptr<float[]> xp;
