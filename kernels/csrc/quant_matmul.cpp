@@ -161,13 +161,6 @@ struct Q8_0 {
       out[I] = (load_u8(b + 2 + I * W) ^ 0x80) - 0x80;
     }, std::make_index_sequence<kVecsPerGroup>{});
   }
-  // The VNNI path's unsigned byte codes: qs + 128 (its offset of 128 comes off per block).
-  [[gnu::always_inline]] static inline void ugroup(const uint8_t* b, int, vi* out) {
-    unrolled([&](auto i) {
-      constexpr int I = decltype(i)::value;
-      out[I] = load_u8(b + 2 + I * W) ^ 0x80;
-    }, std::make_index_sequence<kVecsPerGroup>{});
-  }
 };
 
 struct Q4_0 {
@@ -187,13 +180,6 @@ struct Q4_0 {
       constexpr int E = decltype(i)::value * W;
       const vi u = load_u8(b + 2 + E % 16);
       out[decltype(i)::value] = (E >= 16 ? u >> 4 : u & 15) - 8;
-    }, std::make_index_sequence<kVecsPerGroup>{});
-  }
-  [[gnu::always_inline]] static inline void ugroup(const uint8_t* b, int, vi* out) {
-    unrolled([&](auto i) {
-      constexpr int E = decltype(i)::value * W;
-      const vi u = load_u8(b + 2 + E % 16);
-      out[decltype(i)::value] = E >= 16 ? u >> 4 : u & 15;
     }, std::make_index_sequence<kVecsPerGroup>{});
   }
 };
@@ -243,17 +229,6 @@ struct QK_45 {
       out[I] = u * sc;
     }, std::make_index_sequence<kVecsPerGroup>{});
   }
-  [[gnu::always_inline]] static inline void ugroup(const uint8_t* b, int j, vi* out) {
-    const uint8_t* qh = b + 16;
-    const uint8_t* q = b + (kHigh ? 48 : 16) + 32 * (j / 2);
-    const int shift = 4 * (j % 2);
-    unrolled([&](auto i) {
-      constexpr int I = decltype(i)::value;
-      vi u = (load_u8(q + I * W) >> shift) & 15;
-      if constexpr (kHigh) u |= ((load_u8(qh + I * W) >> j) & 1) << 4;
-      out[I] = u;
-    }, std::make_index_sequence<kVecsPerGroup>{});
-  }
 };
 using Q4_K = QK_45<false>;
 using Q5_K = QK_45<true>;
@@ -289,17 +264,6 @@ struct Q6_K {
       const vi q = (((load_u8(lo + I * W) >> lo_shift) & 15)
                     | (((load_u8(hi + I * W) >> hi_shift) & 3) << 4)) - 32;
       out[I] = q * sc;
-    }, std::make_index_sequence<kVecsPerGroup>{});
-  }
-  [[gnu::always_inline]] static inline void ugroup(const uint8_t* b, int g, vi* out) {
-    const uint8_t* lo = b + 64 * (g / 4) + 32 * (g % 2);
-    const int lo_shift = 4 * ((g % 4) / 2);
-    const uint8_t* hi = b + 128 + 32 * (g / 4);
-    const int hi_shift = 2 * (g % 4);
-    unrolled([&](auto i) {
-      constexpr int I = decltype(i)::value;
-      out[I] = ((load_u8(lo + I * W) >> lo_shift) & 15)
-               | (((load_u8(hi + I * W) >> hi_shift) & 3) << 4);
     }, std::make_index_sequence<kVecsPerGroup>{});
   }
 };
@@ -956,6 +920,56 @@ struct alignas(64) VnniChunk {
   return acc;
 }
 
+// The VNNI path's unsigned byte codes of one block (kElems bytes at out), with byte-wide
+// vector operations on 32 bytes at a time (no widening): Q8_0 qs + 128, Q4_0 and the K-quants
+// their 4-6 bit values.
+typedef uint8_t vb32 __attribute__((vector_size(32)));
+
+[[gnu::always_inline]] inline vb32 load_b32(const uint8_t* p) {
+  vb32 v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+
+[[gnu::always_inline]] inline void store_b32(uint8_t* p, vb32 v) { std::memcpy(p, &v, sizeof v); }
+
+template <typename Q>
+[[gnu::always_inline]] inline void block_bytes(const uint8_t* b, uint8_t* out) {
+  if constexpr (std::is_same_v<Q, Q8_0>) {
+    store_b32(out, load_b32(b + 2) ^ 0x80);
+  } else if constexpr (std::is_same_v<Q, Q4_0>) {
+    for (int i = 0; i < 16; ++i) {  // 16 bytes: scalar (a 32-byte load would leave the block)
+      out[i] = b[2 + i] & 15;
+      out[16 + i] = b[2 + i] >> 4;
+    }
+  } else if constexpr (kHasMins<Q>) {
+    const uint8_t* qs = b + (std::is_same_v<Q, Q5_K> ? 48 : 16);
+    [[maybe_unused]] const vb32 qh = load_b32(b + 16);
+#pragma GCC unroll 4
+    for (int p = 0; p < 4; ++p) {
+      const vb32 v = load_b32(qs + 32 * p);
+      vb32 lo = v & 15, hi = v >> 4;
+      if constexpr (std::is_same_v<Q, Q5_K>) {
+        lo |= ((qh >> (2 * p)) & 1) << 4;
+        hi |= ((qh >> (2 * p + 1)) & 1) << 4;
+      }
+      store_b32(out + 64 * p, lo);
+      store_b32(out + 64 * p + 32, hi);
+    }
+  } else {
+    static_assert(std::is_same_v<Q, Q6_K>);
+#pragma GCC unroll 2
+    for (int h = 0; h < 2; ++h) {
+      const vb32 qh = load_b32(b + 128 + 32 * h);
+#pragma GCC unroll 4
+      for (int c = 0; c < 4; ++c) {
+        const vb32 lo = (load_b32(b + 64 * h + 32 * (c % 2)) >> (4 * (c / 2))) & 15;
+        store_b32(out + 128 * h + 32 * c, lo | (((qh >> (2 * c)) & 3) << 4));
+      }
+    }
+  }
+}
+
 template <typename Q>
 void decode_chunk_vnni(const uint8_t* w, int64_t row_bytes, int64_t n0, int num_rows, int64_t kb,
                        int num_blocks, VnniChunk& ch) {
@@ -993,14 +1007,7 @@ void decode_chunk_vnni(const uint8_t* w, int64_t row_bytes, int64_t n0, int num_
           ch.offs[p * W + l] = pair16(static_cast<int16_t>(32 * sc[2 * p]),
                                       static_cast<int16_t>(32 * sc[2 * p + 1]));
       }
-      unrolled([&](auto g) {
-        constexpr int G = decltype(g)::value;
-        vi c[kVecsPerGroup];
-        Q::ugroup(blk, G, c);
-#pragma GCC unroll 4
-        for (int i = 0; i < kVecsPerGroup; ++i)
-          store_u8(rows[l] + b * Q::kElems + kGroup * G + i * W, c[i]);
-      }, std::make_index_sequence<Q::kGroups>{});
+      block_bytes<Q>(blk, rows[l] + b * Q::kElems);
     }
   }
   for (int k = 0; k < num_elems / 4; k += W) {  // W quads of each row: one W x W transpose

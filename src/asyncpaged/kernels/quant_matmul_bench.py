@@ -114,11 +114,17 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--prefill-repeats", type=int, default=5)
     parser.add_argument("--no-prefill", action="store_true")
     parser.add_argument("--no-vnni", action="store_true", help="also time int8 without VNNI")
+    parser.add_argument(
+        "--m", type=int, nargs="*", help="rows of x (with --nk: instead of the defaults)"
+    )
+    parser.add_argument("--nk", type=int, nargs="*", help="N = K values (with --m)")
     parser.add_argument("--json", default=None, help="write the timings to this file")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     target = args.target or select_target()
     shapes = DECODE_SHAPES + (() if args.no_prefill else PREFILL_SHAPES)
+    if args.m and args.nk:
+        shapes = tuple((m, nk, nk) for nk in args.nk for m in args.m)
     print(f"target {target}, {args.threads} thread(s); times in ms, medians")
     print(
         f"{'type':5} {'M':>4} {'N=K':>5} {'quant':>8} {'GB/s':>6} {'int8':>8} {'no-vnni':>8} "
