@@ -938,10 +938,12 @@ template <typename Q>
   if constexpr (std::is_same_v<Q, Q8_0>) {
     store_b32(out, load_b32(b + 2) ^ 0x80);
   } else if constexpr (std::is_same_v<Q, Q4_0>) {
-    for (int i = 0; i < 16; ++i) {  // 16 bytes: scalar (a 32-byte load would leave the block)
-      out[i] = b[2 + i] & 15;
-      out[16 + i] = b[2 + i] >> 4;
-    }
+    typedef uint8_t vb16 __attribute__((vector_size(16)));  // 16 bytes: the block's end
+    vb16 v;
+    std::memcpy(&v, b + 2, sizeof v);
+    const vb16 lo = v & 15, hi = v >> 4;
+    std::memcpy(out, &lo, sizeof lo);
+    std::memcpy(out + 16, &hi, sizeof hi);
   } else if constexpr (kHasMins<Q>) {
     const uint8_t* qs = b + (std::is_same_v<Q, Q5_K> ? 48 : 16);
     [[maybe_unused]] const vb32 qh = load_b32(b + 16);
