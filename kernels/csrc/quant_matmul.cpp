@@ -1145,7 +1145,11 @@ int32_t run_int8(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t
   if (K <= 0 || K % Q::kElems != 0 || row_bytes != K / Q::kElems * Q::kBytes) return kBadIndex;
   if (vnni < -1 || vnni > 1) return kBadIndex;
   if (M == 0 || N == 0) return kOk;
-  const bool has_vnni = kVecBytes >= 64 && __builtin_cpu_supports("avx512vnni");
+#if ASYNCPAGED_VEC_BYTES >= 64 && defined(__AVX512F__)
+  const bool has_vnni = __builtin_cpu_supports("avx512vnni");
+#else
+  const bool has_vnni = false;  // the VNNI kernel exists in the avx512 build only
+#endif
   if (vnni == 1 && !has_vnni) return kBadIndex;
   const bool use_vnni = vnni == 1 || (vnni == -1 && has_vnni);
   const int64_t num_groups = (N + W - 1) / W;
