@@ -148,7 +148,7 @@ struct Q8_0 {
   struct Head { float d; };
   [[gnu::always_inline]] static inline Head head(const uint8_t* b) { return {fp16_to_float(b)}; }
   [[gnu::always_inline]] static inline void group(const uint8_t* b, Head h, int, vf* out) {
-    unrolled([&](auto i) {
+    unrolled([&](auto i) __attribute__((always_inline)) {
       constexpr int I = decltype(i)::value;
       const vi q = (load_u8(b + 2 + I * W) ^ 0x80) - 0x80;  // int8, sign-extended
       out[I] = to_vf(q) * h.d;
@@ -156,7 +156,7 @@ struct Q8_0 {
   }
   // The int8 path's integer codes of group g (see below): the weights over their float factor.
   [[gnu::always_inline]] static inline void igroup(const uint8_t* b, int, vi* out) {
-    unrolled([&](auto i) {
+    unrolled([&](auto i) __attribute__((always_inline)) {
       constexpr int I = decltype(i)::value;
       out[I] = (load_u8(b + 2 + I * W) ^ 0x80) - 0x80;
     }, std::make_index_sequence<kVecsPerGroup>{});
@@ -168,7 +168,7 @@ struct Q4_0 {
   struct Head { float d; };
   [[gnu::always_inline]] static inline Head head(const uint8_t* b) { return {fp16_to_float(b)}; }
   [[gnu::always_inline]] static inline void group(const uint8_t* b, Head h, int, vf* out) {
-    unrolled([&](auto i) {
+    unrolled([&](auto i) __attribute__((always_inline)) {
       constexpr int E = decltype(i)::value * W;
       const vi u = load_u8(b + 2 + E % 16);
       const vi q = (E >= 16 ? u >> 4 : u & 15) - 8;
@@ -176,7 +176,7 @@ struct Q4_0 {
     }, std::make_index_sequence<kVecsPerGroup>{});
   }
   [[gnu::always_inline]] static inline void igroup(const uint8_t* b, int, vi* out) {
-    unrolled([&](auto i) {
+    unrolled([&](auto i) __attribute__((always_inline)) {
       constexpr int E = decltype(i)::value * W;
       const vi u = load_u8(b + 2 + E % 16);
       out[decltype(i)::value] = (E >= 16 ? u >> 4 : u & 15) - 8;
@@ -208,7 +208,7 @@ struct QK_45 {
     const float dj = h.d * static_cast<float>(sc);
     const float mj = h.dmin * static_cast<float>(m);
     const int shift = 4 * (j % 2);
-    unrolled([&](auto i) {
+    unrolled([&](auto i) __attribute__((always_inline)) {
       constexpr int I = decltype(i)::value;
       vi u = (load_u8(q + I * W) >> shift) & 15;
       if constexpr (kHigh) u |= ((load_u8(qh + I * W) >> j) & 1) << 4;
@@ -222,7 +222,7 @@ struct QK_45 {
     int sc, m;
     scale_min_k4(b + 4, j, sc, m);
     const int shift = 4 * (j % 2);
-    unrolled([&](auto i) {
+    unrolled([&](auto i) __attribute__((always_inline)) {
       constexpr int I = decltype(i)::value;
       vi u = (load_u8(q + I * W) >> shift) & 15;
       if constexpr (kHigh) u |= ((load_u8(qh + I * W) >> j) & 1) << 4;
@@ -244,7 +244,7 @@ struct Q6_K {
     const uint8_t* hi = b + 128 + 32 * (g / 4);
     const int hi_shift = 2 * (g % 4);
     const int8_t* scales = reinterpret_cast<const int8_t*>(b + 192);
-    unrolled([&](auto i) {
+    unrolled([&](auto i) __attribute__((always_inline)) {
       constexpr int I = decltype(i)::value;
       const float ds = h.d * static_cast<float>(scales[2 * g + (I * W) / 16]);
       const vi q = (((load_u8(lo + I * W) >> lo_shift) & 15)
@@ -258,7 +258,7 @@ struct Q6_K {
     const uint8_t* hi = b + 128 + 32 * (g / 4);
     const int hi_shift = 2 * (g % 4);
     const int8_t* scales = reinterpret_cast<const int8_t*>(b + 192);
-    unrolled([&](auto i) {
+    unrolled([&](auto i) __attribute__((always_inline)) {
       constexpr int I = decltype(i)::value;
       const int sc = scales[2 * g + (I * W) / 16];
       const vi q = (((load_u8(lo + I * W) >> lo_shift) & 15)
@@ -271,10 +271,10 @@ struct Q6_K {
 template <typename Q, typename F>
 [[gnu::always_inline]] inline void decode(const uint8_t* b, F&& f) {
   const typename Q::Head h = Q::head(b);
-  unrolled([&](auto g) {
+  unrolled([&](auto g) __attribute__((always_inline)) {
     vf out[kVecsPerGroup];
     Q::group(b, h, decltype(g)::value, out);
-    unrolled([&](auto i) { f(kGroup * decltype(g)::value, i, out[decltype(i)::value]); },
+    unrolled([&](auto i) __attribute__((always_inline)) { f(kGroup * decltype(g)::value, i, out[decltype(i)::value]); },
              std::make_index_sequence<kVecsPerGroup>{});
   }, std::make_index_sequence<Q::kGroups>{});
 }
@@ -778,7 +778,7 @@ void decode_chunk(const uint8_t* w, int64_t row_bytes, int64_t n0, int num_rows,
         ch.bm[l] = bm;
         for (int p = 0; p < 4; ++p) ch.mins[p * W + l] = pair16(mins[2 * p], mins[2 * p + 1]);
       }
-      unrolled([&](auto g) {
+      unrolled([&](auto g) __attribute__((always_inline)) {
         constexpr int G = decltype(g)::value;
         vi c[kVecsPerGroup];
         Q::igroup(blk, G, c);
