@@ -25,20 +25,30 @@
 // Every type is decoded in groups of 32 elements, one W-lane vector at a time; no vector
 // crosses a scale's 16 elements (W <= 16), and no load reaches past the block it decodes.
 //
-// Two paths (auto: gemv up to 2 kGemvTile rows, where the tiled path caught up on Zen 4):
-//   gemv  (few rows, decode): for each row of W, one pass over its blocks; each vector of
-//         weights is decoded once and multiplied into up to kGemvTile rows of x (accumulators
-//         in registers, reduced across lanes at the row's end). K runs in chunks whose x stays
-//         in L1 across a work item's 8 rows of W.
+// Two paths (auto: gemv up to kGemvTile = 16 rows; from 17 to 32 the tiled path was 0-12%
+// faster on Zen 4, and the more so the larger M):
+//   gemv  (few rows, decode), in passes of at most kGemvTile rows of x:
+//         one row (gemv_rows): for each row of W, one pass over its blocks, each vector of
+//         weights decoded in registers and multiplied into the row (accumulators reduced
+//         across lanes at the row's end); K runs in chunks whose x stays in L1 across a work
+//         item's 8 rows of W.
+//         two or more rows (gemv_blocked): per K chunk of 256, C = 4 rows of W are decoded
+//         once into an L1 buffer (vector stores), and every R-row tile of x runs an R x C
+//         register-blocked kernel over them (R + C vector loads per R C FMAs, R = 4 with 32
+//         registers, 2 with 16); partial sums stay vectors until the row's end.
 //   tiled (prefill): for NT = 2 W columns of y and a K chunk of 256, the W tile is decoded once
-//         into an L1 buffer transposed ([k][NT]), then every MT-row tile of x runs a register
+//         into an L1 buffer transposed ([k][NT]; each row's block decoded with vector stores,
+//         then W x W transposes in registers), then every MT-row tile of x runs a register
 //         tiled micro-kernel over it (broadcast x, FMA into MT x 2 vectors); y accumulates over
 //         the chunks in k order.
+// A third product, opt-in, quantizes x to int8 and sums integers (asyncpaged_quant_matmul_int8;
+// see "int8 activations" below).
 // Work decomposition: rows of W (gemv) or NT-column tiles (tiled) split over the threads,
 // schedule static, when the call is large enough to pay for the OpenMP region.
 
 #include "cpu_vec.h"
 
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <memory>
@@ -48,14 +58,18 @@
 #if defined(__SSE2__)
 #include <immintrin.h>
 #endif
+#if defined(_OPENMP)
+#include <omp.h>
+#endif
 
 namespace {
 
 constexpr int kGroup = 32;                       // elements per decode group
 constexpr int kVecsPerGroup = kGroup / W;
-constexpr int kGemvTile = kNumRegs >= 32 ? 16 : 8;  // most x rows per gemv pass
+constexpr int kGemvTile = 16;  // most x rows per gemv pass
 constexpr int64_t kGemvRows = 8;       // rows of W per gemv work item
-constexpr int64_t kGemvFloats = 4096;  // floats of x per gemv K chunk (16 KiB: half of L1)
+constexpr int64_t kGemvFloats = 4096;  // floats of x per gemv_rows K chunk (16 KiB: half of L1)
+constexpr int kBlockMin = 2;  // rows of x from which gemv blocks registers (one: gemv_rows)
 constexpr int kTileCols = 2 * W;                 // NT: columns of y per tiled work item
 constexpr int kTileRows = kNumRegs >= 32 ? 12 : 6;  // MT: rows of the micro-kernel
 constexpr int kChunkK = 256;                     // K elements per decoded W tile
@@ -67,13 +81,13 @@ enum Path : int32_t { kAuto = 0, kGemv = 1, kTiled = 2 };
 constexpr int32_t kNoMemory = 8;  // Status: the packed copy of x could not be allocated
 
 template <typename F, size_t... I>
-inline void unrolled(F&& f, std::index_sequence<I...>) {
+[[gnu::always_inline]] inline void unrolled(F&& f, std::index_sequence<I...>) {
   (f(std::integral_constant<int, static_cast<int>(I)>{}), ...);
 }
 
 // W bytes at p, zero-extended to W int32 lanes. Intrinsics here: GCC 12 lowers a byte vector's
 // __builtin_convertvector (and its shuffles with zero) to scalar code through general registers.
-inline vi load_u8(const uint8_t* p) {
+[[gnu::always_inline]] inline vi load_u8(const uint8_t* p) {
   vi out;
 #if ASYNCPAGED_VEC_BYTES >= 64 && defined(__AVX512F__)
   const __m512i r = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
@@ -96,9 +110,12 @@ inline vi load_u8(const uint8_t* p) {
 inline vf to_vf(vi q) { return __builtin_convertvector(q, vf); }
 
 // IEEE half -> float, exact, in integer arithmetic (no dependence on the FPU's denormal mode).
-inline float fp16_to_float(const uint8_t* p) {
+[[gnu::always_inline]] inline float fp16_to_float(const uint8_t* p) {
   uint16_t h;
   std::memcpy(&h, p, sizeof h);
+#if defined(__F16C__)
+  return _cvtsh_ss(h);  // exact for every half, subnormals included (DAZ does not apply)
+#endif
   const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
   uint32_t exp = (h >> 10) & 0x1fu;
   uint32_t mant = h & 0x3ffu;
@@ -120,39 +137,55 @@ inline float fp16_to_float(const uint8_t* p) {
   return f;
 }
 
-// Each type: kElems per block, kBytes per block, and decode(block, f) calling
-// f(offset, I, w) for every vector of the block: w holds elements [offset + I W, + W) with I a
-// compile-time index in [0, kVecsPerGroup) and offset a multiple of kGroup.
+// Each type: kElems per block, kBytes per block, kGroups = kElems / kGroup, Head (the block's
+// fp16 scales as float: head(block)), and group(block, head, g, out) writing elements
+// [32 g, 32 g + 32) as kVecsPerGroup vectors (g a compile-time constant after unrolling).
+// decode(block, f) calls f(offset, I, w) for every vector of the block: w holds elements
+// [offset + I W, + W) with I a compile-time index in [0, kVecsPerGroup) and offset = 32 g.
 
 struct Q8_0 {
-  static constexpr int kElems = 32, kBytes = 34;
-  template <typename F>
-  static inline void decode(const uint8_t* b, F&& f) {
-    const float d = fp16_to_float(b);
-    unrolled([&](auto i) {
+  static constexpr int kElems = 32, kBytes = 34, kGroups = 1;
+  struct Head { float d; };
+  [[gnu::always_inline]] static inline Head head(const uint8_t* b) { return {fp16_to_float(b)}; }
+  [[gnu::always_inline]] static inline void group(const uint8_t* b, Head h, int, vf* out) {
+    unrolled([&](auto i) __attribute__((always_inline)) {
       constexpr int I = decltype(i)::value;
       const vi q = (load_u8(b + 2 + I * W) ^ 0x80) - 0x80;  // int8, sign-extended
-      f(0, i, to_vf(q) * d);
+      out[I] = to_vf(q) * h.d;
+    }, std::make_index_sequence<kVecsPerGroup>{});
+  }
+  // The int8 path's integer codes of group g (see below): the weights over their float factor.
+  [[gnu::always_inline]] static inline void igroup(const uint8_t* b, int, vi* out) {
+    unrolled([&](auto i) __attribute__((always_inline)) {
+      constexpr int I = decltype(i)::value;
+      out[I] = (load_u8(b + 2 + I * W) ^ 0x80) - 0x80;
     }, std::make_index_sequence<kVecsPerGroup>{});
   }
 };
 
 struct Q4_0 {
-  static constexpr int kElems = 32, kBytes = 18;
-  template <typename F>
-  static inline void decode(const uint8_t* b, F&& f) {
-    const float d = fp16_to_float(b);
-    unrolled([&](auto i) {
+  static constexpr int kElems = 32, kBytes = 18, kGroups = 1;
+  struct Head { float d; };
+  [[gnu::always_inline]] static inline Head head(const uint8_t* b) { return {fp16_to_float(b)}; }
+  [[gnu::always_inline]] static inline void group(const uint8_t* b, Head h, int, vf* out) {
+    unrolled([&](auto i) __attribute__((always_inline)) {
       constexpr int E = decltype(i)::value * W;
       const vi u = load_u8(b + 2 + E % 16);
       const vi q = (E >= 16 ? u >> 4 : u & 15) - 8;
-      f(0, i, to_vf(q) * d);
+      out[decltype(i)::value] = to_vf(q) * h.d;
+    }, std::make_index_sequence<kVecsPerGroup>{});
+  }
+  [[gnu::always_inline]] static inline void igroup(const uint8_t* b, int, vi* out) {
+    unrolled([&](auto i) __attribute__((always_inline)) {
+      constexpr int E = decltype(i)::value * W;
+      const vi u = load_u8(b + 2 + E % 16);
+      out[decltype(i)::value] = (E >= 16 ? u >> 4 : u & 15) - 8;
     }, std::make_index_sequence<kVecsPerGroup>{});
   }
 };
 
 // The 6-bit scale and min of sub-block j of a K-quant block's 12 scale bytes.
-inline void scale_min_k4(const uint8_t* s, int j, int& sc, int& m) {
+[[gnu::always_inline]] inline void scale_min_k4(const uint8_t* s, int j, int& sc, int& m) {
   if (j < 4) {
     sc = s[j] & 63;
     m = s[j + 4] & 63;
@@ -164,68 +197,97 @@ inline void scale_min_k4(const uint8_t* s, int j, int& sc, int& m) {
 
 template <bool kHigh>  // Q4_K (kHigh false) and Q5_K (true): same scales, Q5_K adds a fifth bit
 struct QK_45 {
-  static constexpr int kElems = 256, kBytes = kHigh ? 176 : 144;
-  template <typename F>
-  static inline void decode(const uint8_t* b, F&& f) {
-    const float d = fp16_to_float(b);
-    const float dmin = fp16_to_float(b + 2);
-    const uint8_t* scales = b + 4;
+  static constexpr int kElems = 256, kBytes = kHigh ? 176 : 144, kGroups = 8;
+  struct Head { float d, dmin; };
+  [[gnu::always_inline]] static inline Head head(const uint8_t* b) { return {fp16_to_float(b), fp16_to_float(b + 2)}; }
+  [[gnu::always_inline]] static inline void group(const uint8_t* b, Head h, int j, vf* out) {
     const uint8_t* qh = b + 16;
-    const uint8_t* qs = b + (kHigh ? 48 : 16);
-#pragma GCC unroll 8
-    for (int j = 0; j < 8; ++j) {
-      int sc, m;
-      scale_min_k4(scales, j, sc, m);
-      const float dj = d * static_cast<float>(sc);
-      const float mj = dmin * static_cast<float>(m);
-      const uint8_t* q = qs + 32 * (j / 2);
-      const int shift = 4 * (j % 2);
-      unrolled([&](auto i) {
-        constexpr int I = decltype(i)::value;
-        vi u = (load_u8(q + I * W) >> shift) & 15;
-        if constexpr (kHigh) u |= ((load_u8(qh + I * W) >> j) & 1) << 4;
-        f(kGroup * j, i, to_vf(u) * dj - mj);
-      }, std::make_index_sequence<kVecsPerGroup>{});
-    }
+    const uint8_t* q = b + (kHigh ? 48 : 16) + 32 * (j / 2);
+    int sc, m;
+    scale_min_k4(b + 4, j, sc, m);
+    const float dj = h.d * static_cast<float>(sc);
+    const float mj = h.dmin * static_cast<float>(m);
+    const int shift = 4 * (j % 2);
+    unrolled([&](auto i) __attribute__((always_inline)) {
+      constexpr int I = decltype(i)::value;
+      vi u = (load_u8(q + I * W) >> shift) & 15;
+      if constexpr (kHigh) u |= ((load_u8(qh + I * W) >> j) & 1) << 4;
+      out[I] = to_vf(u) * dj - mj;  // dj * u is exact: one rounding, as gguf-py's two steps
+    }, std::make_index_sequence<kVecsPerGroup>{});
+  }
+  // sc[j] n (the min is the int8 path's separate term)
+  [[gnu::always_inline]] static inline void igroup(const uint8_t* b, int j, vi* out) {
+    const uint8_t* qh = b + 16;
+    const uint8_t* q = b + (kHigh ? 48 : 16) + 32 * (j / 2);
+    int sc, m;
+    scale_min_k4(b + 4, j, sc, m);
+    const int shift = 4 * (j % 2);
+    unrolled([&](auto i) __attribute__((always_inline)) {
+      constexpr int I = decltype(i)::value;
+      vi u = (load_u8(q + I * W) >> shift) & 15;
+      if constexpr (kHigh) u |= ((load_u8(qh + I * W) >> j) & 1) << 4;
+      out[I] = u * sc;
+    }, std::make_index_sequence<kVecsPerGroup>{});
   }
 };
 using Q4_K = QK_45<false>;
 using Q5_K = QK_45<true>;
 
 struct Q6_K {
-  static constexpr int kElems = 256, kBytes = 210;
-  template <typename F>
-  static inline void decode(const uint8_t* b, F&& f) {
-    const uint8_t* ql = b;
-    const uint8_t* qh = b + 128;
+  static constexpr int kElems = 256, kBytes = 210, kGroups = 8;
+  struct Head { float d; };
+  [[gnu::always_inline]] static inline Head head(const uint8_t* b) { return {fp16_to_float(b + 208)}; }
+  // group g: elements 32 g .. + 32 (h = g / 4, r = 32 (g % 4))
+  [[gnu::always_inline]] static inline void group(const uint8_t* b, Head h, int g, vf* out) {
+    const uint8_t* lo = b + 64 * (g / 4) + 32 * (g % 2);
+    const int lo_shift = 4 * ((g % 4) / 2);
+    const uint8_t* hi = b + 128 + 32 * (g / 4);
+    const int hi_shift = 2 * (g % 4);
     const int8_t* scales = reinterpret_cast<const int8_t*>(b + 192);
-    const float d = fp16_to_float(b + 208);
-#pragma GCC unroll 8
-    for (int g = 0; g < 8; ++g) {  // group g: elements 32 g .. + 32 (h = g / 4, r = 32 (g % 4))
-      const uint8_t* lo = ql + 64 * (g / 4) + 32 * (g % 2);
-      const int lo_shift = 4 * ((g % 4) / 2);
-      const uint8_t* hi = qh + 32 * (g / 4);
-      const int hi_shift = 2 * (g % 4);
-      unrolled([&](auto i) {
-        constexpr int I = decltype(i)::value;
-        const float ds = d * static_cast<float>(scales[2 * g + (I * W) / 16]);
-        const vi q = (((load_u8(lo + I * W) >> lo_shift) & 15)
-                      | (((load_u8(hi + I * W) >> hi_shift) & 3) << 4)) - 32;
-        f(kGroup * g, i, to_vf(q) * ds);
-      }, std::make_index_sequence<kVecsPerGroup>{});
-    }
+    unrolled([&](auto i) __attribute__((always_inline)) {
+      constexpr int I = decltype(i)::value;
+      const float ds = h.d * static_cast<float>(scales[2 * g + (I * W) / 16]);
+      const vi q = (((load_u8(lo + I * W) >> lo_shift) & 15)
+                    | (((load_u8(hi + I * W) >> hi_shift) & 3) << 4)) - 32;
+      out[I] = to_vf(q) * ds;
+    }, std::make_index_sequence<kVecsPerGroup>{});
+  }
+  [[gnu::always_inline]] static inline void igroup(const uint8_t* b, int g, vi* out) {
+    const uint8_t* lo = b + 64 * (g / 4) + 32 * (g % 2);
+    const int lo_shift = 4 * ((g % 4) / 2);
+    const uint8_t* hi = b + 128 + 32 * (g / 4);
+    const int hi_shift = 2 * (g % 4);
+    const int8_t* scales = reinterpret_cast<const int8_t*>(b + 192);
+    unrolled([&](auto i) __attribute__((always_inline)) {
+      constexpr int I = decltype(i)::value;
+      const int sc = scales[2 * g + (I * W) / 16];
+      const vi q = (((load_u8(lo + I * W) >> lo_shift) & 15)
+                    | (((load_u8(hi + I * W) >> hi_shift) & 3) << 4)) - 32;
+      out[I] = q * sc;
+    }, std::make_index_sequence<kVecsPerGroup>{});
   }
 };
+
+template <typename Q, typename F>
+[[gnu::always_inline]] inline void decode(const uint8_t* b, F&& f) {
+  const typename Q::Head h = Q::head(b);
+  unrolled([&](auto g) __attribute__((always_inline)) {
+    vf out[kVecsPerGroup];
+    Q::group(b, h, decltype(g)::value, out);
+    unrolled([&](auto i) __attribute__((always_inline)) { f(kGroup * decltype(g)::value, i, out[decltype(i)::value]); },
+             std::make_index_sequence<kVecsPerGroup>{});
+  }, std::make_index_sequence<Q::kGroups>{});
+}
 
 // ---- x packed per tile of rows, so a tile's loads are contiguous: rows at a stride of K floats
 // (a multiple of 4 KiB for the usual K) would all fall into one L1 set and evict each other.
 
-// gemv layout of rows [m0, m0 + mt): vector kv of row m at xp[m0 K + (kv mt + m) W].
-void pack_gemv(const float* x, int64_t m0, int64_t mt, int64_t K, float* xp) {
+// gemv layout of mt rows of x: vector kv of row m at xp[(kv stride + m) W] (stride >= mt).
+void pack_gemv(const float* x, int64_t mt, int64_t K, int64_t stride, float* xp) {
   const int64_t num_vecs = K / W;
   for (int64_t kv = 0; kv < num_vecs; ++kv)
     for (int64_t m = 0; m < mt; ++m)
-      std::memcpy(xp + m0 * K + (kv * mt + m) * W, x + (m0 + m) * K + kv * W, W * sizeof(float));
+      std::memcpy(xp + (kv * stride + m) * W, x + m * K + kv * W, W * sizeof(float));
 }
 
 // tiled layout of rows [m0, m0 + mt): x[m0 + m, k] at xp[m0 K + k mt + m].
@@ -256,7 +318,7 @@ void gemv_rows(const float* x, int64_t K, const uint8_t* w, int64_t row_bytes, i
         for (int a = 0; a < NA; ++a) acc[m][a] = k0 == 0 ? vf{} : part[n - n0][m][a];
       for (int64_t kb = kb0; kb < kb1; ++kb) {
         const float* xb = x + kb * Q::kElems * MT;
-        Q::decode(row + kb * Q::kBytes, [&](int offset, auto i, vf wv) {
+        decode<Q>(row + kb * Q::kBytes, [&](int offset, auto i, vf wv) {
           constexpr int I = decltype(i)::value;
           const float* xk = xb + (offset + I * W) * MT;
 #pragma GCC unroll 16
@@ -280,16 +342,94 @@ void gemv_rows(const float* x, int64_t K, const uint8_t* w, int64_t row_bytes, i
   }
 }
 
-template <typename Q, int MT>
-void gemv_dispatch(int mt, const float* x, int64_t K, const uint8_t* w, int64_t row_bytes,
-                   int64_t n0, int64_t n1, float* y, int64_t N) {
-  if constexpr (MT >= 1) {
-    if (mt == MT) {
-      gemv_rows<Q, MT>(x, K, w, row_bytes, n0, n1, y, N);
-    } else {
-      gemv_dispatch<Q, MT - 1>(mt, x, K, w, row_bytes, n0, n1, y, N);
+// Register-blocked gemv for several rows of x (mt >= kBlockMin, packed by pack_gemv at a
+// stride of kGemvTile rows): per K chunk of kBlockK, kBlockCols rows of W are decoded once into
+// an L1 buffer (plain vector stores), then every tile of R rows of x runs over it with R x C
+// accumulators (R + C loads per R C FMAs). Partial sums wait in part[] across the chunks, as
+// in gemv_rows.
+constexpr int kBlockRows = kNumRegs >= 32 ? 4 : 2;  // R: rows of x per register block
+constexpr int kBlockCols = 4;                       // C: rows of W per register block
+constexpr int kBlockK = 256;                        // K elements per decoded chunk
+
+template <int R, int C>
+inline void gemv_block(const float* x, const float* wd, int num_vecs, vf (*part)[kGemvTile],
+                       bool first) {
+  vf acc[R][C];
+#pragma GCC unroll 16
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 8
+    for (int c = 0; c < C; ++c) acc[r][c] = first ? vf{} : part[c][r];
+  for (int v = 0; v < num_vecs; ++v) {
+    vf wv[C];
+#pragma GCC unroll 8
+    for (int c = 0; c < C; ++c) {
+      vf t = load(wd + c * kBlockK + v * W);
+      asm("" : "+v"(t));  // one load per vector (GCC would fold it into every FMA)
+      wv[c] = t;
+    }
+#pragma GCC unroll 16
+    for (int r = 0; r < R; ++r) {
+      vf xv = load(x + (v * kGemvTile + r) * W);
+      asm("" : "+v"(xv));
+#pragma GCC unroll 8
+      for (int c = 0; c < C; ++c) acc[r][c] += xv * wv[c];
     }
   }
+#pragma GCC unroll 16
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 8
+    for (int c = 0; c < C; ++c) part[c][r] = acc[r][c];
+}
+
+template <int R, int C>
+inline void gemv_block_rows(int rr, const float* x, const float* wd, int num_vecs,
+                            vf (*part)[kGemvTile], bool first) {
+  if constexpr (R >= 1) {
+    if (rr == R) {
+      gemv_block<R, C>(x, wd, num_vecs, part, first);
+    } else {
+      gemv_block_rows<R - 1, C>(rr, x, wd, num_vecs, part, first);
+    }
+  }
+}
+
+template <typename Q>
+void gemv_blocked(const float* x, int mt, int64_t K, const uint8_t* w, int64_t row_bytes,
+                  int64_t n0, int64_t n1, float* y, int64_t N) {
+  constexpr int C = kBlockCols;
+  constexpr int64_t KC = std::max(kBlockK, Q::kElems);
+  static_assert(KC == kBlockK, "a chunk holds whole blocks");
+  alignas(64) float wd[C * kBlockK];
+  vf part[kGemvRows][kGemvTile];
+  for (int64_t k0 = 0; k0 < K; k0 += KC) {
+    const int64_t kb0 = k0 / Q::kElems, kb1 = std::min(K, k0 + KC) / Q::kElems;
+    const int num_vecs = static_cast<int>((kb1 - kb0) * Q::kElems / W);
+    for (int64_t n = n0; n < n1; n += C) {
+      const int nc = static_cast<int>(std::min<int64_t>(C, n1 - n));
+      for (int c = 0; c < nc; ++c) {
+        const uint8_t* row = w + (n + c) * row_bytes;
+        for (int64_t kb = kb0; kb < kb1; ++kb) {
+          float* out = wd + c * kBlockK + (kb - kb0) * Q::kElems;
+          decode<Q>(row + kb * Q::kBytes, [&](int offset, auto i, vf wv) {
+            store(out + offset + decltype(i)::value * W, wv);
+          });
+        }
+      }
+      for (int r0 = 0; r0 < mt; r0 += kBlockRows) {
+        const int rr = std::min(kBlockRows, mt - r0);
+        const float* xr = x + k0 * kGemvTile + r0 * W;
+        vf(*pp)[kGemvTile] = reinterpret_cast<vf(*)[kGemvTile]>(&part[n - n0][r0]);
+        if (nc == C) {
+          gemv_block_rows<kBlockRows, C>(rr, xr, wd, num_vecs, pp, k0 == 0);
+        } else {
+          for (int c = 0; c < nc; ++c)
+            gemv_block_rows<kBlockRows, 1>(rr, xr, wd + c * kBlockK, num_vecs, pp + c, k0 == 0);
+        }
+      }
+    }
+  }
+  for (int64_t n = n0; n < n1; ++n)
+    for (int m = 0; m < mt; ++m) y[m * N + n] = reduce_add(part[n - n0][m]);
 }
 
 // Rows of x in passes of at most kGemvTile, balanced (M = 20 on avx2: 7 + 7 + 6, not 8 + 8 + 4):
@@ -299,10 +439,12 @@ inline int64_t pass_start(int64_t p, int64_t M, int64_t passes) { return p * M /
 template <typename Q>
 void gemv(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t N, int64_t row_bytes,
           float* xp, float* y, int32_t num_threads) {
+  // Pass p's rows packed at xp + p kGemvTile K: at a stride of kGemvTile rows (compile-time
+  // offsets) for the register-blocked kernel, of its own row count for gemv_rows.
   const int64_t passes = (M + kGemvTile - 1) / kGemvTile;
   for (int64_t p = 0; p < passes && xp != nullptr; ++p) {
-    const int64_t m0 = pass_start(p, M, passes);
-    pack_gemv(x, m0, pass_start(p + 1, M, passes) - m0, K, xp);
+    const int64_t m0 = pass_start(p, M, passes), mt = pass_start(p + 1, M, passes) - m0;
+    pack_gemv(x + m0 * K, mt, K, mt >= kBlockMin ? kGemvTile : mt, xp + p * kGemvTile * K);
   }
   const float* xs = xp != nullptr ? xp : x;  // one row is its own packing
   const bool parallel = num_threads > 1 && N > 1 && N * K * M >= kParallelWork;
@@ -313,31 +455,65 @@ void gemv(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t N, int
     for (int64_t p = 0; p < passes; ++p) {
       const int64_t m0 = pass_start(p, M, passes);
       const int mt = static_cast<int>(pass_start(p + 1, M, passes) - m0);
-      gemv_dispatch<Q, kGemvTile>(mt, xs + m0 * K, K, w, row_bytes, n0, n1, y + m0 * N, N);
+      const float* xt = xs + p * kGemvTile * K;
+      if (mt >= kBlockMin) {
+        gemv_blocked<Q>(xt, mt, K, w, row_bytes, n0, n1, y + m0 * N, N);
+      } else {
+        gemv_rows<Q, 1>(xt, K, w, row_bytes, n0, n1, y + m0 * N, N);
+      }
     }
   }
 }
 
 // ---- tiled: decode an [NT columns x kc] tile of W once, transposed, and run all of x over it.
 
+// One step of a W x W transpose of vectors (vf or vi): swaps bit S of the row and column index.
+template <int S, typename V, size_t... J>
+[[gnu::always_inline]] inline void transpose_step(V& a, V& b, std::index_sequence<J...>) {
+  const V lo = __builtin_shufflevector(a, b, ((J & S) == 0 ? J : W + J - S)...);
+  const V hi = __builtin_shufflevector(a, b, ((J & S) == 0 ? J + S : W + J)...);
+  a = lo;
+  b = hi;
+}
+
+// r[0..W) transposed in place (log2 W stages of W two-source shuffles).
+template <int S, typename V>
+[[gnu::always_inline]] inline void transpose_stage(V* r) {
+  if constexpr (S >= 1) {
+#pragma GCC unroll 16
+    for (int i = 0; i < W; ++i)
+      if ((i & S) == 0) transpose_step<S>(r[i], r[i + S], std::make_index_sequence<W>{});
+    transpose_stage<S / 2>(r);
+  }
+}
+
 // wt[k * NT + r] = W[n0 + r, k0 + k] for k < kc, r < num_cols (columns past num_cols are zero).
+// Per block and W columns: each row's block decoded with vector stores into a row-major buffer,
+// then W x W transposes in registers store whole vectors of wt.
 template <typename Q>
 void pack_tile(const uint8_t* w, int64_t row_bytes, int64_t n0, int num_cols, int64_t k0,
                int64_t kc, float* wt) {
-  for (int r = 0; r < kTileCols; ++r) {
-    if (r >= num_cols) {
-      for (int64_t k = 0; k < kc; ++k) wt[k * kTileCols + r] = 0.0f;
-      continue;
-    }
-    const uint8_t* row = w + (n0 + r) * row_bytes + (k0 / Q::kElems) * Q::kBytes;
-    for (int64_t kb = 0; kb < kc / Q::kElems; ++kb) {
-      float* out = wt + (kb * Q::kElems) * kTileCols + r;
-      Q::decode(row + kb * Q::kBytes, [&](int offset, auto i, vf wv) {
-        constexpr int I = decltype(i)::value;
-        float* o = out + (offset + I * W) * kTileCols;
+  alignas(64) float rows[W][Q::kElems];
+  for (int64_t kb = 0; kb < kc / Q::kElems; ++kb) {
+    for (int h = 0; h < kTileCols; h += W) {
+      for (int r = 0; r < W; ++r) {
+        if (h + r >= num_cols) {
+          std::memset(rows[r], 0, sizeof rows[r]);
+          continue;
+        }
+        const uint8_t* blk = w + (n0 + h + r) * row_bytes + (k0 / Q::kElems + kb) * Q::kBytes;
+        decode<Q>(blk, [&](int offset, auto i, vf wv) {
+          store(rows[r] + offset + decltype(i)::value * W, wv);
+        });
+      }
+      for (int k = 0; k < Q::kElems; k += W) {
+        vf t[W];
 #pragma GCC unroll 16
-        for (int l = 0; l < W; ++l) o[l * kTileCols] = wv[l];
-      });
+        for (int r = 0; r < W; ++r) t[r] = load(rows[r] + k);
+        transpose_stage<W / 2>(t);
+#pragma GCC unroll 16
+        for (int j = 0; j < W; ++j) store(wt + (kb * Q::kElems + k + j) * kTileCols + h, t[j]);
+      }
     }
   }
 }
@@ -418,17 +594,611 @@ void tiled(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t N, in
   }
 }
 
+// ---- int8 activations (opt-in; asyncpaged_quant_matmul_int8): x is quantized per block of
+// the weight type's size QB (32 for Q8_0 / Q4_0, 256 for the K-quants, as llama.cpp's Q8_0 and
+// Q8_K): dx = max|x| / 127 (float32), q = round-to-nearest-even(x * (1 / dx)) in [-127, 127].
+// Every weight block becomes int16 codes with its sub-block scales folded in, so one block's
+// dot product is a single exact int32 sum:
+//
+//   Q8_0: c = qs (int8)                 y += (d dx) sum c q
+//   Q4_0: c = nibble - 8                y += (d dx) sum c q
+//   Q4_K, Q5_K: c = sc[j] n             y += (d dx) sum c q - (dmin dx) sum_j m[j] bsum[j]
+//   Q6_K: c = sc[g] (n - 32)            y += (d dx) sum c q
+//
+// (bsum[j]: the sum of x's 32 codes of sub-block j). |c| <= 4096 and |q| <= 127, so every sum is
+// exact in int32; only the float combination rounds (float32 products and sums).
+//
+// Lanes run over rows of W: a group of W rows (one int32 lane each) has its codes for a K chunk
+// of 256 decoded once into an L1 buffer interleaved as [k / 2][row] int16 pairs, and every
+// tile of R rows of x runs over it: per pair of k, one vector load of codes, R broadcasts of
+// x's pair and R pairwise multiply-adds (vpdpwssd with AVX512-VNNI, else pmaddwd + add), so the
+// per-block float work (one convert and one FMA per row) serves W rows of W at once and y is
+// stored as whole vectors, with no horizontal sums.
+
+constexpr int kI8ChunkK = 256;                   // K elements per decoded chunk of a row group
+constexpr int kI8Rows = kNumRegs >= 32 ? 8 : 4;  // rows of x per register tile
+
+template <typename Q>
+constexpr bool kHasMins = std::is_same_v<Q, Q4_K> || std::is_same_v<Q, Q5_K>;
+
+// Block b's float factors (a: d; bm: dmin) and, for Q4_K / Q5_K, its eight 6-bit mins.
+template <typename Q>
+inline void block_factors(const uint8_t* b, float& a, float& bm, int16_t* mins) {
+  if constexpr (std::is_same_v<Q, Q6_K>) {
+    a = fp16_to_float(b + 208);
+  } else {
+    a = fp16_to_float(b);
+  }
+  if constexpr (kHasMins<Q>) {
+    bm = fp16_to_float(b + 2);
+    for (int j = 0; j < 8; ++j) {
+      int sc, m;
+      scale_min_k4(b + 4, j, sc, m);
+      mins[j] = static_cast<int16_t>(m);
+    }
+  }
+}
+
+// W int32 lanes narrowed to int16 (every code fits) at p.
+[[gnu::always_inline]] inline void store_i16(int16_t* p, vi v) {
+#if ASYNCPAGED_VEC_BYTES >= 64 && defined(__AVX512F__)
+  __m512i r;
+  std::memcpy(&r, &v, sizeof v);
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(r));
+#elif ASYNCPAGED_VEC_BYTES == 32 && defined(__AVX2__)
+  __m256i r;
+  std::memcpy(&r, &v, sizeof v);
+  const __m256i packed = _mm256_permute4x64_epi64(_mm256_packs_epi32(r, r), 0x08);
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_castsi256_si128(packed));
+#elif ASYNCPAGED_VEC_BYTES == 16 && defined(__SSE2__)
+  __m128i r;
+  std::memcpy(&r, &v, sizeof v);
+  _mm_storel_epi64(reinterpret_cast<__m128i*>(p), _mm_packs_epi32(r, r));
+#else
+  for (int l = 0; l < W; ++l) p[l] = static_cast<int16_t>(v[l]);
+#endif
+}
+
+inline int32_t pair16(int16_t lo, int16_t hi) {
+  return static_cast<int32_t>(static_cast<uint32_t>(static_cast<uint16_t>(lo))
+                              | (static_cast<uint32_t>(static_cast<uint16_t>(hi)) << 16));
+}
+
+// acc + per lane (a.lo * b.lo + a.hi * b.hi), the int16 halves of each int32 lane; b one pair
+// broadcast. Exact in int32 for the codes here.
+template <bool kVnni>
+[[gnu::always_inline]] inline vi dot_pairs(vi acc, vi a, int32_t b) {
+  const vi bv = b - vi{};
+#if ASYNCPAGED_VEC_BYTES >= 64 && defined(__AVX512BW__)
+  if constexpr (kVnni) {
+    asm("vpdpwssd %2, %1, %0" : "+v"(acc) : "v"(a), "v"(bv));  // AVX512-VNNI
+    return acc;
+  }
+  __m512i ai, bi;
+  std::memcpy(&ai, &a, sizeof a);
+  std::memcpy(&bi, &bv, sizeof bv);
+  const __m512i p = _mm512_madd_epi16(ai, bi);
+  vi pv;
+  std::memcpy(&pv, &p, sizeof pv);
+  return acc + pv;
+#elif ASYNCPAGED_VEC_BYTES == 32 && defined(__AVX2__)
+  __m256i ai, bi;
+  std::memcpy(&ai, &a, sizeof a);
+  std::memcpy(&bi, &bv, sizeof bv);
+  const __m256i p = _mm256_madd_epi16(ai, bi);
+  vi pv;
+  std::memcpy(&pv, &p, sizeof pv);
+  return acc + pv;
+#elif ASYNCPAGED_VEC_BYTES == 16 && defined(__SSE2__)
+  __m128i ai, bi;
+  std::memcpy(&ai, &a, sizeof a);
+  std::memcpy(&bi, &bv, sizeof bv);
+  const __m128i p = _mm_madd_epi16(ai, bi);
+  vi pv;
+  std::memcpy(&pv, &p, sizeof pv);
+  return acc + pv;
+#else
+  return acc + ((a << 16) >> 16) * ((bv << 16) >> 16) + (a >> 16) * (bv >> 16);
+#endif
+}
+
+// x quantized: per row, K int16 codes, K / QB scales dx and K / 32 sums of 32 codes (bsum).
+// With q8 (not null): the codes again as int8 and qsum16, K / 16 sums of 16 codes.
+template <typename Q>
+void quantize_rows(const float* x, int64_t M, int64_t K, int16_t* q, float* dx, int16_t* bsum,
+                   int8_t* q8 = nullptr, int16_t* qsum16 = nullptr) {
+  constexpr int QB = Q::kElems;
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t b = 0; b < K / QB; ++b) {
+      const float* xb = x + m * K + b * QB;
+      float amax = 0.0f;
+      for (int i = 0; i < QB; ++i) {
+        const float a = std::fabs(xb[i]);
+        amax = a > amax ? a : amax;
+      }
+      const float d = amax / 127.0f;
+      const float id = d != 0.0f ? 1.0f / d : 0.0f;
+      dx[m * (K / QB) + b] = d;
+      int16_t* qb = q + m * K + b * QB;
+      for (int i = 0; i < QB; ++i) {
+        float r = __builtin_rintf(xb[i] * id);  // round to nearest even (the default mode)
+        r = r > 127.0f ? 127.0f : (r < -127.0f ? -127.0f : r);
+        qb[i] = static_cast<int16_t>(r == r ? r : 0.0f);
+      }
+      for (int j = 0; j < QB / 32; ++j) {
+        int s = 0;
+        for (int i = 0; i < 32; ++i) s += qb[32 * j + i];
+        bsum[m * (K / 32) + b * (QB / 32) + j] = static_cast<int16_t>(s);
+      }
+      if (q8 != nullptr) {
+        for (int i = 0; i < QB; ++i) q8[m * K + b * QB + i] = static_cast<int8_t>(qb[i]);
+        for (int j = 0; j < QB / 16; ++j) {
+          int s = 0;
+          for (int i = 0; i < 16; ++i) s += qb[16 * j + i];
+          qsum16[m * (K / 16) + b * (QB / 16) + j] = static_cast<int16_t>(s);
+        }
+      }
+    }
+}
+
+// The decoded chunk of one group of W rows: codes [k / 2][lane] int16 pairs, a and bm [block]
+// [lane] floats, mins [block][4][lane] int16 pairs (Q4_K / Q5_K).
+struct alignas(64) I8Chunk {
+  int32_t codes[kI8ChunkK / 2 * W];
+  float a[kI8ChunkK / 32 * W];
+  float bm[W];
+  int32_t mins[4 * W];
+};
+
+// Rows [n0, n0 + num_rows) of W (lanes past num_rows get zeros), blocks [kb, kb + num_blocks):
+// each row's codes decoded with vector ops into a row-major int16 buffer, then transposed W x W
+// int32 pairs at a time into ch.codes.
+template <typename Q>
+void decode_chunk(const uint8_t* w, int64_t row_bytes, int64_t n0, int num_rows, int64_t kb,
+                  int num_blocks, I8Chunk& ch) {
+  static_assert(kI8ChunkK % Q::kElems == 0, "a chunk holds whole blocks");
+  alignas(64) int16_t rows[W][kI8ChunkK];
+  int16_t mins[8] = {};
+  const int num_elems = num_blocks * Q::kElems;
+  for (int l = 0; l < W; ++l) {
+    if (l >= num_rows) {  // past N: zero codes and factors
+      std::memset(rows[l], 0, num_elems * sizeof(int16_t));
+      for (int b = 0; b < num_blocks; ++b) ch.a[b * W + l] = 0.0f;
+      ch.bm[l] = 0.0f;
+      for (int p = 0; p < 4; ++p) ch.mins[p * W + l] = 0;
+      continue;
+    }
+    const uint8_t* row = w + (n0 + l) * row_bytes + kb * Q::kBytes;
+    for (int b = 0; b < num_blocks; ++b) {
+      const uint8_t* blk = row + b * Q::kBytes;
+      float a = 0.0f, bm = 0.0f;
+      block_factors<Q>(blk, a, bm, mins);
+      ch.a[b * W + l] = a;
+      if constexpr (kHasMins<Q>) {
+        ch.bm[l] = bm;
+        for (int p = 0; p < 4; ++p) ch.mins[p * W + l] = pair16(mins[2 * p], mins[2 * p + 1]);
+      }
+      unrolled([&](auto g) __attribute__((always_inline)) {
+        constexpr int G = decltype(g)::value;
+        vi c[kVecsPerGroup];
+        Q::igroup(blk, G, c);
+#pragma GCC unroll 4
+        for (int i = 0; i < kVecsPerGroup; ++i)
+          store_i16(rows[l] + b * Q::kElems + kGroup * G + i * W, c[i]);
+      }, std::make_index_sequence<Q::kGroups>{});
+    }
+  }
+  for (int k = 0; k < num_elems / 2; k += W) {  // W pairs of each row: one W x W transpose
+    vi t[W];
+#pragma GCC unroll 16
+    for (int l = 0; l < W; ++l) std::memcpy(&t[l], rows[l] + 2 * k, sizeof(vi));
+    transpose_stage<W / 2>(t);
+#pragma GCC unroll 16
+    for (int l = 0; l < W; ++l) std::memcpy(ch.codes + (k + l) * W, &t[l], sizeof(vi));
+  }
+}
+
+// y[r] (+)= the lanes of R rows of x over one decoded chunk of num_blocks blocks; xq, dx, bsum
+// at the chunk's start of row 0, rows at strides K, K / QB and K / 32.
+template <typename Q, int R, bool kVnni>
+inline void int8_tile(const I8Chunk& ch, int num_blocks, const int16_t* xq, const float* dx,
+                      const int16_t* bsum, int64_t K, float* y, int64_t y_stride, bool first) {
+  constexpr int QB = Q::kElems;
+  vf acc[R];
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) acc[r] = first ? vf{} : load(y + r * y_stride);
+  for (int b = 0; b < num_blocks; ++b) {
+    vi isum[R];
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) isum[r] = vi{};
+    const int32_t* cb = ch.codes + b * (QB / 2) * W;
+    const int16_t* xb = xq + b * QB;
+    for (int k = 0; k < QB / 2; ++k) {
+      vi cv;
+      std::memcpy(&cv, cb + k * W, sizeof cv);
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) {
+        int32_t xp;
+        std::memcpy(&xp, xb + r * K + 2 * k, sizeof xp);
+        isum[r] = dot_pairs<kVnni>(isum[r], cv, xp);
+      }
+    }
+    const vf a = load(ch.a + b * W);
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      const float d = dx[r * (K / QB) + b];
+      acc[r] += __builtin_convertvector(isum[r], vf) * (a * d);
+    }
+  }
+  if constexpr (kHasMins<Q>) {
+    vi mv[4];
+    for (int p = 0; p < 4; ++p) std::memcpy(&mv[p], ch.mins + p * W, sizeof(vi));
+    const vf bm = load(ch.bm);
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      vi msum = vi{};
+      for (int p = 0; p < 4; ++p) {
+        int32_t bp;
+        std::memcpy(&bp, bsum + r * (K / 32) + 2 * p, sizeof bp);
+        msum = dot_pairs<kVnni>(msum, mv[p], bp);
+      }
+      acc[r] -= __builtin_convertvector(msum, vf) * (bm * dx[r * (K / QB)]);
+    }
+  }
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) store(y + r * y_stride, acc[r]);
+}
+
+template <typename Q, int R, bool kVnni>
+inline void int8_tile_rows(int rr, const I8Chunk& ch, int num_blocks, const int16_t* xq, const float* dx,
+                           const int16_t* bsum, int64_t K, float* y, int64_t y_stride,
+                           bool first) {
+  if constexpr (R >= 1) {
+    if (rr == R) {
+      int8_tile<Q, R, kVnni>(ch, num_blocks, xq, dx, bsum, K, y, y_stride, first);
+    } else {
+      int8_tile_rows<Q, R - 1, kVnni>(rr, ch, num_blocks, xq, dx, bsum, K, y, y_stride, first);
+    }
+  }
+}
+
+// y's columns of row group g (W rows of W) by the int8 product; acc: M x W floats of scratch.
+template <typename Q, bool kVnni>
+void int8_groups(const int16_t* xq, const float* dx, const int16_t* bsum, int64_t M, int64_t K,
+                 const uint8_t* w, int64_t N, int64_t row_bytes, float* y, float* acc,
+                 int64_t g) {
+  constexpr int QB = Q::kElems;
+  I8Chunk ch;
+  const int64_t n0 = g * W;
+  const int num_rows = static_cast<int>(std::min<int64_t>(W, N - n0));
+  for (int64_t k0 = 0; k0 < K; k0 += kI8ChunkK) {
+    const int num_blocks = static_cast<int>(std::min<int64_t>(kI8ChunkK, K - k0) / QB);
+    decode_chunk<Q>(w, row_bytes, n0, num_rows, k0 / QB, num_blocks, ch);
+    for (int64_t m0 = 0; m0 < M; m0 += kI8Rows) {
+      const int rr = static_cast<int>(std::min<int64_t>(kI8Rows, M - m0));
+      int8_tile_rows<Q, kI8Rows, kVnni>(rr, ch, num_blocks, xq + m0 * K + k0, dx + m0 * (K / QB) + k0 / QB,
+                                        bsum + m0 * (K / 32) + k0 / 32, K, acc + m0 * W, W,
+                                        k0 == 0);
+    }
+  }
+  for (int64_t m = 0; m < M; ++m)
+    std::memcpy(y + m * N + n0, acc + m * W, num_rows * sizeof(float));
+}
+
+#if ASYNCPAGED_VEC_BYTES >= 64 && defined(__AVX512F__)
+// The VNNI path (avx512 build, CPU with AVX512-VNNI): unsigned byte codes n (Q8_0: qs + 128,
+// Q4_0: the nibble, K-quants: the 4-6 bit value) interleaved as [k / 4][row] quads, multiplied
+// by x's int8 codes four at a time (vpdpbusd: 64 products per instruction) per sub-block of S
+// elements (32; Q6_K 16), scaled by the sub-block's integer scale (K-quants) and offset per
+// block: Q8_0 -128 bsum, Q4_0 -8 bsum, Q6_K -32 sum_g sc[g] qsum16[g]; Q4_K / Q5_K keep the
+// separate min term of the pair path. All int32-exact, as the pair path.
+template <typename Q>
+constexpr int kSubBlock = std::is_same_v<Q, Q6_K> ? 16 : 32;
+template <typename Q>
+constexpr bool kScaled = Q::kElems == 256;
+
+struct alignas(64) VnniChunk {
+  int32_t quads[kI8ChunkK / 4 * W];
+  int32_t sc[kI8ChunkK / 16 * W];  // [sub-block][lane] (K-quants)
+  int32_t offs[8 * W];             // Q6_K: [pair p][lane] (32 sc[2p], 32 sc[2p + 1])
+  float a[kI8ChunkK / 32 * W];
+  float bm[W];
+  int32_t mins[4 * W];
+};
+
+[[gnu::always_inline]] inline void store_u8(uint8_t* p, vi v) {
+  __m512i r;
+  std::memcpy(&r, &v, sizeof v);
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm512_cvtepi32_epi8(r));
+}
+
+[[gnu::always_inline]] inline vi dpbusd(vi acc, vi a, const int8_t* b) {
+  int32_t quad;
+  std::memcpy(&quad, b, sizeof quad);
+  const vi bv = quad - vi{};
+  asm("vpdpbusd %2, %1, %0" : "+v"(acc) : "v"(a), "v"(bv));  // AVX512-VNNI
+  return acc;
+}
+
+// The VNNI path's unsigned byte codes of one block (kElems bytes at out), with byte-wide
+// vector operations on 32 bytes at a time (no widening): Q8_0 qs + 128, Q4_0 and the K-quants
+// their 4-6 bit values.
+typedef uint8_t vb32 __attribute__((vector_size(32)));
+
+[[gnu::always_inline]] inline vb32 load_b32(const uint8_t* p) {
+  vb32 v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+
+[[gnu::always_inline]] inline void store_b32(uint8_t* p, vb32 v) { std::memcpy(p, &v, sizeof v); }
+
+template <typename Q>
+[[gnu::always_inline]] inline void block_bytes(const uint8_t* b, uint8_t* out) {
+  if constexpr (std::is_same_v<Q, Q8_0>) {
+    store_b32(out, load_b32(b + 2) ^ 0x80);
+  } else if constexpr (std::is_same_v<Q, Q4_0>) {
+    typedef uint8_t vb16 __attribute__((vector_size(16)));  // 16 bytes: the block's end
+    vb16 v;
+    std::memcpy(&v, b + 2, sizeof v);
+    const vb16 lo = v & 15, hi = v >> 4;
+    std::memcpy(out, &lo, sizeof lo);
+    std::memcpy(out + 16, &hi, sizeof hi);
+  } else if constexpr (kHasMins<Q>) {
+    const uint8_t* qs = b + (std::is_same_v<Q, Q5_K> ? 48 : 16);
+    [[maybe_unused]] const vb32 qh = load_b32(b + 16);
+#pragma GCC unroll 4
+    for (int p = 0; p < 4; ++p) {
+      const vb32 v = load_b32(qs + 32 * p);
+      vb32 lo = v & 15, hi = v >> 4;
+      if constexpr (std::is_same_v<Q, Q5_K>) {
+        lo |= ((qh >> (2 * p)) & 1) << 4;
+        hi |= ((qh >> (2 * p + 1)) & 1) << 4;
+      }
+      store_b32(out + 64 * p, lo);
+      store_b32(out + 64 * p + 32, hi);
+    }
+  } else {
+    static_assert(std::is_same_v<Q, Q6_K>);
+#pragma GCC unroll 2
+    for (int h = 0; h < 2; ++h) {
+      const vb32 qh = load_b32(b + 128 + 32 * h);
+#pragma GCC unroll 4
+      for (int c = 0; c < 4; ++c) {
+        const vb32 lo = (load_b32(b + 64 * h + 32 * (c % 2)) >> (4 * (c / 2))) & 15;
+        store_b32(out + 128 * h + 32 * c, lo | (((qh >> (2 * c)) & 3) << 4));
+      }
+    }
+  }
+}
+
+template <typename Q>
+void decode_chunk_vnni(const uint8_t* w, int64_t row_bytes, int64_t n0, int num_rows, int64_t kb,
+                       int num_blocks, VnniChunk& ch) {
+  alignas(64) uint8_t rows[W][kI8ChunkK];
+  int16_t mins[8] = {};
+  const int num_elems = num_blocks * Q::kElems;
+  for (int l = 0; l < W; ++l) {
+    if (l >= num_rows) {
+      std::memset(rows[l], 0, num_elems);
+      for (int b = 0; b < num_blocks; ++b) ch.a[b * W + l] = 0.0f;
+      ch.bm[l] = 0.0f;
+      for (int j = 0; j < kI8ChunkK / 16; ++j) ch.sc[j * W + l] = 0;
+      for (int p = 0; p < 8; ++p) ch.offs[p * W + l] = 0;
+      for (int p = 0; p < 4; ++p) ch.mins[p * W + l] = 0;
+      continue;
+    }
+    const uint8_t* row = w + (n0 + l) * row_bytes + kb * Q::kBytes;
+    for (int b = 0; b < num_blocks; ++b) {
+      const uint8_t* blk = row + b * Q::kBytes;
+      float a = 0.0f, bm = 0.0f;
+      block_factors<Q>(blk, a, bm, mins);
+      ch.a[b * W + l] = a;
+      if constexpr (kHasMins<Q>) {
+        ch.bm[l] = bm;
+        for (int p = 0; p < 4; ++p) ch.mins[p * W + l] = pair16(mins[2 * p], mins[2 * p + 1]);
+        for (int j = 0; j < 8; ++j) {
+          int sc, m;
+          scale_min_k4(blk + 4, j, sc, m);
+          ch.sc[j * W + l] = sc;
+        }
+      } else if constexpr (std::is_same_v<Q, Q6_K>) {
+        const int8_t* sc = reinterpret_cast<const int8_t*>(blk + 192);
+        for (int g = 0; g < 16; ++g) ch.sc[g * W + l] = sc[g];
+        for (int p = 0; p < 8; ++p)
+          ch.offs[p * W + l] = pair16(static_cast<int16_t>(32 * sc[2 * p]),
+                                      static_cast<int16_t>(32 * sc[2 * p + 1]));
+      }
+      block_bytes<Q>(blk, rows[l] + b * Q::kElems);
+    }
+  }
+  for (int k = 0; k < num_elems / 4; k += W) {  // W quads of each row: one W x W transpose
+    vi t[W];
+#pragma GCC unroll 16
+    for (int l = 0; l < W; ++l) std::memcpy(&t[l], rows[l] + 4 * k, sizeof(vi));
+    transpose_stage<W / 2>(t);
+#pragma GCC unroll 16
+    for (int l = 0; l < W; ++l) std::memcpy(ch.quads + (k + l) * W, &t[l], sizeof(vi));
+  }
+}
+
+// As int8_tile, with x's int8 codes (q8), bsum (sums of 32) and qsum16 (sums of 16).
+template <typename Q, int R>
+inline void vnni_tile(const VnniChunk& ch, int num_blocks, const int8_t* q8, const float* dx,
+                      const int16_t* bsum, const int16_t* qsum16, int64_t K, float* y,
+                      int64_t y_stride, bool first) {
+  constexpr int QB = Q::kElems, S = kSubBlock<Q>;
+  vf acc[R];
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) acc[r] = first ? vf{} : load(y + r * y_stride);
+  for (int b = 0; b < num_blocks; ++b) {
+    vi isum[R];
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      if constexpr (std::is_same_v<Q, Q8_0> || std::is_same_v<Q, Q4_0>) {
+        constexpr int kOffset = std::is_same_v<Q, Q8_0> ? 128 : 8;
+        isum[r] = (-kOffset * bsum[r * (K / 32) + b]) - vi{};
+      } else {
+        isum[r] = vi{};
+      }
+    }
+    for (int j = 0; j < QB / S; ++j) {
+      const int32_t* cb = ch.quads + (b * QB + j * S) / 4 * W;
+      const int8_t* xb = q8 + b * QB + j * S;
+      vi sub[R];
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) sub[r] = vi{};
+#pragma GCC unroll 8
+      for (int k = 0; k < S / 4; ++k) {
+        vi cv;
+        std::memcpy(&cv, cb + k * W, sizeof cv);
+#pragma GCC unroll 8
+        for (int r = 0; r < R; ++r) sub[r] = dpbusd(sub[r], cv, xb + r * K + 4 * k);
+      }
+      if constexpr (kScaled<Q>) {
+        vi sc;
+        std::memcpy(&sc, ch.sc + (b * (QB / S) + j) * W, sizeof sc);
+#pragma GCC unroll 8
+        for (int r = 0; r < R; ++r) isum[r] += sub[r] * sc;
+      } else {
+#pragma GCC unroll 8
+        for (int r = 0; r < R; ++r) isum[r] += sub[r];
+      }
+    }
+    if constexpr (std::is_same_v<Q, Q6_K>) {
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) {
+        vi off = vi{};
+        for (int p = 0; p < 8; ++p) {
+          vi ov;
+          std::memcpy(&ov, ch.offs + p * W, sizeof ov);
+          int32_t qp;
+          std::memcpy(&qp, qsum16 + r * (K / 16) + 2 * p, sizeof qp);
+          off = dot_pairs<true>(off, ov, qp);
+        }
+        isum[r] -= off;
+      }
+    }
+    const vf a = load(ch.a + b * W);
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r)
+      acc[r] += __builtin_convertvector(isum[r], vf) * (a * dx[r * (K / QB) + b]);
+  }
+  if constexpr (kHasMins<Q>) {
+    vi mv[4];
+    for (int p = 0; p < 4; ++p) std::memcpy(&mv[p], ch.mins + p * W, sizeof(vi));
+    const vf bm = load(ch.bm);
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      vi msum = vi{};
+      for (int p = 0; p < 4; ++p) {
+        int32_t bp;
+        std::memcpy(&bp, bsum + r * (K / 32) + 2 * p, sizeof bp);
+        msum = dot_pairs<true>(msum, mv[p], bp);
+      }
+      acc[r] -= __builtin_convertvector(msum, vf) * (bm * dx[r * (K / QB)]);
+    }
+  }
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) store(y + r * y_stride, acc[r]);
+}
+
+template <typename Q, int R>
+inline void vnni_tile_rows(int rr, const VnniChunk& ch, int num_blocks, const int8_t* q8,
+                           const float* dx, const int16_t* bsum, const int16_t* qsum16,
+                           int64_t K, float* y, int64_t y_stride, bool first) {
+  if constexpr (R >= 1) {
+    if (rr == R) {
+      vnni_tile<Q, R>(ch, num_blocks, q8, dx, bsum, qsum16, K, y, y_stride, first);
+    } else {
+      vnni_tile_rows<Q, R - 1>(rr, ch, num_blocks, q8, dx, bsum, qsum16, K, y, y_stride, first);
+    }
+  }
+}
+
+template <typename Q>
+void vnni_groups(const int8_t* q8, const float* dx, const int16_t* bsum, const int16_t* qsum16,
+                 int64_t M, int64_t K, const uint8_t* w, int64_t N, int64_t row_bytes, float* y,
+                 float* acc, int64_t g) {
+  constexpr int QB = Q::kElems;
+  VnniChunk ch;
+  const int64_t n0 = g * W;
+  const int num_rows = static_cast<int>(std::min<int64_t>(W, N - n0));
+  for (int64_t k0 = 0; k0 < K; k0 += kI8ChunkK) {
+    const int num_blocks = static_cast<int>(std::min<int64_t>(kI8ChunkK, K - k0) / QB);
+    decode_chunk_vnni<Q>(w, row_bytes, n0, num_rows, k0 / QB, num_blocks, ch);
+    for (int64_t m0 = 0; m0 < M; m0 += kI8Rows) {
+      const int rr = static_cast<int>(std::min<int64_t>(kI8Rows, M - m0));
+      vnni_tile_rows<Q, kI8Rows>(rr, ch, num_blocks, q8 + m0 * K + k0,
+                                 dx + m0 * (K / QB) + k0 / QB, bsum + m0 * (K / 32) + k0 / 32,
+                                 qsum16 + m0 * (K / 16) + k0 / 16, K, acc + m0 * W, W, k0 == 0);
+    }
+  }
+  for (int64_t m = 0; m < M; ++m)
+    std::memcpy(y + m * N + n0, acc + m * W, num_rows * sizeof(float));
+}
+#endif
+
+template <typename Q>
+int32_t run_int8(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t N,
+                 int64_t row_bytes, float* y, int32_t vnni, int32_t num_threads) {
+  if (K <= 0 || K % Q::kElems != 0 || row_bytes != K / Q::kElems * Q::kBytes) return kBadIndex;
+  if (vnni < -1 || vnni > 1) return kBadIndex;
+  if (M == 0 || N == 0) return kOk;
+#if ASYNCPAGED_VEC_BYTES >= 64 && defined(__AVX512F__)
+  const bool has_vnni = __builtin_cpu_supports("avx512vnni");
+#else
+  const bool has_vnni = false;  // the VNNI kernel exists in the avx512 build only
+#endif
+  if (vnni == 1 && !has_vnni) return kBadIndex;
+  const bool use_vnni = vnni == 1 || (vnni == -1 && has_vnni);
+  const int64_t num_groups = (N + W - 1) / W;
+  const bool parallel = num_threads > 1 && num_groups > 1 && N * K * M >= kParallelWork;
+  const int threads = parallel ? num_threads : 1;
+  std::unique_ptr<int16_t[]> xq(new (std::nothrow) int16_t[M * K]);
+  std::unique_ptr<int16_t[]> bsum(new (std::nothrow) int16_t[M * (K / 32)]);
+  std::unique_ptr<float[]> dx(new (std::nothrow) float[M * (K / Q::kElems)]);
+  std::unique_ptr<float[]> acc(new (std::nothrow) float[threads * M * W]);
+  if (!xq || !bsum || !dx || !acc) return kNoMemory;
+  std::unique_ptr<int8_t[]> q8;
+  std::unique_ptr<int16_t[]> qsum16;
+  if (use_vnni) {
+    q8.reset(new (std::nothrow) int8_t[M * K]);
+    qsum16.reset(new (std::nothrow) int16_t[M * (K / 16)]);
+    if (!q8 || !qsum16) return kNoMemory;
+  }
+  quantize_rows<Q>(x, M, K, xq.get(), dx.get(), bsum.get(), q8.get(), qsum16.get());
+#pragma omp parallel for schedule(static) num_threads(threads) if (parallel)
+  for (int64_t g = 0; g < num_groups; ++g) {
+#if defined(_OPENMP)
+    float* a = acc.get() + static_cast<int64_t>(omp_get_thread_num()) * M * W;
+#else
+    float* a = acc.get();
+#endif
+#if ASYNCPAGED_VEC_BYTES >= 64 && defined(__AVX512F__)
+    if (use_vnni) {
+      vnni_groups<Q>(q8.get(), dx.get(), bsum.get(), qsum16.get(), M, K, w, N, row_bytes, y, a,
+                     g);
+      continue;
+    }
+#endif
+    int8_groups<Q, false>(xq.get(), dx.get(), bsum.get(), M, K, w, N, row_bytes, y, a, g);
+  }
+  return kOk;
+}
+
 template <typename Q>
 int32_t run(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t N, int64_t row_bytes,
             float* y, int32_t path, int32_t num_threads) {
   if (K <= 0 || K % Q::kElems != 0 || row_bytes != K / Q::kElems * Q::kBytes) return kBadIndex;
   if (M == 0 || N == 0) return kOk;
-  if (path == kAuto) path = M <= 2 * kGemvTile ? kGemv : kTiled;  // measured crossover
+  if (path == kAuto) path = M <= kGemvTile ? kGemv : kTiled;  // measured crossover (Zen 4)
   if (path != kGemv && path != kTiled) return kBadIndex;
   // x packed for the tiles (a copy of x, not of W); a single row needs none.
   std::unique_ptr<float[]> xp;
   if (M > 1) {
-    xp.reset(new (std::nothrow) float[M * K]);
+    const int64_t rows = path == kGemv ? (M + kGemvTile - 1) / kGemvTile * kGemvTile : M;
+    xp.reset(new (std::nothrow) float[rows * K]);
     if (!xp) return kNoMemory;
   }
   if (path == kGemv) {
@@ -466,6 +1236,45 @@ int32_t asyncpaged_quant_matmul(const float* x, int64_t M, int64_t K, const uint
     default:
       return kBadDtype;
   }
+}
+
+// y [M, N] = int8(x) @ dequantize(w)^T with x quantized per block as above (the opt-in int8
+// activation path): arguments as asyncpaged_quant_matmul; vnni: -1 where the CPU has
+// AVX512-VNNI (avx512 build only), 0 never, 1 always (kBadIndex where the CPU lacks it).
+// Returns a Status (8: no memory for x's codes, M x K int16 and its scales).
+int32_t asyncpaged_quant_matmul_int8(const float* x, int64_t M, int64_t K, const uint8_t* w,
+                                     int64_t N, int64_t row_bytes, int32_t qtype, float* y,
+                                     int32_t vnni, int32_t num_threads) {
+  if (M < 0 || N < 0) return kBadIndex;
+  switch (qtype) {
+    case kQ8_0:
+      return run_int8<Q8_0>(x, M, K, w, N, row_bytes, y, vnni, num_threads);
+    case kQ4_0:
+      return run_int8<Q4_0>(x, M, K, w, N, row_bytes, y, vnni, num_threads);
+    case kQ4_K:
+      return run_int8<Q4_K>(x, M, K, w, N, row_bytes, y, vnni, num_threads);
+    case kQ5_K:
+      return run_int8<Q5_K>(x, M, K, w, N, row_bytes, y, vnni, num_threads);
+    case kQ6_K:
+      return run_int8<Q6_K>(x, M, K, w, N, row_bytes, y, vnni, num_threads);
+    default:
+      return kBadDtype;
+  }
+}
+
+// x's int8 codes as the int8 path makes them: q [M, K] int16 (in [-127, 127]), dx [M, K /
+// block] float32 (block 32 or 256: a weight type's block). Returns a Status.
+int32_t asyncpaged_quantize_activations(const float* x, int64_t M, int64_t K, int32_t block,
+                                        int16_t* q, float* dx) {
+  if (M < 0 || K <= 0 || (block != 32 && block != 256) || K % block != 0) return kBadIndex;
+  std::unique_ptr<int16_t[]> bsum(new (std::nothrow) int16_t[M * (K / 32) + 1]);
+  if (!bsum) return kNoMemory;
+  if (block == 32) {
+    quantize_rows<Q8_0>(x, M, K, q, dx, bsum.get());
+  } else {
+    quantize_rows<Q4_K>(x, M, K, q, dx, bsum.get());
+  }
+  return kOk;
 }
 
 }  // extern "C"

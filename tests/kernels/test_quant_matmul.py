@@ -9,6 +9,13 @@ float32 weights gguf-py dequantizes (any float32 summation order meets it).
 ``dequantize_rows`` equals ``gguf.quants.dequantize`` bit for bit. Tensors placed against
 PROT_NONE guard pages (after and before) show that the kernel reads and writes nothing outside
 them; bad input raises ``ValueError`` before native code.
+
+The int8-activation path (``activations="int8"``), with and without AVX512-VNNI where the
+avx512 build runs: its quantization of x equals ``quantize_activations`` (torch) bit for bit, and
+its product is within float32 rounding of its per-block combination of the float64 reference
+``torch_quant_matmul_int8``: ``|y - ref| <= (2 K / block + 4) * 2**-23 * (|xq| @ (|A| + |B|).T)``,
+xq the dequantized codes of x, A the weights' scale part (``d sc q``) and B their min part
+(``dmin m``, K-quants 4 and 5 only).
 """
 
 from __future__ import annotations
@@ -23,6 +30,7 @@ import numpy as np
 import pytest
 import torch
 
+from asyncpaged.kernels import cpu_build
 from asyncpaged.kernels import quant_matmul as qm
 
 gguf = pytest.importorskip("gguf")
@@ -150,11 +158,124 @@ def test_bad_input_never_reaches_native_code(monkeypatch: pytest.MonkeyPatch) ->
         "Q4_K of Q8_0 bytes": (shapes, lambda: qm.quant_matmul(x, w, "Q4_K", k)),
         "path": (kinds, lambda: qm.quant_matmul(x, w, "Q8_0", k, path="fast")),
         "threads": ("num_threads", lambda: qm.quant_matmul(x, w, "Q8_0", k, num_threads=0)),
+        "activations": (kinds, lambda: qm.quant_matmul(x, w, "Q8_0", k, activations="int4")),
+        "int8 x dtype": (
+            kinds,
+            lambda: qm.quant_matmul(x.double(), w, "Q8_0", k, activations="int8"),
+        ),
+        "int8 threads": (
+            "num_threads",
+            lambda: qm.quant_matmul(x, w, "Q8_0", k, activations="int8", num_threads=0),
+        ),
     }
     for what, (match, call) in bad_calls.items():
         with pytest.raises(ValueError, match=match):
             call()
             pytest.fail(f"accepted bad input: {what}")
+
+
+def _vnni_modes(target: str) -> tuple[bool | None, ...]:
+    """The int8 path's dot products to test on ``target``: VNNI only in the avx512 build."""
+    if target == "avx512" and "avx512_vnni" in cpu_build.cpu_flags():
+        return (None, False, True)
+    return (None, False)
+
+
+def weight_parts(w: torch.Tensor, name: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """The dequantized weights split into (scale part, min part) in float64: W = A - B for Q4_K
+    and Q5_K (A with dmin zeroed, B = -(W with d zeroed)), (W, 0) for the other types."""
+    full = torch.from_numpy(gguf_dequantize(w, name)).double()
+    if name not in ("Q4_K", "Q5_K"):
+        return full, torch.zeros_like(full)
+    blocks = w.numpy().reshape(-1, qm.QTYPES[name].block_bytes).copy()
+    no_min, no_scale = blocks.copy(), blocks.copy()
+    no_min[:, 2:4] = 0
+    no_scale[:, 0:2] = 0
+    shape = tuple(w.shape)
+    a = gguf_dequantize(torch.from_numpy(no_min.reshape(shape)), name)
+    b = gguf_dequantize(torch.from_numpy(no_scale.reshape(shape)), name)
+    return torch.from_numpy(a).double(), -torch.from_numpy(b).double()
+
+
+def assert_int8_within_bound(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor, name: str) -> None:
+    q = qm.QTYPES[name]
+    k = x.shape[1]
+    codes, dx = qm.quantize_activations(x, q.block_elems)
+    xq = codes.double().reshape(x.shape[0], -1, q.block_elems) * dx.double().unsqueeze(2)
+    xq = xq.reshape(x.shape)
+    a, b = weight_parts(w, name)
+    exact = qm.torch_quant_matmul_int8(x, w, name, k).double()
+    bound = (2 * k // q.block_elems + 4) * EPS * (xq.abs() @ (a.abs() + b.abs()).T)
+    err = (y.double() - exact).abs()
+    assert y.dtype == torch.float32 and y.shape == exact.shape
+    assert bool((err <= bound).all()), f"{name}: worst err/bound {(err / bound).nan_to_num().max()}"
+
+
+def test_quantize_activations_native_is_torch_bit_for_bit(target: str) -> None:
+    op = qm.native_quant_matmul(target)
+    assert op is not None
+    gen = torch.Generator().manual_seed(7)
+    x = torch.randn(5, 512, generator=gen) * torch.tensor([1e-3, 1.0, 30.0, 1e4, 1.0]).reshape(5, 1)
+    x[4, :256] = 0.0  # an all-zero block: dx = 0, codes 0
+    x[1, 3] = 127.0 * 2.5 / 127.0  # with max 127: x * (1 / dx) lands on (or next to) .5
+    x[1, 7] = -127.0
+    x[1, 8] = 3.5
+    for block in (32, 256):
+        codes, dx = op.quantize(x, block)
+        want_codes, want_dx = qm.quantize_activations(x, block)
+        assert torch.equal(codes, want_codes) and torch.equal(dx, want_dx)
+        assert int(codes.abs().max()) <= 127
+        assert bool((dx[4, : 256 // block] == 0).all())
+
+
+@pytest.mark.parametrize("name", QTYPE_NAMES)
+def test_int8_matches_reference(target: str, name: str) -> None:
+    op = qm.native_quant_matmul(target)
+    assert op is not None
+    q = qm.QTYPES[name]
+    gen = torch.Generator().manual_seed(0)
+    for k in _ks(name):
+        for n in (*COLS, 16, 33):
+            w = random_weight(name, n, k, seed=k + n)
+            for m in (*ROWS, 9):
+                x = torch.randn(m, k, generator=gen) * 4
+                for vnni in _vnni_modes(target):
+                    assert_int8_within_bound(op.int8(x, w, q, k, 1, vnni), x, w, name)
+    x = torch.randn(3, k, generator=gen)
+    y = qm.quant_matmul(x, w, name, k, activations="int8", target=target, num_threads=1)
+    assert_int8_within_bound(y, x, w, name)
+
+
+def test_int8_vnni_refused_where_absent(target: str) -> None:
+    op = qm.native_quant_matmul(target)
+    assert op is not None
+    if True in _vnni_modes(target):
+        pytest.skip("this build runs VNNI here")
+    w = random_weight("Q8_0", 4, 64)
+    with pytest.raises(ValueError, match="inconsistent"):
+        op.int8(torch.randn(2, 64), w, qm.QTYPES["Q8_0"], 64, 1, True)
+
+
+@pytest.mark.parametrize("name", QTYPE_NAMES)
+def test_int8_two_threads(target: str, name: str) -> None:
+    k = 512
+    w = random_weight(name, 70, k, seed=3)
+    x = torch.randn(33, k, generator=torch.Generator().manual_seed(1)) * 10
+    kw = {"activations": "int8", "target": target}
+    y = qm.quant_matmul(x, w, name, k, num_threads=2, **kw)
+    assert_int8_within_bound(y, x, w, name)
+    assert torch.equal(y, qm.quant_matmul(x, w, name, k, num_threads=1, **kw))
+
+
+@pytest.mark.parametrize("name", QTYPE_NAMES)
+def test_int8_torch_fallback(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    k = _ks(name)[-1]
+    w = random_weight(name, qm.FALLBACK_ROWS + 3, k, seed=5)
+    x = torch.randn(4, k, generator=torch.Generator().manual_seed(2))
+    want = qm.torch_quant_matmul_int8(x, w, name, k)
+    assert_int8_within_bound(want, x, w, name)
+    monkeypatch.setattr(qm, "native_quant_matmul", lambda target=None: None)
+    assert torch.equal(qm.quant_matmul(x, w, name, k, activations="int8"), want)
 
 
 _GUARDED_SCRIPT = textwrap.dedent(
@@ -163,7 +284,8 @@ _GUARDED_SCRIPT = textwrap.dedent(
     import numpy as np, torch
     from asyncpaged.kernels import cpu_build, quant_matmul as qm
     sys.path.insert(0, {tests!r})
-    from kernels.test_quant_matmul import assert_within_bound, random_weight
+    from kernels.test_quant_matmul import (
+        assert_int8_within_bound, assert_within_bound, random_weight)
 
     libc = ctypes.CDLL(None, use_errno=True)
     libc.mmap.restype = ctypes.c_void_p
@@ -196,6 +318,10 @@ _GUARDED_SCRIPT = textwrap.dedent(
     fn.restype = ctypes.c_int32
     p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32
     fn.argtypes = [p, i64, i64, p, i64, i64, i32, p, i32, i32]
+    fn8 = lib.asyncpaged_quant_matmul_int8
+    fn8.restype = ctypes.c_int32
+    fn8.argtypes = [p, i64, i64, p, i64, i64, i32, p, i32, i32]
+    vnni_modes = (-1, 0)
     runs = 0
     for name, q in qm.QTYPES.items():
         for k in (q.block_elems, 5 * q.block_elems):
@@ -213,6 +339,13 @@ _GUARDED_SCRIPT = textwrap.dedent(
                             y = torch.from_numpy(y.copy()).reshape(m, n)
                             assert_within_bound(y, x, w, name)
                             runs += 1
+                        for vnni in vnni_modes:
+                            status = fn8(xp, m, k, wp, n, w.shape[1], q.ggml_type, yp, vnni, 1)
+                            assert status == 0, status
+                            y = np.ctypeslib.as_array((ctypes.c_float * (m * n)).from_address(yp))
+                            y = torch.from_numpy(y.copy()).reshape(m, n)
+                            assert_int8_within_bound(y, x, w, name)
+                            runs += 1
     print("runs", runs)
     """
 )
@@ -220,11 +353,11 @@ _GUARDED_SCRIPT = textwrap.dedent(
 
 def test_no_access_outside_the_tensors(target: str) -> None:
     """x, W and y each end right before (and then start right after) a PROT_NONE page: a read
-    or write past either end kills the child process."""
+    or write past either end kills the child process (both paths and the int8 path)."""
     tests = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     script = _GUARDED_SCRIPT.format(tests=tests, target=target)
     done = subprocess.run(
         [sys.executable, "-c", script], capture_output=True, text=True, timeout=600, check=False
     )
     assert done.returncode == 0, f"exit {done.returncode}\n{done.stdout}\n{done.stderr[-3000:]}"
-    assert "runs 360" in done.stdout
+    assert "runs 720" in done.stdout

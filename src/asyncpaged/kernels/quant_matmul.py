@@ -13,6 +13,15 @@ Without the native library (no g++, or its build failed) ``quant_matmul`` falls 
 ``torch_quant_matmul``: the same result through ``dequantize_rows`` of a few hundred rows at a
 time and a float32 matmul.
 
+``activations="int8"`` (opt-in, llama.cpp's way) quantizes each row of x per block of the
+weight type (32 elements for Q8_0 / Q4_0, 256 for the K-quants): ``dx = max|x| / 127`` in
+float32 and ``q = round_half_even(x * (1 / dx))`` (``quantize_activations``); each block's dot
+product with the weights' integer codes is then an exact int32 sum (``vpdpwssd`` with
+AVX512-VNNI, ``pmaddwd`` otherwise) and only the per-block scaling and the sum over blocks
+round in float32. So it computes ``(dx * q) @ dequantize(W).T`` up to float32 rounding of that
+combination (``torch_quant_matmul_int8`` is the float64 reference); the difference from the
+exact float32 path is the quantization of x (relative error ~1e-2 on random data).
+
 ::
 
     QTYPE  elements/block  bytes/block
@@ -41,8 +50,10 @@ __all__ = [
     "dequantize_rows",
     "native_quant_matmul",
     "quant_matmul",
+    "quantize_activations",
     "row_bytes",
     "torch_quant_matmul",
+    "torch_quant_matmul_int8",
 ]
 
 
@@ -67,11 +78,12 @@ QTYPES: Final = {
     )
 }
 PATHS: Final = {"auto": 0, "gemv": 1, "tiled": 2}
+ACTIVATIONS: Final = ("float32", "int8")
 FALLBACK_ROWS: Final = 256  # rows of W dequantized at a time by the torch fallback
 _STATUS_MESSAGES: Final = {
     6: "unknown quantization type",
     7: "inconsistent sizes or path",
-    8: "out of memory for the packed copy of x",
+    8: "out of memory for the packed or quantized copy of x",
 }
 
 
@@ -130,6 +142,12 @@ class NativeQuantMatmul:
         self._matmul = lib.asyncpaged_quant_matmul
         self._matmul.restype = i32
         self._matmul.argtypes = [ptr, i64, i64, ptr, i64, i64, i32, ptr, i32, i32]
+        self._matmul_int8 = lib.asyncpaged_quant_matmul_int8
+        self._matmul_int8.restype = i32
+        self._matmul_int8.argtypes = [ptr, i64, i64, ptr, i64, i64, i32, ptr, i32, i32]
+        self._quantize = lib.asyncpaged_quantize_activations
+        self._quantize.restype = i32
+        self._quantize.argtypes = [ptr, i64, i64, i32, ptr, ptr]
 
     def __call__(
         self, x: torch.Tensor, w: torch.Tensor, q: QuantType, k: int, path: str, num_threads: int
@@ -139,10 +157,38 @@ class NativeQuantMatmul:
             x.data_ptr(), x.shape[0], k, w.data_ptr(), w.shape[0], w.shape[1], q.ggml_type,
             y.data_ptr(), PATHS[path], num_threads,
         )  # fmt: skip
-        if status != 0:
-            message = _STATUS_MESSAGES.get(status, str(status))
-            raise ValueError(f"the quantized matmul kernel refused its inputs: {message}.")
+        _check_status(status)
         return y
+
+    def int8(
+        self, x: torch.Tensor, w: torch.Tensor, q: QuantType, k: int, num_threads: int,
+        vnni: bool | None = None,
+    ) -> torch.Tensor:  # fmt: skip
+        """The int8-activation product; ``vnni``: ``None`` where the CPU has AVX512-VNNI,
+        ``False`` never, ``True`` always (``ValueError`` where the CPU or build lacks it)."""
+        y = torch.empty(x.shape[0], w.shape[0], dtype=torch.float32)
+        status = self._matmul_int8(
+            x.data_ptr(), x.shape[0], k, w.data_ptr(), w.shape[0], w.shape[1], q.ggml_type,
+            y.data_ptr(), -1 if vnni is None else int(vnni), num_threads,
+        )  # fmt: skip
+        _check_status(status)
+        return y
+
+    def quantize(self, x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [M, K] float32 -> (q [M, K] int16, dx [M, K // block] float32)."""
+        q = torch.empty(x.shape, dtype=torch.int16)
+        dx = torch.empty(x.shape[0], x.shape[1] // block, dtype=torch.float32)
+        status = self._quantize(
+            x.data_ptr(), x.shape[0], x.shape[1], block, q.data_ptr(), dx.data_ptr()
+        )
+        _check_status(status)
+        return q, dx
+
+
+def _check_status(status: int) -> None:
+    if status != 0:
+        message = _STATUS_MESSAGES.get(status, str(status))
+        raise ValueError(f"the quantized matmul kernel refused its inputs: {message}.")
 
 
 @functools.cache
@@ -162,26 +208,69 @@ def quant_matmul(
     num_threads: int | None = None,
     target: str | None = None,
     path: str = "auto",
+    activations: str = "float32",
 ) -> torch.Tensor:
     """``x @ dequantize_rows(w, qtype, k).T``: x [M, k] float32, w [N, row_bytes(qtype, k)]
     uint8, both contiguous on the CPU -> [M, N] float32 (exact up to float32 summation order).
 
     ``path``: ``"auto"`` (GEMV for few rows, tiled for many), ``"gemv"`` or ``"tiled"``;
     ``num_threads`` defaults to ``torch.get_num_threads()``; ``target``: the native build (default:
-    the best this CPU runs). Falls back to ``torch_quant_matmul`` without the native library.
-    Raises ``ValueError`` on any inconsistent input, before native code runs.
+    the best this CPU runs). ``activations="int8"`` quantizes x per block first (see the module
+    docstring; ``path`` does not apply). Falls back to ``torch_quant_matmul`` (or
+    ``torch_quant_matmul_int8``) without the native library. Raises ``ValueError`` on any
+    inconsistent input, before native code runs.
     """
     q = check_weight(w, qtype, k)
     check_input(x, k)
     if path not in PATHS:
         raise ValueError(f"path must be one of {sorted(PATHS)}, got {path!r}.")
+    if activations not in ACTIVATIONS:
+        raise ValueError(f"activations must be one of {list(ACTIVATIONS)}, got {activations!r}.")
     threads = torch.get_num_threads() if num_threads is None else num_threads
     if threads < 1:
         raise ValueError(f"num_threads must be >= 1, got {threads}.")
     op = native_quant_matmul(target)
+    if activations == "int8":
+        if op is None:
+            return torch_quant_matmul_int8(x, w, qtype, k)
+        return op.int8(x, w, q, k, threads)
     if op is None:
         return torch_quant_matmul(x, w, qtype, k)
     return op(x, w, q, k, path, threads)
+
+
+def quantize_activations(x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] float32 as the int8 path quantizes it: per row and block of ``block`` (32 or
+    256) elements, ``dx = max|x| / 127`` and ``q = round_half_even(x * (1 / dx))`` clamped to
+    [-127, 127] (float32 operations; q = 0 where dx = 0). Returns (q [M, K] int16,
+    dx [M, K // block] float32)."""
+    if block not in (32, 256):
+        raise ValueError(f"block must be 32 or 256, got {block!r}.")
+    if x.dim() != 2 or x.dtype != torch.float32 or x.shape[1] % block != 0:
+        raise ValueError(
+            f"x must be float32 [M, K] with K a multiple of {block}, got {_describe(x)}."
+        )
+    xb = x.reshape(x.shape[0], -1, block)
+    d = xb.abs().amax(dim=2) / torch.tensor(127.0, dtype=torch.float32)
+    inv = torch.where(d != 0, torch.tensor(1.0, dtype=torch.float32) / d, torch.zeros_like(d))
+    codes = torch.round(xb * inv.unsqueeze(2)).clamp(-127, 127)  # torch.round: half to even
+    return codes.reshape(x.shape).to(torch.int16), d
+
+
+def torch_quant_matmul_int8(x: torch.Tensor, w: torch.Tensor, qtype: str, k: int) -> torch.Tensor:
+    """``quant_matmul(..., activations="int8")`` in torch, in float64: x quantized by
+    ``quantize_activations`` (exact as ``dx * q`` in float64) times the exact weights, rounded
+    to float32 once (the kernel's own rounding is only its float32 per-block combination)."""
+    q = check_weight(w, qtype, k)
+    check_input(x, k)
+    codes, dx = quantize_activations(x.contiguous(), q.block_elems)
+    xq = codes.double().reshape(x.shape[0], -1, q.block_elems) * dx.double().unsqueeze(2)
+    xq = xq.reshape(x.shape)
+    y = torch.empty(x.shape[0], w.shape[0], dtype=torch.float64)
+    for n0 in range(0, w.shape[0], FALLBACK_ROWS):
+        rows = w[n0 : n0 + FALLBACK_ROWS]
+        y[:, n0 : n0 + rows.shape[0]] = xq @ dequantize_rows(rows, qtype, k).double().T
+    return y.float()
 
 
 def torch_quant_matmul(x: torch.Tensor, w: torch.Tensor, qtype: str, k: int) -> torch.Tensor:

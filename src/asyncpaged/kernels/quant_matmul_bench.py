@@ -1,9 +1,12 @@
 """Benchmark of the quantized matmul (``quant_matmul``) against torch's float32 and bf16 matmul.
 
 ``python -m asyncpaged.kernels.quant_matmul_bench [--threads 1] [--target avx2] [--json out]``.
-For each GGUF type and shape (M, N, K): the median time of ``quant_matmul(x, w)``, the weight
-bytes it reads per second (N x row_bytes / time), and the median time of ``x @ W.T`` with W in
-float32 and of ``x.bfloat16() @ W.bfloat16().T`` (the same shape, W dequantized beforehand).
+For each GGUF type and shape (M, N, K): the median time of ``quant_matmul(x, w)`` (exact float32
+activations), the weight bytes it reads per second (N x row_bytes / time), the median time of
+the int8-activation path (``activations="int8"``; with ``--no-vnni`` also without AVX512-VNNI)
+and of ``x @ W.T`` with W in float32 and of ``x.bfloat16() @ W.bfloat16().T`` (the same shape, W
+dequantized beforehand). Times are CPU time of the calling thread (``time.thread_time``) with
+one thread, so a busy neighbour on a shared machine moves them less; wall time with more.
 Every operand cycles through enough copies of its weights to exceed ``COLD_BYTES``, so the
 weights come from memory as in a many-layer model, not from the last-level cache.
 """
@@ -22,10 +25,10 @@ import numpy as np
 import torch
 
 from .cpu_build import select_target
-from .quant_matmul import QTYPES, dequantize_rows, quant_matmul
+from .quant_matmul import QTYPES, dequantize_rows, native_quant_matmul, quant_matmul
 
 DECODE_SHAPES = tuple((m, nk, nk) for m in (1, 16) for nk in (1024, 4096))
-PREFILL_SHAPES = tuple((256, nk, nk) for nk in (1024, 2048))
+PREFILL_SHAPES = tuple((256, nk, nk) for nk in (1024, 2048, 4096))
 COLD_BYTES = 96 << 20  # over the 32 MB L3 of the machines measured
 
 
@@ -39,6 +42,8 @@ class QuantMatmulTiming:
     k: int
     quant_s: float
     weight_gb_s: float
+    int8_s: float
+    int8_no_vnni_s: float | None
     torch_f32_s: float
     torch_bf16_s: float
 
@@ -55,21 +60,24 @@ def random_blocks(qtype: str, n: int, k: int, seed: int = 0) -> torch.Tensor:
     return torch.from_numpy(blocks.reshape(n, -1))
 
 
-def median_s(calls: Sequence[Callable[[], object]], repeats: int) -> float:
-    """Median seconds of one call, cycling through ``calls`` (one warm-up round first)."""
+def median_s(calls: Sequence[Callable[[], object]], repeats: int, threads: int = 1) -> float:
+    """Median seconds of one call, cycling through ``calls`` (one warm-up round first): CPU time
+    of this thread with one thread, wall time with more."""
+    clock = time.thread_time if threads == 1 else time.perf_counter
     for call in calls:
         call()
     times = []
     for i in range(repeats):
-        start = time.perf_counter()
+        start = clock()
         calls[i % len(calls)]()
-        times.append(time.perf_counter() - start)
+        times.append(clock() - start)
     return statistics.median(times)
 
 
 def bench_shape(
-    qtype: str, m: int, n: int, k: int, *, target: str, threads: int, repeats: int
-) -> QuantMatmulTiming:
+    qtype: str, m: int, n: int, k: int, *, target: str, threads: int, repeats: int,
+    no_vnni: bool = False,
+) -> QuantMatmulTiming:  # fmt: skip
     w = random_blocks(qtype, n, k)
     x = torch.randn(m, k)
     copies = max(1, -(-COLD_BYTES // (n * k * 4)))
@@ -78,16 +86,22 @@ def bench_shape(
     f32 = [dequantize_rows(w, qtype, k) for _ in range(copies)]
     bf16 = [t.bfloat16() for t in f32]
     xb = x.bfloat16()
-    quant_s = median_s(
-        [functools.partial(quant_matmul, x, q, qtype, k, target=target, num_threads=threads)
-         for q in ws],
-        repeats,
-    )  # fmt: skip
-    f32_s = median_s([functools.partial(torch.matmul, x, t.T) for t in f32], repeats)
-    bf16_s = median_s([functools.partial(torch.matmul, xb, t.T) for t in bf16], repeats)
+    quant = functools.partial(quant_matmul, x, qtype=qtype, k=k, target=target, num_threads=threads)
+    quant_s = median_s([functools.partial(quant, q) for q in ws], repeats, threads)
+    int8_s = median_s(
+        [functools.partial(quant, q, activations="int8") for q in ws], repeats, threads
+    )
+    no_vnni_s = None
+    op = native_quant_matmul(target)
+    if no_vnni and op is not None:
+        q8 = QTYPES[qtype]
+        calls = [functools.partial(op.int8, x, q, q8, k, threads, False) for q in ws]
+        no_vnni_s = median_s(calls, repeats, threads)
+    f32_s = median_s([functools.partial(torch.matmul, x, t.T) for t in f32], repeats, threads)
+    bf16_s = median_s([functools.partial(torch.matmul, xb, t.T) for t in bf16], repeats, threads)
     return QuantMatmulTiming(
         qtype=qtype, m=m, n=n, k=k, quant_s=quant_s, weight_gb_s=w.numel() / quant_s / 1e9,
-        torch_f32_s=f32_s, torch_bf16_s=bf16_s,
+        int8_s=int8_s, int8_no_vnni_s=no_vnni_s, torch_f32_s=f32_s, torch_bf16_s=bf16_s,
     )  # fmt: skip
 
 
@@ -99,21 +113,36 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--repeats", type=int, default=30)
     parser.add_argument("--prefill-repeats", type=int, default=5)
     parser.add_argument("--no-prefill", action="store_true")
+    parser.add_argument("--no-vnni", action="store_true", help="also time int8 without VNNI")
+    parser.add_argument(
+        "--m", type=int, nargs="*", help="rows of x (with --nk: instead of the defaults)"
+    )
+    parser.add_argument("--nk", type=int, nargs="*", help="N = K values (with --m)")
     parser.add_argument("--json", default=None, help="write the timings to this file")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     target = args.target or select_target()
     shapes = DECODE_SHAPES + (() if args.no_prefill else PREFILL_SHAPES)
+    if args.m and args.nk:
+        shapes = tuple((m, nk, nk) for nk in args.nk for m in args.m)
     print(f"target {target}, {args.threads} thread(s); times in ms, medians")
-    print(f"{'type':5} {'M':>4} {'N=K':>5} {'quant':>8} {'GB/s':>6} {'f32':>8} {'bf16':>8}")
+    print(
+        f"{'type':5} {'M':>4} {'N=K':>5} {'quant':>8} {'GB/s':>6} {'int8':>8} {'no-vnni':>8} "
+        f"{'f32':>8} {'bf16':>8}"
+    )
     rows = []
     for qtype in args.types:
         for m, n, k in shapes:
             repeats = args.prefill_repeats if m > 16 else args.repeats
-            r = bench_shape(qtype, m, n, k, target=target, threads=args.threads, repeats=repeats)
+            r = bench_shape(
+                qtype, m, n, k, target=target, threads=args.threads, repeats=repeats,
+                no_vnni=args.no_vnni,
+            )  # fmt: skip
             rows.append(r)
+            no_vnni = "-" if r.int8_no_vnni_s is None else f"{r.int8_no_vnni_s * 1e3:.3f}"
             print(
                 f"{qtype:5} {m:4d} {n:5d} {r.quant_s * 1e3:8.3f} {r.weight_gb_s:6.1f} "
+                f"{r.int8_s * 1e3:8.3f} {no_vnni:>8} "
                 f"{r.torch_f32_s * 1e3:8.3f} {r.torch_bf16_s * 1e3:8.3f}",
                 flush=True,
             )
