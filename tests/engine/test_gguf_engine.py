@@ -104,3 +104,26 @@ async def test_a_truncated_file_is_refused_at_start(gguf_file: Any, tmp_path: Pa
     with pytest.raises(GGUFError, match=r"broken\.gguf"):
         async with AsyncEngine(EngineConfig(model=str(broken), executor_backend="thread")):
             pass
+
+
+async def test_int8_activations_are_close_not_exact(gguf_file: Any) -> None:
+    """``quantized_activations="int8"`` (llama.cpp's way): every GGUF weight multiplies int8
+    activations; the first token's distribution stays close to the exact path's (the
+    quantization of x is the only difference)."""
+    path = gguf_file("llama-gqa", "Q8_0")
+    params = SamplingParams(temperature=0.0, max_tokens=1, logprobs=5)
+    firsts: dict[str, list[dict[int, float]]] = {}
+    for mode in ("float32", "int8"):
+        async with running_engine(path, num_device_blocks=32, executor_backend="thread",
+                                  quantized_activations=mode) as engine:  # fmt: skip
+            model = engine.runner.model if engine.runner is not None else None
+            assert model is not None
+            weights = [m.__dict__[QUANT_ATTR] for m in model.modules() if QUANT_ATTR in m.__dict__]
+            assert weights and all(w.activations == mode for w in weights)
+            outs = [await engine.generate(p, params) for p in PROMPTS]
+        firsts[mode] = [{t: lp.logprob for t, lp in o.outputs[0].logprobs[0].items()} for o in outs]
+    for exact, int8 in zip(firsts["float32"], firsts["int8"], strict=True):
+        shared = set(exact) & set(int8)
+        assert len(shared) >= 3
+        assert max(abs(exact[t] - int8[t]) for t in shared) < 0.1
+    assert firsts["float32"] != firsts["int8"]  # a different computation, not the same one
