@@ -432,7 +432,7 @@ void gemv_blocked(const float* x, int mt, int64_t K, const uint8_t* w, int64_t r
     for (int m = 0; m < mt; ++m) y[m * N + n] = reduce_add(part[n - n0][m]);
 }
 
-// Rows of x in passes of at most kGemvTile, balanced (M = 20 on avx2: 7 + 7 + 6, not 8 + 8 + 4):
+// Rows of x in passes of at most kGemvTile, balanced (M = 20: 10 + 10, not 16 + 4):
 // pass p holds rows [pass_start(p), pass_start(p + 1)).
 inline int64_t pass_start(int64_t p, int64_t M, int64_t passes) { return p * M / passes; }
 
