@@ -90,7 +90,7 @@ def test_dequantize_rows_is_gguf_bit_for_bit(name: str) -> None:
         assert np.array_equal(got.view(np.uint32), want.view(np.uint32))
 
 
-@pytest.mark.parametrize("path", ["auto", "gemv", "tiled"])
+@pytest.mark.parametrize("path", ["gemv", "tiled"])  # ("auto" picks one of them by rows)
 @pytest.mark.parametrize("name", QTYPE_NAMES)
 def test_matches_float64(target: str, name: str, path: str) -> None:
     gen = torch.Generator().manual_seed(0)
