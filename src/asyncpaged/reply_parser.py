@@ -10,15 +10,19 @@ it reaches the tool parser, so a call written while thinking is not a call.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from asyncpaged._log import get_logger
 from asyncpaged.outputs import ToolCall, ToolCallDelta
 from asyncpaged.reasoning import ReasoningParser
 from asyncpaged.tool_choice import ForcedCalls
-from asyncpaged.tool_parsers import ToolParser, random_call_id
+from asyncpaged.tool_parsers import ToolParseDelta, ToolParser, random_call_id
 
 __all__ = ["ReplyParser", "ReplyParsing", "ReplyView"]
+
+log = get_logger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,32 +101,48 @@ class ReplyParser:
             piece = self._reasoning_parser.finish()
             self.reasoning += piece.reasoning
             self._answer(piece.content)
-        if self._tool_parser is not None:
+        parser = self._tool_parser
+        if parser is not None:
             if self._streamed:
-                parsed = self._tool_parser.finish()
+                self._tool_step(parser.finish, "")
             else:
-                parsed = self._tool_parser.parse(self._held)
-            self.content += parsed.content
-            self._add_deltas(parsed.tool_calls)
+                held = self._held
+                self._tool_step(lambda: parser.parse(held), held)
         elif self._forced_json is not None:
             self._parse_forced(self._held)
 
     def _answer(self, text: str) -> None:
         if not text:
             return
-        if self._tool_parser is not None and self._streamed:
-            parsed = self._tool_parser.feed(text)
-            self.content += parsed.content
-            self._add_deltas(parsed.tool_calls)
-        elif self._tool_parser is not None or self._forced_json is not None:
+        parser = self._tool_parser
+        if parser is not None and self._streamed:
+            self._tool_step(lambda: parser.feed(text), text)
+        elif parser is not None or self._forced_json is not None:
             self._held += text
         else:
             self.content += text
 
+    def _tool_step(self, step: Callable[[], ToolParseDelta], text: str) -> None:
+        """One call into the tool parser; a parser that raises (one of the host's, say) fails
+        no one: from there on the reply is plain text (``text``, what it was given, included;
+        what it held back is lost), and a warning says so."""
+        try:
+            parsed = step()
+        except Exception as exc:
+            log.warning("tool_parser_failed", parser=type(self._tool_parser).__name__,
+                        error=repr(exc))  # fmt: skip
+            self._tool_parser = None
+            self.content += text
+            return
+        self.content += parsed.content
+        self._add_deltas(parsed.tool_calls)
+
     def _add_deltas(self, deltas: tuple[ToolCallDelta, ...] | list[ToolCallDelta]) -> None:
         for delta in deltas:
+            if delta.index < 0:  # (a parser's mistake: not a call of this reply)
+                continue
             self._deltas.append(delta)
-            if delta.index == len(self._calls):
+            while delta.index >= len(self._calls):
                 self._calls.append(_Call(delta.id or random_call_id(), delta.name or ""))
             self._calls[delta.index].arguments += delta.arguments
 

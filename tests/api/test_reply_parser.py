@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import itertools
 import json
+from typing import Any
 
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -88,3 +90,27 @@ def test_forced_calls_written_as_json() -> None:
     assert view.tool_calls is not None and view.tool_calls[0].arguments == '{"a": 2}'
     cut = _whole('{"a": ', named).whole()  # cut short by max_tokens: the text stays
     assert (cut.content, cut.tool_calls) == ('{"a": ', None)
+
+
+class _Failing(HermesToolParser):
+    """A host's parser with a bug: it raises on the second piece it is given."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.pieces = 0
+
+    def feed(self, text: str) -> Any:
+        self.pieces += 1
+        if self.pieces == 2:
+            raise RuntimeError("bug")
+        return super().feed(text)
+
+
+def test_a_parser_that_raises_leaves_the_reply_as_text(caplog: pytest.LogCaptureFixture) -> None:
+    parser = ReplyParsing(tool_parser=_Failing).start(in_reasoning=False)
+    for piece in ("Sure. ", "<tool_call>", "\n{}</tool_call> done"):
+        parser.feed(piece)
+    parser.finish()
+    view = parser.whole()
+    assert (view.content, view.tool_calls) == ("Sure. <tool_call>\n{}</tool_call> done", None)
+    assert "tool_parser_failed" in caplog.text
