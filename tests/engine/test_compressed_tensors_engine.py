@@ -8,24 +8,20 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import anyio
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from asyncpaged import AsyncEngine, EngineConfig, SamplingParams
+from asyncpaged import AsyncEngine, EngineConfig
 from asyncpaged.model.errors import CheckpointError
 from asyncpaged.model.fp8_weight import FP8Weight
 from asyncpaged.model.packed_int_weight import PackedIntWeight
 from asyncpaged.model.quantized_linear import QUANT_ATTR
 from asyncpaged.testing.tiny_compressed import load_transformers_compressed, write_tiny_compressed
-from tests.engine.conftest import running_engine
+from tests.engine.quantized_reference import assert_engine_equals
 
 pytestmark = pytest.mark.anyio
 
-PROMPTS = [[5, 6, 7, 8, 9, 10], [11, 12, 13], [40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50, 51, 52,
-           53, 54, 55, 56, 57], [100, 7], [3, 30, 60, 90, 120]]  # fmt: skip
-MAX_TOKENS = 10
 CASES = [
     ("llama-gqa", "W4A16"), ("llama-gqa", "W4A16-asym"), ("qwen3", "W4A16-asym-bf16"),
     ("qwen2", "W4A16-channel-f16"), ("qwen2", "W8A16"), ("llama-gqa", "W8A16-asym-g32"),
@@ -51,46 +47,10 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Any:
     return get
 
 
-def _reference(path: Path) -> tuple[list[list[int]], list[list[torch.Tensor]]]:
-    """transformers' greedy tokens and per-step log-probabilities for every prompt."""
-    model = load_transformers_compressed(path)
-    tokens, logprobs = [], []
-    with torch.no_grad():
-        for prompt in PROMPTS:
-            out = model.generate(torch.tensor([prompt]), max_new_tokens=MAX_TOKENS,
-                                 do_sample=False, output_logits=True,
-                                 return_dict_in_generate=True)  # fmt: skip
-            tokens.append(out.sequences[0, len(prompt) :].tolist())
-            logprobs.append([torch.log_softmax(s[0].double(), -1) for s in out.logits])
-    return tokens, logprobs
-
-
 @pytest.mark.parametrize(("name", "scheme"), CASES, ids=str)
 async def test_greedy_equals_transformers(checkpoint: Any, name: str, scheme: str) -> None:
     path = checkpoint(name, scheme)
-    want, want_logprobs = _reference(path)
-    # few blocks: the five requests preempt each other (recompute)
-    async with running_engine(path, num_device_blocks=9, block_size=4,
-                              executor_backend="thread") as engine:  # fmt: skip
-        params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True,
-                                logprobs=1)  # fmt: skip
-        outs: list[Any] = [None] * len(PROMPTS)
-
-        async def one(i: int) -> None:
-            outs[i] = await engine.generate(PROMPTS[i], params)
-
-        async with anyio.create_task_group() as tg:
-            for i in range(len(PROMPTS)):
-                tg.start_soon(one, i)
-        assert engine.statistics().num_preemptions > 0
-        model = engine.runner.model if engine.runner is not None else None
-    for i, out in enumerate(outs):
-        completion = out.outputs[0]
-        assert completion.token_ids == want[i], (i, completion.token_ids, want[i])
-        for step, token in enumerate(completion.token_ids):
-            got = completion.logprobs[step][token].logprob
-            assert abs(got - float(want_logprobs[i][step][token])) < 1e-3
-    assert model is not None
+    model = await assert_engine_equals(path, load_transformers_compressed(path))
     linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
     quantized = [m for m in linears if QUANT_ATTR in m.__dict__]
     # every projection (7 per layer) kept quantized, its float weight empty; the LM head in float

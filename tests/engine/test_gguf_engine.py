@@ -8,21 +8,17 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import anyio
 import pytest
-import torch
 
 from asyncpaged import AsyncEngine, EngineConfig, SamplingParams
 from asyncpaged.model.errors import GGUFError
 from asyncpaged.model.quantized_linear import QUANT_ATTR
 from asyncpaged.testing.tiny_gguf import load_transformers_gguf, write_tiny_gguf
 from tests.engine.conftest import running_engine
+from tests.engine.quantized_reference import PROMPTS, assert_engine_equals
 
 pytestmark = pytest.mark.anyio
 
-PROMPTS = [[5, 6, 7, 8, 9, 10], [11, 12, 13], [40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50, 51, 52,
-           53, 54, 55, 56, 57], [100, 7], [3, 30, 60, 90, 120]]  # fmt: skip
-MAX_TOKENS = 10
 CASES = [
     ("llama-gqa", "Q8_0"), ("llama-gqa", "Q4_0"), ("llama-mha", "Q8_0"), ("qwen2", "Q4_0"),
     ("qwen3", "Q8_0"), ("qwen3-moe", "Q4_0"), ("llama-wide", "Q4_K"), ("llama-wide", "Q5_K"),
@@ -49,46 +45,10 @@ def gguf_file(tmp_path_factory: pytest.TempPathFactory) -> Any:
     return get
 
 
-def _reference(path: Path) -> tuple[list[list[int]], list[list[torch.Tensor]]]:
-    """transformers' greedy tokens and per-step log-probabilities for every prompt."""
-    model = load_transformers_gguf(path)
-    tokens, logprobs = [], []
-    with torch.no_grad():
-        for prompt in PROMPTS:
-            out = model.generate(torch.tensor([prompt]), max_new_tokens=MAX_TOKENS,
-                                 do_sample=False, output_logits=True,
-                                 return_dict_in_generate=True)  # fmt: skip
-            tokens.append(out.sequences[0, len(prompt) :].tolist())
-            logprobs.append([torch.log_softmax(s[0].double(), -1) for s in out.logits])
-    return tokens, logprobs
-
-
 @pytest.mark.parametrize(("name", "qtype"), CASES, ids=str)
 async def test_greedy_equals_transformers(gguf_file: Any, name: str, qtype: str) -> None:
     path = gguf_file(name, qtype)
-    want, want_logprobs = _reference(path)
-    # few blocks: the five requests preempt each other (recompute)
-    async with running_engine(path, num_device_blocks=9, block_size=4,
-                              executor_backend="thread") as engine:  # fmt: skip
-        params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True,
-                                logprobs=1)  # fmt: skip
-        outs: list[Any] = [None] * len(PROMPTS)
-
-        async def one(i: int) -> None:
-            outs[i] = await engine.generate(PROMPTS[i], params)
-
-        async with anyio.create_task_group() as tg:
-            for i in range(len(PROMPTS)):
-                tg.start_soon(one, i)
-        assert engine.statistics().num_preemptions > 0
-        model = engine.runner.model if engine.runner is not None else None
-    for i, out in enumerate(outs):
-        completion = out.outputs[0]
-        assert completion.token_ids == want[i], (i, completion.token_ids, want[i])
-        for step, token in enumerate(completion.token_ids):
-            got = completion.logprobs[step][token].logprob
-            assert abs(got - float(want_logprobs[i][step][token])) < 1e-3
-    assert model is not None
+    model = await assert_engine_equals(path, load_transformers_gguf(path))
     quantized = [m for m in model.modules() if QUANT_ATTR in m.__dict__]
     if qtype in ("F16", "BF16"):
         assert not quantized
