@@ -109,7 +109,7 @@ def check_weight(w: torch.Tensor, qtype: str, k: int) -> QuantType:
     q = quant_type(qtype)
     want = row_bytes(qtype, k)
     if not isinstance(w, torch.Tensor) or w.dtype != torch.uint8 or w.device.type != "cpu":
-        raise ValueError(f"w must be a uint8 CPU tensor, got {_describe(w)}.")
+        raise ValueError(f"w must be a uint8 CPU tensor, got {describe_tensor(w)}.")
     if w.dim() != 2 or w.shape[1] != want or not w.is_contiguous():
         raise ValueError(
             f"w must be contiguous [N, {want}] ({k} {q.name} elements per row), got "
@@ -121,14 +121,15 @@ def check_weight(w: torch.Tensor, qtype: str, k: int) -> QuantType:
 def check_input(x: torch.Tensor, k: int) -> None:
     """``x`` must be a contiguous float32 CPU tensor [M, k]."""
     if not isinstance(x, torch.Tensor) or x.dtype != torch.float32 or x.device.type != "cpu":
-        raise ValueError(f"x must be a float32 CPU tensor, got {_describe(x)}.")
+        raise ValueError(f"x must be a float32 CPU tensor, got {describe_tensor(x)}.")
     if x.dim() != 2 or x.shape[1] != k or not x.is_contiguous():
         raise ValueError(
             f"x must be contiguous [M, {k}], got {tuple(x.shape)} strides {x.stride()}."
         )
 
 
-def _describe(t: object) -> str:
+def describe_tensor(t: object) -> str:
+    """A tensor's dtype, shape and device (else its type), for error messages."""
     if isinstance(t, torch.Tensor):
         return f"{t.dtype} {tuple(t.shape)} on {t.device}"
     return type(t).__name__
@@ -248,7 +249,7 @@ def quantize_activations(x: torch.Tensor, block: int) -> tuple[torch.Tensor, tor
         raise ValueError(f"block must be 32 or 256, got {block!r}.")
     if x.dim() != 2 or x.dtype != torch.float32 or x.shape[1] % block != 0:
         raise ValueError(
-            f"x must be float32 [M, K] with K a multiple of {block}, got {_describe(x)}."
+            f"x must be float32 [M, K] with K a multiple of {block}, got {describe_tensor(x)}."
         )
     xb = x.reshape(x.shape[0], -1, block)
     d = xb.abs().amax(dim=2) / torch.tensor(127.0, dtype=torch.float32)

@@ -34,6 +34,7 @@ from typing import Final
 import torch
 
 from .cpu_build import load_library
+from .quant_matmul import check_input, describe_tensor
 
 __all__ = [
     "CODES",
@@ -102,7 +103,7 @@ def check_layout(w: torch.Tensor, layout: ScaledLayout) -> None:
     if layout.scale_dtype not in ROUNDINGS:
         raise ValueError(f"scale_dtype must be one of {list(ROUNDINGS)}, got {layout.scale_dtype}.")
     if not isinstance(w, torch.Tensor) or w.dtype != torch.uint8 or w.device.type != "cpu":
-        raise ValueError(f"w must be a uint8 CPU tensor, got {_describe(w)}.")
+        raise ValueError(f"w must be a uint8 CPU tensor, got {describe_tensor(w)}.")
     if w.dim() != 2 or w.shape[1] != layout.row_bytes or not w.is_contiguous():
         raise ValueError(
             f"w must be contiguous [N, {layout.row_bytes}] ({k} {layout.code} codes per row), "
@@ -116,27 +117,13 @@ def check_layout(w: torch.Tensor, layout: ScaledLayout) -> None:
         if t is None:
             continue
         if t.dtype != torch.float32 or t.device.type != "cpu" or not t.is_contiguous():
-            raise ValueError(f"{name} must be a contiguous float32 CPU tensor, got {_describe(t)}.")
+            raise ValueError(
+                f"{name} must be a contiguous float32 CPU tensor, got {describe_tensor(t)}."
+            )
         if tuple(t.shape) != want:
             raise ValueError(f"{name} must have shape {want} for {n} rows, got {tuple(t.shape)}.")
     if layout.zeros is not None and layout.code == "fp8_e4m3":
         raise ValueError("fp8 codes have no zero points: zeros must be None.")
-
-
-def check_input(x: torch.Tensor, k: int) -> None:
-    """``x`` must be a contiguous float32 CPU tensor [M, k]."""
-    if not isinstance(x, torch.Tensor) or x.dtype != torch.float32 or x.device.type != "cpu":
-        raise ValueError(f"x must be a float32 CPU tensor, got {_describe(x)}.")
-    if x.dim() != 2 or x.shape[1] != k or not x.is_contiguous():
-        raise ValueError(
-            f"x must be contiguous [M, {k}], got {tuple(x.shape)} strides {x.stride()}."
-        )
-
-
-def _describe(t: object) -> str:
-    if isinstance(t, torch.Tensor):
-        return f"{t.dtype} {tuple(t.shape)} on {t.device}"
-    return type(t).__name__
 
 
 class NativeScaledMatmul:
