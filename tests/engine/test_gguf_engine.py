@@ -52,9 +52,16 @@ async def test_greedy_equals_transformers(gguf_file: Any, name: str, qtype: str)
     quantized = [m for m in model.modules() if QUANT_ATTR in m.__dict__]
     if qtype in ("F16", "BF16"):
         assert not quantized
+        assert model.quantized_head is None and model.quantized_embedding is None
     else:  # every projection kept in its blocks, its float weight empty
         assert quantized and all(m.weight.numel() == 0 for m in quantized)
         assert all(m.__dict__[QUANT_ATTR].qtype == qtype for m in quantized)
+        # and the token embedding and the LM head (one table when tied): no float copy either
+        head, table = model.quantized_head, model.quantized_embedding
+        assert head is not None and table is not None and head.qtype == qtype
+        assert (head is table) == model.tie_word_embeddings
+        assert model.lm_head_weight().numel() == 0
+        assert model.model.embed_tokens.weight.numel() == 0
 
 
 async def test_a_truncated_file_is_refused_at_start(gguf_file: Any, tmp_path: Path) -> None:

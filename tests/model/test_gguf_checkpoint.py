@@ -16,6 +16,7 @@ import torch
 from asyncpaged.model.errors import GGUFError, UnsupportedModelError
 from asyncpaged.model.gguf_checkpoint import (
     GGUF_ARCHITECTURES,
+    TOKEN_EMBEDDING,
     dequantize,
     hf_name,
     llama_row_permutation,
@@ -23,6 +24,7 @@ from asyncpaged.model.gguf_checkpoint import (
     open_gguf_checkpoint,
 )
 from asyncpaged.model.gguf_file import open_gguf
+from asyncpaged.model.gguf_weight import GGUFWeight
 
 gguf = pytest.importorskip("gguf")
 
@@ -96,6 +98,14 @@ def test_dequantize_equals_transformers(gguf_dir: Path, name: str, default: str)
     }
     ours = {re.sub(r"experts\.\d+\.down_proj\.weight", "experts.down_proj", k) for k in ours}
     assert ours == expected
+    embedding = checkpoint.tensors[TOKEN_EMBEDDING]
+    if embedding.qtype.block_size > 1:  # kept quantized: a lookup dequantizes only its rows
+        table = GGUFWeight.from_rows(embedding.rows(), embedding.qtype.name,
+                                     int(embedding.shape[1]), None)  # fmt: skip
+        ids = torch.tensor([0, 5, 5, reference.config.vocab_size - 1, 3])
+        assert torch.equal(table.rows(ids), state[TOKEN_EMBEDDING][ids])
+        with pytest.raises(IndexError):
+            table.rows(torch.tensor([reference.config.vocab_size]))
 
 
 @pytest.mark.parametrize("name", ["llama-gqa", "llama-mha", "qwen2", "qwen3", "qwen3-moe"])

@@ -21,6 +21,7 @@ from asyncpaged.model.attention import AttentionBackend, AttentionMetadata, Torc
 from asyncpaged.model.errors import UnsupportedModelError
 from asyncpaged.model.kv_cache import PagedKVCache
 from asyncpaged.model.packed_linear import linear, packed_matmul, runs_on_onednn
+from asyncpaged.model.quantized_linear import QuantizedRows, QuantizedWeight
 from asyncpaged.model.row_buckets import bucketed
 
 __all__ = [
@@ -272,6 +273,12 @@ class CausalLM(nn.Module, metaclass=ABCMeta):
         #: set by the runner for bfloat16 CPU models (``asyncpaged.kernels.cpu_argmax``): the
         #: row argmax ``head_argmax`` runs on the head's bf16 logits.
         self.native_argmax: Callable[[torch.Tensor], torch.Tensor] | None = None
+        #: set by the GGUF loader where the file stores the LM head quantized: ``head_logits``
+        #: multiplies by it, and ``lm_head_weight()`` is an empty tensor of the model's dtype.
+        self.quantized_head: QuantizedWeight | None = None
+        #: set by the GGUF loader where the file stores the token embedding quantized (the same
+        #: object as ``quantized_head`` when the two are tied): ``embed_ids`` reads its rows.
+        self.quantized_embedding: QuantizedRows | None = None
 
     @abstractmethod
     def forward(
@@ -287,10 +294,29 @@ class CausalLM(nn.Module, metaclass=ABCMeta):
     def lm_head_weight(self) -> torch.Tensor:
         """[V, H] output embedding (the input embedding when tied)."""
 
+    def vocab_rows(self) -> int:
+        """The LM head's rows: the vocabulary the logits cover."""
+        head = self.quantized_head
+        return int(head.out_features if head is not None else self.lm_head_weight().shape[0])
+
+    def embed_ids(self, input_ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """input_ids [T] -> the token embedding's rows [T, H] in ``weight``'s dtype: a lookup
+        in ``weight``, or the rows of ``quantized_embedding`` dequantized (then ``weight`` is
+        the empty parameter that only carries the dtype)."""
+        table = self.quantized_embedding
+        if table is None:
+            return torch.nn.functional.embedding(input_ids, weight)
+        return table.rows(input_ids).to(dtype=weight.dtype)
+
     def head_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, H] (rows that sample) -> the LM head's logits [N, V] in the model's dtype,
         before ``compute_logits`` widens and softcaps them. oneDNN GEMMs run with the rows
-        bucketed (``row_buckets``): one kept primitive per bucket, not per row count."""
+        bucketed (``row_buckets``): one kept primitive per bucket, not per row count. A head
+        kept quantized multiplies in float32 (``QuantizedWeight.matmul``)."""
+        quantized = self.quantized_head
+        if quantized is not None:
+            rows = hidden if hidden.dtype == torch.float32 else hidden.float()
+            return quantized.matmul(rows.contiguous()).to(hidden.dtype)
         packed = self.packed_lm_head
         if packed is not None and hidden.device.type == "cpu":
             return packed_matmul(hidden, packed)  # [N, V], bucketed

@@ -204,7 +204,7 @@ class GemmaForCausalLM(CausalLM):
         if scale is None:
             root = torch.tensor(self.config.hidden_size**0.5, dtype=torch.float32)
             scale = self._embed_scales[key] = root.to(device=weight.device, dtype=weight.dtype)
-        return torch.nn.functional.embedding(input_ids, weight) * scale
+        return self.embed_ids(input_ids, weight) * scale
 
     def forward(
         self,

@@ -98,8 +98,10 @@ ARCH_SCHEMA: dict[str, str] = {
     "vocab_size": "int",
 }
 
+#: the model's token embedding (GGUF's ``token_embd``), by the name the families give it
+TOKEN_EMBEDDING = "model.embed_tokens.weight"
 _TOP_LEVEL = {
-    "token_embd": "model.embed_tokens",
+    "token_embd": TOKEN_EMBEDDING.removesuffix(".weight"),
     "output_norm": "model.norm",
     "output": "lm_head",
 }

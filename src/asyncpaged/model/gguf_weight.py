@@ -13,7 +13,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from asyncpaged.kernels.quant_matmul import quant_matmul
+from asyncpaged.kernels.quant_matmul import dequantize_rows, quant_matmul
 from asyncpaged.model.quantized_linear import QUANT_ATTR, QuantizedWeight
 
 __all__ = ["GGUFWeight", "set_activations"]
@@ -47,6 +47,13 @@ class GGUFWeight(QuantizedWeight):
         return quant_matmul(x, self.raw, self.qtype, self._in_features,
                             activations=self.activations)  # fmt: skip
 
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """ids [T] -> rows ``ids`` dequantized [T, in_features] float32 (a token embedding's
+        lookup: only those rows, bit for bit as gguf-py dequantizes them). Ids out of range
+        raise ``IndexError`` before any block is read."""
+        picked = self.raw.index_select(0, ids.reshape(-1).to(device="cpu", dtype=torch.int64))
+        return dequantize_rows(picked, self.qtype, self._in_features)
+
     @classmethod
     def from_rows(
         cls, rows: np.ndarray, qtype: str, in_features: int, permutation: tuple[int, ...] | None
@@ -67,6 +74,9 @@ def set_activations(model: nn.Module, activations: str) -> int:
     weights = [
         w for m in model.modules() if isinstance(w := m.__dict__.get(QUANT_ATTR), GGUFWeight)
     ]
+    head = getattr(model, "quantized_head", None)  # CausalLM's LM head kept quantized
+    if isinstance(head, GGUFWeight):
+        weights.append(head)
     for weight in weights:
         weight.activations = activations
     return len(weights)

@@ -300,7 +300,7 @@ class LlamaForCausalLM(CausalLM):
         attn_metadata: AttentionMetadata,
         kv_cache: PagedKVCache,
     ) -> torch.Tensor:
-        h = torch.nn.functional.embedding(input_ids, self.model.embed_tokens.weight)  # [T, H]
+        h = self.embed_ids(input_ids, self.model.embed_tokens.weight)  # [T, H]
         if self.rotary.inv_freq.device != h.device:
             self.rotary.inv_freq = self.rotary.inv_freq.to(h.device)
         cos_sin = self.rotary.cos_sin(positions, attn_metadata.token_rope_lens, h.dtype)

@@ -36,6 +36,7 @@ from asyncpaged.model.compressed_tensors_scheme import (
 from asyncpaged.model.errors import CheckpointError, UnsupportedModelError
 from asyncpaged.model.gemma import Gemma3ForConditionalGenerationText, GemmaForCausalLM
 from asyncpaged.model.gguf_checkpoint import (
+    TOKEN_EMBEDDING,
     GGUFCheckpoint,
     is_gguf_path,
     load_gguf_tokenizer,
@@ -364,8 +365,9 @@ def load_gguf_weights(
     model: CausalLM, checkpoint: GGUFCheckpoint, dtype: torch.dtype, device: torch.device
 ) -> None:
     """Fill ``model`` from a GGUF file, strictly by name and shape: the weight of every
-    ``nn.Linear`` stored in a quantized type (but the LM head) stays quantized
-    (``quantized_linear``); everything else (embeddings, norms, float tensors, the LM head) is
+    ``nn.Linear`` stored in a quantized type stays quantized (``quantized_linear``), and so do a
+    quantized token embedding and LM head (``CausalLM.quantized_embedding`` and
+    ``quantized_head``: one table when tied); everything else (norms, float tensors) is
     dequantized to ``dtype``. One shard only, on the CPU."""
     if model.shard.world_size != 1 or device.type != "cpu":
         raise UnsupportedModelError(
@@ -375,6 +377,8 @@ def load_gguf_weights(
     linears = {f"{name}.weight": m for name, m in model.named_modules()
                if isinstance(m, torch.nn.Linear)}  # fmt: skip
     head = model.lm_head_weight()
+    params = dict(model.named_parameters())
+    emptied: set[str] = set()
     tensors = checkpoint.tensors
     missing = sorted(set(expected) - set(tensors))
     unexpected = sorted(set(tensors) - set(expected) - set(model.dropped_checkpoint_keys()))
@@ -392,12 +396,26 @@ def load_gguf_weights(
                 f"config implies {tuple(shape)}."
             )
         layer = linears.get(name)
-        if tensor.qtype.block_size > 1 and layer is not None and layer.weight is not head:
-            rows = tensor.rows()
-            attach_quantized(layer, GGUFWeight.from_rows(
-                rows, tensor.qtype.name, int(shape[1]), tensor.row_permutation))  # fmt: skip
+        is_head = params[name] is head
+        keeps = layer is not None or is_head or name == TOKEN_EMBEDDING
+        if tensor.qtype.block_size > 1 and keeps:
+            weight = GGUFWeight.from_rows(
+                tensor.rows(), tensor.qtype.name, int(shape[1]), tensor.row_permutation
+            )
+            if is_head:
+                model.quantized_head = weight
+            if name == TOKEN_EMBEDDING:
+                model.quantized_embedding = weight
+            if layer is not None and not is_head:
+                attach_quantized(layer, weight)
+            else:
+                emptied.add(name)
             continue
         loaded[name] = dequantize_gguf(tensor).to(device=device, dtype=dtype).contiguous()
+    for name in emptied:  # kept quantized: the parameter only carries the dtype
+        owner, _, attr = name.rpartition(".")
+        empty = torch.empty(0, dtype=dtype, device=device)
+        setattr(model.get_submodule(owner), attr, torch.nn.Parameter(empty, requires_grad=False))
     model.load_state_dict(loaded, strict=False, assign=True)
 
 

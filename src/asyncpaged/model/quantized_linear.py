@@ -9,17 +9,26 @@ Q5_K, Q6_K), ``packed_int_weight.PackedIntWeight`` (compressed-tensors' int4 and
 
 The loader attaches a weight to an ``nn.Linear`` (under ``QUANT_ATTR`` in its ``__dict__``, as
 ``packed_linear`` attaches a packed weight) and empties its ``weight``; ``packed_linear.linear``
-sends such a layer here.
+sends such a layer here. A token embedding kept quantized (GGUF's, which is also the LM head when
+the two are tied) is a :class:`QuantizedRows`: the model looks up the rows of its tokens, and
+multiplies by it as the LM head (``CausalLM.quantized_head``).
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from typing import Protocol
 
 import torch
 from torch import nn
 
-__all__ = ["QUANT_ATTR", "QuantizedWeight", "attach_quantized", "quantized_linear"]
+__all__ = [
+    "QUANT_ATTR",
+    "QuantizedRows",
+    "QuantizedWeight",
+    "attach_quantized",
+    "quantized_linear",
+]
 
 QUANT_ATTR = "quantized_weight"
 
@@ -48,6 +57,18 @@ class QuantizedWeight(ABC):
     @abstractmethod
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         """x [M, in_features] float32, contiguous -> [M, out_features] float32."""
+
+
+class QuantizedRows(Protocol):
+    """A quantized ``[num_embeddings, embedding_dim]`` table read by rows (a token embedding)."""
+
+    @property
+    def in_features(self) -> int: ...
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """ids [T] int64 -> the rows' float32 values [T, in_features], exactly as the format
+        dequantizes them (only those rows are dequantized)."""
+        ...
 
 
 def attach_quantized(layer: nn.Linear, weight: QuantizedWeight) -> None:

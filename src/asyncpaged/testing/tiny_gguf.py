@@ -133,16 +133,22 @@ def _metadata(writer: Any, config: Any, arch: str, name: str) -> None:
     writer.add_file_type(0)
 
 
-def _tokenizer_metadata(writer: Any, chat_template: str) -> None:
+def _tokenizer_metadata(writer: Any, chat_template: str, vocab_size: int) -> None:
+    """The tiny tokenizer; a model with a larger vocabulary (a benchmark's real-sized one) gets
+    ``<unused_i>`` tokens of type UNUSED (5) up to its size, as released models pad theirs."""
     tokenizer = build_hf_tokenizer()
     spec = json.loads(tokenizer.backend_tokenizer.to_str())
     vocab: dict[str, int] = spec["model"]["vocab"]
     tokens = sorted(vocab, key=vocab.__getitem__)
     special = {PAD_ID, BOS_ID, EOS_ID, UNK_ID}
+    types = [3 if i in special else 1 for i in range(len(tokens))]
+    padding = max(0, vocab_size - len(tokens))
+    tokens += [f"<unused_{i}>" for i in range(padding)]
+    types += [5] * padding
     writer.add_tokenizer_model("gpt2")
     writer.add_tokenizer_pre("gpt-2")
     writer.add_token_list(tokens)
-    writer.add_token_types([3 if i in special else 1 for i in range(len(tokens))])
+    writer.add_token_types(types)
     writer.add_token_merges([" ".join(pair) for pair in spec["model"]["merges"]])
     writer.add_bos_token_id(BOS_ID)
     writer.add_eos_token_id(EOS_ID)
@@ -221,7 +227,7 @@ def write_tiny_gguf(
     file.parent.mkdir(parents=True, exist_ok=True)
     writer = gguf.GGUFWriter(file, arch, split_max_tensors=split_max_tensors)
     _metadata(writer, config, arch, f"tiny-{name}")
-    _tokenizer_metadata(writer, chat_template)
+    _tokenizer_metadata(writer, chat_template, int(config.vocab_size))
     tensors = {**gguf_tensors(model), **(extra_tensors or {})}
     write_gguf_tensors(writer, tensors, qtypes or {}, default)
     writer.write_header_to_file()

@@ -3,10 +3,12 @@ and llama.cpp on the same files, interleaved, medians.
 
 A random model of ``--shape`` is written as GGUF once per type (``testing/tiny_gguf.py``:
 Q8_0 and Q4_0 quantized from the weights, K-quants as random valid blocks; with
-``--llama-cpp BUILD_DIR``, ``Q4_K_M`` and ``Q8_0`` are made from the F32 file by llama.cpp's own
-``llama-quantize``), and as a transformers checkpoint for the ``float32`` / ``bfloat16`` runs.
-The vocabulary is the tiny tokenizer's (320 ids), so the LM head costs next to nothing and the
-projections are what is measured.
+``--llama-cpp BUILD_DIR``, ``Q4_K_M``, ``Q4_0`` and ``Q8_0`` are made from the F32 file by
+llama.cpp's own ``llama-quantize``, with its choice of type per tensor), and as a transformers
+checkpoint for the ``float32`` / ``bfloat16`` runs. The shapes are the real models' (the
+vocabulary too: the tiny tokenizer padded with unused tokens, and tied embeddings), so the LM
+head and the embedding cost what they cost in the real model. ``--shape mid`` and ``tiny`` keep
+the tiny vocabulary.
 
 Each configuration runs in a fresh process (``--threads`` torch threads), each round visiting
 every configuration in turn: decode (one request, ``--new-tokens`` tokens), batch (``--batch``
@@ -29,12 +31,14 @@ from pathlib import Path
 from typing import Any
 
 SHAPES: dict[str, dict[str, Any]] = {
-    # Qwen3-0.6B's projections (28 layers of hidden 1024)
+    # Qwen3-0.6B's shape (28 layers of hidden 1024, its vocabulary, tied embeddings)
     "qwen3-0.6b": {"hidden_size": 1024, "intermediate_size": 3072, "num_hidden_layers": 28,
-                   "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 128},
+                   "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 128,
+                   "vocab_size": 151936, "tie_word_embeddings": True},
     # Llama-3.2-1B's (16 layers of hidden 2048)
     "llama-3.2-1b": {"hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 16,
-                     "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 64},
+                     "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 64,
+                     "vocab_size": 128256, "tie_word_embeddings": True},
     "mid": {"hidden_size": 1024, "intermediate_size": 3072, "num_hidden_layers": 8,
             "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 128},
     # (a Qwen3 GGUF states no head_dim that transformers reads: 128, Qwen3Config's default)
@@ -73,7 +77,7 @@ def build_files(
             continue
         path = folder / f"{shape}-{qtype}.gguf"
         if not path.exists():
-            if llama_cpp is not None and qtype in ("Q4_K_M", "Q8_0"):
+            if llama_cpp is not None and qtype in ("Q4_K_M", "Q4_0", "Q8_0"):
                 subprocess.run([str(llama_cpp / "bin" / "llama-quantize"), str(f32), str(path),
                                 qtype], check=True, capture_output=True)  # fmt: skip
             elif qtype == "Q4_K_M":

@@ -140,9 +140,10 @@ class DraftModel:
             fused_elementwise=fused_elementwise,
         )  # fmt: skip
         model = self.model
-        if self.device.type == "cpu" and packed_linears:  # its head runs every proposal decode
+        float_head = model.quantized_head is None
+        if self.device.type == "cpu" and packed_linears and float_head:  # runs every proposal
             model.packed_lm_head = pack_weight(model.lm_head_weight(), 64)
-        self.vocab_size = int(model.lm_head_weight().shape[0])
+        self.vocab_size = model.vocab_rows()
         # Positions past it are never fed to the draft (learned position embeddings end there)
         self.max_positions = int(getattr(model.config, "max_position_embeddings", 1 << 30))
         self.generator = torch.Generator(device=self.device).manual_seed(seed ^ DRAFT_SALT)

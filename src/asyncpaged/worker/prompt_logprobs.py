@@ -55,7 +55,7 @@ def compute_prompt_logprobs(
     row_index = torch.tensor(rows, dtype=torch.int64, device=device)
     target_ids = torch.tensor(targets, dtype=torch.int64, device=device)
     num_top = max(s.num_prompt_logprobs for _, s in asked)
-    rows_per_slice = max(16, SLICE_ELEMENTS // model.lm_head_weight().shape[0])
+    rows_per_slice = max(16, SLICE_ELEMENTS // model.vocab_rows())
     parts: list[tuple[torch.Tensor, ...]] = []
     for begin in range(0, len(rows), rows_per_slice):
         end = min(begin + rows_per_slice, len(rows))

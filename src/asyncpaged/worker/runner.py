@@ -190,12 +190,15 @@ class ModelRunner:
             model.native_argmax = native_argmax()  # None: the torch path
         # The screens rank raw logits; a final softcap's float32 tanh can merge distinct logits
         # into ties (broken by index), so a softcapped model always takes the full head.
-        screenable = cpu_fp32 and shard.rank == 0 and model.final_logit_softcap is None
+        # (A head kept quantized has no float matrix to screen or pack: it multiplies as it is.)
+        float_head = model.quantized_head is None
+        screenable = (cpu_fp32 and shard.rank == 0 and model.final_logit_softcap is None
+                      and float_head)  # fmt: skip
         # ScreenedLMHead is the bf16 screen and the fp32 rescorer the int8 screen uses too.
         self.bf16_screen = screenable and screened_lm_head
         wants_head = self.bf16_screen or (screenable and int8_lm_head)
         self.screened_head = ScreenedLMHead(model.lm_head_weight()) if wants_head else None
-        if packed_linears and on_cpu and shard.rank == 0 and not self.bf16_screen:
+        if packed_linears and on_cpu and shard.rank == 0 and not self.bf16_screen and float_head:
             # The full head then runs on every sampling step: oneDNN's packed layout, like the
             # layers (float32 with the screen off: +18% on an AVX2-capped Zen 4, +26% natively;
             # a bfloat16 head, never screened: 2x on AMX).
@@ -291,7 +294,7 @@ class ModelRunner:
 
     def attach_draft(self, draft: DraftModel, max_model_len: int | None = None) -> None:
         """Speculate with ``draft``: it runs every step's batch and proposes (``draft.py``)."""
-        vocab_size = int(self.model.lm_head_weight().shape[0])
+        vocab_size = self.model.vocab_rows()
         draft.check_target(vocab_size, self.kv_cache.num_blocks, self.block_size, max_model_len)
         self.draft = draft
 
