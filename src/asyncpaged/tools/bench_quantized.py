@@ -10,6 +10,9 @@ vocabulary too: the tiny tokenizer padded with unused tokens, and tied embedding
 head and the embedding cost what they cost in the real model. ``--shape mid`` and ``tiny`` keep
 the tiny vocabulary.
 
+A type written ``Q4_K_M:int8`` runs the engine on that file with ``quantized_activations="int8"``
+(llama.cpp's way of multiplying; llama.cpp runs each file once).
+
 Each configuration runs in a fresh process (``--threads`` torch threads), each round visiting
 every configuration in turn: decode (one request, ``--new-tokens`` tokens), batch (``--batch``
 concurrent requests of ``--new-tokens``), prefill (one prompt of ``--prompt-tokens``, one new
@@ -98,8 +101,9 @@ def _save_transformers(f32: Path, folder: Path) -> None:
 
 
 def measure(model: str, dtype: str, threads: int, new_tokens: int, batch: int,
-            prompt_tokens: int) -> dict[str, float]:  # fmt: skip
-    """One configuration in this process: decode, batch and prefill tok/s, and RSS."""
+            prompt_tokens: int, activations: str = "float32") -> dict[str, float]:  # fmt: skip
+    """One configuration in this process: decode, batch and prefill tok/s, and RSS;
+    ``activations``: the engine's ``quantized_activations``."""
     import anyio
     import torch
 
@@ -109,7 +113,8 @@ def measure(model: str, dtype: str, threads: int, new_tokens: int, batch: int,
 
     async def main() -> dict[str, float]:
         config = EngineConfig(model=model, dtype=dtype, executor_backend="thread",
-                              kv_cache_bytes=256 << 20, seed=0)  # fmt: skip
+                              kv_cache_bytes=256 << 20, seed=0,
+                              quantized_activations=activations)  # fmt: skip
         async with AsyncEngine(config) as engine:
             params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
             await engine.generate([5, 6, 7], SamplingParams(max_tokens=2, ignore_eos=True))
@@ -174,12 +179,13 @@ def _batched_tg(text: str) -> float:
 def run(args: argparse.Namespace) -> int:
     from tqdm import tqdm  # type: ignore[import-untyped]
 
-    types = [t for t in args.types.split(",") if t]
+    types = [t for t in args.types.split(",") if t]  # "Q4_K_M:int8": int8 activations
+    file_types = list(dict.fromkeys(t.partition(":")[0] for t in types))
     llama_cpp = Path(args.llama_cpp) if args.llama_cpp else None
-    files = build_files(args.shape, types, Path(args.files), llama_cpp)
+    files = build_files(args.shape, file_types, Path(args.files), llama_cpp)
     configs = [("asyncpaged", t) for t in types]
     if llama_cpp is not None:
-        configs += [("llama.cpp", t) for t in types if t not in FLOAT_TYPES]
+        configs += [("llama.cpp", t) for t in file_types if t not in FLOAT_TYPES]
     results: dict[str, list[dict[str, float]]] = {f"{e} {t}": [] for e, t in configs}
     with tqdm(total=args.rounds * len(configs), desc="bench quantized", unit="run") as bar:
         for _ in range(args.rounds):
@@ -189,8 +195,10 @@ def run(args: argparse.Namespace) -> int:
                     got = llama_cpp_run(llama_cpp, files[qtype], args.threads, args.new_tokens,
                                         args.batch, args.prompt_tokens)  # fmt: skip
                 else:
-                    got = _subprocess(args, str(files[qtype]),
-                                      qtype if qtype in FLOAT_TYPES else "float32")  # fmt: skip
+                    file_type, _, activations = qtype.partition(":")
+                    got = _subprocess(args, str(files[file_type]),
+                                      file_type if file_type in FLOAT_TYPES else "float32",
+                                      activations or "float32")  # fmt: skip
                 results[f"{engine} {qtype}"].append(got)
                 bar.update()
     print(f"shape {args.shape}, {args.threads} thread(s), {args.rounds} rounds (medians, tok/s)")
@@ -208,11 +216,13 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _subprocess(args: argparse.Namespace, model: str, dtype: str) -> dict[str, float]:
+def _subprocess(
+    args: argparse.Namespace, model: str, dtype: str, activations: str
+) -> dict[str, float]:
     code = (
         "import json, sys; from asyncpaged.tools.bench_quantized import measure; "
         f"print(json.dumps(measure({model!r}, {dtype!r}, {args.threads}, {args.new_tokens}, "
-        f"{args.batch}, {args.prompt_tokens})))"
+        f"{args.batch}, {args.prompt_tokens}, {activations!r})))"
     )
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
     done = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True,
@@ -231,8 +241,8 @@ def add_parser(modes: Any) -> None:
     p = modes.add_parser("quantized", help="GGUF weights: the engine against float and llama.cpp")
     p.add_argument("--shape", choices=sorted(SHAPES), default="qwen3-0.6b")
     p.add_argument("--types", default="Q8_0,Q4_0,bfloat16,float32",
-                   help="comma-separated: GGUF types (Q4_K_M needs --llama-cpp), "
-                   "float32, bfloat16")  # fmt: skip
+                   help="comma-separated: GGUF types (Q4_K_M needs --llama-cpp; TYPE:int8 "
+                   "runs the engine with int8 activations), float32, bfloat16")  # fmt: skip
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--new-tokens", type=int, default=64)
