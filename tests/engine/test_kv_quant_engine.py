@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import anyio
 import pytest
@@ -14,7 +15,13 @@ import torch
 from structlog.testing import capture_logs
 from transformers import AutoConfig
 
-from asyncpaged import BeamSearchParams, EngineConfig, InvalidRequestError, SamplingParams
+from asyncpaged import (
+    BeamSearchParams,
+    EngineConfig,
+    InvalidRequestError,
+    SamplingParams,
+    SpeculativeConfig,
+)
 from asyncpaged.config import KVShape
 from asyncpaged.engine.build import attention_backend_for, plan_model
 from asyncpaged.model.kv_quant import KV_QUANT_DTYPES
@@ -141,3 +148,62 @@ async def test_bad_kv_settings_are_refused_at_start(
         assert attention_backend_for(cfg, torch.int8) == "torch"
     assert [e["event"] for e in logs] == ["kv_cache_quantized_attention"]
     assert attention_backend_for(cfg, torch.bfloat16) == "auto"
+
+
+async def test_host_and_disk_tiers_carry_the_scales_and_name_the_kv_dtype(
+    tiny_checkpoint: Callable[[str], Path], tmp_path: Path
+) -> None:
+    """int8 blocks evicted to the host tier come back as they were; on disk (written at close)
+    a restart in int8 hits them, one in fp8 never reads them (another identity): every time
+    the rounding reference's tokens."""
+    path = tiny_checkpoint("llama-gqa")
+    rng = torch.Generator().manual_seed(3)
+    prefix = torch.randint(4, 300, (96,), generator=rng).tolist()  # 6 full blocks
+    flush = [torch.randint(4, 300, (100,), generator=rng).tolist() for _ in range(2)]
+    second = [*prefix, 7, 8, 9]
+    refs = {name: RoundedKVReference(path, KV_QUANT_DTYPES[name]) for name in ("int8", "fp8")}
+    tiers = {"kv_offload_host_bytes": 1 << 20, "kv_offload_dir": str(tmp_path),
+             "kv_offload_disk_bytes": 1 << 22}  # fmt: skip
+
+    async def turns(kv_dtype: str, prompts: list[list[int]]) -> tuple[list[list[int]], Any]:
+        with anyio.fail_after(120):
+            async with running_engine(path, num_device_blocks=12, kv_cache_dtype=kv_dtype,
+                                      **tiers) as engine:  # fmt: skip
+                outs = [(await engine.generate(p, GREEDY)).outputs[0].token_ids for p in prompts]
+                return outs, engine.statistics()
+
+    outs, stats = await turns("int8", [[*prefix, 5], *flush, second])
+    assert stats.prefix_cache_host_hit_tokens > 0
+    assert outs[3] == refs["int8"].generate(tuple(second), 10)[0]
+    outs, stats = await turns("int8", [second])
+    assert stats.prefix_cache_disk_hit_tokens > 0
+    assert outs[0] == refs["int8"].generate(tuple(second), 10)[0]
+    outs, stats = await turns("fp8", [second])
+    assert stats.prefix_cache_disk_hit_tokens == 0
+    assert outs[0] == refs["fp8"].generate(tuple(second), 10)[0]
+    assert len(list(tmp_path.iterdir())) == 2  # one folder per KV dtype
+
+
+async def test_a_draft_model_keeps_its_own_quantized_cache(
+    tiny_checkpoint: Callable[[str], Path], perturbed_draft: Callable[[str], Path]
+) -> None:
+    """Speculative decoding with a draft model: both caches in fp8 (the draft's swapped with the
+    target's blocks), the target's tokens are the rounding reference's."""
+    path = tiny_checkpoint("llama-gqa")
+    ref = RoundedKVReference(path, KV_QUANT_DTYPES["fp8"])
+    prompts = make_prompts(8, seed=8)
+    spec = SpeculativeConfig(method="draft_model", num_speculative_tokens=4,
+                             model=str(perturbed_draft("llama-gqa")))  # fmt: skip
+    with anyio.fail_after(120):
+        async with running_engine(
+            path, num_device_blocks=6, preemption_mode="swap", kv_cache_dtype="fp8",
+            speculative_config=spec,
+        ) as engine:  # fmt: skip
+            assert engine.runner.draft is not None
+            assert engine.runner.draft.kv_cache.dtype == torch.float8_e4m3fn
+            outs = await generate_all(engine, prompts, GREEDY)
+            stats = engine.statistics()
+    for prompt, out in zip(prompts, outs, strict=True):
+        assert out.outputs[0].token_ids == ref.generate(prompt, 10)[0], prompt
+    assert stats.num_swap_outs > 0
+    assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens, stats
