@@ -8,6 +8,8 @@ codes and scales, and copy-on-write and swap move both; its unused memory is NaN
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -240,3 +242,25 @@ def test_torch_attention_matches_float64_on_the_dequantized_values(
         got = out[start : start + q.shape[0]].double()
         torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
         start += q.shape[0]
+
+
+def test_a_checkpoints_kv_scales_are_logged_as_unused(tmp_path: Path) -> None:
+    """vLLM's fp8 KV scales (``self_attn.k_scale`` / ``v_scale``) load as unused, said once at
+    INFO: the cache scales each token and KV head by its own amax."""
+    from safetensors.torch import load_file, save_file
+    from structlog.testing import capture_logs
+
+    from asyncpaged.model.loader import load_model
+    from asyncpaged.testing.tiny_models import build_tiny_checkpoint
+
+    path = build_tiny_checkpoint("llama-gqa", tmp_path)
+    weights = load_file(str(path / "model.safetensors"))
+    for layer in range(2):
+        for name in ("k_scale", "v_scale"):
+            weights[f"model.layers.{layer}.self_attn.{name}"] = torch.tensor(0.5)
+    save_file(weights, str(path / "model.safetensors"), metadata={"format": "pt"})
+    with capture_logs() as logs:
+        load_model(path, torch.float32, torch.device("cpu"))
+    events = [e for e in logs if e["event"] == "checkpoint_kv_scales_unused"]
+    assert len(events) == 1 and events[0]["num_tensors"] == 4
+    assert events[0]["log_level"] == "info"
