@@ -9,6 +9,14 @@ from typing import Any, Literal
 from asyncpaged.errors import InvalidRequestError
 from asyncpaged.spec_decode.config import SpeculativeConfig
 
+KVCacheDtype = Literal[
+    "auto", "float32", "float16", "bfloat16", "int8", "fp8", "fp8_e4m3", "fp8_e5m2"
+]
+#: ``EngineConfig.kv_cache_dtype``'s values: "auto" (the model's dtype), a float dtype, or a
+#: quantized one (one byte per value and a scale per token and KV head; "fp8" is e4m3).
+KV_CACHE_DTYPES: tuple[str, ...] = (
+    "auto", "float32", "float16", "bfloat16", "int8", "fp8", "fp8_e4m3", "fp8_e5m2"
+)  # fmt: skip
 DEFAULT_KV_CACHE_BYTES = 256 * 2**20
 DEFAULT_SWAP_SPACE_BYTES = 64 * 2**20
 
@@ -35,6 +43,10 @@ class EngineConfig:
     forces it off. They do nothing elsewhere.
     ``kv_cache_dtype`` stores K/V in another dtype than the model's ("auto"): "bfloat16" halves KV
     memory and decode-attention bytes but is not bit-exact (attention math stays float32).
+    "int8", "fp8_e4m3" ("fp8", as in vLLM) and "fp8_e5m2" quantize K/V to one byte per value with
+    a bfloat16 scale per (token, KV head) (``asyncpaged.model.kv_quant``; docs/quantized.md, "KV
+    cache"): about 2x the tokens of a bfloat16 cache in the same ``kv_cache_bytes``, 4x those of
+    float32; attention dequantizes (float32 math) on the torch attention path.
 
     ``tensor_parallel_size`` > 1 splits the model over that many ranks (docs/distributed.md):
     spawned worker processes, or the ranks of a ``torchrun`` launch. Every rank holds the same
@@ -70,7 +82,7 @@ class EngineConfig:
     max_logprobs: int = 20
     # auto: Triton on CUDA; on CPU the native C++ decode kernel if it builds, else torch
     attention_backend: Literal["auto", "torch", "triton", "cpu"] = "auto"
-    kv_cache_dtype: Literal["auto", "float32", "float16", "bfloat16"] = "auto"  # auto: model's
+    kv_cache_dtype: KVCacheDtype = "auto"  # auto: model's
     packed_linears: bool | Literal["auto"] = "auto"  # CPU fp32/bf16: oneDNN pre-packed weights
     screened_lm_head: bool | Literal["auto"] = "auto"  # CPU fp32: greedy / top-k via a bf16 screen
     int8_lm_head: bool | Literal["auto"] = "auto"  # CPU fp32: all-greedy steps via an int8 screen
@@ -191,8 +203,8 @@ class EngineConfig:
             (0.0 <= self.watermark < 1.0, f"watermark must be in [0, 1), got {self.watermark}."),
             (self.max_logprobs >= -1,
              f"max_logprobs must be -1 (no limit) or at least 0, got {self.max_logprobs}."),
-            (self.kv_cache_dtype in ("auto", "float32", "float16", "bfloat16"),
-             f"kv_cache_dtype must be 'auto', 'float32', 'float16' or 'bfloat16', got "
+            (self.kv_cache_dtype in KV_CACHE_DTYPES,
+             f"kv_cache_dtype must be one of {', '.join(map(repr, KV_CACHE_DTYPES))}, got "
              f"{self.kv_cache_dtype!r}."),
             (self.tensor_parallel_size >= 1,
              f"tensor_parallel_size must be at least 1, got {self.tensor_parallel_size}."),
@@ -257,21 +269,22 @@ class EngineConfig:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class KVShape:
-    """What one KV block costs for a model: K and V of every layer."""
+    """What one KV block costs for a model: K and V of every layer (a quantized cache's:
+    ``dtype_bytes`` per value and ``scale_bytes`` per token and KV head for each of K and V)."""
 
     num_layers: int
     num_kv_heads: int
     head_dim: int
     dtype_bytes: int
+    scale_bytes: int = 0
 
     def block_bytes(self, block_size: int) -> int:
-        return (
-            2 * self.num_layers * self.num_kv_heads * self.head_dim * block_size * self.dtype_bytes
-        )
+        row_bytes = self.head_dim * self.dtype_bytes + self.scale_bytes
+        return 2 * self.num_layers * self.num_kv_heads * block_size * row_bytes
 
     @classmethod
     def from_hf_config(
-        cls, config: Any, dtype_bytes: int, tensor_parallel_size: int = 1
+        cls, config: Any, dtype_bytes: int, tensor_parallel_size: int = 1, scale_bytes: int = 0
     ) -> KVShape:
         """One rank's block: its share of the KV heads (all of them without tensor parallelism;
         the engine checks divisibility before it gets here)."""
@@ -284,6 +297,7 @@ class KVShape:
             num_kv_heads=kv_heads,
             head_dim=head_dim,
             dtype_bytes=dtype_bytes,
+            scale_bytes=scale_bytes,
         )
 
 

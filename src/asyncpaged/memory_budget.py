@@ -161,7 +161,9 @@ def cuda_kv_budget(
     draft_block = 0
     if memory.draft_path is not None:
         weights += checkpoint_weight_bytes(memory.draft_path, dtype)
-        draft_shape = KVShape.from_hf_config(memory.draft_config, shape.dtype_bytes)
+        draft_shape = KVShape.from_hf_config(
+            memory.draft_config, shape.dtype_bytes, scale_bytes=shape.scale_bytes
+        )
         draft_block = draft_shape.block_bytes(cfg.block_size)
     spec = cfg.speculative_config
     rows = cfg.max_num_seqs * (1 + (spec.num_speculative_tokens if spec else 0))

@@ -252,3 +252,21 @@ def test_tp2_draft_model_runs_whole_on_rank_0(
     assert run.num_swap_outs > 0, run
     assert (run.num_steps_planned_ahead > 0) == async_scheduling, run
     assert run.blocks_at_return[0] == run.blocks_at_return[1]
+
+
+def test_tp2_int8_cache_shards_codes_and_scales(tiny_checkpoint: Callable[[str], Path]) -> None:
+    """An int8 KV cache under TP=2: each rank quantizes its own KV heads (a scale per token and
+    head needs no other rank's values); the tokens are the rounding reference's."""
+    from asyncpaged.model.kv_quant import KV_QUANT_DTYPES
+    from tests.model.reference import RoundedKVReference
+
+    path = tiny_checkpoint("llama-gqa")
+    prompts = make_prompts(6, seed=3)
+    run = run_engine(path, prompts, 12, num_device_blocks=12, preemption_mode="swap",
+                     kv_cache_dtype="int8", tensor_parallel_size=2,
+                     swap_space_bytes=1 << 16)  # fmt: skip
+    ref = RoundedKVReference(path, KV_QUANT_DTYPES["int8"])
+    for out in run.outputs:
+        want, _ = ref.generate(tuple(out.prompt_token_ids), 12)
+        assert out.outputs[0].token_ids == want, out.prompt_token_ids
+    assert run.num_swap_outs > 0

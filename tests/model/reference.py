@@ -74,3 +74,29 @@ class HFReference:
             logits = self._model(ids, attention_mask=torch.ones_like(ids)).logits[0]
         steps = logits[len(prompt) - 1 : len(prompt) - 1 + len(continuation)].float()
         return torch.log_softmax(steps, dim=-1)
+
+
+class RoundedKVReference(HFReference):
+    """``HFReference`` whose attention sees K and V rounded as a quantized paged cache of
+    ``kv_dtype`` stores them (``asyncpaged.testing.kv_rounding``): the exact reference of an
+    int8 / fp8 KV cache."""
+
+    def __init__(
+        self, path: Path, kv_dtype: torch.dtype, dtype: torch.dtype = torch.float32
+    ) -> None:
+        super().__init__(path, dtype)
+        self.kv_dtype = kv_dtype
+
+    def generate(
+        self, prompt: tuple[int, ...], max_new_tokens: int
+    ) -> tuple[list[int], list[float]]:
+        from asyncpaged.testing.kv_rounding import rounded_kv
+
+        with rounded_kv(self.kv_dtype):
+            return super().generate(prompt, max_new_tokens)
+
+    def score(self, prompt: tuple[int, ...], continuation: tuple[int, ...]) -> torch.Tensor:
+        from asyncpaged.testing.kv_rounding import rounded_kv
+
+        with rounded_kv(self.kv_dtype):
+            return super().score(prompt, continuation)

@@ -72,3 +72,25 @@ def test_memory_command_paged_beats_reservation(
         assert len(series["step"]) == len(series["utilization"]) == len(series["num_running"]) == n
         assert all(0 < u <= 1 for u in series["utilization"])
     assert (tmp_path / "memory.png").stat().st_size > 10_000
+
+
+def test_a_byte_budget_holds_twice_bfloat16s_blocks_in_int8(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """--kv-cache-bytes: each KV dtype gets the blocks the engine would count (int8's scales
+    included: 66 bytes per token and head against 128) and runs them; the peak of running
+    sequences follows the blocks."""
+    parser = argparse.ArgumentParser()
+    bench_memory.add_parser(parser.add_subparsers(dest="mode", required=True))
+    args = parser.parse_args(["memory", "--num-requests", "300", "--kv-cache-bytes", str(2**22),
+                              "--kv-cache-dtypes", "bfloat16,int8", "--distributions", "alpaca",
+                              "--max-model-len", "512", "--output", str(tmp_path)])  # fmt: skip
+    assert bench_memory.run(args) == 0
+    out = capsys.readouterr().out
+    assert "blocks x bf16" in out
+    rows = json.loads((tmp_path / "memory.json").read_text())["results"]
+    paged = {r["kv_cache_dtype"]: r for r in rows if r["allocator"] == "paged"}
+    # 6 layers x 2 KV heads x 16 tokens x K, V: 128 or 66 bytes per token and head
+    assert paged["bfloat16"]["num_blocks"] == 2**22 // (6 * 2 * 16 * 2 * 128)
+    assert paged["int8"]["num_blocks"] == 2**22 // (6 * 2 * 16 * 2 * 66)
+    assert paged["int8"]["concurrent_max"] >= 1.9 * paged["bfloat16"]["concurrent_max"]

@@ -75,13 +75,28 @@ def test_a_failed_worker_is_reported_not_raised(tmp_path: Path) -> None:
     assert summary["all_matched"] is False
     assert summary["medians"]["no-such-engine"]["num_runs"] == 0
     text = bench_throughput.format_table(summary)
-    assert any(ln.split() == ["no-such-engine", "failed"] for ln in text.splitlines())
+    assert any(ln.split() == ["no-such-engine", "auto", "failed"] for ln in text.splitlines())
     assert "no-such-engine (repeat 0): worker exited with status 1" in text
     # Without the reference engine nothing is checked, and the report says so (not "NO").
     alone = EngineRun(engine="asyncpaged", repeat=0, tokens=((1, 2),), wall_s=1.0, setup_s=1.0)
     unchecked = summarize(make_workload(quick=True, num_requests=1), [alone], {}, {})
     assert unchecked["all_matched"] is None
     assert "tokens not checked: hf-single did not run" in bench_throughput.format_table(unchecked)
+
+
+def test_a_quantized_kv_cache_is_a_column_and_its_tokens_are_not_checked() -> None:
+    """An int8 KV cache rounds K and V: its tokens are not compared with hf-single's unquantized
+    cache (the tests compare them with the rounding reference); the table names the KV dtype."""
+    ref = EngineRun(engine="hf-single", repeat=0, tokens=((1, 2),), wall_s=1.0, setup_s=1.0)
+    ours = EngineRun(engine="asyncpaged", repeat=0, tokens=((1, 3),), wall_s=0.5, setup_s=1.0)
+    settings = {"engine_options": {"kv_cache_dtype": "int8"}}
+    summary = summarize(make_workload(quick=True, num_requests=1), [ref, ours], settings, {})
+    assert summary["all_matched"] is True
+    assert summary["medians"]["asyncpaged"]["match"] is None
+    assert summary["medians"]["asyncpaged"]["kv_cache_dtype"] == "int8"
+    text = bench_throughput.format_table(summary)
+    assert any(ln.split()[:2] == ["asyncpaged", "int8"] for ln in text.splitlines())
+    assert "asyncpaged: tokens not checked (a quantized KV cache rounds K and V)" in text
 
 
 @pytest.mark.slow

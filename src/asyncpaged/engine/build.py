@@ -51,8 +51,10 @@ from asyncpaged.kv.block_pool import BlockPool
 from asyncpaged.kv.tiers import TierIndex
 from asyncpaged.kv.txn import StepTxn, TxnResult
 from asyncpaged.memory_budget import CudaMemory, cuda_kv_budget, cuda_memory
+from asyncpaged.model.attention_select import AttentionChoice
 from asyncpaged.model.cpu_plan import LEVERS, CpuPlan, plan_cpu
 from asyncpaged.model.generation_config import GenerationDefaults, load_generation_defaults
+from asyncpaged.model.kv_quant import KV_SCALE_DTYPE, is_quantized, kv_cache_torch_dtype
 from asyncpaged.model.loader import (
     linear_shapes,
     load_config,
@@ -126,6 +128,9 @@ class ModelPlan:
     num_host_blocks: int
     max_model_len: int
     vocab_size: int
+    # the backend the runners select from: cfg.attention_backend, or "torch" for a quantized
+    # KV cache (attention_backend_for)
+    attention_backend: AttentionChoice = "auto"
 
 
 def plan_model(cfg: EngineConfig, hf_config: Any, memory: CudaMemory | None = None) -> ModelPlan:
@@ -142,12 +147,16 @@ def plan_model(cfg: EngineConfig, hf_config: Any, memory: CudaMemory | None = No
                       "and faster where the CPU has bf16 dot products (cpu_plan's flags), but "
                       "not token-identical to float32 (docs/tuning.md)")  # fmt: skip
     hf_config = text_config(hf_config)  # a multimodal checkpoint: its language model
-    kv_dtype = dtype if cfg.kv_cache_dtype == "auto" else getattr(torch, cfg.kv_cache_dtype)
+    kv_dtype = kv_cache_torch_dtype(cfg.kv_cache_dtype, dtype)
+    attention = attention_backend_for(cfg, kv_dtype)
     tp_size = cfg.tensor_parallel_size
     check_draft_model(cfg)
     if tp_size > 1:
         check_tensor_parallel(hf_config, tp_size)  # before any process starts
-    shape = KVShape.from_hf_config(hf_config, kv_dtype.itemsize, tp_size)  # one rank's share
+    scale_bytes = KV_SCALE_DTYPE.itemsize if is_quantized(kv_dtype) else 0
+    shape = KVShape.from_hf_config(  # one rank's share
+        hf_config, kv_dtype.itemsize, tp_size, scale_bytes=scale_bytes
+    )
     max_model_len = cfg.max_model_len or int(getattr(hf_config, "max_position_embeddings", 2048))
     kv_bytes, draft_block = None, 0
     if memory is not None:
@@ -163,7 +172,28 @@ def plan_model(cfg: EngineConfig, hf_config: Any, memory: CudaMemory | None = No
                          "gpu_memory_utilization) higher, or max_model_len lower")  # fmt: skip
     return ModelPlan(hf_config=hf_config, dtype=dtype, kv_dtype=kv_dtype,
                      num_device_blocks=num_device, num_host_blocks=num_host,
-                     max_model_len=max_model_len, vocab_size=int(hf_config.vocab_size))  # fmt: skip
+                     max_model_len=max_model_len, vocab_size=int(hf_config.vocab_size),
+                     attention_backend=attention)  # fmt: skip
+
+
+def attention_backend_for(cfg: EngineConfig, kv_dtype: torch.dtype) -> AttentionChoice:
+    """The attention backend the runners select from: ``cfg.attention_backend``, but the torch
+    path for a quantized KV cache (int8, fp8), which only it dequantizes so far: "auto" takes
+    it with a logged reason, "cpu" and "triton" are refused."""
+    chosen = cfg.attention_backend
+    if not is_quantized(kv_dtype) or chosen == "torch":
+        return chosen
+    if chosen != "auto":
+        raise InvalidRequestError(
+            f"kv_cache_dtype={cfg.kv_cache_dtype!r} runs on the torch attention path only; "
+            f"attention_backend={chosen!r} cannot read a quantized cache yet: use 'auto' or "
+            "'torch'."
+        )
+    log.warning("kv_cache_quantized_attention", kv_cache_dtype=cfg.kv_cache_dtype,
+                attention_backend="torch",
+                reason="the native CPU and Triton kernels do not read int8 / fp8 caches yet; "
+                       "the torch path dequantizes the blocks it gathers")  # fmt: skip
+    return "torch"
 
 
 def plan_levers(
@@ -253,7 +283,8 @@ async def load_runner(
     draft: DraftSpec | None = None
     if speculative is not None and speculative.method == "draft_model":
         draft = await anyio.to_thread.run_sync(draft_spec, cfg, speculative, plan, levers, resolve)
-    local = dataclasses.replace(cfg, model=str(path), revision=None)
+    local = dataclasses.replace(cfg, model=str(path), revision=None,
+                                attention_backend=plan.attention_backend)  # fmt: skip
     spec = worker_spec(local, dtype, kv_dtype, num_device, num_host, levers,
                        max_model_len=plan.max_model_len)  # fmt: skip
     if cfg.tensor_parallel_size > 1 or cfg.executor_backend == "process":
@@ -298,7 +329,7 @@ def draft_spec(
         num_blocks=plan.num_device_blocks, num_host_blocks=plan.num_host_blocks,
         block_size=cfg.block_size, max_num_seqs=cfg.max_num_seqs,
         max_model_len=plan.max_model_len, num_speculative_tokens=spec.num_speculative_tokens,
-        attention_backend=cfg.attention_backend, packed_linears=levers["packed_linears"],
+        attention_backend=plan.attention_backend, packed_linears=levers["packed_linears"],
         fused_elementwise=levers["fused_elementwise"], seed=cfg.seed,
     )  # fmt: skip
 

@@ -93,8 +93,14 @@ class TritonAttentionBackend(AttentionBackend):
         return plans[block_q]
 
     def copy_blocks(self, kv_cache: PagedKVCache, pairs: Sequence[tuple[int, int]]) -> None:
-        """Copy-on-write with the all-layer Triton kernel (one launch)."""
+        """Copy-on-write with the all-layer Triton kernel (one launch); a quantized cache's
+        scales too (torch copies: the kernel moves K and V only)."""
         copy_blocks(kv_cache.key, kv_cache.value, pairs)
+        if kv_cache.key_scale is not None and kv_cache.value_scale is not None and pairs:
+            src = torch.tensor([s for s, _ in pairs], device=kv_cache.key.device)
+            dst = torch.tensor([d for _, d in pairs], device=kv_cache.key.device)
+            for scales in (kv_cache.key_scale, kv_cache.value_scale):
+                scales[:, dst] = scales[:, src]
 
     def forward(
         self,
@@ -109,6 +115,9 @@ class TritonAttentionBackend(AttentionBackend):
         sliding_window: int | None = None,
         softcap: float | None = None,
     ) -> torch.Tensor:
+        assert not kv_cache.is_quantized, (
+            f"the Triton kernels do not read a {kv_cache.dtype} (quantized) cache yet"
+        )
         key_cache, value_cache = logical_cache_views(kv_cache, layer_idx)
         if key.stride(-1) != 1:
             key = key.contiguous()

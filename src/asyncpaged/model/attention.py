@@ -12,7 +12,9 @@ blocks are gathered with ``index_select`` into a reused workspace and attended b
 with no re-layout copy of K or V (see ``_decode_group``). Every other sequence (prefill or a
 prefill chunk) gets its own SDPA over its gathered prefix + chunk. Query heads are packed per KV
 head (``q.view(kv_heads, group, ...)``), so K/V heads are never repeated, and no mask ever spans
-two requests. A C++ or Triton backend plugs in by implementing ``AttentionBackend.forward``.
+two requests. A quantized cache (int8, fp8: ``kv_quant``) is dequantized as its blocks are
+gathered (codes times their per-token scales, float32), before any score is computed. A C++ or
+Triton backend plugs in by implementing ``AttentionBackend.forward``.
 """
 
 from __future__ import annotations
@@ -194,17 +196,21 @@ class TorchAttentionBackend(AttentionBackend):
         )
         _write(kv_cache, layer_idx, key, value, metadata)
         key_cache, value_cache = kv_cache.layer(layer_idx)
+        scales = kv_cache.layer_scales(layer_idx)
         out = torch.empty_like(query)  # [T, Hq, D]
         if metadata.decode_indices:
             group_heads = query.shape[1] // key_cache.shape[1]
             groups = self._decode_plan(metadata, key_cache, group_heads, sliding_window)
             workspace = self._gather_workspace(groups, key_cache)
             for group in groups:
-                _decode_group(group, out, query, key_cache, value_cache, workspace, scale, softcap)
+                _decode_group(
+                    group, out, query, key_cache, value_cache, workspace, scale, softcap, scales
+                )
         for i in metadata.prefill_indices:
             _prefill_one(
-                i, out, query, key_cache, value_cache, metadata, scale, sliding_window, softcap
-            )
+                i, out, query, key_cache, value_cache, metadata, scale, sliding_window, softcap,
+                scales,
+            )  # fmt: skip
         return out
 
     def _decode_plan(
@@ -295,13 +301,15 @@ def _decode_group(
     workspace: torch.Tensor,
     scale: float,
     softcap: float | None = None,
+    scales: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> None:
     """Attention of one decode group over its gathered blocks, with no re-layout copy of K/V.
 
     K (stored ``[Hkv, D, bs]`` per block) is used block by block: the scores are one batched
     matmul of the packed query heads against every gathered K block. V is gathered one KV head
     at a time (``value_cache[:, h]`` rows are ``[bs, D]``), which lays each sequence's V out
-    contiguously as ``[L, D]``: the output is one batched ``probs @ V``.
+    contiguously as ``[L, D]``: the output is one batched ``probs @ V``. ``scales``: a quantized
+    cache's K and V scales ``[num_blocks, Hkv, bs]``, which dequantize the gathered codes.
     """
     num_seqs, nb = group.rows.numel(), group.num_blocks
     _, kv_heads, head_dim, block_size = key_cache.shape
@@ -313,6 +321,11 @@ def _decode_group(
     values = workspace[size : 2 * size].view(kv_heads, -1, block_size, head_dim)
     for h in range(kv_heads):
         torch.index_select(value_cache[:, h], 0, group.blocks, out=values[h])
+    if scales is not None:
+        key_scale = scales[0].index_select(0, group.blocks).float()  # [n * nb, Hkv, bs]
+        keys = keys.float() * key_scale.view(num_seqs, nb, kv_heads, 1, block_size)
+        value_scale = scales[1].index_select(0, group.blocks).float()  # [n * nb, Hkv, bs]
+        values = values.float() * value_scale.transpose(0, 1)[..., None]  # [Hkv, n * nb, bs, D]
     if group.value_pad_rows is not None:
         # Unwritten or foreign slots may hold anything (NaN in tests): 0 * NaN would leak.
         values.view(-1, head_dim).index_fill_(0, group.value_pad_rows, 0.0)
@@ -335,13 +348,20 @@ def _decode_group(
 
 
 def _gather(
-    key_cache: torch.Tensor, value_cache: torch.Tensor, blocks: torch.Tensor
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    blocks: torch.Tensor,
+    scales: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """blocks [B, nb] -> K, V [B, kv_heads, nb * block_size, D] in float32."""
+    """blocks [B, nb] -> K, V [B, kv_heads, nb * block_size, D] in float32 (dequantized with
+    ``scales``, a quantized cache's K and V scales [num_blocks, Hkv, bs])."""
     num_seqs, num_blocks = blocks.shape
     flat = blocks.reshape(-1)
     keys = key_cache.index_select(0, flat)  # [B*nb, Hkv, D, bs]
     values = value_cache.index_select(0, flat)  # [B*nb, Hkv, bs, D]
+    if scales is not None:
+        keys = keys.float() * scales[0].index_select(0, flat).float()[:, :, None, :]
+        values = values.float() * scales[1].index_select(0, flat).float()[..., None]
     _, kv_heads, head_dim, block_size = keys.shape
     keys = keys.view(num_seqs, num_blocks, kv_heads, head_dim, block_size)
     keys = keys.permute(0, 2, 1, 4, 3).reshape(num_seqs, kv_heads, -1, head_dim)
@@ -360,12 +380,14 @@ def _prefill_one(
     scale: float,
     sliding_window: int | None,
     softcap: float | None = None,
+    scales: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> None:
     block_size = key_cache.shape[-1]
     start, end = md.query_start_loc_host[i], md.query_start_loc_host[i + 1]
     q_len, ctx = end - start, md.context_lens_host[i]
     num_blocks = -(-ctx // block_size)
-    keys, values = _gather(key_cache, value_cache, md.block_tables[i : i + 1, :num_blocks])
+    tables = md.block_tables[i : i + 1, :num_blocks]
+    keys, values = _gather(key_cache, value_cache, tables, scales)
     keys, values = keys[0, :, :ctx], values[0, :, :ctx]  # [Hkv, ctx, D]
     kv_heads, head_dim = keys.shape[0], keys.shape[-1]
     group = query.shape[1] // kv_heads

@@ -29,6 +29,16 @@ with scalar gathers, and "nhd" made paged decode 1.2-1.4x faster at batch 4-256 
 1.2-1.7x at batch >= 64 on an H200 (``asyncpaged.kernels.benchmark``; docs/benchmarks.md
 "Attention on CUDA"). The CPU and torch paths read the runner layout only.
 
+Quantized caches (``dtype`` int8, float8_e4m3fn or float8_e5m2; ``kv_quant``) hold codes in
+``key`` / ``value`` with the layout above, and beside them a scale per (token, KV head) for K and
+for V, in either layout::
+
+    key_scale, value_scale: [num_layers, num_blocks, num_kv_heads, block_size]   bfloat16
+
+A write quantizes each new row on its own scale, so an append never rescales what is already
+written; readers dequantize (``codes * scale``). A block is its codes and its scales: copy-on-write,
+swap and the KV tiers move both (``tensors``).
+
 Slots: the slot of a token is ``block * block_size + offset``; slot ``-1`` means "do not write".
 Host (swap, KV tier) caches use the device cache's layout, so swap is a per-block copy.
 """
@@ -43,6 +53,8 @@ from typing import Literal
 
 import torch
 
+from asyncpaged.model.kv_quant import KV_SCALE_DTYPE, fill_code, is_quantized, quantize
+
 #: How a block's K and V lie in memory (see the module docstring).
 KVLayout = Literal["runner", "nhd"]
 
@@ -51,7 +63,8 @@ class PagedKVCache:
     """K/V blocks of every layer.
 
     Invariants: ``key`` and ``value`` have the shapes the module docstring gives for ``layout``;
-    a block id indexes the same block in both and in every layer.
+    a block id indexes the same block in both and in every layer (and in ``key_scale`` /
+    ``value_scale``, which a quantized cache has and any other lacks: None).
     """
 
     def __init__(
@@ -84,16 +97,44 @@ class PagedKVCache:
             key_shape = (num_layers, num_blocks, num_kv_heads, head_dim, block_size)
             value_shape = (num_layers, num_blocks, num_kv_heads, block_size, head_dim)
         fill = 0.0 if fill_value is None else fill_value
-        self.key = _allocate(key_shape, fill, dtype, torch.device(device), pin_memory)
-        self.value = _allocate(value_shape, fill, dtype, torch.device(device), pin_memory)
+        on = torch.device(device)
+        code_fill = fill_code(dtype, fill) if is_quantized(dtype) else fill
+        self.key = _allocate(key_shape, code_fill, dtype, on, pin_memory)
+        self.value = _allocate(value_shape, code_fill, dtype, on, pin_memory)
+        self.key_scale: torch.Tensor | None = None
+        self.value_scale: torch.Tensor | None = None
+        if is_quantized(dtype):
+            scale_shape = (num_layers, num_blocks, num_kv_heads, block_size)
+            self.key_scale = _allocate(scale_shape, fill, KV_SCALE_DTYPE, on, pin_memory)
+            self.value_scale = _allocate(scale_shape, fill, KV_SCALE_DTYPE, on, pin_memory)
 
     @property
     def dtype(self) -> torch.dtype:
         return self.key.dtype
 
     @property
+    def is_quantized(self) -> bool:
+        """Whether the cache holds codes with scales (int8, fp8)."""
+        return self.key_scale is not None
+
+    @property
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        """Every all-layer tensor a block lives in (``[num_layers, num_blocks, ...]``): K and V,
+        then K's and V's scales in a quantized cache. Moving a block moves it in each."""
+        if self.key_scale is None or self.value_scale is None:
+            return (self.key, self.value)
+        return (self.key, self.value, self.key_scale, self.value_scale)
+
+    @property
     def num_bytes(self) -> int:
-        return self.key.nbytes + self.value.nbytes
+        return sum(t.nbytes for t in self.tensors)
+
+    def layer_scales(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """K's and V's scales of one layer, [num_blocks, kv_heads, block_size] each; None
+        unless the cache is quantized."""
+        if self.key_scale is None or self.value_scale is None:
+            return None
+        return self.key_scale[layer_idx], self.value_scale[layer_idx]
 
     def layer(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Views of one layer: K [num_blocks, kv_heads, D, bs], V [num_blocks, kv_heads, bs, D]
@@ -114,6 +155,13 @@ class PagedKVCache:
             key, value = key[targets.rows], value[targets.rows]
         blocks, offsets = targets.blocks, targets.offsets
         key_cache, value_cache = self.layer(layer_idx)
+        scales = self.layer_scales(layer_idx)
+        if scales is not None:
+            key, key_scale = quantize(key, self.dtype)
+            value, value_scale = quantize(value, self.dtype)
+            # [T, kv_heads] rows of the [num_blocks, kv_heads, block_size] scales
+            scales[0][blocks, :, offsets] = key_scale
+            scales[1][blocks, :, offsets] = value_scale
         if self.layout == "nhd":
             key_cache[blocks, offsets] = key.to(key_cache.dtype)
             value_cache[blocks, offsets] = value.to(value_cache.dtype)
@@ -130,8 +178,8 @@ class PagedKVCache:
         if not pairs:
             return
         src, dst = _pair_indices(pairs, self.key.device)
-        self.key[:, dst] = self.key[:, src]
-        self.value[:, dst] = self.value[:, src]
+        for tensor in self.tensors:
+            tensor[:, dst] = tensor[:, src]
 
 
 @dataclass(frozen=True, slots=True)
@@ -205,6 +253,7 @@ def _check_compatible(a: PagedKVCache, b: PagedKVCache) -> None:
         f"{tuple(b.key.shape)}"
     )
     assert a.dtype == b.dtype, f"caches differ in dtype: {a.dtype} vs {b.dtype}"
+    assert a.is_quantized == b.is_quantized, "one cache has scales, the other none"
 
 
 def swap_blocks(
@@ -229,8 +278,8 @@ def swap_blocks(
     if stream is None:
         src_idx, dst_idx = _pair_indices(pairs, src.key.device)
         dst_idx = dst_idx.to(dst.key.device)
-        dst.key[:, dst_idx] = src.key[:, src_idx].to(dst.key.device)
-        dst.value[:, dst_idx] = src.value[:, src_idx].to(dst.value.device)
+        for s_t, d_t in zip(src.tensors, dst.tensors, strict=True):
+            d_t[:, dst_idx] = s_t[:, src_idx].to(d_t.device)
         return
     landed: list[tuple[torch.Tensor, torch.Tensor]] = []
     with torch.cuda.stream(stream):
@@ -238,7 +287,7 @@ def swap_blocks(
             stream.wait_event(after)
         src_idx, dst_idx = _pair_indices(pairs, src.key.device)  # on the side stream
         dst_idx = dst_idx.to(dst.key.device)
-        for s_t, d_t in ((src.key, dst.key), (src.value, dst.value)):
+        for s_t, d_t in zip(src.tensors, dst.tensors, strict=True):
             block = s_t[:, src_idx]  # gathered on the source's device
             if d_t.is_cuda:
                 d_t[:, dst_idx] = block.pin_memory().to(d_t.device, non_blocking=True)

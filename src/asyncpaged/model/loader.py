@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from asyncpaged._log import get_logger
 from asyncpaged.model.base import SINGLE_SHARD, CausalLM, ShardRule, TensorShard
 from asyncpaged.model.compressed_tensors_scheme import (
     CompressedTensorsPlan,
@@ -73,6 +74,10 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 #: ``rope_parameters``, per-layer-type parameters, ``layer_types``). 4.x configs are read by the
 #: legacy-field paths too, but are not tested; 4.46 silently dropped fields the families need.
 MIN_TRANSFORMERS = (5, 0)
+# vLLM's names of an fp8 KV cache's calibrated scales ("model.layers.0.self_attn.k_scale")
+KV_SCALE_SUFFIXES = (".k_scale", ".v_scale", ".kv_scale")
+
+_log = get_logger(__name__)
 
 
 def check_transformers_version(version: str | None = None) -> None:
@@ -266,6 +271,7 @@ def load_weights(
     dropped = model.dropped_checkpoint_keys()
     loaded: dict[str, torch.Tensor] = {}
     unexpected: list[str] = []
+    kv_scales: list[str] = []  # an fp8 KV cache's calibrated scales (vLLM's names): unused
     for entry in iter_checkpoint_entries(directory):
         raw_name = entry.name
         prefix, _, suffix = raw_name.rpartition(".")
@@ -275,7 +281,9 @@ def load_weights(
             continue
         name = _canonical_name(raw_name, model, expected)
         if name not in expected:
-            if not (model.is_ignored_checkpoint_key(name) or name in dropped):
+            if raw_name.endswith(KV_SCALE_SUFFIXES):
+                kv_scales.append(raw_name)
+            elif not (model.is_ignored_checkpoint_key(name) or name in dropped):
                 unexpected.append(raw_name)
             continue
         transposed = model.is_transposed_checkpoint_key(name)
@@ -321,6 +329,10 @@ def load_weights(
             f"{missing[:10]}{' ...' if len(missing) > 10 else ''}, unexpected tensors "
             f"{sorted(unexpected)[:10]}{' ...' if len(unexpected) > 10 else ''}."
         )
+    if kv_scales:
+        _log.info("checkpoint_kv_scales_unused", num_tensors=len(kv_scales), first=kv_scales[0],
+                  reason="an int8 / fp8 KV cache scales each token and KV head by its own "
+                         "amax (kv_quant); per-layer k_scale / v_scale are not used")  # fmt: skip
     model.load_state_dict(loaded, strict=True, assign=True)
 
 

@@ -1,5 +1,5 @@
 """``asyncpaged bench MODE``: throughput, latency, memory, multiturn, structured, overhead, soak,
-speculative, quantized.
+speculative, quantized, kv-accuracy.
 
 Each mode is its own module (``bench_throughput``, ``bench_latency``, ``bench_memory``) with an
 ``add_parser`` and a ``run``; the reference workload they share is in ``bench_workload``.
@@ -12,6 +12,7 @@ from typing import Any
 
 def add_parser(sub: Any) -> None:
     from asyncpaged.tools import (
+        bench_kv_accuracy,
         bench_latency,
         bench_memory,
         bench_multiturn,
@@ -34,3 +35,4 @@ def add_parser(sub: Any) -> None:
     bench_overhead.add_parser(modes)
     bench_speculative.add_parser(modes)
     bench_quantized.add_parser(modes)
+    bench_kv_accuracy.add_parser(modes)

@@ -7,10 +7,18 @@ first served, one decode step per iteration) at a fixed budget of ``--budget-tok
 and records at every step the KV utilization (tokens stored / slots reserved) and the number of
 running sequences, until the workload drains.
 
+With ``--kv-cache-bytes`` the budget is bytes instead: for each of ``--kv-cache-dtypes`` (the
+values of ``EngineConfig.kv_cache_dtype``) the blocks that many bytes hold for a model of
+``--kv-shape`` (layers, KV heads, head dim; the reference workload's by default), as the engine
+counts them (``KVShape``: an int8 / fp8 block's scales included), so one run compares what each
+KV dtype holds in the same memory.
+
 Printed: the waste report's table (averages over the steps while requests wait, when the budget
-is contended) and a concurrency table: mean and peak running sequences per policy, paged's mean
-concurrency as a multiple of the policy's, and the steps each policy takes to finish the
-workload. Written: ``memory.json`` (the results and the series, averaged over at most
+is contended) and a concurrency table: mean and peak running sequences per policy (and KV dtype),
+paged's mean concurrency as a multiple of the policy's, and the steps each policy takes to finish
+the workload; with ``--kv-cache-bytes`` a capacity table too: per KV dtype the bytes per token,
+the blocks, paged's mean and peak running sequences, and the blocks and peak as a multiple of
+bfloat16's. Written: ``memory.json`` (the results and the series, averaged over at most
 ``--max-points`` equal buckets of steps) and ``memory.png`` (utilization and running sequences
 against the step, one column per workload).
 """
@@ -45,6 +53,8 @@ class MemoryRun:
     """
 
     result: WasteResult
+    kv_cache_dtype: str | None  # the KV dtype the budget was counted in (None: token slots)
+    num_blocks: int  # the budget in blocks of the paged pool's size
     num_steps_total: int  # every step until the workload drained, contended or not
     step: tuple[int, ...]
     utilization: tuple[float, ...]  # tokens stored / slots reserved
@@ -53,6 +63,8 @@ class MemoryRun:
     def to_json(self) -> dict[str, Any]:
         return {
             **asdict(self.result),
+            "kv_cache_dtype": self.kv_cache_dtype,
+            "num_blocks": self.num_blocks,
             "num_steps_total": self.num_steps_total,
             "series": {
                 "step": list(self.step),
@@ -84,6 +96,7 @@ def run_policy(
     max_model_len: int,
     seed: int,
     max_points: int = 400,
+    kv_cache_dtype: str | None = None,
 ) -> MemoryRun:
     trace: list[StepSample] = []
     result = simulate(
@@ -102,6 +115,8 @@ def run_policy(
     _, running = bucket_means([float(s.num_running) for s in trace], max_points)
     return MemoryRun(
         result=result,
+        kv_cache_dtype=kv_cache_dtype,
+        num_blocks=budget_tokens // block_size,
         num_steps_total=len(trace),
         step=tuple(step),
         utilization=tuple(utilization),
@@ -111,23 +126,71 @@ def run_policy(
 
 def format_concurrency_table(runs: Sequence[MemoryRun]) -> str:
     head = (
-        f"{'workload':<9} {'allocator':<15} {'seqs mean':>9} {'seqs peak':>9} "
+        f"{'workload':<9} {'kv dtype':<9} {'allocator':<15} {'seqs mean':>9} {'seqs peak':>9} "
         f"{'paged x':>7} {'steps to drain':>14}"
     )
     lines = [head, "-" * len(head)]
     paged = {
-        r.result.distribution: r.result.concurrent_mean
+        (r.result.distribution, r.kv_cache_dtype): r.result.concurrent_mean
         for r in runs
         if r.result.allocator == "paged"
     }
     for run in runs:
         r = run.result
-        ratio = paged.get(r.distribution, float("nan")) / r.concurrent_mean
+        ratio = paged.get((r.distribution, run.kv_cache_dtype), float("nan")) / r.concurrent_mean
         lines.append(
-            f"{r.distribution:<9} {r.allocator:<15} {r.concurrent_mean:>9.1f} "
-            f"{r.concurrent_max:>9} {ratio:>6.2f}x {run.num_steps_total:>14}"
+            f"{r.distribution:<9} {run.kv_cache_dtype or '-':<9} {r.allocator:<15} "
+            f"{r.concurrent_mean:>9.1f} {r.concurrent_max:>9} {ratio:>6.2f}x "
+            f"{run.num_steps_total:>14}"
         )
     return "\n".join(lines)
+
+
+def format_capacity_table(runs: Sequence[MemoryRun], token_bytes: dict[str, int]) -> str:
+    """Paged runs per KV dtype: bytes per token, blocks, running sequences, and the blocks and
+    peak sequences as a multiple of bfloat16's (when it ran)."""
+    head = (
+        f"{'workload':<9} {'kv dtype':<9} {'bytes/token':>11} {'blocks':>7} {'seqs mean':>9} "
+        f"{'seqs peak':>9} {'blocks x bf16':>13} {'peak x bf16':>11}"
+    )
+    lines = [head, "-" * len(head)]
+    paged = [r for r in runs if r.result.allocator == "paged" and r.kv_cache_dtype is not None]
+    bf16 = {r.result.distribution: r for r in paged if r.kv_cache_dtype == "bfloat16"}
+    for run in paged:
+        r, base = run.result, bf16.get(run.result.distribution)
+        blocks_x = run.num_blocks / base.num_blocks if base else float("nan")
+        peak_x = r.concurrent_max / base.result.concurrent_max if base else float("nan")
+        assert run.kv_cache_dtype is not None
+        lines.append(
+            f"{r.distribution:<9} {run.kv_cache_dtype:<9} {token_bytes[run.kv_cache_dtype]:>11} "
+            f"{run.num_blocks:>7} {r.concurrent_mean:>9.1f} {r.concurrent_max:>9} "
+            f"{blocks_x:>12.2f}x {peak_x:>10.2f}x"
+        )
+    return "\n".join(lines)
+
+
+def kv_budgets(
+    kv_cache_bytes: int, kv_dtypes: Sequence[str], kv_shape: tuple[int, int, int], block_size: int
+) -> tuple[dict[str, int], dict[str, int]]:
+    """(token slots, bytes per token) for each KV dtype: the blocks ``kv_cache_bytes`` hold
+    for a model of ``kv_shape`` (layers, KV heads, head dim), counted as the engine counts
+    them (``KVShape``, an int8 / fp8 block's scales included)."""
+    import torch
+
+    from asyncpaged.config import KVShape
+    from asyncpaged.model.kv_quant import KV_SCALE_DTYPE, is_quantized, kv_cache_torch_dtype
+
+    slots, token_bytes = {}, {}
+    layers, kv_heads, head_dim = kv_shape
+    for name in kv_dtypes:
+        dtype = kv_cache_torch_dtype(name, torch.float32)
+        scale_bytes = KV_SCALE_DTYPE.itemsize if is_quantized(dtype) else 0
+        shape = KVShape(num_layers=layers, num_kv_heads=kv_heads, head_dim=head_dim,
+                        dtype_bytes=dtype.itemsize, scale_bytes=scale_bytes)  # fmt: skip
+        block = shape.block_bytes(block_size)
+        slots[name] = kv_cache_bytes // block * block_size
+        token_bytes[name] = block // block_size
+    return slots, token_bytes
 
 
 def plot(runs: Sequence[MemoryRun], path: Path, title: str) -> None:
@@ -148,6 +211,8 @@ def plot(runs: Sequence[MemoryRun], path: Path, title: str) -> None:
         for run in group:
             r = run.result
             label = f"paged, block {r.block_size}" if r.allocator == "paged" else r.allocator
+            if run.kv_cache_dtype is not None:
+                label += f", {run.kv_cache_dtype}"
             label += f" (drains at step {run.num_steps_total})"
             width = 2.2 if r.allocator == "paged" else 1.2
             top.plot(run.step, [100 * u for u in run.utilization], label=label, linewidth=width)
@@ -170,22 +235,40 @@ def plot(runs: Sequence[MemoryRun], path: Path, title: str) -> None:
 
 def run(args: argparse.Namespace) -> int:
     runs: list[MemoryRun] = []
+    budgets: dict[str | None, int] = {None: args.budget_tokens}
+    token_bytes: dict[str, int] = {}
+    if args.kv_cache_bytes is not None:
+        kv_dtypes = [d for d in args.kv_cache_dtypes.split(",") if d]
+        dims = [int(x) for x in args.kv_shape.split(",")]
+        if len(dims) != 3:
+            raise SystemExit(f"--kv-shape is LAYERS,KV_HEADS,HEAD_DIM, got {args.kv_shape!r}")
+        shape = (dims[0], dims[1], dims[2])
+        slots, token_bytes = kv_budgets(args.kv_cache_bytes, kv_dtypes, shape, args.block_size)
+        budgets = {}
+        for name, num_slots in slots.items():
+            budgets[name] = num_slots
     for name in args.distributions.split(","):
-        for allocator in ALLOCATORS:
-            runs.append(
-                run_policy(
-                    DISTRIBUTIONS[name],
-                    allocator,
-                    num_requests=args.num_requests,
-                    budget_tokens=args.budget_tokens,
-                    block_size=args.block_size,
-                    max_model_len=args.max_model_len,
-                    seed=args.seed,
-                    max_points=args.max_points,
+        for kv_dtype, budget in budgets.items():
+            for allocator in ALLOCATORS:
+                runs.append(
+                    run_policy(
+                        DISTRIBUTIONS[name],
+                        allocator,
+                        num_requests=args.num_requests,
+                        budget_tokens=budget,
+                        block_size=args.block_size,
+                        max_model_len=args.max_model_len,
+                        seed=args.seed,
+                        max_points=args.max_points,
+                        kv_cache_dtype=kv_dtype,
+                    )
                 )
-            )
+    budget_text = f"{args.budget_tokens} token slots"
+    if args.kv_cache_bytes is not None:
+        budget_text = (f"{args.kv_cache_bytes} bytes (KV shape {args.kv_shape}: "
+                       + ", ".join(f"{d} {n} slots" for d, n in budgets.items()) + ")")  # fmt: skip
     header = (
-        f"KV budget {args.budget_tokens} token slots, {args.num_requests} requests per workload, "
+        f"KV budget {budget_text}, {args.num_requests} requests per workload, "
         f"max_model_len {args.max_model_len}, seed {args.seed}"
     )
     print(
@@ -198,8 +281,13 @@ def run(args: argparse.Namespace) -> int:
         "paged's mean / this one's; steps to drain: until every request finished):"
     )
     print(format_concurrency_table(runs))
+    if token_bytes:
+        print("\nThe same bytes in each KV dtype (paged):")
+        print(format_capacity_table(runs, token_bytes))
     report = {
         "budget_tokens": args.budget_tokens,
+        "kv_cache_bytes": args.kv_cache_bytes,
+        "kv_shape": args.kv_shape,
         "num_requests": args.num_requests,
         "block_size": args.block_size,
         "max_model_len": args.max_model_len,
@@ -216,6 +304,19 @@ def add_parser(modes: Any) -> None:
     p.add_argument("--num-requests", type=int, default=1000, help="per workload")
     p.add_argument("--budget-tokens", type=int, default=16384, help="KV slots (tokens)")
     p.add_argument("--block-size", type=int, default=16, help="of the paged pool")
+    p.add_argument(
+        "--kv-cache-bytes",
+        type=int,
+        help="a budget in bytes instead of --budget-tokens, counted per KV dtype",
+    )
+    p.add_argument(
+        "--kv-cache-dtypes",
+        default="float32,bfloat16,int8,fp8",
+        help="with --kv-cache-bytes: comma-separated kv_cache_dtype values",
+    )
+    p.add_argument("--kv-shape", default="6,2,64",
+                   help="with --kv-cache-bytes: LAYERS,KV_HEADS,HEAD_DIM (default: the "
+                        "reference workload's model)")  # fmt: skip
     p.add_argument("--max-model-len", type=int, default=2048)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-points", type=int, default=400, help="per series in JSON and plot")

@@ -9,12 +9,14 @@ Disk entry format (one file per block, ``<kv_offload_dir>/<identity[:16]>/<block
     0       8     magic b"APKVTIER"
     8       4     format version (little-endian u32, 1)
     12      32    model identity: sha256 of the checkpoint path, config.json's sha256, the
-                  weights files' names, sizes and mtimes, the KV dtype, block size and KV shape
+                  weights files' names, sizes and mtimes, the KV dtype (and a quantized
+                  cache's scale dtype), block size and KV shape
     44      32    the block's chained prefix hash (the device cache's salted sha256 chain)
     76      8     payload length in bytes (u64)
     84      32    sha256 of the payload
     116     ...   payload: the block's K ([layers, kv_heads, head_dim, block_size]) then V
-                  ([layers, kv_heads, block_size, head_dim]), raw, in the KV dtype
+                  ([layers, kv_heads, block_size, head_dim]), raw, in the KV dtype; a
+                  quantized cache's K then V scales ([layers, kv_heads, block_size]) follow
 
 A file is written to a temporary name and renamed, so a reader never sees half a file. At start
 every file is checked (magic, version, identity, hash, length, checksum); one of another model
@@ -27,6 +29,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import struct
 import threading
@@ -47,6 +50,7 @@ from asyncpaged.kv.tiers import (
     TierOp,
 )
 from asyncpaged.model.kv_cache import KVLayout, PagedKVCache, swap_blocks
+from asyncpaged.model.kv_quant import KV_SCALE_DTYPE, is_quantized
 
 log = get_logger(__name__)
 
@@ -70,7 +74,8 @@ def model_identity(
     """What a disk entry must match to be reused: the checkpoint (path, config, weights files)
     and the cache's layout (dtype, block size, layers / KV heads / head dim, and how a block's
     K and V lie: an entry holds the block's bytes). The runner layout adds nothing to the
-    document, so the entries written before layouts existed stay valid."""
+    document, so the entries written before layouts existed stay valid; a quantized dtype adds
+    its scales' dtype. An entry written with another KV dtype is another model's: never read."""
     path = Path(model_path).resolve()
     config = path / "config.json"
     config_hash = hashlib.sha256(config.read_bytes()).hexdigest() if config.exists() else ""
@@ -90,6 +95,8 @@ def model_identity(
     }
     if layout != "runner":
         doc["kv_layout"] = layout
+    if is_quantized(kv_dtype):
+        doc["kv_scale_dtype"] = str(KV_SCALE_DTYPE)
     return hashlib.sha256(json.dumps(doc, sort_keys=True).encode()).digest()
 
 
@@ -260,22 +267,23 @@ class KVTierStore:
 
 
 def block_bytes(cache: PagedKVCache, block: int) -> bytes:
-    """One block's K then V, every layer, as raw bytes."""
-    key = cache.key[:, block].contiguous().cpu().view(torch.uint8)
-    value = cache.value[:, block].contiguous().cpu().view(torch.uint8)
-    return key.numpy().tobytes() + value.numpy().tobytes()
+    """One block's K then V (then a quantized cache's K and V scales), every layer, as raw
+    bytes."""
+    parts = [t[:, block].contiguous().cpu().view(torch.uint8) for t in cache.tensors]
+    return b"".join(part.numpy().tobytes() for part in parts)
 
 
 def load_block(cache: PagedKVCache, block: int, payload: bytes) -> None:
     """The inverse of :func:`block_bytes`."""
-    key_shape, value_shape = cache.key.shape[2:], cache.value.shape[2:]
     raw = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
-    half = raw.numel() // 2
-    layers = cache.num_layers
-    key = raw[:half].view(cache.dtype).view(layers, *key_shape)
-    value = raw[half:].view(cache.dtype).view(layers, *value_shape)
-    cache.key[:, block] = key.to(cache.key.device)
-    cache.value[:, block] = value.to(cache.value.device)
+    start = 0
+    for tensor in cache.tensors:
+        shape = (tensor.shape[0], *tensor.shape[2:])
+        size = math.prod(shape) * tensor.element_size()
+        part = raw[start : start + size].view(tensor.dtype).view(shape)
+        tensor[:, block] = part.to(tensor.device)
+        start += size
+    assert start == raw.numel(), f"a payload of {raw.numel()} bytes for blocks of {start}"
 
 
 def _batch(
