@@ -13,10 +13,16 @@
 # 6. the engine on a Qwen3-0.6B-shaped bf16 model with its defaults (the KV cache sized by
 #    gpu_memory_utilization, graphs, the runner's process): the Triton cache in NHD against the
 #    runner layout, tok/s (scripts/gpu_shape_bench.py)
-# Run in the order 1+2, 5, 3, 4, 6 (what has never run on a GPU first: a device lease that ends
-# early still brings those back). Budget: under 10 minutes (stages 1-5 took 141 s on an H100
-# before stage 5 grew to six runs and stage 3 to two; stage 6 may take 5); each
-# stage has its own timeout.
+# 7. quantized weights on CUDA: the Triton quantized-matmul tests compiled natively
+#    (tests/kernels/test_triton_quant_matmul.py) and the engine on tiny GGUF Q8_0 / Q4_K and
+#    compressed-tensors W4A16 checkpoints: greedy tokens and logprobs vs transformers
+#    (tests/kernels/test_quantized_engine_triton.py)
+# 8. quantized matmul benchmark: the Triton kernels vs torch float32 / bf16 on dequantized weights
+#    (asyncpaged.kernels.triton_quant_matmul_bench)
+# Run in the order 7, 8, 1+2, 5, 3, 4, 6 (what has never run on a GPU first: a device lease that
+# ends early still brings those back). Budget: under 10 minutes (stages 1-5 took 141 s on an H100
+# before stage 5 grew to six runs and stage 3 to two; stage 6 may take 5; stages 7-8 have not run
+# on a GPU yet: their timeouts are 300 s and 150 s); each stage has its own timeout.
 # Python: $PYTHON, else .venv if its torch sees CUDA, else python3. A package that Python lacks
 # (structlog, say) is installed from wheels in .whl/ when that folder exists.
 set -euo pipefail
@@ -76,14 +82,26 @@ run_stage() {
     echo "$label: FAIL (see $(basename "$logfile"))" | tee -a "$RESULTS/summary.txt"
   fi
 }
-log "1+2. kernel tests natively + end-to-end vs transformers, swap ordering on a side stream"
 export ASYNCPAGED_KERNELS_NATIVE=1
 unset TRITON_INTERPRET
+QUANT_TESTS=(tests/kernels/test_triton_quant_matmul.py tests/kernels/test_quantized_engine_triton.py)
+
+log "7. quantized weights on CUDA: Triton quantized-matmul tests natively + engine vs transformers"
 # -W default: a deprecation warning of another torch / transformers version is shown, not fatal.
+run_stage "quantized tests" quantized_tests.log '(passed|failed)' 300 \
+  "$PY" -m pytest "${QUANT_TESTS[@]}" -q -n 4 -p no:cacheprovider --timeout 250 -W default \
+  --junitxml="$RESULTS/quantized_tests.xml"
+
+log "8. quantized matmul benchmark (Triton vs torch float32 / bf16 on dequantized weights)"
+run_stage "quantized benchmark" bench_quant.log '^(Q|int4|fp8)' 150 \
+  "$PY" -m asyncpaged.kernels.triton_quant_matmul_bench --json "$RESULTS/bench_quant.json"
+
+log "1+2. kernel tests natively + end-to-end vs transformers, swap ordering on a side stream"
 if timeout 240 "$PY" -m pytest tests/kernels tests/model/test_swap_ordering_cuda.py -q -n 4 \
     -p no:cacheprovider --timeout 200 -W default \
     --ignore=tests/kernels/test_packaging.py --ignore=tests/kernels/test_cpu_attention.py \
-    --ignore=tests/kernels/test_cpu_fused.py \
+    --ignore=tests/kernels/test_cpu_fused.py --ignore="${QUANT_TESTS[0]}" \
+    --ignore="${QUANT_TESTS[1]}" \
     --junitxml="$RESULTS/kernel_tests.xml" 2>&1 | tee "$RESULTS/kernel_tests.log"; then
   echo "kernel tests: PASS" | tee -a "$RESULTS/summary.txt"
 else

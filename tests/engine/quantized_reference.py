@@ -31,12 +31,13 @@ def transformers_reference(model: Any) -> tuple[list[list[int]], list[list[torch
     return tokens, logprobs
 
 
-async def assert_engine_equals(path: Path, reference: Any) -> Any:
+async def assert_engine_equals(path: Path, reference: Any, **config: Any) -> Any:
     """Run ``PROMPTS`` through the engine on ``path`` with preemption and compare them with
-    ``transformers_reference(reference)``; returns the engine's loaded model."""
+    ``transformers_reference(reference)``; returns the engine's loaded model. ``config``: more
+    ``EngineConfig`` fields (``device="cuda"``)."""
     want, want_logprobs = transformers_reference(reference)
     async with running_engine(path, num_device_blocks=9, block_size=4,
-                              executor_backend="thread") as engine:  # fmt: skip
+                              executor_backend="thread", **config) as engine:  # fmt: skip
         params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True,
                                 logprobs=1)  # fmt: skip
         outs: list[Any] = [None] * len(PROMPTS)

@@ -23,6 +23,7 @@ _MODULES = (
     "asyncpaged.kernels.cache_ops",
     "asyncpaged.kernels.paged_attention",
     "asyncpaged.kernels.backend",
+    "asyncpaged.kernels.triton_quant_matmul",
     "asyncpaged.kernels",
 )
 

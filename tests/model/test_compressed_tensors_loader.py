@@ -13,6 +13,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from asyncpaged.model.base import TensorShard
 from asyncpaged.model.compressed_tensors_scheme import dequantize_weight
 from asyncpaged.model.errors import CheckpointError, UnsupportedModelError
 from asyncpaged.model.loader import load_model
@@ -156,3 +157,13 @@ def test_malformed_tensors_are_refused(checkpoint: Any, tmp_path: Path, what: st
     _edit_tensors(path, edit)
     with pytest.raises(CheckpointError, match=match):
         load_model(path, dtype="float32")
+
+
+def test_tensor_parallelism_and_devices_without_kernels_are_refused(checkpoint: Any) -> None:
+    """Quantized weights multiply on the CPU or on CUDA (Triton), on one rank."""
+    path = checkpoint("W4A16")
+    shard = TensorShard(rank=0, world_size=2, all_reduce=lambda t: None)
+    with pytest.raises(UnsupportedModelError, match="no tensor parallelism"):
+        load_model(path, dtype="float32", shard=shard)
+    with pytest.raises(UnsupportedModelError, match="runs on the CPU or CUDA, not on 'meta'"):
+        load_model(path, dtype="float32", device="meta")

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import torch
 
+from asyncpaged.model.base import TensorShard
 from asyncpaged.model.errors import GGUFError, UnsupportedModelError
 from asyncpaged.model.gguf_checkpoint import (
     GGUF_ARCHITECTURES,
@@ -25,6 +26,7 @@ from asyncpaged.model.gguf_checkpoint import (
 )
 from asyncpaged.model.gguf_file import open_gguf
 from asyncpaged.model.gguf_weight import GGUFWeight
+from asyncpaged.model.loader import load_model
 
 gguf = pytest.importorskip("gguf")
 
@@ -256,3 +258,13 @@ def test_refusals(gguf_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatc
     (tmp_path / "typed.gguf").write_bytes(raw[:at] + b"\x06" + raw[at + 1 :])  # float32
     with pytest.raises(GGUFError, match=r"llama\.block_count"):
         open_gguf_checkpoint(tmp_path / "typed.gguf")
+
+
+def test_tensor_parallelism_and_devices_without_kernels_are_refused(gguf_dir: Path) -> None:
+    """GGUF weights multiply on the CPU or on CUDA (Triton), on one rank."""
+    path = _write(gguf_dir, "llama-gqa", "Q8_0")
+    shard = TensorShard(rank=0, world_size=2, all_reduce=lambda t: None)
+    with pytest.raises(UnsupportedModelError, match="no tensor parallelism"):
+        load_model(path, dtype="float32", shard=shard)
+    with pytest.raises(UnsupportedModelError, match="runs on the CPU or CUDA, not on 'meta'"):
+        load_model(path, dtype="float32", device="meta")

@@ -5,6 +5,8 @@ CUDA (Triton; tests run them under ``TRITON_INTERPRET=1``):
 * ``reshape_and_cache`` / ``copy_blocks`` (``cache_ops``): write new K/V into slots; batched CoW.
 * ``paged_attention`` (``paged_attention``): varlen decode/prefill/chunked prefill, split-K.
 * ``TritonAttentionBackend`` / ``make_attention_backend`` (``backend``): the model-runner backend.
+* ``triton_quant_matmul`` / ``triton_scaled_matmul`` (``triton_quant_matmul``): products with
+  GGUF-quantized and int4 / int8 / fp8 weights, decoded in registers.
 
 CPU (C++ through ctypes, built on first use by ``cpu_build``):
 
@@ -31,6 +33,8 @@ _EXPORTS = {
     "copy_blocks": "cache_ops",
     "reshape_and_cache": "cache_ops",
     "paged_attention": "paged_attention",
+    "triton_quant_matmul": "triton_quant_matmul",
+    "triton_scaled_matmul": "triton_quant_matmul",
     "CpuAttentionBackend": "cpu_attention",
     "make_cpu_attention_backend": "cpu_attention",
     "paged_decode_attention": "cpu_attention",
@@ -59,6 +63,8 @@ __all__ = [
     "rms_norm",
     "rotary_",
     "silu_mul",
+    "triton_quant_matmul",
+    "triton_scaled_matmul",
 ]
 
 

@@ -27,6 +27,7 @@ Without the native library ``scaled_matmul`` falls back to ``torch_scaled_matmul
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import functools
 from dataclasses import dataclass
 from typing import Final
@@ -86,6 +87,11 @@ class ScaledLayout:
     def group_shift(self) -> int:
         """log2(group_size), or 62 for a single group per row."""
         return 62 if self.group_size >= self.in_features else self.group_size.bit_length() - 1
+
+    def to(self, device: torch.device) -> ScaledLayout:
+        """The layout with its scales and zeros on ``device``."""
+        zeros = None if self.zeros is None else self.zeros.to(device)
+        return dataclasses.replace(self, scales=self.scales.to(device), zeros=zeros)
 
 
 def check_layout(w: torch.Tensor, layout: ScaledLayout) -> None:

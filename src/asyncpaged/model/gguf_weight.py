@@ -1,8 +1,9 @@
 """A GGUF-quantized linear weight: the raw rows of GGUF blocks (Q8_0, Q4_0, Q4_K, Q5_K, Q6_K)
-as the file stores them, multiplied by ``kernels.quant_matmul``.
+as the file stores them, multiplied by ``kernels.quant_matmul`` on the CPU and by
+``kernels.triton_quant_matmul`` on CUDA.
 
-The raw bytes are a view of the mapped file (rows reordered into a copy only where the file
-permuted them: llama's Q and K projections).
+On the CPU the raw bytes are a view of the mapped file (rows reordered into a copy only where the
+file permuted them: llama's Q and K projections); on CUDA they are one copy of those bytes.
 """
 
 from __future__ import annotations
@@ -21,15 +22,19 @@ __all__ = ["GGUFWeight", "set_activations"]
 
 class GGUFWeight(QuantizedWeight):
     """``raw`` uint8 ``[out_features, row_bytes]`` of ``qtype`` blocks; ``in_features`` values a
-    row."""
+    row. ``use_triton`` (default: ``raw`` is on CUDA) sends ``matmul`` and ``rows`` to the
+    Triton kernels (on CPU tensors only under ``TRITON_INTERPRET=1``: the tests)."""
 
-    __slots__ = ("_in_features", "activations", "qtype", "raw")
+    __slots__ = ("_in_features", "activations", "qtype", "raw", "use_triton")
 
-    def __init__(self, raw: torch.Tensor, qtype: str, in_features: int) -> None:
+    def __init__(
+        self, raw: torch.Tensor, qtype: str, in_features: int, *, use_triton: bool | None = None
+    ) -> None:
         self.raw = raw
         self.qtype = qtype
         self._in_features = in_features
         self.activations = "float32"  # or "int8": x quantized per block (set_activations)
+        self.use_triton = raw.device.type == "cuda" if use_triton is None else use_triton
 
     @property
     def in_features(self) -> int:
@@ -44,15 +49,33 @@ class GGUFWeight(QuantizedWeight):
         return int(self.raw.numel())
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        if self.use_triton:
+            from asyncpaged.kernels.triton_quant_matmul import triton_quant_matmul
+
+            return triton_quant_matmul(x, self.raw, self.qtype, self._in_features)
         return quant_matmul(x, self.raw, self.qtype, self._in_features,
                             activations=self.activations)  # fmt: skip
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
-        """ids [T] -> rows ``ids`` dequantized [T, in_features] float32 (a token embedding's
-        lookup: only those rows, bit for bit as gguf-py dequantizes them). Ids out of range
-        raise ``IndexError`` before any block is read."""
+        """ids [T] -> rows ``ids`` dequantized [T, in_features] float32 on the weight's device (a
+        token embedding's lookup: only those rows, bit for bit as gguf-py dequantizes them). On
+        the CPU, ids out of range raise ``IndexError`` before any block is read (on CUDA they
+        fail as ``nn.functional.embedding``'s do)."""
+        if self.use_triton:
+            from asyncpaged.kernels.triton_quant_matmul import triton_dequantize_rows
+
+            index = ids.reshape(-1).to(device=self.raw.device, dtype=torch.int64)
+            picked = self.raw.index_select(0, index)
+            return triton_dequantize_rows(picked, self.qtype, self._in_features)
         picked = self.raw.index_select(0, ids.reshape(-1).to(device="cpu", dtype=torch.int64))
         return dequantize_rows(picked, self.qtype, self._in_features)
+
+    def to(self, device: torch.device) -> GGUFWeight:
+        if self.raw.device == device:
+            return self
+        moved = GGUFWeight(self.raw.to(device), self.qtype, self._in_features)
+        moved.activations = self.activations
+        return moved
 
     @classmethod
     def from_rows(
@@ -70,13 +93,19 @@ class GGUFWeight(QuantizedWeight):
 
 def set_activations(model: nn.Module, activations: str) -> int:
     """Make every GGUF weight of ``model`` multiply ``activations`` ("float32": exact; "int8":
-    quantized per block, llama.cpp's way); returns how many there are."""
+    quantized per block, llama.cpp's way: CPU weights only, ``ValueError`` for weights on CUDA);
+    returns how many there are."""
     weights = [
         w for m in model.modules() if isinstance(w := m.__dict__.get(QUANT_ATTR), GGUFWeight)
     ]
     head = getattr(model, "quantized_head", None)  # CausalLM's LM head kept quantized
     if isinstance(head, GGUFWeight):
         weights.append(head)
+    if activations != "float32" and any(weight.use_triton for weight in weights):
+        raise ValueError(
+            f"quantized_activations={activations!r} runs on the CPU only; on CUDA GGUF weights "
+            "multiply float32 activations."
+        )
     for weight in weights:
         weight.activations = activations
     return len(weights)

@@ -260,7 +260,8 @@ def load_weights(
     A tensor-parallel shard reads only its slice of each split parameter. With ``plan`` (a
     compressed-tensors checkpoint) every ``nn.Linear`` a config group targets reads its stored
     tensors (``scheme.tensor_names()``, nothing else) and keeps its weight quantized
-    (``quantized_linear``); a quantized LM head is dequantized to ``dtype``."""
+    (``quantized_linear``, on ``device``: the CPU or CUDA); a quantized LM head is dequantized
+    to ``dtype``."""
     expected = {name: p.shape for name, p in model.named_parameters()}
     quantized = {} if plan is None else _quantized_linears(model, plan)
     for module in quantized:
@@ -319,7 +320,7 @@ def load_weights(
         if layer.weight is head:  # the LM head is read elsewhere: kept in float
             loaded[f"{module}.weight"] = dequantize_weight(weight).to(device=device, dtype=dtype)
         else:
-            attach_quantized(layer, weight)
+            attach_quantized(layer, weight.to(device))
             loaded[f"{module}.weight"] = layer.weight
         expected[f"{module}.weight"] = loaded[f"{module}.weight"].shape
     missing = sorted(set(expected) - set(loaded))
@@ -342,7 +343,7 @@ def _quantized_linears(
     """module name -> (layer, scheme) for every ``nn.Linear`` the plan quantizes."""
     if model.shard.world_size != 1:
         raise UnsupportedModelError(
-            "a compressed-tensors model runs on one CPU rank (no tensor parallelism) for now."
+            "a compressed-tensors model runs on one rank (no tensor parallelism) for now."
         )
     found = {}
     for name, module in model.named_modules():
@@ -380,11 +381,12 @@ def load_gguf_weights(
     ``nn.Linear`` stored in a quantized type stays quantized (``quantized_linear``), and so do a
     quantized token embedding and LM head (``CausalLM.quantized_embedding`` and
     ``quantized_head``: one table when tied); everything else (norms, float tensors) is
-    dequantized to ``dtype``. One shard only, on the CPU."""
-    if model.shard.world_size != 1 or device.type != "cpu":
+    dequantized to ``dtype``. One shard only, on the CPU or CUDA."""
+    if model.shard.world_size != 1:
         raise UnsupportedModelError(
-            "a GGUF model runs on one CPU rank (no tensor parallelism, no CUDA) for now."
+            "a GGUF model runs on one rank (no tensor parallelism) for now."
         )
+    _check_quantized_device(device, "a GGUF model")
     expected = {name: p.shape for name, p in model.named_parameters()}
     linears = {f"{name}.weight": m for name, m in model.named_modules()
                if isinstance(m, torch.nn.Linear)}  # fmt: skip
@@ -413,7 +415,7 @@ def load_gguf_weights(
         if tensor.qtype.block_size > 1 and keeps:
             weight = GGUFWeight.from_rows(
                 tensor.rows(), tensor.qtype.name, int(shape[1]), tensor.row_permutation
-            )
+            ).to(device)
             if is_head:
                 model.quantized_head = weight
             if name == TOKEN_EMBEDDING:
@@ -429,6 +431,12 @@ def load_gguf_weights(
         empty = torch.empty(0, dtype=dtype, device=device)
         setattr(model.get_submodule(owner), attr, torch.nn.Parameter(empty, requires_grad=False))
     model.load_state_dict(loaded, strict=False, assign=True)
+
+
+def _check_quantized_device(device: torch.device, what: str) -> None:
+    """Quantized weights multiply through the native CPU kernels or the Triton (CUDA) ones."""
+    if device.type not in ("cpu", "cuda"):
+        raise UnsupportedModelError(f"{what} runs on the CPU or CUDA, not on {device.type!r}.")
 
 
 def load_model(
@@ -454,10 +462,8 @@ def load_model(
     model = family(config, shard)  # uninitialised parameters (base.Linear / base.Embedding)
     if gguf is None:
         plan = compressed_tensors_plan(directory)
-        if plan is not None and torch_device.type != "cpu":
-            raise UnsupportedModelError(
-                "a compressed-tensors model runs on the CPU (no CUDA kernels) for now."
-            )
+        if plan is not None:
+            _check_quantized_device(torch_device, "a compressed-tensors model")
         load_weights(model, directory, torch_dtype, torch_device, plan)
     else:
         load_gguf_weights(model, gguf, torch_dtype, torch_device)

@@ -1,5 +1,6 @@
 """An int4 or int8 linear weight with grouped scales (and zero points): compressed-tensors'
-``pack-quantized`` weights, multiplied by ``kernels.scaled_matmul``.
+``pack-quantized`` weights, multiplied by ``kernels.scaled_matmul`` on the CPU and by
+``kernels.triton_quant_matmul`` on CUDA.
 
 compressed-tensors packs the codes ``u = q + 2**(bits - 1)`` densely into int32 words, element
 ``i`` of a row at bits ``bits * i`` onward (little endian). int8 rows are therefore the bytes as
@@ -33,14 +34,19 @@ def unpack_int32(packed: torch.Tensor, num_bits: int, count: int) -> torch.Tenso
 
 class PackedIntWeight(QuantizedWeight):
     """``codes`` uint8 ``[out_features, row_bytes]`` (int8: one code a byte; int4: two, in runs
-    of 32 as the kernel reads them) and their ``layout`` (scales, zeros, grouping)."""
+    of 32 as the kernel reads them) and their ``layout`` (scales, zeros, grouping).
+    ``use_triton`` (default: ``codes`` is on CUDA) sends ``matmul`` to the Triton kernel (on CPU
+    tensors only under ``TRITON_INTERPRET=1``: the tests)."""
 
-    __slots__ = ("codes", "layout")
+    __slots__ = ("codes", "layout", "use_triton")
 
-    def __init__(self, codes: torch.Tensor, layout: ScaledLayout) -> None:
+    def __init__(
+        self, codes: torch.Tensor, layout: ScaledLayout, *, use_triton: bool | None = None
+    ) -> None:
         assert layout.code in ("int4", "int8"), layout.code
         self.codes = codes
         self.layout = layout
+        self.use_triton = codes.device.type == "cuda" if use_triton is None else use_triton
 
     @property
     def in_features(self) -> int:
@@ -62,7 +68,16 @@ class PackedIntWeight(QuantizedWeight):
         return 4 if self.layout.code == "int4" else 8
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        if self.use_triton:
+            from asyncpaged.kernels.triton_quant_matmul import triton_scaled_matmul
+
+            return triton_scaled_matmul(x, self.codes, self.layout)
         return scaled_matmul(x, self.codes, self.layout)
+
+    def to(self, device: torch.device) -> PackedIntWeight:
+        if self.codes.device == device:
+            return self
+        return PackedIntWeight(self.codes.to(device), self.layout.to(device))
 
     @classmethod
     def from_packed(

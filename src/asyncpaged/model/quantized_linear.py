@@ -5,7 +5,9 @@ kernel, float32 accumulation), never as a float copy of the matrix.
 Implementations, one per storage: ``gguf_weight.GGUFWeight`` (GGUF blocks: Q8_0, Q4_0, Q4_K,
 Q5_K, Q6_K), ``packed_int_weight.PackedIntWeight`` (compressed-tensors' int4 and int8
 ``pack-quantized`` weights) and ``fp8_weight.FP8Weight`` (compressed-tensors' fp8
-``float-quantized`` weights).
+``float-quantized`` weights). On the CPU they multiply through the native kernels
+(``kernels.quant_matmul``, ``kernels.scaled_matmul``); on CUDA through the Triton kernels of
+``kernels.triton_quant_matmul`` (imported only then: the CPU path never imports Triton).
 
 The loader attaches a weight to an ``nn.Linear`` (under ``QUANT_ATTR`` in its ``__dict__``, as
 ``packed_linear`` attaches a packed weight) and empties its ``weight``; ``packed_linear.linear``
@@ -56,7 +58,13 @@ class QuantizedWeight(ABC):
 
     @abstractmethod
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        """x [M, in_features] float32, contiguous -> [M, out_features] float32."""
+        """x [M, in_features] float32, contiguous, on the weight's device -> [M, out_features]
+        float32."""
+
+    @abstractmethod
+    def to(self, device: torch.device) -> QuantizedWeight:
+        """The weight with its tensors on ``device`` (itself where they already are); on CUDA
+        it multiplies through the Triton kernels."""
 
 
 class QuantizedRows(Protocol):
