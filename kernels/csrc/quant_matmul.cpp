@@ -42,7 +42,10 @@
 //         tiled micro-kernel over it (broadcast x, FMA into MT x 2 vectors); y accumulates over
 //         the chunks in k order.
 // A third product, opt-in, quantizes x to int8 and sums integers (asyncpaged_quant_matmul_int8;
-// see "int8 activations" below).
+// see "int8 activations" below): for a few rows of x (decode; avx2 and avx512 builds) each
+// row of W is streamed once, its blocks decoded in registers straight into integer dot products
+// ("int8 activations, few rows"); for more rows a group of rows of W is decoded once per K
+// chunk into an interleaved L1 buffer and every tile of rows of x runs over it.
 // Work decomposition: rows of W (gemv) or NT-column tiles (tiled) split over the threads,
 // schedule static, when the call is large enough to pay for the OpenMP region.
 
@@ -1160,7 +1163,16 @@ void vnni_groups(const int8_t* q8, const float* dx, const int16_t* bsum, const i
 // and every block sum is exact in int32, so the result is the int8 path's, up to the order of
 // the float32 sum over blocks.
 
-constexpr int kI8FewRows = 4;     // most rows of x for the few-rows kernel (measured crossover)
+constexpr int kI8FewRows = 8;     // most rows of x for the few-rows kernel
+
+// The rows of x up to which the few-rows kernel is the faster one (Zen 4, N = K = 4096, 1
+// thread): with VNNI the chunked kernel catches up at 3-6 rows (Q6_K: past 8); without it, the
+// few-rows kernel is as fast or faster up to 8 rows.
+template <typename Q>
+constexpr int few_rows_limit(bool use_vnni) {
+  if (!use_vnni || std::is_same_v<Q, Q6_K>) return kI8FewRows;
+  return std::is_same_v<Q, Q8_0> ? 3 : 4;
+}
 constexpr int64_t kI8FewWork = 16;  // rows of W per work item
 
 // x's codes as the few-rows kernel reads them: rows at strides K (q8), K / QB (dx), K / 32
@@ -1203,6 +1215,38 @@ template <bool kVnni>
     return _mm256_add_epi32(acc, _mm256_madd_epi16(a, b));
   }
 }
+
+#if ASYNCPAGED_VEC_BYTES >= 64 && defined(__AVX512BW__)
+// Q4_K / Q5_K in the avx512 build: 64 bytes of nibbles at a time, x's codes reordered per block
+// (sub-blocks 0 2 1 3 4 6 5 7, see kFewZmm) so that each half of a vector meets its own codes.
+constexpr bool kFewZmm = true;
+
+template <bool kVnni>
+[[gnu::always_inline]] inline __m512i dot2_i16(__m512i acc, __m512i a, __m512i b) {
+  if constexpr (kVnni) {
+    asm("vpdpwssd %2, %1, %0" : "+v"(acc) : "v"(a), "v"(b));  // AVX512-VNNI
+    return acc;
+  } else {
+    return _mm512_add_epi32(acc, _mm512_madd_epi16(a, b));
+  }
+}
+
+// Bit J (<= 5) of every byte of v moved to bit 4 (the rest zero).
+template <int J>
+[[gnu::always_inline]] inline __m512i bit_to_4(__m512i v) {
+  const __m512i s = J <= 4 ? _mm512_slli_epi16(v, 4 - J) : _mm512_srli_epi16(v, J - 4);
+  return _mm512_and_si512(s, _mm512_set1_epi8(0x10));
+}
+
+// Words 0-15 from word A of v, 16-31 from word B.
+template <int A, int B>
+[[gnu::always_inline]] inline __m512i halves_of(__m512i v) {
+  const __m512i idx = _mm512_inserti64x4(_mm512_set1_epi16(A), _mm256_set1_epi16(B), 1);
+  return _mm512_permutexvar_epi16(idx, v);
+}
+#else
+constexpr bool kFewZmm = false;
+#endif
 
 [[gnu::always_inline]] inline int32_t hsum_i32(__m256i v) {
   __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
@@ -1376,6 +1420,41 @@ void few_rows_k(const FewRowsX& x, const uint8_t* w, int64_t row_bytes, int64_t 
         constexpr bool kHigh = std::is_same_v<Q, Q5_K>;
         const uint8_t* qs = blk + (kHigh ? 48 : 16);
         [[maybe_unused]] const __m256i qh = loadu_256(blk + 16);
+#if ASYNCPAGED_VEC_BYTES >= 64 && defined(__AVX512BW__)
+        // Vector P: qs[64 P, + 64): low nibbles sub-blocks 4P and 4P + 2, high ones 4P + 1 and
+        // 4P + 3, against x's codes in the order of kFewZmm.
+        const __m512i sc16 = _mm512_castsi128_si512(
+            _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(s))));
+        [[maybe_unused]] const __m512i qhz =
+            _mm512_inserti64x4(_mm512_castsi256_si512(qh), _mm256_srli_epi16(qh, 2), 1);
+        const __m512i low4z = _mm512_set1_epi8(15);
+        __m512i zsum[R];
+#pragma GCC unroll 8
+        for (int r = 0; r < R; ++r) zsum[r] = _mm512_setzero_si512();
+        unrolled([&](auto pc) __attribute__((always_inline)) {
+          constexpr int P = decltype(pc)::value;
+          const __m512i v = _mm512_loadu_si512(qs + 64 * P);
+          __m512i lo = _mm512_and_si512(v, low4z);
+          __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4z);
+          if constexpr (kHigh) {
+            lo = _mm512_or_si512(lo, bit_to_4<4 * P>(qhz));
+            hi = _mm512_or_si512(hi, bit_to_4<4 * P + 1>(qhz));
+          }
+          const __m512i slo = halves_of<4 * P, 4 * P + 2>(sc16);
+          const __m512i shi = halves_of<4 * P + 1, 4 * P + 3>(sc16);
+#pragma GCC unroll 8
+          for (int r = 0; r < R; ++r) {
+            const int8_t* xr = xb + r * K + 128 * P;
+            zsum[r] = dot2_i16<kVnni>(zsum[r], _mm512_maddubs_epi16(lo, _mm512_loadu_si512(xr)), slo);
+            zsum[r] = dot2_i16<kVnni>(
+                zsum[r], _mm512_maddubs_epi16(hi, _mm512_loadu_si512(xr + 64)), shi);
+          }
+        }, std::make_index_sequence<2>{});
+#pragma GCC unroll 8
+        for (int r = 0; r < R; ++r)
+          isum[r] = _mm256_add_epi32(_mm512_castsi512_si256(zsum[r]),
+                                     _mm512_extracti64x4_epi64(zsum[r], 1));
+#else
         unrolled([&](auto pc) __attribute__((always_inline)) {
           constexpr int P = decltype(pc)::value;
           const __m256i v = loadu_256(qs + 32 * P);
@@ -1395,6 +1474,7 @@ void few_rows_k(const FewRowsX& x, const uint8_t* w, int64_t row_bytes, int64_t 
                 dot2_i16<kVnni>(isum[r], _mm256_maddubs_epi16(hi, loadu_256(xr + 32)), shi);
           }
         }, std::make_index_sequence<4>{});
+#endif
         const float d = fp16_to_float(blk), dmin = fp16_to_float(blk + 2);
 #pragma GCC unroll 8
         for (int r = 0; r < R; ++r) {
@@ -1471,6 +1551,13 @@ int32_t run_int8_few(const float* x, int64_t M, int64_t K, const uint8_t* w, int
   std::unique_ptr<float[]> dx(new (std::nothrow) float[M * (K / Q::kElems)]);
   if (!xq || !q8 || !bsum || !qsum16 || !dx) return kNoMemory;
   quantize_rows<Q>(x, M, K, xq.get(), dx.get(), bsum.get(), q8.get(), qsum16.get());
+  if constexpr (kFewZmm && kHasMins<Q>) {  // each block's sub-blocks in the order 0 2 1 3 4 6 5 7
+    constexpr int kOrder[8] = {0, 2, 1, 3, 4, 6, 5, 7};
+    for (int64_t e = 0; e < M * K; e += 256)
+      for (int j = 0; j < 8; ++j)
+        for (int i = 0; i < 32; ++i)
+          q8[e + 32 * j + i] = static_cast<int8_t>(xq[e + 32 * kOrder[j] + i]);
+  }
   const FewRowsX xs{q8.get(), dx.get(), bsum.get(), qsum16.get(), K};
   const int rr = static_cast<int>(M);
   const int64_t num_items = (N + kI8FewWork - 1) / kI8FewWork;
@@ -1504,7 +1591,7 @@ int32_t run_int8(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t
   if (vnni == 1 && !has_vnni) return kBadIndex;
   const bool use_vnni = vnni == 1 || (vnni == -1 && has_vnni);
 #if ASYNCPAGED_VEC_BYTES >= 32 && defined(__AVX2__)
-  if (M <= kI8FewRows) return run_int8_few<Q>(x, M, K, w, N, row_bytes, y, use_vnni, num_threads);
+  if (M <= few_rows_limit<Q>(use_vnni)) return run_int8_few<Q>(x, M, K, w, N, row_bytes, y, use_vnni, num_threads);
 #endif
   const int64_t num_groups = (N + W - 1) / W;
   const bool parallel = num_threads > 1 && num_groups > 1 && N * K * M >= kParallelWork;
