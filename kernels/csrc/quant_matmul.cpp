@@ -42,7 +42,10 @@
 //         tiled micro-kernel over it (broadcast x, FMA into MT x 2 vectors); y accumulates over
 //         the chunks in k order.
 // A third product, opt-in, quantizes x to int8 and sums integers (asyncpaged_quant_matmul_int8;
-// see "int8 activations" below).
+// see "int8 activations" below): for a few rows of x (decode; avx2 and avx512 builds) each
+// row of W is streamed once, its blocks decoded in registers straight into integer dot products
+// ("int8 activations, few rows"); for more rows a group of rows of W is decoded once per K
+// chunk into an interleaved L1 buffer and every tile of rows of x runs over it.
 // Work decomposition: rows of W (gemv) or NT-column tiles (tiled) split over the threads,
 // schedule static, when the call is large enough to pay for the OpenMP region.
 
@@ -1139,6 +1142,441 @@ void vnni_groups(const int8_t* q8, const float* dx, const int16_t* bsum, const i
 }
 #endif
 
+#if ASYNCPAGED_VEC_BYTES >= 32 && defined(__AVX2__)
+// ---- int8 activations, few rows of x (decode: M <= kI8FewRows; avx2 and avx512 builds). Each
+// row of W is streamed once, and its blocks are decoded in registers straight into integer dot
+// products with every row of x: no decoded buffer, no interleaving of rows of W. The weights'
+// unsigned byte codes u (Q4_0 and the K-quants: their 4-6 bit values; Q8_0: qs + 128 with
+// VNNI, else |qs| against x with qs's sign, llama.cpp's sign trick) times x's int8 codes, 32 at
+// a time (256-bit vectors in both builds):
+//
+//   Q8_0, Q4_0: vpdpbusd (AVX512-VNNI) or pmaddubsw + pmaddwd(1) -> int32 lanes of 4 products;
+//               8 blocks' lanes reduced at once to 8 exact block sums (a vphaddd tree), minus
+//               128 bsum (Q8_0 with VNNI) or 8 bsum (Q4_0); y += float(S) (d dx) per lane, the
+//               8 lanes summed at the row's end.
+//   Q4_K, Q5_K: pmaddubsw -> int16 pairs, times the sub-block's scale sc[j] into int32 lanes
+//               (vpdpwssd, or pmaddwd + add); per block S = the lanes' sum,
+//               y += float(S) (d dx) - float(sum_j m[j] bsum[j]) (dmin dx).
+//   Q6_K:       as Q4_K with 16-element scales, minus 32 sum_t sc[t] qsum16[t].
+//
+// pmaddubsw saturates no pair here (|u| <= 128 with the sign trick, 63 otherwise; |x| <= 127),
+// and every block sum is exact in int32, so the result is the int8 path's, up to the order of
+// the float32 sum over blocks.
+
+constexpr int kI8FewRows = 8;     // most rows of x for the few-rows kernel
+
+// The rows of x up to which the few-rows kernel is the faster one (Zen 4, N = K = 4096, 1
+// thread): with VNNI the chunked kernel catches up at 3-6 rows (Q6_K: past 8); without it, the
+// few-rows kernel is as fast or faster up to 8 rows.
+template <typename Q>
+constexpr int few_rows_limit(bool use_vnni) {
+  if (!use_vnni || std::is_same_v<Q, Q6_K>) return kI8FewRows;
+  return std::is_same_v<Q, Q8_0> ? 3 : 4;
+}
+constexpr int64_t kI8FewWork = 16;  // rows of W per work item
+
+// x's codes as the few-rows kernel reads them: rows at strides K (q8), K / QB (dx), K / 32
+// (bsum), K / 16 (qsum16, Q6_K).
+struct FewRowsX {
+  const int8_t* q8;
+  const float* dx;
+  const int16_t* bsum;
+  const int16_t* qsum16;
+  int64_t K;
+};
+
+[[gnu::always_inline]] inline __m256i loadu_256(const void* p) {
+  return _mm256_loadu_si256(static_cast<const __m256i*>(p));
+}
+
+[[gnu::always_inline]] inline __m128i loadu_128(const void* p) {
+  return _mm_loadu_si128(static_cast<const __m128i*>(p));
+}
+
+// Per int32 lane, the sum of 4 products u (unsigned bytes) x s (signed bytes).
+template <bool kVnni>
+[[gnu::always_inline]] inline __m256i dot4_u8s8(__m256i u, __m256i s) {
+  if constexpr (kVnni) {
+    __m256i acc = _mm256_setzero_si256();
+    asm("vpdpbusd %2, %1, %0" : "+v"(acc) : "v"(u), "v"(s));  // AVX512-VNNI (VL)
+    return acc;
+  } else {
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
+  }
+}
+
+// acc + per int32 lane (a.lo b.lo + a.hi b.hi) of the int16 halves.
+template <bool kVnni>
+[[gnu::always_inline]] inline __m256i dot2_i16(__m256i acc, __m256i a, __m256i b) {
+  if constexpr (kVnni) {
+    asm("vpdpwssd %2, %1, %0" : "+v"(acc) : "v"(a), "v"(b));  // AVX512-VNNI (VL)
+    return acc;
+  } else {
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(a, b));
+  }
+}
+
+#if ASYNCPAGED_VEC_BYTES >= 64 && defined(__AVX512BW__)
+// Q4_K / Q5_K in the avx512 build: 64 bytes of nibbles at a time, x's codes reordered per block
+// (sub-blocks 0 2 1 3 4 6 5 7, see kFewZmm) so that each half of a vector meets its own codes.
+constexpr bool kFewZmm = true;
+
+template <bool kVnni>
+[[gnu::always_inline]] inline __m512i dot2_i16(__m512i acc, __m512i a, __m512i b) {
+  if constexpr (kVnni) {
+    asm("vpdpwssd %2, %1, %0" : "+v"(acc) : "v"(a), "v"(b));  // AVX512-VNNI
+    return acc;
+  } else {
+    return _mm512_add_epi32(acc, _mm512_madd_epi16(a, b));
+  }
+}
+
+// Bit J (<= 5) of every byte of v moved to bit 4 (the rest zero).
+template <int J>
+[[gnu::always_inline]] inline __m512i bit_to_4(__m512i v) {
+  const __m512i s = J <= 4 ? _mm512_slli_epi16(v, 4 - J) : _mm512_srli_epi16(v, J - 4);
+  return _mm512_and_si512(s, _mm512_set1_epi8(0x10));
+}
+
+// Words 0-15 from word A of v, 16-31 from word B.
+template <int A, int B>
+[[gnu::always_inline]] inline __m512i halves_of(__m512i v) {
+  const __m512i idx = _mm512_inserti64x4(_mm512_set1_epi16(A), _mm256_set1_epi16(B), 1);
+  return _mm512_permutexvar_epi16(idx, v);
+}
+#else
+constexpr bool kFewZmm = false;
+#endif
+
+[[gnu::always_inline]] inline int32_t hsum_i32(__m256i v) {
+  __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4e));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xb1));
+  return _mm_cvtsi128_si32(s);
+}
+
+[[gnu::always_inline]] inline int32_t hsum_i32(__m128i s) {
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4e));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xb1));
+  return _mm_cvtsi128_si32(s);
+}
+
+[[gnu::always_inline]] inline float hsum_ps(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+[[gnu::always_inline]] inline uint16_t load_u16(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, sizeof h);
+  return h;
+}
+
+// The fp16 scales d of 8 consecutive blocks of B bytes (d at each block's start) as float32.
+template <int B>
+[[gnu::always_inline]] inline __m256 block_d8(const uint8_t* b) {
+  const __m128i h = _mm_setr_epi16(
+      static_cast<int16_t>(load_u16(b)), static_cast<int16_t>(load_u16(b + B)),
+      static_cast<int16_t>(load_u16(b + 2 * B)), static_cast<int16_t>(load_u16(b + 3 * B)),
+      static_cast<int16_t>(load_u16(b + 4 * B)), static_cast<int16_t>(load_u16(b + 5 * B)),
+      static_cast<int16_t>(load_u16(b + 6 * B)), static_cast<int16_t>(load_u16(b + 7 * B)));
+  return _mm256_cvtph_ps(h);
+}
+
+// Q8_0 / Q4_0: rows [n0, n1) of W times R rows of x.
+template <typename Q, int R, bool kVnni>
+void few_rows_q32(const FewRowsX& x, const uint8_t* w, int64_t row_bytes, int64_t n0, int64_t n1,
+                  float* y, int64_t N) {
+  constexpr bool kQ8 = std::is_same_v<Q, Q8_0>;
+  constexpr int kShift = kQ8 ? (kVnni ? 7 : -1) : 3;  // the code offset's log2 (-1: none)
+  const int64_t K = x.K, nb = K / 32;
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* row = w + n * row_bytes;
+    __m256 acc[R];
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+    // p[r]: block b's int32 lanes with row r (zero past the row's last block).
+    const auto block = [&](int64_t b, __m256i* p) __attribute__((always_inline)) {
+      const uint8_t* blk = row + b * Q::kBytes;
+      if constexpr (kQ8) {
+        const __m256i qs = loadu_256(blk + 2);
+        if constexpr (kVnni) {
+          const __m256i u = _mm256_xor_si256(qs, _mm256_set1_epi8(static_cast<char>(0x80)));
+#pragma GCC unroll 8
+          for (int r = 0; r < R; ++r) p[r] = dot4_u8s8<true>(u, loadu_256(x.q8 + r * K + 32 * b));
+        } else {
+          const __m256i u = _mm256_abs_epi8(qs);
+#pragma GCC unroll 8
+          for (int r = 0; r < R; ++r)
+            p[r] = dot4_u8s8<false>(u, _mm256_sign_epi8(loadu_256(x.q8 + r * K + 32 * b), qs));
+        }
+      } else {
+        const __m128i raw = loadu_128(blk + 2);
+        const __m256i both =
+            _mm256_inserti128_si256(_mm256_castsi128_si256(raw), _mm_srli_epi16(raw, 4), 1);
+        const __m256i u = _mm256_and_si256(both, _mm256_set1_epi8(15));
+#pragma GCC unroll 8
+        for (int r = 0; r < R; ++r) p[r] = dot4_u8s8<kVnni>(u, loadu_256(x.q8 + r * K + 32 * b));
+      }
+    };
+    // 8 blocks from b0 (count of them real): exact block sums, scaled and accumulated.
+    const auto group = [&](int64_t b0, int count) __attribute__((always_inline)) {
+      __m256i p0[R], p1[R], h01[R], q0123[R], q4567[R];
+#pragma GCC unroll 4
+      for (int half = 0; half < 2; ++half) {
+#pragma GCC unroll 4
+        for (int pair = 0; pair < 2; ++pair) {
+          const int i = 4 * half + 2 * pair;
+#pragma GCC unroll 8
+          for (int r = 0; r < R; ++r) p0[r] = p1[r] = _mm256_setzero_si256();
+          if (i < count) block(b0 + i, p0);
+          if (i + 1 < count) block(b0 + i + 1, p1);
+#pragma GCC unroll 8
+          for (int r = 0; r < R; ++r) {
+            const __m256i h = _mm256_hadd_epi32(p0[r], p1[r]);
+            if (pair == 0) {
+              h01[r] = h;
+            } else {
+              (half == 0 ? q0123 : q4567)[r] = _mm256_hadd_epi32(h01[r], h);
+            }
+          }
+        }
+      }
+      __m256 d;
+      alignas(32) float dxs[R][8] = {};
+      alignas(16) int16_t bs[R][8] = {};
+      const bool full = count == 8;
+      if (full) {
+        d = block_d8<Q::kBytes>(row + b0 * Q::kBytes);
+      } else {
+        alignas(32) float ds[8] = {};
+        for (int i = 0; i < count; ++i) ds[i] = fp16_to_float(row + (b0 + i) * Q::kBytes);
+        d = _mm256_load_ps(ds);
+        for (int r = 0; r < R; ++r)
+          for (int i = 0; i < count; ++i) {
+            dxs[r][i] = x.dx[r * nb + b0 + i];
+            bs[r][i] = x.bsum[r * nb + b0 + i];
+          }
+      }
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) {
+        __m256i s = _mm256_add_epi32(_mm256_permute2x128_si256(q0123[r], q4567[r], 0x20),
+                                     _mm256_permute2x128_si256(q0123[r], q4567[r], 0x31));
+        if constexpr (kShift >= 0) {
+          const __m128i b16 = loadu_128(full ? x.bsum + r * nb + b0 : bs[r]);
+          s = _mm256_sub_epi32(s, _mm256_slli_epi32(_mm256_cvtepi16_epi32(b16), kShift));
+        }
+        const __m256 dxv = _mm256_loadu_ps(full ? x.dx + r * nb + b0 : dxs[r]);
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_mul_ps(d, dxv), acc[r]);
+      }
+    };
+    int64_t b0 = 0;
+    for (; b0 + 8 <= nb; b0 += 8) group(b0, 8);
+    if (b0 < nb) group(b0, static_cast<int>(nb - b0));
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) y[r * N + n] = hsum_ps(acc[r]);
+  }
+}
+
+// Bit J of every byte of v moved to bit 4 (the rest zero).
+template <int J>
+[[gnu::always_inline]] inline __m256i bit_to_4(__m256i v) {
+  const __m256i s = J <= 4 ? _mm256_slli_epi16(v, 4 - J) : _mm256_srli_epi16(v, J - 4);
+  return _mm256_and_si256(s, _mm256_set1_epi8(0x10));
+}
+
+// Q4_K / Q5_K / Q6_K: rows [n0, n1) of W times R rows of x.
+template <typename Q, int R, bool kVnni>
+void few_rows_k(const FewRowsX& x, const uint8_t* w, int64_t row_bytes, int64_t n0, int64_t n1,
+                float* y, int64_t N) {
+  const int64_t K = x.K, nb = K / 256;
+  const __m256i low4 = _mm256_set1_epi8(15);
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* row = w + n * row_bytes;
+    float acc[R] = {};
+    for (int64_t b = 0; b < nb; ++b) {
+      const uint8_t* blk = row + b * Q::kBytes;
+      const int8_t* xb = x.q8 + 256 * b;
+      __m256i isum[R];
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) isum[r] = _mm256_setzero_si256();
+      if constexpr (kHasMins<Q>) {
+        // The 6-bit scales and mins as bytes (llama.cpp's unpacking of the 12 bytes).
+        uint32_t s[4];
+        std::memcpy(s, blk + 4, 12);
+        constexpr uint32_t k6 = 0x3f3f3f3f, k4 = 0x0f0f0f0f, k2 = 0x03030303;
+        s[3] = ((s[2] >> 4) & k4) | (((s[1] >> 6) & k2) << 4);
+        const uint32_t m03 = s[1] & k6;
+        s[1] = (s[2] & k4) | (((s[0] >> 6) & k2) << 4);
+        s[2] = m03;
+        s[0] &= k6;
+        alignas(16) int16_t sc[8];
+        _mm_store_si128(reinterpret_cast<__m128i*>(sc),
+                        _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(s))));
+        const __m128i mins =
+            _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(s + 2)));
+        constexpr bool kHigh = std::is_same_v<Q, Q5_K>;
+        const uint8_t* qs = blk + (kHigh ? 48 : 16);
+        [[maybe_unused]] const __m256i qh = loadu_256(blk + 16);
+#if ASYNCPAGED_VEC_BYTES >= 64 && defined(__AVX512BW__)
+        // Vector P: qs[64 P, + 64): low nibbles sub-blocks 4P and 4P + 2, high ones 4P + 1 and
+        // 4P + 3, against x's codes in the order of kFewZmm.
+        const __m512i sc16 = _mm512_castsi128_si512(
+            _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(s))));
+        [[maybe_unused]] const __m512i qhz =
+            _mm512_inserti64x4(_mm512_castsi256_si512(qh), _mm256_srli_epi16(qh, 2), 1);
+        const __m512i low4z = _mm512_set1_epi8(15);
+        __m512i zsum[R];
+#pragma GCC unroll 8
+        for (int r = 0; r < R; ++r) zsum[r] = _mm512_setzero_si512();
+        unrolled([&](auto pc) __attribute__((always_inline)) {
+          constexpr int P = decltype(pc)::value;
+          const __m512i v = _mm512_loadu_si512(qs + 64 * P);
+          __m512i lo = _mm512_and_si512(v, low4z);
+          __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4z);
+          if constexpr (kHigh) {
+            lo = _mm512_or_si512(lo, bit_to_4<4 * P>(qhz));
+            hi = _mm512_or_si512(hi, bit_to_4<4 * P + 1>(qhz));
+          }
+          const __m512i slo = halves_of<4 * P, 4 * P + 2>(sc16);
+          const __m512i shi = halves_of<4 * P + 1, 4 * P + 3>(sc16);
+#pragma GCC unroll 8
+          for (int r = 0; r < R; ++r) {
+            const int8_t* xr = xb + r * K + 128 * P;
+            zsum[r] = dot2_i16<kVnni>(zsum[r], _mm512_maddubs_epi16(lo, _mm512_loadu_si512(xr)), slo);
+            zsum[r] = dot2_i16<kVnni>(
+                zsum[r], _mm512_maddubs_epi16(hi, _mm512_loadu_si512(xr + 64)), shi);
+          }
+        }, std::make_index_sequence<2>{});
+#pragma GCC unroll 8
+        for (int r = 0; r < R; ++r)
+          isum[r] = _mm256_add_epi32(_mm512_castsi512_si256(zsum[r]),
+                                     _mm512_extracti64x4_epi64(zsum[r], 1));
+#else
+        unrolled([&](auto pc) __attribute__((always_inline)) {
+          constexpr int P = decltype(pc)::value;
+          const __m256i v = loadu_256(qs + 32 * P);
+          __m256i lo = _mm256_and_si256(v, low4);
+          __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+          if constexpr (kHigh) {
+            lo = _mm256_or_si256(lo, bit_to_4<2 * P>(qh));
+            hi = _mm256_or_si256(hi, bit_to_4<2 * P + 1>(qh));
+          }
+          const __m256i slo = _mm256_set1_epi16(sc[2 * P]);
+          const __m256i shi = _mm256_set1_epi16(sc[2 * P + 1]);
+#pragma GCC unroll 8
+          for (int r = 0; r < R; ++r) {
+            const int8_t* xr = xb + r * K + 64 * P;
+            isum[r] = dot2_i16<kVnni>(isum[r], _mm256_maddubs_epi16(lo, loadu_256(xr)), slo);
+            isum[r] =
+                dot2_i16<kVnni>(isum[r], _mm256_maddubs_epi16(hi, loadu_256(xr + 32)), shi);
+          }
+        }, std::make_index_sequence<4>{});
+#endif
+        const float d = fp16_to_float(blk), dmin = fp16_to_float(blk + 2);
+#pragma GCC unroll 8
+        for (int r = 0; r < R; ++r) {
+          const __m128i bs = loadu_128(x.bsum + r * (K / 32) + 8 * b);
+          const int32_t msum = hsum_i32(_mm_madd_epi16(mins, bs));
+          const float dx = x.dx[r * nb + b];
+          acc[r] += static_cast<float>(hsum_i32(isum[r])) * (d * dx);
+          acc[r] -= static_cast<float>(msum) * (dmin * dx);
+        }
+      } else {
+        static_assert(std::is_same_v<Q, Q6_K>);
+        const __m128i sc8 = loadu_128(blk + 192);
+        const __m256i sc_all = _mm256_cvtepi8_epi16(sc8);
+        // [sc0 sc2 .. sc14 | sc1 sc3 .. sc15] as int16: group g's pair (sc[2g], sc[2g + 1])
+        // is element g of each half.
+        const __m256i sc_eo = _mm256_cvtepi8_epi16(
+            _mm_shuffle_epi8(sc8, _mm_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15)));
+        const __m256i hi2 = _mm256_set1_epi8(0x30);
+        unrolled([&](auto hc) __attribute__((always_inline)) {
+          constexpr int H = decltype(hc)::value;
+          const __m256i ql0 = loadu_256(blk + 64 * H), ql1 = loadu_256(blk + 64 * H + 32);
+          const __m256i qh = loadu_256(blk + 128 + 32 * H);
+          unrolled([&](auto cc) __attribute__((always_inline)) {
+            constexpr int C = decltype(cc)::value, G = 4 * H + C;
+            const __m256i l = C % 2 == 0 ? ql0 : ql1;
+            const __m256i lo = C / 2 == 0 ? _mm256_and_si256(l, low4)
+                                          : _mm256_and_si256(_mm256_srli_epi16(l, 4), low4);
+            const __m256i hb = C == 3 ? _mm256_srli_epi16(qh, 2) : _mm256_slli_epi16(qh, 4 - 2 * C);
+            const __m256i q = _mm256_or_si256(lo, _mm256_and_si256(hb, hi2));
+            const __m256i scv = _mm256_shuffle_epi8(
+                sc_eo, _mm256_set1_epi16(static_cast<int16_t>((2 * G) | ((2 * G + 1) << 8))));
+#pragma GCC unroll 8
+            for (int r = 0; r < R; ++r)
+              isum[r] = dot2_i16<kVnni>(
+                  isum[r], _mm256_maddubs_epi16(q, loadu_256(xb + r * K + 32 * G)), scv);
+          }, std::make_index_sequence<4>{});
+        }, std::make_index_sequence<2>{});
+        const float d = fp16_to_float(blk + 208);
+#pragma GCC unroll 8
+        for (int r = 0; r < R; ++r) {
+          const __m256i qs16 = loadu_256(x.qsum16 + r * (K / 16) + 16 * b);
+          const __m256i off = _mm256_slli_epi32(_mm256_madd_epi16(sc_all, qs16), 5);
+          acc[r] += static_cast<float>(hsum_i32(_mm256_sub_epi32(isum[r], off))) *
+                    (d * x.dx[r * nb + b]);
+        }
+      }
+    }
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) y[r * N + n] = acc[r];
+  }
+}
+
+template <typename Q, int R, bool kVnni>
+inline void few_rows(int rr, const FewRowsX& x, const uint8_t* w, int64_t row_bytes, int64_t n0,
+                     int64_t n1, float* y, int64_t N) {
+  if constexpr (R >= 1) {
+    if (rr != R) return few_rows<Q, R - 1, kVnni>(rr, x, w, row_bytes, n0, n1, y, N);
+    if constexpr (Q::kElems == 32) {
+      few_rows_q32<Q, R, kVnni>(x, w, row_bytes, n0, n1, y, N);
+    } else {
+      few_rows_k<Q, R, kVnni>(x, w, row_bytes, n0, n1, y, N);
+    }
+  }
+}
+
+template <typename Q>
+int32_t run_int8_few(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t N,
+                     int64_t row_bytes, float* y, [[maybe_unused]] bool use_vnni,
+                     int32_t num_threads) {
+  std::unique_ptr<int16_t[]> xq(new (std::nothrow) int16_t[M * K]);
+  std::unique_ptr<int8_t[]> q8(new (std::nothrow) int8_t[M * K]);
+  std::unique_ptr<int16_t[]> bsum(new (std::nothrow) int16_t[M * (K / 32)]);
+  std::unique_ptr<int16_t[]> qsum16(new (std::nothrow) int16_t[M * (K / 16)]);
+  std::unique_ptr<float[]> dx(new (std::nothrow) float[M * (K / Q::kElems)]);
+  if (!xq || !q8 || !bsum || !qsum16 || !dx) return kNoMemory;
+  quantize_rows<Q>(x, M, K, xq.get(), dx.get(), bsum.get(), q8.get(), qsum16.get());
+  if constexpr (kFewZmm && kHasMins<Q>) {  // each block's sub-blocks in the order 0 2 1 3 4 6 5 7
+    constexpr int kOrder[8] = {0, 2, 1, 3, 4, 6, 5, 7};
+    for (int64_t e = 0; e < M * K; e += 256)
+      for (int j = 0; j < 8; ++j)
+        for (int i = 0; i < 32; ++i)
+          q8[e + 32 * j + i] = static_cast<int8_t>(xq[e + 32 * kOrder[j] + i]);
+  }
+  const FewRowsX xs{q8.get(), dx.get(), bsum.get(), qsum16.get(), K};
+  const int rr = static_cast<int>(M);
+  const int64_t num_items = (N + kI8FewWork - 1) / kI8FewWork;
+  const bool parallel = num_threads > 1 && num_items > 1 && N * K * M >= kParallelWork;
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (parallel)
+  for (int64_t i = 0; i < num_items; ++i) {
+    const int64_t n0 = i * kI8FewWork, n1 = std::min(N, n0 + kI8FewWork);
+#if ASYNCPAGED_VEC_BYTES >= 64 && defined(__AVX512F__)
+    if (use_vnni) {
+      few_rows<Q, kI8FewRows, true>(rr, xs, w, row_bytes, n0, n1, y, N);
+      continue;
+    }
+#endif
+    few_rows<Q, kI8FewRows, false>(rr, xs, w, row_bytes, n0, n1, y, N);
+  }
+  return kOk;
+}
+#endif
+
 template <typename Q>
 int32_t run_int8(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t N,
                  int64_t row_bytes, float* y, int32_t vnni, int32_t num_threads) {
@@ -1152,6 +1590,9 @@ int32_t run_int8(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t
 #endif
   if (vnni == 1 && !has_vnni) return kBadIndex;
   const bool use_vnni = vnni == 1 || (vnni == -1 && has_vnni);
+#if ASYNCPAGED_VEC_BYTES >= 32 && defined(__AVX2__)
+  if (M <= few_rows_limit<Q>(use_vnni)) return run_int8_few<Q>(x, M, K, w, N, row_bytes, y, use_vnni, num_threads);
+#endif
   const int64_t num_groups = (N + W - 1) / W;
   const bool parallel = num_threads > 1 && num_groups > 1 && N * K * M >= kParallelWork;
   const int threads = parallel ? num_threads : 1;

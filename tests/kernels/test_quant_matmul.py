@@ -11,11 +11,12 @@ PROT_NONE guard pages (after and before) show that the kernel reads and writes n
 them; bad input raises ``ValueError`` before native code.
 
 The int8-activation path (``activations="int8"``), with and without AVX512-VNNI where the
-avx512 build runs: its quantization of x equals ``quantize_activations`` (torch) bit for bit, and
-its product is within float32 rounding of its per-block combination of the float64 reference
-``torch_quant_matmul_int8``: ``|y - ref| <= (2 K / block + 4) * 2**-23 * (|xq| @ (|A| + |B|).T)``,
-xq the dequantized codes of x, A the weights' scale part (``d sc q``) and B their min part
-(``dmin m``, K-quants 4 and 5 only).
+avx512 build runs, its few-rows kernel at 1 to 8 rows and its chunked kernel beyond: its
+quantization of x equals ``quantize_activations`` (torch) bit for bit, and its product is within
+float32 rounding of its per-block combination of the float64 reference ``torch_quant_matmul_int8``:
+``|y - ref| <= (2 K / block + 4) * 2**-23 * (|xq| @ (|A| + |B|).T)``, xq the dequantized codes of
+x, A the weights' scale part (``d sc q``) and B their min part (``dmin m``, K-quants 4 and 5
+only).
 """
 
 from __future__ import annotations
@@ -244,6 +245,25 @@ def test_int8_matches_reference(target: str, name: str) -> None:
     x = torch.randn(3, k, generator=gen)
     y = qm.quant_matmul(x, w, name, k, activations="int8", target=target, num_threads=1)
     assert_int8_within_bound(y, x, w, name)
+
+
+@pytest.mark.parametrize("name", QTYPE_NAMES)
+def test_int8_few_rows(target: str, name: str) -> None:
+    """The few-rows kernel (1 to 8 rows of x, every build but baseline): N not a multiple of its
+    16 rows of W per work item, K of one block and of 20 blocks (two groups of 8 plus 4 for
+    the 32-element types), and 2 threads giving 1 thread's result."""
+    op = qm.native_quant_matmul(target)
+    assert op is not None
+    q = qm.QTYPES[name]
+    gen = torch.Generator().manual_seed(4)
+    for k in (q.block_elems, 20 * q.block_elems if q.block_elems == 32 else 3 * q.block_elems):
+        w = random_weight(name, 19, k, seed=k)
+        for m in range(1, 9):
+            x = torch.randn(m, k, generator=gen) * 3
+            for vnni in _vnni_modes(target):
+                y = op.int8(x, w, q, k, 1, vnni)
+                assert_int8_within_bound(y, x, w, name)
+                assert torch.equal(op.int8(x, w, q, k, 2, vnni), y)
 
 
 def test_int8_vnni_refused_where_absent(target: str) -> None:

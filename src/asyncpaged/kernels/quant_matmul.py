@@ -16,11 +16,15 @@ time and a float32 matmul.
 ``activations="int8"`` (opt-in, llama.cpp's way) quantizes each row of x per block of the
 weight type (32 elements for Q8_0 / Q4_0, 256 for the K-quants): ``dx = max|x| / 127`` in
 float32 and ``q = round_half_even(x * (1 / dx))`` (``quantize_activations``); each block's dot
-product with the weights' integer codes is then an exact int32 sum (``vpdpwssd`` with
-AVX512-VNNI, ``pmaddwd`` otherwise) and only the per-block scaling and the sum over blocks
-round in float32. So it computes ``(dx * q) @ dequantize(W).T`` up to float32 rounding of that
-combination (``torch_quant_matmul_int8`` is the float64 reference); the difference from the
-exact float32 path is the quantization of x (relative error ~1e-2 on random data).
+product with the weights' integer codes is then an exact int32 sum and only the per-block
+scaling and the sum over blocks round in float32. So it computes ``(dx * q) @ dequantize(W).T``
+up to float32 rounding of that combination (``torch_quant_matmul_int8`` is the float64
+reference); the difference from the exact float32 path is the quantization of x (relative error
+~1e-2 on random data). Few rows (decode: up to 3-8 by type, in the avx2 and avx512 builds) take
+a kernel that streams each row of W once and decodes its blocks in registers straight into
+integer dot products (``vpdpbusd`` / ``vpdpwssd`` with AVX512-VNNI, ``pmaddubsw`` + ``pmaddwd``
+otherwise), near memory bandwidth at one row; more rows decode a group of rows of W once per K
+chunk into an interleaved buffer that every row of x reuses.
 
 ::
 
