@@ -31,7 +31,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 SHAPES: dict[str, dict[str, Any]] = {
     # Qwen3-0.6B's shape (28 layers of hidden 1024, its vocabulary, tied embeddings)
@@ -112,9 +112,12 @@ def measure(model: str, dtype: str, threads: int, new_tokens: int, batch: int,
     torch.set_num_threads(threads)
 
     async def main() -> dict[str, float]:
+        kinds: dict[str, Literal["float32", "int8"]] = {"float32": "float32", "int8": "int8"}
+        if activations not in kinds:
+            raise SystemExit(f"activations must be float32 or int8, got {activations!r}")
         config = EngineConfig(model=model, dtype=dtype, executor_backend="thread",
                               kv_cache_bytes=256 << 20, seed=0,
-                              quantized_activations=activations)  # fmt: skip
+                              quantized_activations=kinds[activations])  # fmt: skip
         async with AsyncEngine(config) as engine:
             params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
             await engine.generate([5, 6, 7], SamplingParams(max_tokens=2, ignore_eos=True))
