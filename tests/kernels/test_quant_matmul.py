@@ -264,6 +264,13 @@ def test_int8_few_rows(target: str, name: str) -> None:
                 y = op.int8(x, w, q, k, 1, vnni)
                 assert_int8_within_bound(y, x, w, name)
                 assert torch.equal(op.int8(x, w, q, k, 2, vnni), y)
+    # large enough for 2 threads to split it (2 x 2^21 weight elements x rows)
+    k = 2048
+    w = random_weight(name, 2100, k, seed=5)
+    x = torch.randn(2, k, generator=gen)
+    y = op.int8(x, w, q, k, 1, None)
+    assert_int8_within_bound(y, x, w, name)
+    assert torch.equal(op.int8(x, w, q, k, 2, None), y)
 
 
 def test_int8_vnni_refused_where_absent(target: str) -> None:
