@@ -248,8 +248,14 @@ class AsyncEngine:
                             lambda: self._wait_or_dead(self._wait_idle), self._tier_store,
                             self._allocator.pool)  # fmt: skip
         finally:  # the actors, then the workers; the stopped tasks' frames collected
-            await stop_engine((self._submit, self._control), self._task, self._workers, self._gc,
-                              dead=self._dead_event, done=self._close_done)  # fmt: skip
+            try:
+                await stop_engine(
+                    (self._submit, self._control), self._task, self._workers, self._gc,
+                    dead=self._dead_event, done=self._close_done,
+                )  # fmt: skip
+            finally:
+                if self._lora is not None:  # no runner reads the adapters' snapshots any more
+                    self._lora.close()
 
     def beam_search(
         self,

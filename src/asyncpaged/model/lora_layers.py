@@ -44,6 +44,24 @@ class LoRAStep:
     def __init__(self) -> None:
         self.groups: list[tuple[int, torch.Tensor]] = []
 
+    def begin(self, token_slots: np.ndarray, device: torch.device) -> None:
+        """Group the step's tokens by slot (``token_slots`` [T], -1: the base model): one
+        stable argsort, split where the slot changes."""
+        if token_slots.size == 0 or int(token_slots.max()) < 0:
+            self.groups = []
+            return
+        order = np.argsort(token_slots, kind="stable")
+        bounds = np.flatnonzero(np.diff(token_slots[order])) + 1
+        groups = []
+        for seg in np.split(order, bounds):  # one segment per distinct slot
+            slot = int(token_slots[seg[0]])
+            if slot >= 0:
+                groups.append((slot, torch.from_numpy(np.ascontiguousarray(seg)).to(device)))
+        self.groups = groups
+
+    def end(self) -> None:
+        self.groups = []
+
 
 class LoRALinear:
     """One linear layer's adapters, stacked over the slots."""
@@ -157,18 +175,7 @@ class LoRAWeights:
 
     def begin_step(self, token_slots: np.ndarray, device: torch.device) -> None:
         """The step's groups from each token's slot (-1: the base model)."""
-        if token_slots.size == 0 or int(token_slots.max()) < 0:
-            self.step.groups = []
-            return
-        order = np.argsort(token_slots, kind="stable")
-        sorted_slots = token_slots[order]
-        bounds = np.flatnonzero(np.diff(sorted_slots)) + 1
-        groups = []
-        for seg in np.split(order, bounds):  # one segment per distinct slot
-            slot = int(token_slots[seg[0]])
-            if slot >= 0:
-                groups.append((slot, torch.from_numpy(np.ascontiguousarray(seg)).to(device)))
-        self.step.groups = groups
+        self.step.begin(token_slots, device)
 
     def end_step(self) -> None:
-        self.step.groups = []
+        self.step.end()

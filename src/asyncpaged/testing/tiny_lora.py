@@ -21,7 +21,7 @@ def load_base(base_dir: str | Path) -> Any:
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(str(base_dir), dtype=torch.float32)
-    return model.eval()
+    return model.eval()  # type: ignore[no-untyped-call]
 
 
 def build_tiny_lora(
