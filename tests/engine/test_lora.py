@@ -219,6 +219,20 @@ async def test_bad_adapters_fail_alone_before_queueing(
     assert out.outputs[0].token_ids == lora_setup["want"][good][1]
 
 
+async def test_speculation_verifies_with_the_adapter(lora_setup: dict[str, Any]) -> None:
+    """Prompt-lookup proposals are verified by the target with the request's adapter: the
+    tokens stay PEFT's."""
+    from asyncpaged import SpeculativeConfig
+
+    base, adapter = lora_setup["base"], lora_setup["adapters"][0]
+    spec = SpeculativeConfig(method="ngram", num_speculative_tokens=3, prompt_lookup_max=2,
+                             prompt_lookup_min=1)  # fmt: skip
+    async with running_engine(base, speculative_config=spec, **LORA) as engine:
+        outs = await _run_all(engine, [(p, _request(adapter, 1)) for p in PROMPTS])
+        assert engine.statistics().num_draft_tokens > 0
+    assert [o.outputs[0].token_ids for o in outs] == lora_setup["want"][adapter]
+
+
 async def test_lora_request_needs_enable_lora(lora_setup: dict[str, Any]) -> None:
     async with running_engine(lora_setup["base"], executor_backend="thread") as engine:
         with pytest.raises(InvalidRequestError, match="enable_lora"):
