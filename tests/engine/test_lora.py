@@ -96,6 +96,26 @@ async def test_mixed_batch_matches_peft_under_preemption(
     assert stats.num_lora_loads == 3
 
 
+FAMILIES = {
+    "gpt2": ("c_attn", "c_proj", "c_fc"),  # fused q/k/v, Conv1D weights
+    "phi3-swa": ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"),  # fused projections
+    "opt": ("q_proj", "k_proj", "v_proj", "out_proj", "fc1", "fc2"),
+}
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+async def test_families_match_peft(family: str, tmp_path: Path) -> None:
+    base = build_tiny_checkpoint(family, tmp_path / "base")
+    adapter = build_tiny_lora(base, tmp_path / "a", seed=4, target_modules=FAMILIES[family],
+                              fan_in_fan_out=family == "gpt2")  # fmt: skip
+    prompts = PROMPTS[:2]
+    want = peft_greedy(base, adapter, prompts, MAX_TOKENS)
+    assert want != peft_greedy(base, None, prompts, MAX_TOKENS)
+    async with running_engine(base, num_device_blocks=64, **LORA) as engine:
+        outs = await _run_all(engine, [(p, _request(adapter, 1)) for p in prompts])
+    assert [o.outputs[0].token_ids for o in outs] == want
+
+
 async def test_reloaded_weights_under_the_same_name_never_hit_old_blocks(
     lora_setup: dict[str, Any], tmp_path: Path
 ) -> None:

@@ -8,8 +8,8 @@ layer's output gains ``scaling * (x @ A.T) @ B.T``, with ``scaling = lora_alpha 
 Supported: the projections of the decoder layers (q/k/v/o, gate/up/down, and the fused ones of
 the families that fuse them: Phi-3's ``qkv_proj`` / ``gate_up_proj``, GPT-2's ``c_attn``).
 Refused (:class:`LoRAAdapterError`): biases (``bias`` other than "none"), ``modules_to_save``,
-DoRA, per-module ``rank_pattern`` / ``alpha_pattern``, embedding and LM-head adapters, and any
-key of another kind.
+DoRA, per-module ``rank_pattern`` / ``alpha_pattern``, embedding, LM-head and MoE-expert
+adapters, and any key of another kind.
 """
 
 from __future__ import annotations
@@ -137,6 +137,11 @@ def read_adapter(path: str) -> AdapterWeights:
                 "(only lora_A / lora_B weights of linear layers)."
             )
         module = match["module"]
+        if ".experts." in module or "block_sparse_moe" in module:
+            raise LoRAAdapterError(
+                f"LoRA adapter {path!r}: module {module!r} is an MoE expert "
+                "layer; such adapters are not supported."
+            )
         if module.rsplit(".", 1)[-1] in _REFUSED_MODULES:
             raise LoRAAdapterError(
                 f"LoRA adapter {path!r}: module {module!r} is an embedding or "

@@ -73,6 +73,6 @@ def peft_greedy(
             ids = torch.tensor([list(prompt)])
             seq = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids),
                                  max_new_tokens=max_tokens, do_sample=False,
-                                 min_new_tokens=max_tokens, pad_token_id=0)  # fmt: skip
+                                 eos_token_id=None, pad_token_id=0)  # fmt: skip
             out.append(seq[0, len(prompt) :].tolist())
     return out
