@@ -80,12 +80,14 @@ async def test_mixed_batch_matches_peft_under_preemption(
 ) -> None:
     """The base model and three adapters in the same steps, on a cache small enough that
     requests are preempted (swapped or recomputed): every request's tokens are PEFT's, and the
-    base model's are transformers' alone."""
+    base model's are transformers' alone. (Recompute runs with async scheduling: steps planned
+    ahead carry their slots too.)"""
     base, want = lora_setup["base"], lora_setup["want"]
     paths: list[Path | None] = [None, *lora_setup["adapters"]]
     jobs = [(p, _request(a, i)) for i, a in enumerate(paths) for p in PROMPTS]
     async with running_engine(base, num_device_blocks=12, block_size=4, max_loras=4,
-                              preemption_mode=mode, **LORA) as engine:  # fmt: skip
+                              preemption_mode=mode, async_scheduling=mode == "recompute",
+                              **LORA) as engine:  # fmt: skip
         outs = await _run_all(engine, jobs)
         stats = engine.statistics()
     for (prompt, lora), out in zip(jobs, outs, strict=True):
@@ -94,6 +96,7 @@ async def test_mixed_batch_matches_peft_under_preemption(
     assert stats.num_preemptions > 0
     assert (stats.num_swap_outs if mode == "swap" else stats.num_recomputes) > 0
     assert stats.num_lora_loads == 3
+    assert (stats.num_steps_planned_ahead > 0) == (mode == "recompute")
 
 
 FAMILIES = {
