@@ -461,7 +461,7 @@ class AsyncEngine:
         if not self.config.enable_lora:
             raise InvalidRequestError("lora_request needs EngineConfig(enable_lora=True).")
         if self._lora is None:
-            self._lora = LoRACatalog(os.fspath(self.config.model), self.config.max_lora_rank)
+            self._lora = LoRACatalog(os.fspath(self.model_path), self.config.max_lora_rank)
         return self._lora.resolve(lora_request)
 
     async def abort(self, request_id: str) -> None:

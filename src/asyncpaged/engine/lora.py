@@ -18,6 +18,7 @@ from pathlib import Path
 
 from asyncpaged.errors import InvalidRequestError
 from asyncpaged.lora_request import LoRARequest
+from asyncpaged.model.errors import CheckpointError
 from asyncpaged.model.loader import iter_checkpoint_entries, load_config, text_config
 from asyncpaged.model.lora_adapter import (
     CONFIG_FILE,
@@ -73,7 +74,12 @@ class LoRACatalog:
         if known is not None and known[0] == stamp:
             return known[1], known[2]
         if self._shapes is None:
-            self._shapes = base_linear_shapes(self._model_dir)
+            try:
+                self._shapes = base_linear_shapes(self._model_dir)
+            except CheckpointError as exc:  # (a GGUF file: no safetensors or .bin weights)
+                raise InvalidRequestError(
+                    f"lora_request: the base checkpoint's weights cannot be listed: {exc}"
+                ) from exc
         try:
             info = check_adapter(path, max_lora_rank=self._max_lora_rank, base_shapes=self._shapes)
         except (LoRAAdapterError, OSError) as exc:
