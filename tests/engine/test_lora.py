@@ -261,3 +261,14 @@ async def test_lora_request_needs_enable_lora(lora_setup: dict[str, Any]) -> Non
         with pytest.raises(InvalidRequestError, match="enable_lora"):
             engine.generate(PROMPTS[1], GREEDY,
                             lora_request=_request(lora_setup["adapters"][0], 1))  # fmt: skip
+
+
+def test_lora_settings_are_checked_at_config() -> None:
+    from asyncpaged import EngineConfig
+
+    with pytest.raises(ValueError, match="tensor_parallel_size=1"):
+        EngineConfig(model="m", enable_lora=True, tensor_parallel_size=2)
+    with pytest.raises(ValueError, match="max_cpu_loras"):
+        EngineConfig(model="m", enable_lora=True, max_loras=4, max_cpu_loras=2)
+    with pytest.raises(ValueError, match="lora_int_id"):
+        LoRARequest("a", 0, "/nowhere")
