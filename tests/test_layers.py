@@ -16,7 +16,7 @@ from tests.test_import_cycles import import_graph
 LAYERS: tuple[tuple[str, ...], ...] = (
     ("_log", "_gc", "_detached", "errors"),
     ("spec_decode", "structured_outputs", "tool_choice", "sampling_params", "inputs",
-     "outputs", "sampled_token", "config"),
+     "outputs", "sampled_token", "config", "lora_request"),
     ("kv",),
     ("sched",),
     ("kernels", "model", "versions"),

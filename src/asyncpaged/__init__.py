@@ -16,6 +16,7 @@ from asyncpaged.errors import (
 )
 from asyncpaged.inputs import PromptType, TextPrompt, TokensPrompt
 from asyncpaged.kv.block_pool import BlockPool
+from asyncpaged.lora_request import LoRARequest
 from asyncpaged.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from asyncpaged.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 from asyncpaged.spec_decode import SpeculativeConfig
@@ -36,6 +37,7 @@ __all__ = [
     "EngineDeadError",
     "EngineStatistics",
     "InvalidRequestError",
+    "LoRARequest",
     "Logprob",
     "NoTokenAllowedError",
     "PromptType",

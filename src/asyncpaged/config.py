@@ -172,6 +172,14 @@ class EngineConfig:
     # (reasoning_parser_for_template; none for a model that does not think); a registered
     # name ("qwen3", "deepseek_r1"); None: none.
     reasoning_parser: str | None = "auto"
+    # LoRA (docs/lora.md, vLLM's names): generate(..., lora_request=LoRARequest(...)) runs a
+    # request with a PEFT adapter. max_loras adapters sit in device slots (a step holds rows of
+    # at most that many, besides the base model's); up to max_cpu_loras (None: max_loras) more
+    # stay read in host memory (LRU); an adapter's rank is at most max_lora_rank.
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.model, os.PathLike):
@@ -238,6 +246,18 @@ class EngineConfig:
              f"{self.executor_backend!r}."),
             (self.executor_backend != "process" or self.tensor_parallel_size == 1,
              "executor_backend='process' needs tensor_parallel_size=1."),
+            (isinstance(self.enable_lora, bool),
+             f"enable_lora must be True or False, got {self.enable_lora!r}."),
+            (isinstance(self.max_loras, int) and self.max_loras >= 1,
+             f"max_loras must be an int >= 1, got {self.max_loras!r}."),
+            (isinstance(self.max_lora_rank, int) and self.max_lora_rank >= 1,
+             f"max_lora_rank must be an int >= 1, got {self.max_lora_rank!r}."),
+            (self.max_cpu_loras is None or (isinstance(self.max_cpu_loras, int)
+                                            and self.max_cpu_loras >= self.max_loras),
+             f"max_cpu_loras must be None or at least max_loras ({self.max_loras}), got "
+             f"{self.max_cpu_loras!r}."),
+            (not self.enable_lora or self.tensor_parallel_size == 1,
+             "enable_lora needs tensor_parallel_size=1 (LoRA is not sharded yet)."),
             (self.executor_backend != "process" or os.name == "posix",
              "executor_backend='process' needs a POSIX system."),
             (self.async_scheduling in (True, False, "auto"),

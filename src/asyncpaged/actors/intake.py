@@ -173,7 +173,7 @@ class IntakeActor:
         info = RequestInfo(
             params=msg.params, serial=state.serial, plain=is_plain(msg.params, beam=state.beam),
             ranks_by_logprob=ranks_by_logprob(msg.params), prompt_token_ids=ids, grammar=grammar,
-            in_reasoning_at_start=in_reasoning,
+            in_reasoning_at_start=in_reasoning, lora_path=msg.lora_path,
         )  # fmt: skip
         self.num_pending -= 1
         self._outputs.send_nowait(PromptReady(request_id=state.request_id, prompt=text,
@@ -197,6 +197,7 @@ class IntakeActor:
                       num_prompt_tokens=len(ids))],
             stop=self._stop_criteria(msg.params, max_tokens),
             cache_salt=msg.cache_salt,
+            lora_key=msg.lora_key,
             priority=msg.priority,
             num_samples=num_seqs,
             pin_id=msg.pin_id,

@@ -62,6 +62,9 @@ class SubmitRequest:
     priority: int
     pin_id: int | None = None  # compute the prompt only to pin it (engine.pin_prefix)
     beam: BeamSearchParams | None = None  # a beam search (engine.beam_search)
+    # LoRA: the adapter's content digest and the engine's snapshot of its files (None: base)
+    lora_key: str | None = None
+    lora_path: str | None = None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -80,6 +83,7 @@ class RequestInfo:
     prompt_token_ids: tuple[int, ...]  # the (truncated) prompt, for penalties and logprobs
     grammar: Any = None
     in_reasoning_at_start: bool = False
+    lora_path: str | None = None  # the snapshot of the request's LoRA adapter (None: base)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -175,6 +175,11 @@ class SchedulerActor:
         return self.scheduler.statistics()
 
     @property
+    def num_lora_loads(self) -> int:
+        """LoRA adapters put into a device slot so far."""
+        return self._steps.num_lora_loads
+
+    @property
     def num_request_states(self) -> int:
         """Requests this actor keeps a record of (the core's live requests)."""
         return len(self._states)
@@ -338,7 +343,8 @@ class SchedulerActor:
             assert not self._late_due, "the late inputs of the step in flight not sent"
             self._late_due = late
         step = StepPlan(seqs=tuple(steps), copy_pairs=out.copy_on_write,
-                        late_rows=tuple(seq_id for _, seq_id, _ in late))  # fmt: skip
+                        late_rows=tuple(seq_id for _, seq_id, _ in late),
+                        lora_loads=self._steps.lora_loads)  # fmt: skip
         self._executor.send_nowait(ExecuteStep(output=out, plan=step, executed=executed))
         self._steps.sent()
         return True

@@ -32,13 +32,14 @@ from asyncpaged.actors.sampling_options import (
 from asyncpaged.kv.block_table import PLACEHOLDER_TOKEN
 from asyncpaged.sampling.options import SamplingOptions
 from asyncpaged.sampling_params import SamplingParams
+from asyncpaged.sched.lora_slots import LoRASlots
 from asyncpaged.sched.request import Request
 from asyncpaged.sched.request import Sequence as Seq
 from asyncpaged.sched.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
 from asyncpaged.sched.scheduler_types import new_tuple
 from asyncpaged.structured_outputs import GrammarBackend
 from asyncpaged.worker.input_batch import SentBatch
-from asyncpaged.worker.protocol import LateDelivery, SequenceStep
+from asyncpaged.worker.protocol import LateDelivery, LoRALoad, SequenceStep
 
 # (request id, seq id, options read the output) of the rows whose sampling inputs come late
 LateRows = tuple[tuple[str, int, bool], ...]
@@ -73,6 +74,9 @@ class StepBuilder:
         self._grammars = grammars
         self._has_draft_model = has_draft_model
         self._batch = SentBatch()  # what the executor's runner holds (``input_batch``)
+        max_loras = scheduler.config.max_loras
+        self._lora_slots = LoRASlots(max_loras) if max_loras else None  # None: LoRA off
+        self.lora_loads: tuple[LoRALoad, ...] = ()  # the last plan's: its StepPlan carries them
 
     def sent(self) -> None:
         """The executor has the plan last built: its tables, options and histories are the
@@ -98,9 +102,12 @@ class StepBuilder:
         # Draft-model engines send whole histories: the draft draws from the same options.
         keeps_history = not has_draft_model
         bitmasks = self._grammar_bitmasks(out)
+        slot_of = self._assign_lora_slots(out)
         for s in out.seqs:
             t = states[s.request_id]
             request = scheduler.requests[s.request_id]
+            key = request.lora_key
+            lora_slot = slot_of.get(key, -1) if slot_of and key is not None else -1
             if t.reported_cached != request.num_cached_tokens:
                 t.reported_cached = request.num_cached_tokens
                 scheduled.append(Scheduled(
@@ -117,7 +124,7 @@ class StepBuilder:
                 steps.append(new_tuple(SequenceStep, (
                     s.seq_id, s.token_ids, s.start_pos, s.slot_mapping, table[1], s.samples,
                     False, None, (), s.min_rope_len, (), 0, 0, s.num_draft, (), draft_k,
-                    table[0], False, None,
+                    table[0], False, None, lora_slot,
                 )))  # fmt: skip
                 continue
             if s.token_ids[0] == PLACEHOLDER_TOKEN and _options_come_late(t, request, s):
@@ -125,10 +132,12 @@ class StepBuilder:
                 steps.append(new_tuple(SequenceStep, (
                     s.seq_id, s.token_ids, s.start_pos, s.slot_mapping, table[1], s.samples,
                     t.info.ranks_by_logprob, None, (), s.min_rope_len, (), 0, 0, 0, (), draft_k,
-                    table[0], False, None,
+                    table[0], False, None, lora_slot,
                 )))  # fmt: skip
                 continue
             step = self._sampled_step(s, request, t, bitmasks, draft_k, table, keeps_history)
+            if lora_slot >= 0:
+                step = step._replace(lora_slot=lora_slot)
             if (
                 s.token_ids[0] == PLACEHOLDER_TOKEN
             ):  # planned ahead: its options may read the output
@@ -141,6 +150,31 @@ class StepBuilder:
                     step = step._replace(sampling=sampling, keep_sampling=True)
             steps.append(step)
         return steps, scheduled, tuple(late)
+
+    @property
+    def num_lora_loads(self) -> int:
+        """Adapters put into a LoRA slot so far (each a load the runner performs)."""
+        return 0 if self._lora_slots is None else self._lora_slots.num_loads
+
+    def _assign_lora_slots(self, out: SchedulerOutput) -> dict[str, int]:
+        """The slot of each adapter ``out`` runs (empty without any), and the loads that put
+        them there (:attr:`lora_loads`)."""
+        self.lora_loads = ()
+        if self._lora_slots is None:
+            return {}
+        scheduler, states = self._scheduler, self._states
+        paths: dict[str, str] = {}
+        for s in out.seqs:
+            key = scheduler.requests[s.request_id].lora_key
+            if key is not None and key not in paths:
+                path = states[s.request_id].info.lora_path
+                assert path is not None, f"request {s.request_id!r}: an adapter without a path"
+                paths[key] = path
+        if not paths:
+            return {}
+        slot_of, loads = self._lora_slots.assign(paths)
+        self.lora_loads = tuple(LoRALoad(slot, paths[d], d) for slot, d in loads)
+        return slot_of
 
     def _sampled_step(
         self,
@@ -374,5 +408,5 @@ assert SequenceStep._fields == (
     "seq_id", "token_ids", "num_computed_tokens", "slot_mapping", "block_table", "do_sample",
     "want_logprob", "sampling", "parallel_options", "min_rope_len", "prompt_targets",
     "prompt_row_offset", "num_prompt_logprobs", "num_draft", "verify_options", "draft_k",
-    "table_start", "keep_sampling", "history",
+    "table_start", "keep_sampling", "history", "lora_slot",
 ), "StepBuilder.build builds a plain row's SequenceStep in this order"  # fmt: skip

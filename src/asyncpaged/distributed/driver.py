@@ -78,6 +78,7 @@ def worker_spec(
     """What every rank needs to build its shard, from the engine's settings (resolved dtypes,
     block counts, the CPU levers rank 0 planned; rank 0's torch thread count; the CUDA graphs'
     sizes, for ``max_model_len`` tokens)."""
+    lora = config.enable_lora
     return WorkerSpec(
         model=os.fspath(config.model),  # a str once EngineConfig is built
         dtype=str(dtype).removeprefix("torch."),
@@ -94,9 +95,13 @@ def worker_spec(
         native_bf16_decode=levers["native_bf16_decode"],
         seed=config.seed,
         num_threads=torch.get_num_threads(),
-        cuda_graph_sizes=cuda_graph_sizes(config) if max_model_len else (),
+        # (the LoRA groups change every step: a LoRA engine's forward runs eagerly)
+        cuda_graph_sizes=cuda_graph_sizes(config) if max_model_len and not lora else (),
         max_model_len=max_model_len,
         quantized_activations=config.quantized_activations,
+        max_loras=config.max_loras if lora else 0,
+        max_lora_rank=config.max_lora_rank if lora else 0,
+        max_cpu_loras=(config.max_cpu_loras or config.max_loras) if lora else 0,
     )
 
 

@@ -11,6 +11,7 @@ engine's own task, the actors' supervision, the alive check and the steps of a c
 from __future__ import annotations
 
 import itertools
+import os
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from types import TracebackType
 from typing import Any
@@ -43,6 +44,7 @@ from asyncpaged.engine.lifecycle import (
     wait_actors_idle,
     wait_or_dead,
 )
+from asyncpaged.engine.lora import LoRACatalog
 from asyncpaged.engine.prefix import (
     PrefixHandle,
     pin_token_ids,
@@ -64,6 +66,7 @@ from asyncpaged.engine.submit import (
 )
 from asyncpaged.errors import EngineClosedError, EngineDeadError, InvalidRequestError
 from asyncpaged.inputs import ChatMessage, PromptType
+from asyncpaged.lora_request import LoRARequest
 from asyncpaged.model.generation_config import GenerationDefaults
 from asyncpaged.model.hub import resolve_model_path
 from asyncpaged.reasoning import ReasoningMarkers, ReasoningParser, get_reasoning_parser
@@ -101,6 +104,7 @@ class AsyncEngine:
         self.config = config
         self._reasoning: ReasoningMarkers | None = None  # EngineConfig.reasoning_parser, resolved
         self._dead: BaseException | None = None
+        self._lora: LoRACatalog | None = None  # the checked adapters, from the first one
         self._closed = False
         self._outputs: OutputProcessor | None = None  # the live requests' states, once started
         self._ids = itertools.count()
@@ -244,8 +248,14 @@ class AsyncEngine:
                             lambda: self._wait_or_dead(self._wait_idle), self._tier_store,
                             self._allocator.pool)  # fmt: skip
         finally:  # the actors, then the workers; the stopped tasks' frames collected
-            await stop_engine((self._submit, self._control), self._task, self._workers, self._gc,
-                              dead=self._dead_event, done=self._close_done)  # fmt: skip
+            try:
+                await stop_engine(
+                    (self._submit, self._control), self._task, self._workers, self._gc,
+                    dead=self._dead_event, done=self._close_done,
+                )  # fmt: skip
+            finally:
+                if self._lora is not None:  # no runner reads the adapters' snapshots any more
+                    self._lora.close()
 
     def beam_search(
         self,
@@ -254,6 +264,7 @@ class AsyncEngine:
         *,
         request_id: str | None = None,
         cache_salt: str | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> RequestStream:
         """Beam search in the engine core: the beams of a request are sequences that fork and
         free as they go, sharing their common blocks. The stream yields one final output whose
@@ -262,7 +273,8 @@ class AsyncEngine:
         self._check_alive()
         sampling = beam_sampling_params(params, self.config)
         source, salt = submitted_prompt(prompt, cache_salt, self.max_model_len)
-        return self._submit_request(source, sampling, request_id, salt, beam=params)
+        return self._submit_request(source, sampling, request_id, salt, beam=params,
+                                    lora_request=lora_request)  # fmt: skip
 
     async def wait_idle(self) -> None:
         """Wait until every request has finished and every block it held is free again.
@@ -324,6 +336,7 @@ class AsyncEngine:
         request_id: str | None = None,
         priority: int = 0,
         cache_salt: str | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> RequestStream:
         """Submit a request; returns its :class:`RequestStream` at once.
 
@@ -336,6 +349,8 @@ class AsyncEngine:
         queued (types, group width, sizes, then values; docs/api.md, "Request validation"); a
         text prompt found too long after tokenizing, or one the tokenizer fails on, raises it
         when the stream is awaited, and only there. Dropping the stream unfinished aborts it.
+        ``lora_request`` runs the request with a LoRA adapter (``EngineConfig.enable_lora``;
+        docs/lora.md), checked here too.
         """
         self._check_alive()
         priority = check_priority(priority, self.config.scheduling_policy)
@@ -343,7 +358,8 @@ class AsyncEngine:
         truncated = params.truncate_prompt_tokens is not None
         limit = None if truncated else self.max_model_len
         source, salt = submitted_prompt(prompt, cache_salt, limit)
-        return self._submit_request(source, params, request_id, salt, priority=priority)
+        return self._submit_request(source, params, request_id, salt, priority=priority,
+                                    lora_request=lora_request)  # fmt: skip
 
     def chat(
         self,
@@ -360,6 +376,7 @@ class AsyncEngine:
         chat_template_kwargs: Mapping[str, Any] | None = None,
         request_id: str | None = None,
         cache_salt: str | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> RequestStream:
         """Generate the next message of a conversation; returns the same stream as
         :meth:`generate`.
@@ -397,7 +414,7 @@ class AsyncEngine:
         chat = chat_prompt(messages, chat_template, add_generation_prompt, continue_final_message,
                            checked_tools, chat_template_kwargs, grammar)  # fmt: skip
         return self._submit_request(None, params, request_id, cache_salt, chat=chat,
-                                    reply_parsing=parsing)  # fmt: skip
+                                    reply_parsing=parsing, lora_request=lora_request)  # fmt: skip
 
     def _tool_parser_for(
         self, name: str | None, chat_template: str | None
@@ -424,18 +441,28 @@ class AsyncEngine:
         chat: ChatPrompt | None = None,
         priority: int = 0,
         reply_parsing: ReplyParsing | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> RequestStream:
         """Queue a checked request for the intake (``submit.submission``); its state
         is registered with the output processor first."""
         outputs = self._outputs
         assert outputs is not None
+        lora = None if lora_request is None else self._resolve_lora(lora_request)
         msg = submission(
             prompt, params, request_id, cache_salt, pin_id=pin_id, beam=beam, chat=chat,
             priority=priority, live=outputs.live, cfg=self.config, limits=self._limits,
             max_prompt_chars=self.max_prompt_chars, reply_parsing=reply_parsing,
-            has_reasoning_parser=self._reasoning is not None,
+            has_reasoning_parser=self._reasoning is not None, lora=lora,
         )  # fmt: skip
         return queue_request(msg, outputs, self._submit, self._scheduler, self._abort_state)
+
+    def _resolve_lora(self, lora_request: LoRARequest) -> tuple[str, str]:
+        """The adapter's digest and snapshot (``engine/lora.py``), or InvalidRequestError."""
+        if not self.config.enable_lora:
+            raise InvalidRequestError("lora_request needs EngineConfig(enable_lora=True).")
+        if self._lora is None:
+            self._lora = LoRACatalog(os.fspath(self.model_path), self.config.max_lora_rank)
+        return self._lora.resolve(lora_request)
 
     async def abort(self, request_id: str) -> None:
         """Abort a request (finish reason "abort"); its blocks are freed within one step.

@@ -472,6 +472,7 @@ def build_scheduler(
             if cfg.speculative_config
             else None,
             spec_async=cfg.async_scheduling is True and cfg.speculative_config is not None,
+            max_loras=cfg.max_loras if cfg.enable_lora else 0,
         ),
         new_seq_id=new_seq_id,
         propose=propose,

@@ -24,8 +24,9 @@ from tqdm import tqdm  # type: ignore[import-untyped]
 
 from asyncpaged.config import EngineConfig
 from asyncpaged.engine.async_engine import AsyncEngine
-from asyncpaged.errors import EngineClosedError
+from asyncpaged.errors import EngineClosedError, InvalidRequestError
 from asyncpaged.inputs import ChatMessage, PromptType
+from asyncpaged.lora_request import LoRARequest
 from asyncpaged.outputs import RequestOutput
 from asyncpaged.sampling_params import SamplingParams
 from asyncpaged.streams import RequestStream
@@ -113,17 +114,31 @@ class LLM:
         params: SamplingParams | Sequence[SamplingParams] | None = None,
         *,
         use_tqdm: bool = True,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Generate for every prompt at once (continuously batched); returns the final outputs
         in prompt order. ``prompts`` is one prompt (a str, a list of token ids, a
         ``TextPrompt`` / ``TokensPrompt`` dict) or a list of them; ``params`` one
         :class:`SamplingParams` for all, one per prompt, or ``None`` (the model's defaults).
         ``use_tqdm`` shows a progress bar on stderr. The first error raised (an invalid
-        request, a failed one) aborts the others and propagates."""
+        request, a failed one) aborts the others and propagates. ``lora_request``: one adapter
+        for all, or one per prompt (None: the base model)."""
         batch = _as_batch(prompts)
         per_prompt = _per_prompt(params, len(batch))
+        loras: list[LoRARequest | None]
+        if lora_request is None or isinstance(lora_request, LoRARequest):
+            loras = [lora_request] * len(batch)
+        else:
+            loras = list(lora_request)
+            if len(loras) != len(batch):
+                raise InvalidRequestError(
+                    f"lora_request has {len(loras)} entries for {len(batch)} prompts."
+                )
         return self._run_all(
-            lambda: [self.engine.generate(p, sp) for p, sp in zip(batch, per_prompt, strict=True)],
+            lambda: [
+                self.engine.generate(p, sp, lora_request=lr)
+                for p, sp, lr in zip(batch, per_prompt, loras, strict=True)
+            ],
             use_tqdm,
         )
 

@@ -63,6 +63,7 @@ class EngineStatistics:
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     spec_acceptance_by_position: tuple[float, ...] = ()
+    num_lora_loads: int = 0  # LoRA adapters put into a device slot (the slots' LRU misses)
 
 
 def collect_statistics(actor: SchedulerActor, intake: IntakeActor) -> EngineStatistics:
@@ -109,4 +110,5 @@ def collect_statistics(actor: SchedulerActor, intake: IntakeActor) -> EngineStat
         num_draft_tokens=spec.num_draft_tokens,
         num_accepted_tokens=spec.num_accepted_tokens,
         spec_acceptance_by_position=spec.acceptance_rate_by_position,
+        num_lora_loads=actor.num_lora_loads,
     )

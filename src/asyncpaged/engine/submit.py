@@ -252,9 +252,10 @@ def submission(
     max_prompt_chars: int,
     reply_parsing: ReplyParsing | None = None,
     has_reasoning_parser: bool = False,
+    lora: tuple[str, str] | None = None,
 ) -> SubmitRequest:
     """The checked request (:func:`check_submission`) as the intake's message, with its new
-    :class:`RequestState` (``msg.state``)."""
+    :class:`RequestState` (``msg.state``); ``lora``: its adapter's digest and snapshot."""
     rid, text, ids = check_submission(
         prompt, params, request_id, cache_salt, is_beam=beam is not None, live=live, cfg=cfg,
         limits=limits, max_prompt_chars=max_prompt_chars,
@@ -264,7 +265,8 @@ def submission(
                          reply_parsing=reply_parsing)  # fmt: skip
     return SubmitRequest(state=state, prompt=text, prompt_token_ids=ids, params=params,
                          cache_salt=cache_salt, priority=priority, pin_id=pin_id, beam=beam,
-                         chat=chat)  # fmt: skip
+                         chat=chat, lora_key=None if lora is None else lora[0],
+                         lora_path=None if lora is None else lora[1])  # fmt: skip
 
 
 def queue_request(

@@ -29,6 +29,7 @@ import torch
 from torch import nn
 
 from asyncpaged._log import get_logger
+from asyncpaged.model.lora_layers import lora_of
 from asyncpaged.model.quantized_linear import QUANT_ATTR, quantized_linear
 from asyncpaged.model.row_buckets import bucketed
 
@@ -125,7 +126,16 @@ def _shared_weight_ids(model: nn.Module) -> set[int]:
 
 def linear(layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     """``layer(x)`` for x [..., in] -> [..., out], through the packed weight when there is one
-    (rows bucketed: ``row_buckets``)."""
+    (rows bucketed: ``row_buckets``), plus the step's LoRA products where adapters are
+    attached (``lora_layers``; x [T, in] then)."""
+    out = _base_linear(layer, x)
+    lora = lora_of(layer)
+    if lora is not None and lora.step.groups:
+        return lora.add(x, out)
+    return out
+
+
+def _base_linear(layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     quantized = layer.__dict__.get(QUANT_ATTR)
     if quantized is not None:
         return quantized_linear(layer, quantized, x)

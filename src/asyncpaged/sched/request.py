@@ -97,6 +97,7 @@ class Request:
     seqs: list[Sequence]
     stop: StopCriteria
     cache_salt: str | None = None
+    lora_key: str | None = None  # the content digest of the request's LoRA adapter (None: base)
     status: RequestStatus = RequestStatus.WAITING
     num_samples: int = 1  # sequences to sample from the prompt (best_of, or n)
     fork_ids: tuple[int, ...] = ()  # seq ids for sequences 1.. of a parallel-sampling request
@@ -128,10 +129,15 @@ class Request:
     def cache_key(self) -> str | None:
         """The prefix-cache key of the request's blocks: its ``cache_salt``, marked for the
         long RoPE regime of a longrope model (K/V rotated with the long factors never serve a
-        short sequence, nor the reverse). User salts cannot contain NUL, so no salt equals it."""
+        short sequence, nor the reverse), and keyed on the content digest of its LoRA adapter
+        (blocks computed with one adapter never serve another, nor the base model). User salts
+        cannot contain NUL, so no salt equals these."""
+        salt = self.cache_salt
+        if self.lora_key is not None:
+            salt = f"\x00lora\x00{self.lora_key}\x00{salt or ''}"
         if not self.long_rope:
-            return self.cache_salt
-        return f"\x00longrope\x00{self.cache_salt or ''}"
+            return salt
+        return f"\x00longrope\x00{salt or ''}"
 
     @property
     def live_seqs(self) -> list[Sequence]:

@@ -130,10 +130,20 @@ def _still_short(config: SchedulerConfig, chunks: Chunks) -> Chunks:
     return [(s, n) for s, n in chunks if s.num_computed_tokens + n <= switch]
 
 
-def plan_admissions(waiting: list[Request], plan: PlanBudget) -> list[Admission]:
-    """Waiting requests offered for admission, in queue order, within the budgets."""
+def plan_admissions(
+    waiting: list[Request], plan: PlanBudget, loras: tuple[set[str], int] | None = None
+) -> list[Admission]:
+    """Waiting requests offered for admission, in queue order, within the budgets; ``loras``:
+    the adapters of the requests holding blocks and ``max_loras`` (a request whose adapter
+    would make one too many waits, and those behind it are offered still)."""
     admissions: list[Admission] = []
     for request in waiting:
+        if loras is not None and request.lora_key is not None:
+            active, max_loras = loras
+            if request.lora_key not in active:
+                if len(active) >= max_loras:
+                    continue
+                active.add(request.lora_key)
         seqs = request.live_seqs
         if plan.seqs_left < len(seqs) or plan.budget_left < len(seqs):
             break
@@ -401,7 +411,7 @@ class Scheduler:
             else:
                 swap_ins = self._plan_swap_ins(plan)
                 if not self.swapped:
-                    admissions = plan_admissions(self.waiting, plan)
+                    admissions = plan_admissions(self.waiting, plan, self._lora_room())
         return swap_ins, admissions
 
     def _plan_running(
@@ -682,7 +692,16 @@ class Scheduler:
             for r in self.swapped
         ):
             return swap_ins, []
-        return swap_ins, plan_admissions(self.waiting, plan)
+        return swap_ins, plan_admissions(self.waiting, plan, self._lora_room())
+
+    def _lora_room(self) -> tuple[set[str], int] | None:
+        """The adapters of the requests holding blocks (running or swapped), and
+        ``max_loras``; None when LoRA is off."""
+        if not self.config.max_loras:
+            return None
+        active = {r.lora_key for r in self.running if r.lora_key is not None}
+        active.update(r.lora_key for r in self.swapped if r.lora_key is not None)
+        return active, self.config.max_loras
 
     def _plan_swap_ins(
         self, plan: PlanBudget, before: tuple[int, int] | None = None

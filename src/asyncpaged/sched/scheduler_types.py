@@ -44,6 +44,9 @@ class SchedulerConfig:
     # does, and each back-off ends on a plan whose count is a multiple of its length: the
     # sequences' attempts coincide and the steps between them go ahead (``back_off``).
     spec_async: bool = False
+    # LoRA (EngineConfig.max_loras; 0: off): the requests holding blocks use at most this many
+    # distinct adapters, so each step's adapters fit the runner's slots.
+    max_loras: int = 0
 
 
 # Hot paths build the named tuples below with tuple.__new__ and every field in order (a named

@@ -22,7 +22,7 @@ from asyncpaged.worker.draft import DraftSpec
 from asyncpaged.worker.kv_tier_remote import tier_calls
 from asyncpaged.worker.late_inputs import checked
 from asyncpaged.worker.process import RunnerReady, result_to_wire
-from asyncpaged.worker.protocol import LateDelivery, SequenceStep, StepPlan
+from asyncpaged.worker.protocol import LateDelivery, LoRALoad, SequenceStep, StepPlan
 from asyncpaged.worker.runner import ModelRunner, WorkerSpec
 from asyncpaged.worker.runner_logs import LIBRARY_LOGGER, LogCapture, capture_library_logs
 
@@ -74,11 +74,14 @@ def _serve(
     send(RunnerReady(pid=os.getpid(), rope_switch_len=runner.model.rope_switch_len,
                      kv_cache_bytes=runner.kv_cache.num_bytes))  # fmt: skip
 
-    def execute(wire: tuple[tuple[tuple[Any, ...], ...], tuple[tuple[int, int], ...],
-                            tuple[int, ...]]) -> object:  # fmt: skip
-        seqs, copy_pairs, late_rows = wire
+    Wire = tuple[tuple[tuple[Any, ...], ...], tuple[tuple[int, int], ...], tuple[int, ...],
+                 tuple[tuple[int, str, str], ...]]  # fmt: skip
+
+    def execute(wire: Wire) -> object:
+        seqs, copy_pairs, late_rows, lora_loads = wire
         plan = StepPlan(seqs=tuple([_as_tuple_of(SequenceStep, s) for s in seqs]),
-                        copy_pairs=copy_pairs, late_rows=late_rows)  # fmt: skip
+                        copy_pairs=copy_pairs, late_rows=late_rows,
+                        lora_loads=tuple([LoRALoad(*load) for load in lora_loads]))  # fmt: skip
         return result_to_wire(runner.execute(plan))
 
     calls: dict[str, Callable[[Any], object]] = {

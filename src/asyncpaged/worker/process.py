@@ -226,7 +226,8 @@ class RunnerProcess:
 
     async def send_execute(self, plan: StepPlan) -> int:
         """Send a step now (no checkpoint unless it must wait for the pipe); its ticket."""
-        wire = (tuple([tuple(s) for s in plan.seqs]), plan.copy_pairs, plan.late_rows)
+        wire = (tuple([tuple(s) for s in plan.seqs]), plan.copy_pairs, plan.late_rows,
+                tuple([tuple(load) for load in plan.lora_loads]))  # fmt: skip
         return await self._send("execute", wire)
 
     async def send_late_inputs(self, delivery: LateDelivery) -> None:

@@ -67,6 +67,15 @@ class PromptLogprobRows:
     top: tuple[tuple[tuple[int, float], ...], ...]
 
 
+class LoRALoad(NamedTuple):
+    """Put the adapter whose content digest is ``digest`` (a PEFT directory at ``path``, the
+    engine's snapshot of those bytes) into LoRA slot ``slot``."""
+
+    slot: int
+    path: str
+    digest: str
+
+
 class SequenceStep(NamedTuple):
     """One sequence's share of a step (a named tuple: one per sequence per step).
 
@@ -118,6 +127,9 @@ class SequenceStep(NamedTuple):
     # with ``late`` the token the last step sampled for the sequence after that (a row planned
     # ahead of it); see ``input_batch``
     history: tuple[int, tuple[int, ...], bool] | None = None
+    # The LoRA slot whose adapter the sequence runs with (-1: the base model); the plan's
+    # ``lora_loads`` put the adapter there before the forward.
+    lora_slot: int = -1
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -130,6 +142,7 @@ class StepPlan:
     seqs: tuple[SequenceStep, ...]
     copy_pairs: tuple[tuple[int, int], ...] = ()
     late_rows: tuple[int, ...] = ()
+    lora_loads: tuple[LoRALoad, ...] = ()  # adapters to put in their slots before the forward
 
 
 def with_generator_keys(plan: StepPlan) -> StepPlan:

@@ -40,6 +40,7 @@ from asyncpaged.model.base import SINGLE_SHARD, CausalLM, TensorShard
 from asyncpaged.model.kv_cache import PagedKVCache
 from asyncpaged.model.lm_head import ScreenedLMHead
 from asyncpaged.model.lm_head_int8 import Int8ScreenedArgmax, int8_activation_limit
+from asyncpaged.model.lora_layers import LoRAWeights
 from asyncpaged.model.packed_linear import pack_weight
 from asyncpaged.sampling.options import SeenTokens
 from asyncpaged.worker.cuda_graphs import Capture, DecodeGraphs
@@ -107,6 +108,10 @@ class WorkerSpec:
     cuda_graph_sizes: tuple[int, ...] = ()
     max_model_len: int = 0
     quantized_activations: str = "float32"  # GGUF weights: EngineConfig.quantized_activations
+    # LoRA (EngineConfig.enable_lora): device slots, the largest rank, the host LRU's size
+    max_loras: int = 0
+    max_lora_rank: int = 0
+    max_cpu_loras: int = 0
 
 
 class ModelRunner:
@@ -140,6 +145,9 @@ class ModelRunner:
         native_bf16_decode: bool = True,
         shard: TensorShard = SINGLE_SHARD,
         quantized_activations: str = "float32",
+        max_loras: int = 0,
+        max_lora_rank: int = 0,
+        max_cpu_loras: int = 0,
     ) -> None:
         """Load the checkpoint and allocate caches; ``kv_fill_value`` poisons them (tests: NaN).
 
@@ -161,7 +169,9 @@ class ModelRunner:
         picks a
         tensor-parallel shard of the weights and KV heads (a rank other than 0 never samples, so
         it builds no screened head). ``quantized_activations`` ("int8"): GGUF weights multiply
-        int8-quantized activations (``EngineConfig.quantized_activations``).
+        int8-quantized activations (``EngineConfig.quantized_activations``). ``max_loras`` > 0:
+        LoRA slots of up to ``max_lora_rank`` (``model/lora_layers.py``), with a host LRU of
+        ``max_cpu_loras`` adapters; each step's ``lora_loads`` fill them before its forward.
         """
         if num_blocks <= 0 or block_size <= 0 or num_host_blocks < 0:
             raise ValueError(
@@ -227,6 +237,10 @@ class ModelRunner:
         self.late_inputs: LateSource = LateInputs()
         # Draft-model speculation (``attach_draft``): its cache mirrors this one's block ids.
         self.draft: DraftModel | None = None
+        self.lora: LoRAWeights | None = None
+        if max_loras:
+            self.lora = LoRAWeights(model, max_loras=max_loras, max_lora_rank=max_lora_rank,
+                                    max_cpu_loras=max_cpu_loras or max_loras)  # fmt: skip
 
     @property
     def model(self) -> CausalLM:
@@ -269,6 +283,8 @@ class ModelRunner:
             screened_lm_head=spec.screened_lm_head, int8_lm_head=spec.int8_lm_head,
             fused_elementwise=spec.fused_elementwise, native_bf16_decode=spec.native_bf16_decode,
             shard=shard, quantized_activations=spec.quantized_activations,
+            max_loras=spec.max_loras, max_lora_rank=spec.max_lora_rank,
+            max_cpu_loras=spec.max_cpu_loras,
         )  # fmt: skip
 
     @torch.inference_mode()
@@ -433,7 +449,20 @@ class ModelRunner:
         seqs = rows.seqs
         plan = with_generator_keys(plan if seqs is plan.seqs else replace(plan, seqs=seqs))
         inputs = self._inputs(plan, rows)
-        result, seqs = self._target_step(plan, *inputs, seen=rows.seen)
+        lora = self.lora
+        if lora is None:
+            result, seqs = self._target_step(plan, *inputs, seen=rows.seen)
+        else:  # the target runs with each row's adapter; the draft without
+            for load in plan.lora_loads:
+                lora.load(load.slot, load.path, load.digest)
+            seqs_in = plan.seqs
+            qlens = np.fromiter(map(len, (s.token_ids for s in seqs_in)), np.int64, len(seqs_in))
+            row_slots = np.fromiter((s.lora_slot for s in seqs_in), np.int64, len(seqs_in))
+            lora.begin_step(np.repeat(row_slots, qlens), self.device)
+            try:
+                result, seqs = self._target_step(plan, *inputs, seen=rows.seen)
+            finally:
+                lora.end_step()
         if self.instance.graphed:
             result = replace(result, cuda_graph=True)
         if draft is not None:  # (its proposals drawn with the late options too)
