@@ -33,6 +33,8 @@
 
 #include "cpu_vec.h"
 
+#include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <memory>
@@ -406,6 +408,155 @@ int32_t run_code(const Weights& p, const float* x, int64_t M, int64_t K, int64_t
   }
 }
 
+// ---- int8 activations (opt-in) ----
+//
+// x is quantized per row and per block of B = 2^block_shift elements (B >= 32 and within one
+// scale group): dx = max|x| / 127 (float32), q = round(x / dx) to nearest, ties to even (0 for an
+// all-zero block), qsum = sum q. Each block's integer dot product with the weight row's unsigned
+// codes u, sum u * q, is exact in int32; the zero point enters through the block's qsum:
+//   y[m, n] = sum_b (dx[m, b] * s[n, g(b)]) * float(sum_j u_j q_j - z[n, g(b)] * qsum[m, b])
+// with the scaling and the sum over blocks in float32. s is the scale as stored (its bf16 / fp16
+// value widened), z the integer zero point plus 2^(bits - 1). Dot products: vpdpbusd on
+// AVX512-VNNI CPUs (avx512 build, detected at run time), pmaddwd on bytes widened to int16 in
+// the avx2 build (exact: pmaddubsw would saturate int16 pairs of 8-bit codes), scalar otherwise.
+// int4 rows are unpacked to one byte per code once per row of W.
+
+void quantize_rows(const float* x, int64_t M, int64_t K, int64_t B, int8_t* q, float* dx,
+                   int32_t* qsum) {
+  const int64_t nb = K / B;
+  for (int64_t m = 0; m < M; ++m) {
+    for (int64_t b = 0; b < nb; ++b) {
+      const float* xb = x + m * K + b * B;
+      float amax = 0.0f;
+      for (int64_t j = 0; j < B; ++j) amax = std::max(amax, std::fabs(xb[j]));
+      const float d = amax / 127.0f;
+      int8_t* qb = q + m * K + b * B;
+      int32_t sum = 0;
+      for (int64_t j = 0; j < B; ++j) {
+        const float v = d > 0.0f ? std::nearbyint(xb[j] / d) : 0.0f;
+        const int32_t c = static_cast<int32_t>(std::min(127.0f, std::max(-127.0f, v)));
+        qb[j] = static_cast<int8_t>(c);
+        sum += c;
+      }
+      dx[m * nb + b] = d;
+      qsum[m * nb + b] = sum;
+    }
+  }
+}
+
+void block_dots_scalar(const uint8_t* u, const int8_t* q, int64_t K, int64_t B, int32_t* out) {
+  for (int64_t k0 = 0, b = 0; k0 < K; k0 += B, ++b) {
+    int32_t acc = 0;
+    for (int64_t j = k0; j < k0 + B; ++j) acc += static_cast<int32_t>(u[j]) * q[j];
+    out[b] = acc;
+  }
+}
+
+#if defined(__AVX2__)
+inline int32_t hsum256(__m256i v) {
+  __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4e));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xb1));
+  return _mm_cvtsi128_si32(s);
+}
+
+void block_dots_avx2(const uint8_t* u, const int8_t* q, int64_t K, int64_t B, int32_t* out) {
+  for (int64_t k0 = 0, b = 0; k0 < K; k0 += B, ++b) {
+    __m256i acc = _mm256_setzero_si256();
+    for (int64_t j = k0; j < k0 + B; j += 16) {
+      const __m256i a = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(u + j)));
+      const __m256i c = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + j)));
+      acc = _mm256_add_epi32(acc, _mm256_madd_epi16(a, c));
+    }
+    out[b] = hsum256(acc);
+  }
+}
+#endif
+
+#if defined(__AVX512F__)
+__attribute__((target("avx512vnni,avx512vl"))) void block_dots_vnni(const uint8_t* u,
+                                                                     const int8_t* q, int64_t K,
+                                                                     int64_t B, int32_t* out) {
+  for (int64_t k0 = 0, b = 0; k0 < K; k0 += B, ++b) {
+    __m256i acc = _mm256_setzero_si256();
+    for (int64_t j = k0; j < k0 + B; j += 32) {
+      const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(u + j));
+      const __m256i c = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + j));
+      acc = _mm256_dpbusd_epi32(acc, a, c);
+    }
+    out[b] = hsum256(acc);
+  }
+}
+#endif
+
+using BlockDots = void (*)(const uint8_t*, const int8_t*, int64_t, int64_t, int32_t*);
+
+BlockDots pick_block_dots() {
+#if defined(__AVX512F__)
+  if (__builtin_cpu_supports("avx512vnni")) return block_dots_vnni;
+#endif
+#if defined(__AVX2__)
+  return block_dots_avx2;
+#else
+  return block_dots_scalar;
+#endif
+}
+
+int32_t run_int8(const Weights& p, int32_t code, const float* x, int64_t M, int64_t K, int64_t N,
+                 int32_t block_shift, float* y, int32_t num_threads) {
+  if (M == 0 || N == 0) return kOk;
+  const int64_t B = int64_t{1} << block_shift;
+  const int64_t nb = K / B;
+  std::unique_ptr<int8_t[]> q(new (std::nothrow) int8_t[M * K]);
+  std::unique_ptr<float[]> dx(new (std::nothrow) float[M * nb]);
+  std::unique_ptr<int32_t[]> qsum(new (std::nothrow) int32_t[M * nb]);
+  if (!q || !dx || !qsum) return kNoMemory;
+  quantize_rows(x, M, K, B, q.get(), dx.get(), qsum.get());
+  const BlockDots dots = pick_block_dots();
+  const float offset = code == kInt4 ? 8.0f : 128.0f;
+  const bool parallel = num_threads > 1 && N > 1 && N * K * M >= kParallelWork;
+  bool failed = false;
+#pragma omp parallel num_threads(num_threads) if (parallel)
+  {
+    std::unique_ptr<uint8_t[]> buf(new (std::nothrow) uint8_t[K]);
+    std::unique_ptr<int32_t[]> isum(new (std::nothrow) int32_t[nb]);
+    if (!buf || !isum) {
+#pragma omp atomic write
+      failed = true;
+    } else {
+#pragma omp for schedule(static)
+      for (int64_t n = 0; n < N; ++n) {
+        const uint8_t* row = p.w + n * p.row_bytes;
+        const uint8_t* u = row;
+        if (code == kInt4) {
+          for (int64_t r = 0; r < K / kRun; ++r) {
+            const uint8_t* b = row + r * (kRun / 2);
+            uint8_t* o = buf.get() + r * kRun;
+            for (int j = 0; j < kRun / 2; ++j) {
+              o[j] = b[j] & 15;
+              o[kRun / 2 + j] = b[j] >> 4;
+            }
+          }
+          u = buf.get();
+        }
+        const int64_t srow = (n / p.row_block) * p.num_groups;
+        for (int64_t m = 0; m < M; ++m) {
+          dots(u, q.get() + m * K, K, B, isum.get());
+          float acc = 0.0f;
+          for (int64_t b = 0; b < nb; ++b) {
+            const int64_t g = p.group_shift >= 62 ? 0 : (b * B) >> p.group_shift;
+            const float z = p.zeros != nullptr ? p.zeros[srow + g] : offset;
+            const int32_t corr = static_cast<int32_t>(z) * qsum[m * nb + b];
+            acc += (dx[m * nb + b] * p.scales[srow + g]) * static_cast<float>(isum[b] - corr);
+          }
+          y[m * N + n] = acc;
+        }
+      }
+    }
+  }
+  return failed ? kNoMemory : kOk;
+}
+
 }  // namespace
 
 extern "C" {
@@ -438,6 +589,35 @@ int32_t asyncpaged_scaled_matmul(const float* x, int64_t M, int64_t K, const uin
     case kFp8E4M3:
       if (row_bytes != K || zeros != nullptr) return kBadIndex;
       return run_code<kFp8E4M3>(p, x, M, K, N, y, round, path, num_threads);
+    default:
+      return kBadDtype;
+  }
+}
+
+
+// The int8-activations product (layout above run_int8): the arguments of
+// asyncpaged_scaled_matmul for int4 / int8 codes (fp8: kBadDtype), and block_shift, log2 of x's
+// block (5 or more, at most group_shift, block dividing K). The scales are used as stored (no
+// per-weight rounding: round is not taken). Returns a Status (8: no memory for x's codes).
+int32_t asyncpaged_scaled_matmul_int8(const float* x, int64_t M, int64_t K, const uint8_t* w,
+                                      int64_t N, int64_t row_bytes, int32_t code,
+                                      const float* scales, const float* zeros, int64_t num_groups,
+                                      int32_t group_shift, int64_t row_block, int32_t block_shift,
+                                      float* y, int32_t num_threads) {
+  if (M < 0 || N < 0 || K <= 0 || K % kRun != 0 || row_block < 1) return kBadIndex;
+  if (group_shift < 5 || group_shift > 62) return kBadIndex;
+  if (block_shift < 5 || block_shift > 30 || block_shift > group_shift) return kBadIndex;
+  if (K % (int64_t{1} << block_shift) != 0) return kBadIndex;
+  const int64_t want_groups = group_shift >= 62 ? 1 : ((K - 1) >> group_shift) + 1;
+  if (num_groups != want_groups) return kBadIndex;
+  const Weights p{w, row_bytes, scales, zeros, num_groups, group_shift, row_block};
+  switch (code) {
+    case kInt8:
+      if (row_bytes != K) return kBadIndex;
+      return run_int8(p, code, x, M, K, N, block_shift, y, num_threads);
+    case kInt4:
+      if (row_bytes != K / 2) return kBadIndex;
+      return run_int8(p, code, x, M, K, N, block_shift, y, num_threads);
     default:
       return kBadDtype;
   }
