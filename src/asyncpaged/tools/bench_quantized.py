@@ -31,7 +31,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 SHAPES: dict[str, dict[str, Any]] = {
     # Qwen3-0.6B's shape (28 layers of hidden 1024, its vocabulary, tied embeddings)
@@ -109,12 +109,15 @@ def measure(model: str, dtype: str, threads: int, new_tokens: int, batch: int,
 
     from asyncpaged import AsyncEngine, EngineConfig, SamplingParams
 
+    if activations not in ("float32", "int8"):
+        raise ValueError(f"activations must be 'float32' or 'int8', got {activations!r}.")
+    mode: Literal["float32", "int8"] = "int8" if activations == "int8" else "float32"
     torch.set_num_threads(threads)
 
     async def main() -> dict[str, float]:
         config = EngineConfig(model=model, dtype=dtype, executor_backend="thread",
                               kv_cache_bytes=256 << 20, seed=0,
-                              quantized_activations=activations)  # fmt: skip
+                              quantized_activations=mode)  # fmt: skip
         async with AsyncEngine(config) as engine:
             params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
             await engine.generate([5, 6, 7], SamplingParams(max_tokens=2, ignore_eos=True))

@@ -106,7 +106,7 @@ class WorkerSpec:
     # ranks capture together once every rank is ready: ``CaptureGraphs``)
     cuda_graph_sizes: tuple[int, ...] = ()
     max_model_len: int = 0
-    quantized_activations: str = "float32"  # GGUF weights: EngineConfig.quantized_activations
+    quantized_activations: str = "float32"  # quantized weights: EngineConfig.quantized_activations
 
 
 class ModelRunner:
@@ -160,8 +160,8 @@ class ModelRunner:
         sequence (transformers' bits; ``CpuAttentionBackend.sdpa_bf16_decode``). ``shard``
         picks a
         tensor-parallel shard of the weights and KV heads (a rank other than 0 never samples, so
-        it builds no screened head). ``quantized_activations`` ("int8"): GGUF weights multiply
-        int8-quantized activations (``EngineConfig.quantized_activations``).
+        it builds no screened head). ``quantized_activations`` ("int8"): quantized weights
+        multiply int8-quantized activations (``EngineConfig.quantized_activations``).
         """
         if num_blocks <= 0 or block_size <= 0 or num_host_blocks < 0:
             raise ValueError(
