@@ -415,10 +415,11 @@ int32_t run_code(const Weights& p, const float* x, int64_t M, int64_t K, int64_t
 // all-zero block), qsum = sum q. Each block's integer dot product with the weight row's unsigned
 // codes u, sum u * q, is exact in int32; the zero point enters through the block's qsum:
 //   y[m, n] = sum_b (dx[m, b] * s[n, g(b)]) * float(sum_j u_j q_j - z[n, g(b)] * qsum[m, b])
-// with the scaling and the sum over blocks in float32. s is the scale as stored (its bf16 / fp16
+// with the scaling and the sum over blocks in float32 (in vector lanes: any order). s is the scale as stored (its bf16 / fp16
 // value widened), z the integer zero point plus 2^(bits - 1). Dot products: vpdpbusd on
 // AVX512-VNNI CPUs (avx512 build, detected at run time), pmaddwd on bytes widened to int16 in
-// the avx2 build (exact: pmaddubsw would saturate int16 pairs of 8-bit codes), scalar otherwise.
+// the avx2 build (exact: pmaddubsw would saturate int16 pairs of 8-bit codes), scalar otherwise;
+// eight blocks' int32 vectors are reduced together by a hadd tree.
 // int4 rows are unpacked to one byte per code once per row of W.
 
 void quantize_rows(const float* x, int64_t M, int64_t K, int64_t B, int8_t* q, float* dx,
@@ -460,30 +461,76 @@ inline int32_t hsum256(__m256i v) {
   return _mm_cvtsi128_si32(s);
 }
 
-void block_dots_avx2(const uint8_t* u, const int8_t* q, int64_t K, int64_t B, int32_t* out) {
-  for (int64_t k0 = 0, b = 0; k0 < K; k0 += B, ++b) {
-    __m256i acc = _mm256_setzero_si256();
-    for (int64_t j = k0; j < k0 + B; j += 16) {
-      const __m256i a = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(u + j)));
-      const __m256i c = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + j)));
-      acc = _mm256_add_epi32(acc, _mm256_madd_epi16(a, c));
+// The lane sums of a[0..8) as one vector [sum a0, ..., sum a7] (a hadd tree).
+inline __m256i reduce8(const __m256i* a) {
+  const __m256i s01 = _mm256_hadd_epi32(a[0], a[1]);
+  const __m256i s23 = _mm256_hadd_epi32(a[2], a[3]);
+  const __m256i s45 = _mm256_hadd_epi32(a[4], a[5]);
+  const __m256i s67 = _mm256_hadd_epi32(a[6], a[7]);
+  const __m256i s0123 = _mm256_hadd_epi32(s01, s23);
+  const __m256i s4567 = _mm256_hadd_epi32(s45, s67);
+  return _mm256_add_epi32(_mm256_permute2x128_si256(s0123, s4567, 0x20),
+                          _mm256_permute2x128_si256(s0123, s4567, 0x31));
+}
+
+// Block sums with dot(acc, u + j, q + j) adding 32 products of bytes j.. to an int32 vector;
+// eight blocks reduced together.
+template <typename Dot>
+inline void block_dots_with(const uint8_t* u, const int8_t* q, int64_t K, int64_t B,
+                            int32_t* out, Dot dot) {
+  const int64_t nb = K / B;
+  int64_t b = 0;
+  for (; b + 8 <= nb; b += 8) {
+    __m256i acc[8];
+    for (int i = 0; i < 8; ++i) {
+      acc[i] = _mm256_setzero_si256();
+      for (int64_t j = (b + i) * B; j < (b + i + 1) * B; j += 32) acc[i] = dot(acc[i], u + j, q + j);
     }
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + b), reduce8(acc));
+  }
+  for (; b < nb; ++b) {
+    __m256i acc = _mm256_setzero_si256();
+    for (int64_t j = b * B; j < (b + 1) * B; j += 32) acc = dot(acc, u + j, q + j);
     out[b] = hsum256(acc);
   }
+}
+
+void block_dots_avx2(const uint8_t* u, const int8_t* q, int64_t K, int64_t B, int32_t* out) {
+  block_dots_with(u, q, K, B, out, [](__m256i acc, const uint8_t* a, const int8_t* c) {
+    for (int h = 0; h < 32; h += 16) {
+      const __m256i a16 =
+          _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(a + h)));
+      const __m256i c16 =
+          _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(c + h)));
+      acc = _mm256_add_epi32(acc, _mm256_madd_epi16(a16, c16));
+    }
+    return acc;
+  });
 }
 #endif
 
 #if defined(__AVX512F__)
+// block_dots_with's loops with vpdpbusd (written out: a lambda of another target is not inlined).
 __attribute__((target("avx512vnni,avx512vl"))) void block_dots_vnni(const uint8_t* u,
                                                                      const int8_t* q, int64_t K,
                                                                      int64_t B, int32_t* out) {
-  for (int64_t k0 = 0, b = 0; k0 < K; k0 += B, ++b) {
-    __m256i acc = _mm256_setzero_si256();
-    for (int64_t j = k0; j < k0 + B; j += 32) {
-      const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(u + j));
-      const __m256i c = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + j));
-      acc = _mm256_dpbusd_epi32(acc, a, c);
+  const auto dot = [&](__m256i acc, int64_t j) {
+    return _mm256_dpbusd_epi32(acc, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(u + j)),
+                               _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + j)));
+  };
+  const int64_t nb = K / B;
+  int64_t b = 0;
+  for (; b + 8 <= nb; b += 8) {
+    __m256i acc[8];
+    for (int i = 0; i < 8; ++i) {
+      acc[i] = _mm256_setzero_si256();
+      for (int64_t j = (b + i) * B; j < (b + i + 1) * B; j += 32) acc[i] = dot(acc[i], j);
     }
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + b), reduce8(acc));
+  }
+  for (; b < nb; ++b) {
+    __m256i acc = _mm256_setzero_si256();
+    for (int64_t j = b * B; j < (b + 1) * B; j += 32) acc = dot(acc, j);
     out[b] = hsum256(acc);
   }
 }
@@ -520,7 +567,9 @@ int32_t run_int8(const Weights& p, int32_t code, const float* x, int64_t M, int6
   {
     std::unique_ptr<uint8_t[]> buf(new (std::nothrow) uint8_t[K]);
     std::unique_ptr<int32_t[]> isum(new (std::nothrow) int32_t[nb]);
-    if (!buf || !isum) {
+    std::unique_ptr<float[]> sb(new (std::nothrow) float[nb]);
+    std::unique_ptr<int32_t[]> zb(new (std::nothrow) int32_t[nb]);
+    if (!buf || !isum || !sb || !zb) {
 #pragma omp atomic write
       failed = true;
     } else {
@@ -532,22 +581,36 @@ int32_t run_int8(const Weights& p, int32_t code, const float* x, int64_t M, int6
           for (int64_t r = 0; r < K / kRun; ++r) {
             const uint8_t* b = row + r * (kRun / 2);
             uint8_t* o = buf.get() + r * kRun;
+#if defined(__SSE2__)
+            const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b));
+            const __m128i mask = _mm_set1_epi8(15);
+            _mm_storeu_si128(reinterpret_cast<__m128i*>(o), _mm_and_si128(v, mask));
+            _mm_storeu_si128(reinterpret_cast<__m128i*>(o + kRun / 2),
+                             _mm_and_si128(_mm_srli_epi16(v, 4), mask));
+#else
             for (int j = 0; j < kRun / 2; ++j) {
               o[j] = b[j] & 15;
               o[kRun / 2 + j] = b[j] >> 4;
             }
+#endif
           }
           u = buf.get();
         }
         const int64_t srow = (n / p.row_block) * p.num_groups;
+        for (int64_t b = 0; b < nb; ++b) {  // this row's scale and zero per block of x
+          const int64_t g = p.group_shift >= 62 ? 0 : (b * B) >> p.group_shift;
+          sb[b] = p.scales[srow + g];
+          zb[b] = static_cast<int32_t>(p.zeros != nullptr ? p.zeros[srow + g] : offset);
+        }
         for (int64_t m = 0; m < M; ++m) {
-          dots(u, q.get() + m * K, K, B, isum.get());
+          int32_t* is = isum.get();
+          dots(u, q.get() + m * K, K, B, is);
+          const float* d = dx.get() + m * nb;
+          const int32_t* qs = qsum.get() + m * nb;
           float acc = 0.0f;
+#pragma omp simd reduction(+ : acc)
           for (int64_t b = 0; b < nb; ++b) {
-            const int64_t g = p.group_shift >= 62 ? 0 : (b * B) >> p.group_shift;
-            const float z = p.zeros != nullptr ? p.zeros[srow + g] : offset;
-            const int32_t corr = static_cast<int32_t>(z) * qsum[m * nb + b];
-            acc += (dx[m * nb + b] * p.scales[srow + g]) * static_cast<float>(isum[b] - corr);
+            acc += (d[b] * sb[b]) * static_cast<float>(is[b] - zb[b] * qs[b]);
           }
           y[m * N + n] = acc;
         }

@@ -320,16 +320,17 @@ def test_no_access_outside_the_tensors(target: str) -> None:
 def test_int8_activations_match_float64(target: str, code: str, grouping: str) -> None:
     """The int8-activations product against its float64 reference (float32 rounding of the
     per-block scaling and the sum over blocks only), and the reference against the exact product
-    (the quantization of x: at most max|x| / 254 per element times the row's sum of |W|)."""
+    (the quantization of x: at most max|x| / 254 per element times the row's sum of |W|).
+    K = 320: ten blocks of 32 (eight reduced together, two alone), five groups of 64."""
     for asym in (False, True) if grouping != "tensor" else (False,):
-        w, layout = random_layout(code, 37, 256, grouping, torch.bfloat16, asym, seed=3)
-        x = torch.randn(17, 256, generator=torch.Generator().manual_seed(4))
+        w, layout = random_layout(code, 37, 320, grouping, torch.bfloat16, asym, seed=3)
+        x = torch.randn(17, 320, generator=torch.Generator().manual_seed(4))
         x[3] = 0.0  # an all-zero row: dx 0
         x[5, :40] *= 50.0  # outliers
         y = sm.scaled_matmul(x, w, layout, target=target, activations="int8", num_threads=2)
         ref = sm.torch_scaled_matmul_int8(x, w, layout)
         mag = sm.torch_scaled_matmul_int8(x, w, layout, magnitude=True)
-        num_blocks = 256 // sm.activation_block(layout)
+        num_blocks = 320 // sm.activation_block(layout)
         assert ((y.double() - ref).abs() <= (num_blocks + 2) * EPS * mag).all()
         weights = sm.dequantize_codes(w, layout).double()
         exact = x.double() @ weights.T
