@@ -1,7 +1,9 @@
 """compressed-tensors checkpoints through the engine: greedy output token-identical to
 transformers' model decompressed by compressed-tensors (float32) per family and scheme, with
 concurrent requests and preemption; logprobs close; every targeted projection kept quantized
-(no float copy); a broken checkpoint refused at start with a typed error.
+(no float copy); a broken checkpoint refused at start with a typed error; with
+``quantized_activations="int8"`` int4 / int8 projections stay close to the exact path and fp8
+ones keep float32 activations.
 
 Qwen3-MoE checkpoints store one quantized projection per expert (``mlp.experts.E.*_proj``), the
 router in float; transformers' reference stacks the decompressed experts into its fused expert
