@@ -44,6 +44,9 @@
 #if defined(__SSE2__)
 #include <immintrin.h>
 #endif
+#if defined(_OPENMP)
+#include <omp.h>
+#endif
 
 namespace {
 
@@ -562,17 +565,22 @@ int32_t run_int8(const Weights& p, int32_t code, const float* x, int64_t M, int6
   const BlockDots dots = pick_block_dots();
   const float offset = code == kInt4 ? 8.0f : 128.0f;
   const bool parallel = num_threads > 1 && N > 1 && N * K * M >= kParallelWork;
-  bool failed = false;
+  // per thread: a row's unpacked codes [K], block sums, scales and zeros [nb] each
+  const int64_t per_thread = K + nb * 3 * 4;
+  const int64_t team = parallel ? num_threads : 1;
+  std::unique_ptr<uint8_t[]> scratch(new (std::nothrow) uint8_t[team * per_thread]);
+  if (!scratch) return kNoMemory;
 #pragma omp parallel num_threads(num_threads) if (parallel)
   {
-    std::unique_ptr<uint8_t[]> buf(new (std::nothrow) uint8_t[K]);
-    std::unique_ptr<int32_t[]> isum(new (std::nothrow) int32_t[nb]);
-    std::unique_ptr<float[]> sb(new (std::nothrow) float[nb]);
-    std::unique_ptr<int32_t[]> zb(new (std::nothrow) int32_t[nb]);
-    if (!buf || !isum || !sb || !zb) {
-#pragma omp atomic write
-      failed = true;
-    } else {
+#if defined(_OPENMP)
+    uint8_t* buf = scratch.get() + omp_get_thread_num() * per_thread;
+#else
+    uint8_t* buf = scratch.get();
+#endif
+    int32_t* isum = reinterpret_cast<int32_t*>(buf + K);
+    float* sb = reinterpret_cast<float*>(isum + nb);
+    int32_t* zb = isum + 2 * nb;
+    {
 #pragma omp for schedule(static)
       for (int64_t n = 0; n < N; ++n) {
         const uint8_t* row = p.w + n * p.row_bytes;
@@ -580,7 +588,7 @@ int32_t run_int8(const Weights& p, int32_t code, const float* x, int64_t M, int6
         if (code == kInt4) {
           for (int64_t r = 0; r < K / kRun; ++r) {
             const uint8_t* b = row + r * (kRun / 2);
-            uint8_t* o = buf.get() + r * kRun;
+            uint8_t* o = buf + r * kRun;
 #if defined(__SSE2__)
             const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b));
             const __m128i mask = _mm_set1_epi8(15);
@@ -594,7 +602,7 @@ int32_t run_int8(const Weights& p, int32_t code, const float* x, int64_t M, int6
             }
 #endif
           }
-          u = buf.get();
+          u = buf;
         }
         const int64_t srow = (n / p.row_block) * p.num_groups;
         for (int64_t b = 0; b < nb; ++b) {  // this row's scale and zero per block of x
@@ -603,7 +611,7 @@ int32_t run_int8(const Weights& p, int32_t code, const float* x, int64_t M, int6
           zb[b] = static_cast<int32_t>(p.zeros != nullptr ? p.zeros[srow + g] : offset);
         }
         for (int64_t m = 0; m < M; ++m) {
-          int32_t* is = isum.get();
+          int32_t* is = isum;
           dots(u, q.get() + m * K, K, B, is);
           const float* d = dx.get() + m * nb;
           const int32_t* qs = qsum.get() + m * nb;
@@ -617,7 +625,7 @@ int32_t run_int8(const Weights& p, int32_t code, const float* x, int64_t M, int6
       }
     }
   }
-  return failed ? kNoMemory : kOk;
+  return kOk;
 }
 
 }  // namespace
