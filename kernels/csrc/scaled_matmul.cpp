@@ -33,6 +33,8 @@
 
 #include "cpu_vec.h"
 
+#include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <memory>
@@ -41,6 +43,9 @@
 
 #if defined(__SSE2__)
 #include <immintrin.h>
+#endif
+#if defined(_OPENMP)
+#include <omp.h>
 #endif
 
 namespace {
@@ -406,6 +411,223 @@ int32_t run_code(const Weights& p, const float* x, int64_t M, int64_t K, int64_t
   }
 }
 
+// ---- int8 activations (opt-in) ----
+//
+// x is quantized per row and per block of B = 2^block_shift elements (B >= 32 and within one
+// scale group): dx = max|x| / 127 (float32), q = round(x / dx) to nearest, ties to even (0 for an
+// all-zero block), qsum = sum q. Each block's integer dot product with the weight row's unsigned
+// codes u, sum u * q, is exact in int32; the zero point enters through the block's qsum:
+//   y[m, n] = sum_b (dx[m, b] * s[n, g(b)]) * float(sum_j u_j q_j - z[n, g(b)] * qsum[m, b])
+// with the scaling and the sum over blocks in float32 (in vector lanes: any order). s is the scale as stored (its bf16 / fp16
+// value widened), z the integer zero point plus 2^(bits - 1). Dot products: vpdpbusd on
+// AVX512-VNNI CPUs (avx512 build, detected at run time), pmaddwd on bytes widened to int16 in
+// the avx2 build (exact: pmaddubsw would saturate int16 pairs of 8-bit codes), scalar otherwise;
+// eight blocks' int32 vectors are reduced together by a hadd tree.
+// int4 rows are unpacked to one byte per code once per row of W.
+
+void quantize_rows(const float* x, int64_t M, int64_t K, int64_t B, int8_t* q, float* dx,
+                   int32_t* qsum) {
+  const int64_t nb = K / B;
+  for (int64_t m = 0; m < M; ++m) {
+    for (int64_t b = 0; b < nb; ++b) {
+      const float* xb = x + m * K + b * B;
+      float amax = 0.0f;
+      for (int64_t j = 0; j < B; ++j) amax = std::max(amax, std::fabs(xb[j]));
+      const float d = amax / 127.0f;
+      int8_t* qb = q + m * K + b * B;
+      int32_t sum = 0;
+      for (int64_t j = 0; j < B; ++j) {
+        const float v = d > 0.0f ? std::nearbyint(xb[j] / d) : 0.0f;
+        const int32_t c = static_cast<int32_t>(std::min(127.0f, std::max(-127.0f, v)));
+        qb[j] = static_cast<int8_t>(c);
+        sum += c;
+      }
+      dx[m * nb + b] = d;
+      qsum[m * nb + b] = sum;
+    }
+  }
+}
+
+void block_dots_scalar(const uint8_t* u, const int8_t* q, int64_t K, int64_t B, int32_t* out) {
+  for (int64_t k0 = 0, b = 0; k0 < K; k0 += B, ++b) {
+    int32_t acc = 0;
+    for (int64_t j = k0; j < k0 + B; ++j) acc += static_cast<int32_t>(u[j]) * q[j];
+    out[b] = acc;
+  }
+}
+
+#if defined(__AVX2__)
+inline int32_t hsum256(__m256i v) {
+  __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4e));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xb1));
+  return _mm_cvtsi128_si32(s);
+}
+
+// The lane sums of a[0..8) as one vector [sum a0, ..., sum a7] (a hadd tree).
+inline __m256i reduce8(const __m256i* a) {
+  const __m256i s01 = _mm256_hadd_epi32(a[0], a[1]);
+  const __m256i s23 = _mm256_hadd_epi32(a[2], a[3]);
+  const __m256i s45 = _mm256_hadd_epi32(a[4], a[5]);
+  const __m256i s67 = _mm256_hadd_epi32(a[6], a[7]);
+  const __m256i s0123 = _mm256_hadd_epi32(s01, s23);
+  const __m256i s4567 = _mm256_hadd_epi32(s45, s67);
+  return _mm256_add_epi32(_mm256_permute2x128_si256(s0123, s4567, 0x20),
+                          _mm256_permute2x128_si256(s0123, s4567, 0x31));
+}
+
+// Block sums with dot(acc, u + j, q + j) adding 32 products of bytes j.. to an int32 vector;
+// eight blocks reduced together.
+template <typename Dot>
+inline void block_dots_with(const uint8_t* u, const int8_t* q, int64_t K, int64_t B,
+                            int32_t* out, Dot dot) {
+  const int64_t nb = K / B;
+  int64_t b = 0;
+  for (; b + 8 <= nb; b += 8) {
+    __m256i acc[8];
+    for (int i = 0; i < 8; ++i) {
+      acc[i] = _mm256_setzero_si256();
+      for (int64_t j = (b + i) * B; j < (b + i + 1) * B; j += 32) acc[i] = dot(acc[i], u + j, q + j);
+    }
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + b), reduce8(acc));
+  }
+  for (; b < nb; ++b) {
+    __m256i acc = _mm256_setzero_si256();
+    for (int64_t j = b * B; j < (b + 1) * B; j += 32) acc = dot(acc, u + j, q + j);
+    out[b] = hsum256(acc);
+  }
+}
+
+void block_dots_avx2(const uint8_t* u, const int8_t* q, int64_t K, int64_t B, int32_t* out) {
+  block_dots_with(u, q, K, B, out, [](__m256i acc, const uint8_t* a, const int8_t* c) {
+    for (int h = 0; h < 32; h += 16) {
+      const __m256i a16 =
+          _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(a + h)));
+      const __m256i c16 =
+          _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(c + h)));
+      acc = _mm256_add_epi32(acc, _mm256_madd_epi16(a16, c16));
+    }
+    return acc;
+  });
+}
+#endif
+
+#if defined(__AVX512F__)
+// block_dots_with's loops with vpdpbusd (written out: a lambda of another target is not inlined).
+__attribute__((target("avx512vnni,avx512vl"))) void block_dots_vnni(const uint8_t* u,
+                                                                     const int8_t* q, int64_t K,
+                                                                     int64_t B, int32_t* out) {
+  const auto dot = [&](__m256i acc, int64_t j) {
+    return _mm256_dpbusd_epi32(acc, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(u + j)),
+                               _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + j)));
+  };
+  const int64_t nb = K / B;
+  int64_t b = 0;
+  for (; b + 8 <= nb; b += 8) {
+    __m256i acc[8];
+    for (int i = 0; i < 8; ++i) {
+      acc[i] = _mm256_setzero_si256();
+      for (int64_t j = (b + i) * B; j < (b + i + 1) * B; j += 32) acc[i] = dot(acc[i], j);
+    }
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + b), reduce8(acc));
+  }
+  for (; b < nb; ++b) {
+    __m256i acc = _mm256_setzero_si256();
+    for (int64_t j = b * B; j < (b + 1) * B; j += 32) acc = dot(acc, j);
+    out[b] = hsum256(acc);
+  }
+}
+#endif
+
+using BlockDots = void (*)(const uint8_t*, const int8_t*, int64_t, int64_t, int32_t*);
+
+BlockDots pick_block_dots() {
+#if defined(__AVX512F__)
+  if (__builtin_cpu_supports("avx512vnni")) return block_dots_vnni;
+#endif
+#if defined(__AVX2__)
+  return block_dots_avx2;
+#else
+  return block_dots_scalar;
+#endif
+}
+
+int32_t run_int8(const Weights& p, int32_t code, const float* x, int64_t M, int64_t K, int64_t N,
+                 int32_t block_shift, float* y, int32_t num_threads) {
+  if (M == 0 || N == 0) return kOk;
+  const int64_t B = int64_t{1} << block_shift;
+  const int64_t nb = K / B;
+  std::unique_ptr<int8_t[]> q(new (std::nothrow) int8_t[M * K]);
+  std::unique_ptr<float[]> dx(new (std::nothrow) float[M * nb]);
+  std::unique_ptr<int32_t[]> qsum(new (std::nothrow) int32_t[M * nb]);
+  if (!q || !dx || !qsum) return kNoMemory;
+  quantize_rows(x, M, K, B, q.get(), dx.get(), qsum.get());
+  const BlockDots dots = pick_block_dots();
+  const float offset = code == kInt4 ? 8.0f : 128.0f;
+  const bool parallel = num_threads > 1 && N > 1 && N * K * M >= kParallelWork;
+  // per thread: a row's unpacked codes [K], block sums, scales and zeros [nb] each
+  const int64_t per_thread = K + nb * 3 * 4;
+  const int64_t team = parallel ? num_threads : 1;
+  std::unique_ptr<uint8_t[]> scratch(new (std::nothrow) uint8_t[team * per_thread]);
+  if (!scratch) return kNoMemory;
+#pragma omp parallel num_threads(num_threads) if (parallel)
+  {
+#if defined(_OPENMP)
+    uint8_t* buf = scratch.get() + omp_get_thread_num() * per_thread;
+#else
+    uint8_t* buf = scratch.get();
+#endif
+    int32_t* isum = reinterpret_cast<int32_t*>(buf + K);
+    float* sb = reinterpret_cast<float*>(isum + nb);
+    int32_t* zb = isum + 2 * nb;
+    {
+#pragma omp for schedule(static)
+      for (int64_t n = 0; n < N; ++n) {
+        const uint8_t* row = p.w + n * p.row_bytes;
+        const uint8_t* u = row;
+        if (code == kInt4) {
+          for (int64_t r = 0; r < K / kRun; ++r) {
+            const uint8_t* b = row + r * (kRun / 2);
+            uint8_t* o = buf + r * kRun;
+#if defined(__SSE2__)
+            const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b));
+            const __m128i mask = _mm_set1_epi8(15);
+            _mm_storeu_si128(reinterpret_cast<__m128i*>(o), _mm_and_si128(v, mask));
+            _mm_storeu_si128(reinterpret_cast<__m128i*>(o + kRun / 2),
+                             _mm_and_si128(_mm_srli_epi16(v, 4), mask));
+#else
+            for (int j = 0; j < kRun / 2; ++j) {
+              o[j] = b[j] & 15;
+              o[kRun / 2 + j] = b[j] >> 4;
+            }
+#endif
+          }
+          u = buf;
+        }
+        const int64_t srow = (n / p.row_block) * p.num_groups;
+        for (int64_t b = 0; b < nb; ++b) {  // this row's scale and zero per block of x
+          const int64_t g = p.group_shift >= 62 ? 0 : (b * B) >> p.group_shift;
+          sb[b] = p.scales[srow + g];
+          zb[b] = static_cast<int32_t>(p.zeros != nullptr ? p.zeros[srow + g] : offset);
+        }
+        for (int64_t m = 0; m < M; ++m) {
+          int32_t* is = isum;
+          dots(u, q.get() + m * K, K, B, is);
+          const float* d = dx.get() + m * nb;
+          const int32_t* qs = qsum.get() + m * nb;
+          float acc = 0.0f;
+#pragma omp simd reduction(+ : acc)
+          for (int64_t b = 0; b < nb; ++b) {
+            acc += (d[b] * sb[b]) * static_cast<float>(is[b] - zb[b] * qs[b]);
+          }
+          y[m * N + n] = acc;
+        }
+      }
+    }
+  }
+  return kOk;
+}
+
 }  // namespace
 
 extern "C" {
@@ -438,6 +660,35 @@ int32_t asyncpaged_scaled_matmul(const float* x, int64_t M, int64_t K, const uin
     case kFp8E4M3:
       if (row_bytes != K || zeros != nullptr) return kBadIndex;
       return run_code<kFp8E4M3>(p, x, M, K, N, y, round, path, num_threads);
+    default:
+      return kBadDtype;
+  }
+}
+
+
+// The int8-activations product (layout above run_int8): the arguments of
+// asyncpaged_scaled_matmul for int4 / int8 codes (fp8: kBadDtype), and block_shift, log2 of x's
+// block (5 or more, at most group_shift, block dividing K). The scales are used as stored (no
+// per-weight rounding: round is not taken). Returns a Status (8: no memory for x's codes).
+int32_t asyncpaged_scaled_matmul_int8(const float* x, int64_t M, int64_t K, const uint8_t* w,
+                                      int64_t N, int64_t row_bytes, int32_t code,
+                                      const float* scales, const float* zeros, int64_t num_groups,
+                                      int32_t group_shift, int64_t row_block, int32_t block_shift,
+                                      float* y, int32_t num_threads) {
+  if (M < 0 || N < 0 || K <= 0 || K % kRun != 0 || row_block < 1) return kBadIndex;
+  if (group_shift < 5 || group_shift > 62) return kBadIndex;
+  if (block_shift < 5 || block_shift > 30 || block_shift > group_shift) return kBadIndex;
+  if (K % (int64_t{1} << block_shift) != 0) return kBadIndex;
+  const int64_t want_groups = group_shift >= 62 ? 1 : ((K - 1) >> group_shift) + 1;
+  if (num_groups != want_groups) return kBadIndex;
+  const Weights p{w, row_bytes, scales, zeros, num_groups, group_shift, row_block};
+  switch (code) {
+    case kInt8:
+      if (row_bytes != K) return kBadIndex;
+      return run_int8(p, code, x, M, K, N, block_shift, y, num_threads);
+    case kInt4:
+      if (row_bytes != K / 2) return kBadIndex;
+      return run_int8(p, code, x, M, K, N, block_shift, y, num_threads);
     default:
       return kBadDtype;
   }

@@ -131,9 +131,10 @@ class EngineConfig:
     # the chat template where that is unambiguous, None parses no calls; engine.chat's
     # tool_call_parser overrides it per request
     tool_call_parser: str | None = "auto"
-    # GGUF weights (docs/quantized.md): "float32" multiplies the model's activations in float32
-    # (exact: transformers' dequantized model, up to summation order); "int8" quantizes them per
-    # weight block first and sums in integers, as llama.cpp does (faster, not exact)
+    # GGUF and compressed-tensors int4 / int8 weights (docs/quantized.md): "float32" multiplies
+    # the model's activations in float32 (exact: transformers' dequantized model, up to summation
+    # order); "int8" quantizes them per weight block or group first and sums in integers, as
+    # llama.cpp does (faster, not exact); fp8 weights multiply float32 either way
     quantized_activations: Literal["float32", "int8"] = "float32"
     # gc.freeze() once started (every object alive then leaves the cyclic GC's walks, which
     # otherwise stall the host loop 100+ ms), gc.unfreeze() when the last such engine closes

@@ -312,3 +312,51 @@ def test_no_access_outside_the_tensors(target: str) -> None:
     )
     assert done.returncode == 0, f"exit {done.returncode}\n{done.stdout}\n{done.stderr[-3000:]}"
     assert "runs 432" in done.stdout
+
+
+@pytest.mark.parametrize("target", cpu_build.supported_targets())
+@pytest.mark.parametrize("code", ["int4", "int8"])
+@pytest.mark.parametrize("grouping", list(GROUPINGS))
+def test_int8_activations_match_float64(target: str, code: str, grouping: str) -> None:
+    """The int8-activations product against its float64 reference (float32 rounding of the
+    per-block scaling and the sum over blocks only), and the reference against the exact product
+    (the quantization of x: at most max|x| / 254 per element times the row's sum of |W|).
+    K = 320: ten blocks of 32 (eight reduced together, two alone), five groups of 64."""
+    for asym in (False, True) if grouping != "tensor" else (False,):
+        w, layout = random_layout(code, 37, 320, grouping, torch.bfloat16, asym, seed=3)
+        x = torch.randn(17, 320, generator=torch.Generator().manual_seed(4))
+        x[3] = 0.0  # an all-zero row: dx 0
+        x[5, :40] *= 50.0  # outliers
+        y = sm.scaled_matmul(x, w, layout, target=target, activations="int8", num_threads=2)
+        ref = sm.torch_scaled_matmul_int8(x, w, layout)
+        mag = sm.torch_scaled_matmul_int8(x, w, layout, magnitude=True)
+        num_blocks = 320 // sm.activation_block(layout)
+        assert ((y.double() - ref).abs() <= (num_blocks + 2) * EPS * mag).all()
+        weights = sm.dequantize_codes(w, layout).double()
+        exact = x.double() @ weights.T
+        bound = x.abs().amax(1, keepdim=True).double() / 254 * weights.abs().sum(1)[None]
+        assert ((ref - exact).abs() <= bound * (1 + 1e-9) + 1e-300).all()
+
+
+def test_int8_activation_blocks() -> None:
+    w, layout = random_layout("int4", 4, 256, "group64", torch.float32, False)
+    assert sm.activation_block(layout) == 64
+    _, channel = random_layout("int4", 4, 256, "channel", torch.float32, False)
+    assert sm.activation_block(channel) == 128
+    _, narrow = random_layout("int8", 4, 96, "channel", torch.float32, False)
+    assert sm.activation_block(narrow) == 32
+    x = torch.randn(2, 256)
+    with pytest.raises(ValueError, match="activations must be"):
+        sm.scaled_matmul(x, w, layout, activations="int4")
+    fp8, fp8_layout = random_layout("fp8_e4m3", 4, 256, "channel", torch.float32, False)
+    with pytest.raises(ValueError, match="int4 or int8 codes"):
+        sm.scaled_matmul(x, fp8, fp8_layout, activations="int8")
+
+
+def test_int8_activations_torch_fallback(monkeypatch: pytest.MonkeyPatch) -> None:
+    w, layout = random_layout("int4", 8, 128, "group32", torch.float32, True)
+    x = torch.randn(3, 128)
+    monkeypatch.setattr(sm, "native_scaled_matmul", lambda target=None: None)
+    y = sm.scaled_matmul(x, w, layout, activations="int8")
+    assert y.dtype == torch.float32
+    torch.testing.assert_close(y.double(), sm.torch_scaled_matmul_int8(x, w, layout))

@@ -31,9 +31,9 @@ from asyncpaged.kernels import quant_matmul as qm
 from asyncpaged.kernels import scaled_matmul as sm
 from asyncpaged.kernels import triton_quant_matmul as tq
 from asyncpaged.model.fp8_weight import FP8Weight
-from asyncpaged.model.gguf_weight import GGUFWeight, set_activations
+from asyncpaged.model.gguf_weight import GGUFWeight
 from asyncpaged.model.packed_int_weight import PackedIntWeight
-from asyncpaged.model.quantized_linear import attach_quantized
+from asyncpaged.model.quantized_linear import attach_quantized, set_activations
 from tests.kernels import test_quant_matmul as cpu_gguf
 from tests.kernels import test_scaled_matmul as cpu_scaled
 from tests.kernels.conftest import NATIVE

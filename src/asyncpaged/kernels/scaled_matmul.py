@@ -22,6 +22,18 @@ sums in float32, so it differs from ``x @ W.T`` in float32 only by summation ord
 
 Without the native library ``scaled_matmul`` falls back to ``torch_scaled_matmul``:
 ``dequantize_codes`` of a few hundred rows at a time and a float32 matmul.
+
+**int8 activations** (``activations="int8"``, int4 and int8 codes; opt-in, not exact): each row
+of x is quantized per block of ``activation_block(layout)`` elements (the weight's group size,
+or 128 for per-channel and per-tensor weights, 32 when 128 does not divide K): ``dx = max|x| /
+127`` in float32, codes ``round(x / dx)`` ties to even. Each block's dot product with the
+weight's unsigned codes is exact in int32 (``vpdpbusd`` on AVX512-VNNI CPUs, ``pmaddwd``
+otherwise), the zero point enters as ``z * sum(x codes)``, and only the scaling by ``dx`` times
+the stored scale and the sum over blocks round in float32 (``torch_scaled_matmul_int8`` is the
+float64 reference). Per-channel weights take blocks of 128 as the common group size of grouped
+checkpoints: x's error is then what a group-128 checkpoint's is, at a quarter of the float
+scalings of blocks of 32. The scales are used as stored (a bf16 / fp16 scale is exact in
+float32); the per-weight rounding of the exact path has no counterpart here.
 """
 
 from __future__ import annotations
@@ -40,16 +52,20 @@ from .quant_matmul import check_input, describe_tensor
 __all__ = [
     "CODES",
     "ScaledLayout",
+    "activation_block",
     "dequantize_codes",
     "native_scaled_matmul",
     "scaled_matmul",
     "torch_scaled_matmul",
+    "torch_scaled_matmul_int8",
 ]
 
 #: code name -> (native id, bits per code)
 CODES: Final = {"int4": (4, 4), "int8": (8, 8), "fp8_e4m3": (3, 8)}
 ROUNDINGS: Final = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 PATHS: Final = {"auto": 0, "gemv": 1, "tiled": 2}
+ACTIVATIONS: Final = ("float32", "int8")
+CHANNEL_ACTIVATION_BLOCK: Final = 128
 RUN: Final = 32  # elements per decode run: K and group_size are multiples of it
 FALLBACK_ROWS: Final = 256
 _STATUS_MESSAGES: Final = {
@@ -132,6 +148,15 @@ def check_layout(w: torch.Tensor, layout: ScaledLayout) -> None:
         raise ValueError("fp8 codes have no zero points: zeros must be None.")
 
 
+def activation_block(layout: ScaledLayout) -> int:
+    """The block of x the int8-activations path quantizes together: the weight's group size,
+    else 128 when it divides K, else 32."""
+    if layout.group_size < layout.in_features:
+        return layout.group_size
+    k = layout.in_features
+    return CHANNEL_ACTIVATION_BLOCK if k % CHANNEL_ACTIVATION_BLOCK == 0 else RUN
+
+
 class NativeScaledMatmul:
     """The scaled matmul of one loaded kernel library, unchecked (``scaled_matmul`` checks)."""
 
@@ -157,6 +182,27 @@ class NativeScaledMatmul:
             i32,
             i32,
         ]
+        self._int8 = lib.asyncpaged_scaled_matmul_int8
+        self._int8.restype = i32
+        self._int8.argtypes = [ptr, i64, i64, ptr, i64, i64, i32, ptr, ptr, i64, i32, i64, i32,
+                               ptr, i32]  # fmt: skip
+
+    def int8(
+        self, x: torch.Tensor, w: torch.Tensor, layout: ScaledLayout, num_threads: int
+    ) -> torch.Tensor:
+        """The int8-activations product (int4 / int8 codes)."""
+        y = torch.empty(x.shape[0], w.shape[0], dtype=torch.float32)
+        zeros = None if layout.zeros is None else layout.zeros.data_ptr()
+        status = self._int8(
+            x.data_ptr(), x.shape[0], layout.in_features, w.data_ptr(), w.shape[0], w.shape[1],
+            CODES[layout.code][0], layout.scales.data_ptr(), zeros, layout.num_groups,
+            layout.group_shift, layout.row_block, activation_block(layout).bit_length() - 1,
+            y.data_ptr(), num_threads,
+        )  # fmt: skip
+        if status != 0:
+            message = _STATUS_MESSAGES.get(status, str(status))
+            raise ValueError(f"the scaled matmul kernel refused its inputs: {message}.")
+        return y
 
     def __call__(
         self, x: torch.Tensor, w: torch.Tensor, layout: ScaledLayout, path: str, num_threads: int
@@ -203,10 +249,13 @@ def scaled_matmul(
     num_threads: int | None = None,
     target: str | None = None,
     path: str = "auto",
+    activations: str = "float32",
 ) -> torch.Tensor:
     """``x @ dequantize_codes(w, layout).T``: x [M, K] float32, w [N, layout.row_bytes] uint8,
     contiguous on the CPU -> [M, N] float32 (exact up to float32 summation order).
 
+    ``activations``: ``"float32"`` (exact) or ``"int8"`` (x quantized per block, int4 and int8
+    codes only: see the module docstring; ``path`` is not taken).
     ``path``: ``"auto"``, ``"gemv"`` or ``"tiled"``; ``num_threads`` defaults to
     ``torch.get_num_threads()``; ``target``: the native build. Falls back to
     ``torch_scaled_matmul`` without the native library. Raises ``ValueError`` on any
@@ -215,10 +264,18 @@ def scaled_matmul(
     check_input(x, layout.in_features)
     if path not in PATHS:
         raise ValueError(f"path must be one of {sorted(PATHS)}, got {path!r}.")
+    if activations not in ACTIVATIONS:
+        raise ValueError(f"activations must be one of {ACTIVATIONS}, got {activations!r}.")
+    if activations == "int8" and layout.code == "fp8_e4m3":
+        raise ValueError("activations='int8' needs int4 or int8 codes, got fp8_e4m3.")
     threads = torch.get_num_threads() if num_threads is None else num_threads
     if threads < 1:
         raise ValueError(f"num_threads must be >= 1, got {threads}.")
     op = native_scaled_matmul(target)
+    if activations == "int8":
+        if op is None:
+            return torch_scaled_matmul_int8(x, w, layout).float()
+        return op.int8(x, w, layout, threads)
     if op is None:
         return torch_scaled_matmul(x, w, layout)
     return op(x, w, layout, path, threads)
@@ -267,3 +324,32 @@ def dequantize_codes(w: torch.Tensor, layout: ScaledLayout, first_row: int = 0) 
         zeros = layout.zeros if layout.zeros is not None else offset.expand(layout.scales.shape)
         codes = codes - per_element(zeros)
     return (codes * per_element(layout.scales)).float()
+
+
+def torch_scaled_matmul_int8(
+    x: torch.Tensor, w: torch.Tensor, layout: ScaledLayout, *, magnitude: bool = False
+) -> torch.Tensor:
+    """The int8-activations product in float64: x quantized exactly as the kernel quantizes it
+    (float32 ``dx`` and division, ties to even), integer block sums and zero-point corrections,
+    then ``dx * scale`` per block summed in float64 -> [M, N] float64. ``magnitude``: the sum
+    of the terms' absolute values instead (what bounds the kernel's float32 rounding)."""
+    check_layout(w, layout)
+    check_input(x, layout.in_features)
+    assert layout.code in ("int4", "int8"), layout.code
+    m, k, n = x.shape[0], layout.in_features, int(w.shape[0])
+    block = activation_block(layout)
+    xb = x.reshape(m, k // block, block)
+    dx = xb.abs().amax(-1) / 127.0  # [M, nb] float32
+    safe = torch.where(dx > 0, dx, torch.ones_like(dx))
+    q = torch.where(dx[..., None] > 0, torch.round(xb / safe[..., None]), 0.0).clamp(-127, 127)
+    u = unpack_codes(w, layout).double().reshape(n, k // block, block)  # [N, nb, B]
+    isum = torch.einsum("mbj,nbj->mnb", q.double(), u)  # exact: integers below 2**53
+    g = torch.arange(k // block) * block // min(layout.group_size, k)  # block -> group
+    rows = torch.arange(n) // layout.row_block
+    scale = layout.scales.double()[rows][:, g]  # [N, nb]
+    offset = float(1 << (CODES[layout.code][1] - 1))
+    z = layout.zeros.double()[rows][:, g] if layout.zeros is not None else torch.full_like(
+        scale, offset)  # fmt: skip
+    corr = z[None] * q.double().sum(-1)[:, None, :]  # [M, N, nb]
+    terms = (isum - corr) * dx.double()[:, None, :] * scale[None]
+    return (terms.abs() if magnitude else terms).sum(-1)

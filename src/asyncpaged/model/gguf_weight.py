@@ -12,12 +12,11 @@ import warnings
 
 import numpy as np
 import torch
-from torch import nn
 
 from asyncpaged.kernels.quant_matmul import dequantize_rows, quant_matmul
-from asyncpaged.model.quantized_linear import QUANT_ATTR, QuantizedWeight
+from asyncpaged.model.quantized_linear import QuantizedWeight
 
-__all__ = ["GGUFWeight", "set_activations"]
+__all__ = ["GGUFWeight"]
 
 
 class GGUFWeight(QuantizedWeight):
@@ -70,6 +69,17 @@ class GGUFWeight(QuantizedWeight):
         picked = self.raw.index_select(0, ids.reshape(-1).to(device="cpu", dtype=torch.int64))
         return dequantize_rows(picked, self.qtype, self._in_features)
 
+    def set_activations(self, activations: str) -> bool:
+        """``"int8"``: x quantized per weight block, llama.cpp's way (CPU weights only:
+        ``ValueError`` on CUDA)."""
+        if activations != "float32" and self.use_triton:
+            raise ValueError(
+                f"quantized_activations={activations!r} runs on the CPU only; on CUDA quantized "
+                "weights multiply float32 activations."
+            )
+        self.activations = activations
+        return True
+
     def to(self, device: torch.device) -> GGUFWeight:
         if self.raw.device == device:
             return self
@@ -89,23 +99,3 @@ class GGUFWeight(QuantizedWeight):
             warnings.simplefilter("ignore", UserWarning)
             raw = torch.from_numpy(rows)
         return cls(raw, qtype, in_features)
-
-
-def set_activations(model: nn.Module, activations: str) -> int:
-    """Make every GGUF weight of ``model`` multiply ``activations`` ("float32": exact; "int8":
-    quantized per block, llama.cpp's way: CPU weights only, ``ValueError`` for weights on CUDA);
-    returns how many there are."""
-    weights = [
-        w for m in model.modules() if isinstance(w := m.__dict__.get(QUANT_ATTR), GGUFWeight)
-    ]
-    head = getattr(model, "quantized_head", None)  # CausalLM's LM head kept quantized
-    if isinstance(head, GGUFWeight):
-        weights.append(head)
-    if activations != "float32" and any(weight.use_triton for weight in weights):
-        raise ValueError(
-            f"quantized_activations={activations!r} runs on the CPU only; on CUDA GGUF weights "
-            "multiply float32 activations."
-        )
-    for weight in weights:
-        weight.activations = activations
-    return len(weights)

@@ -36,9 +36,10 @@ class PackedIntWeight(QuantizedWeight):
     """``codes`` uint8 ``[out_features, row_bytes]`` (int8: one code a byte; int4: two, in runs
     of 32 as the kernel reads them) and their ``layout`` (scales, zeros, grouping).
     ``use_triton`` (default: ``codes`` is on CUDA) sends ``matmul`` to the Triton kernel (on CPU
-    tensors only under ``TRITON_INTERPRET=1``: the tests)."""
+    tensors only under ``TRITON_INTERPRET=1``: the tests). ``activations``: ``"float32"``
+    (exact) or ``"int8"`` (``scaled_matmul``'s int8 activations, CPU only)."""
 
-    __slots__ = ("codes", "layout", "use_triton")
+    __slots__ = ("activations", "codes", "layout", "use_triton")
 
     def __init__(
         self, codes: torch.Tensor, layout: ScaledLayout, *, use_triton: bool | None = None
@@ -46,6 +47,7 @@ class PackedIntWeight(QuantizedWeight):
         assert layout.code in ("int4", "int8"), layout.code
         self.codes = codes
         self.layout = layout
+        self.activations = "float32"
         self.use_triton = codes.device.type == "cuda" if use_triton is None else use_triton
 
     @property
@@ -72,12 +74,25 @@ class PackedIntWeight(QuantizedWeight):
             from asyncpaged.kernels.triton_quant_matmul import triton_scaled_matmul
 
             return triton_scaled_matmul(x, self.codes, self.layout)
-        return scaled_matmul(x, self.codes, self.layout)
+        return scaled_matmul(x, self.codes, self.layout, activations=self.activations)
+
+    def set_activations(self, activations: str) -> bool:
+        """``"int8"``: x quantized per weight group (CPU weights only: ``ValueError`` on
+        CUDA)."""
+        if activations != "float32" and self.use_triton:
+            raise ValueError(
+                f"quantized_activations={activations!r} runs on the CPU only; on CUDA quantized "
+                "weights multiply float32 activations."
+            )
+        self.activations = activations
+        return True
 
     def to(self, device: torch.device) -> PackedIntWeight:
         if self.codes.device == device:
             return self
-        return PackedIntWeight(self.codes.to(device), self.layout.to(device))
+        moved = PackedIntWeight(self.codes.to(device), self.layout.to(device))
+        moved.activations = self.activations
+        return moved
 
     @classmethod
     def from_packed(

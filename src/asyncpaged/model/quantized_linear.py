@@ -30,6 +30,7 @@ __all__ = [
     "QuantizedWeight",
     "attach_quantized",
     "quantized_linear",
+    "set_activations",
 ]
 
 QUANT_ATTR = "quantized_weight"
@@ -60,6 +61,13 @@ class QuantizedWeight(ABC):
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         """x [M, in_features] float32, contiguous, on the weight's device -> [M, out_features]
         float32."""
+
+    def set_activations(self, activations: str) -> bool:
+        """Multiply ``activations`` from now on if this weight can: ``"float32"`` (exact) or
+        ``"int8"`` (x quantized per block, integer dot products: not exact); returns whether it
+        does. ``ValueError`` where the weight cannot but must (int8 on CUDA). The base multiplies
+        float32 only."""
+        return activations == "float32"
 
     @abstractmethod
     def to(self, device: torch.device) -> QuantizedWeight:
@@ -99,3 +107,16 @@ def quantized_linear(layer: nn.Linear, weight: QuantizedWeight, x: torch.Tensor)
     if layer.bias is not None:
         out += layer.bias.float()
     return out.to(x.dtype).reshape(*x.shape[:-1], weight.out_features)
+
+
+def set_activations(model: nn.Module, activations: str) -> int:
+    """Make every quantized weight of ``model`` (its linears and a quantized LM head) that can
+    multiply ``activations`` do so (``QuantizedWeight.set_activations``); the others keep
+    float32. Returns how many do. ``ValueError`` for int8 with weights on CUDA."""
+    weights = [
+        w for m in model.modules() if isinstance(w := m.__dict__.get(QUANT_ATTR), QuantizedWeight)
+    ]
+    head = getattr(model, "quantized_head", None)  # CausalLM's LM head kept quantized
+    if isinstance(head, QuantizedWeight):
+        weights.append(head)
+    return sum(weight.set_activations(activations) for weight in weights)

@@ -7,9 +7,16 @@ a calibration-free min-max observer computes, through ``calculate_qparams``), co
 with ``ModelCompressor`` and saves it with its config (``quantization_config``) and tokenizer:
 what llm-compressor writes for a model quantized without calibration data.
 
+Mixture-of-experts models (Qwen3-MoE) are written as llm-compressor writes them: transformers 5
+holds each layer's experts fused (``experts.gate_up_proj`` [E, 2I, H], ``experts.down_proj``
+[E, H, I]); they are split first into one ``nn.Linear`` per expert and projection
+(``mlp.experts.E.{gate,up,down}_proj``), so every expert projection is quantized and stored
+under its own name, and the router (``mlp.gate``) stays in float through ``ignore``.
+
 ``load_transformers_compressed(directory)`` is the reference: transformers' own reading of the
 checkpoint, decompressed by compressed-tensors at load (``CompressedTensorsConfig(dequantize=
-True)``) into a dense float32 model.
+True)``) into a dense float32 model; transformers' checkpoint conversion stacks the decompressed
+per-expert projections back into its fused expert tensors.
 """
 
 from __future__ import annotations
@@ -91,6 +98,32 @@ def _min_max(weight: torch.Tensor, args: Any) -> tuple[torch.Tensor, torch.Tenso
     raise ValueError(f"no tiny min-max for strategy {strategy!r}.")
 
 
+class _Expert(torch.nn.Module):
+    """One expert's projections as separate linears (the per-expert checkpoint layout)."""
+
+    def __init__(self, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> None:
+        super().__init__()
+        for name, weight in (("gate_proj", gate), ("up_proj", up), ("down_proj", down)):
+            layer = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=False)
+            layer.weight = torch.nn.Parameter(weight.clone(), requires_grad=False)
+            self.add_module(name, layer)
+
+
+def _split_experts(model: torch.nn.Module) -> bool:
+    """Replace every fused expert block (``gate_up_proj`` [E, 2I, H] and ``down_proj``
+    [E, H, I], gate rows first) by a ``ModuleList`` of per-expert linears; whether any was."""
+    fused = [(name, m) for name, m in model.named_modules() if hasattr(m, "gate_up_proj")]
+    for name, module in fused:
+        parent_name, _, attr = name.rpartition(".")
+        gate, up = module.gate_up_proj.detach().chunk(2, dim=1)
+        down = module.down_proj.detach()
+        experts = torch.nn.ModuleList(
+            _Expert(gate[e], up[e], down[e]) for e in range(gate.shape[0])
+        )
+        setattr(model.get_submodule(parent_name), attr, experts)
+    return bool(fused)
+
+
 def write_tiny_compressed(name: str, directory: str | Path, scheme: str | TinyScheme,
                           seed: int = 0) -> Path:  # fmt: skip
     """Write tiny model ``name`` quantized with ``scheme`` (a key of ``SCHEMES`` or a
@@ -109,6 +142,7 @@ def write_tiny_compressed(name: str, directory: str | Path, scheme: str | TinySc
     path = Path(directory)
     path.mkdir(parents=True, exist_ok=True)
     model = build_tiny_model(name, seed)
+    has_experts = _split_experts(model)
     activations = tiny.input_activations
     group = QuantizationScheme(
         targets=["Linear"],
@@ -116,6 +150,8 @@ def write_tiny_compressed(name: str, directory: str | Path, scheme: str | TinySc
         input_activations=None if activations is None else QuantizationArgs(**activations),
     )
     ignore = [] if tiny.quantize_lm_head else ["lm_head"]
+    if has_experts:
+        ignore.append(r"re:.*mlp\.gate$")
     config = QuantizationConfig(config_groups={"group_0": group}, ignore=ignore)
     apply_quantization_config(model, config)
     with torch.no_grad():

@@ -109,15 +109,15 @@ def measure(model: str, dtype: str, threads: int, new_tokens: int, batch: int,
 
     from asyncpaged import AsyncEngine, EngineConfig, SamplingParams
 
+    if activations not in ("float32", "int8"):
+        raise ValueError(f"activations must be 'float32' or 'int8', got {activations!r}.")
+    mode: Literal["float32", "int8"] = "int8" if activations == "int8" else "float32"
     torch.set_num_threads(threads)
 
     async def main() -> dict[str, float]:
-        kinds: dict[str, Literal["float32", "int8"]] = {"float32": "float32", "int8": "int8"}
-        if activations not in kinds:
-            raise SystemExit(f"activations must be float32 or int8, got {activations!r}")
         config = EngineConfig(model=model, dtype=dtype, executor_backend="thread",
                               kv_cache_bytes=256 << 20, seed=0,
-                              quantized_activations=kinds[activations])  # fmt: skip
+                              quantized_activations=mode)  # fmt: skip
         async with AsyncEngine(config) as engine:
             params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
             await engine.generate([5, 6, 7], SamplingParams(max_tokens=2, ignore_eos=True))

@@ -22,10 +22,10 @@ import torch
 from asyncpaged.errors import InvalidRequestError
 from asyncpaged.model.attention import AttentionBackend, AttentionMetadata
 from asyncpaged.model.base import FUSED_DTYPES, SINGLE_SHARD, CausalLM, TensorShard
-from asyncpaged.model.gguf_weight import set_activations
 from asyncpaged.model.kv_cache import PagedKVCache, swap_in, swap_out
 from asyncpaged.model.loader import load_model
 from asyncpaged.model.packed_linear import pack_linears
+from asyncpaged.model.quantized_linear import set_activations
 from asyncpaged.worker.cuda_graphs import Capture, DecodeGraphs, capture_decode_graphs
 
 __all__ = ["ModelInstance"]
@@ -65,7 +65,7 @@ class ModelInstance:
         ``fused_elementwise`` gives the model native fused norm / RoPE / SiLU ops
         (``CausalLM.fused_ops``) when the kernel library builds here. ``attn_backend`` must be
         this instance's own (backends keep per-step plans). ``quantized_activations``: how
-        GGUF weights multiply (``gguf_weight.set_activations``)."""
+        quantized weights multiply (``quantized_linear.set_activations``)."""
         self.device = device
         self.model: CausalLM = load_model(checkpoint_path, dtype, device, shard)
         set_activations(self.model, quantized_activations)

@@ -107,7 +107,7 @@ class WorkerSpec:
     # ranks capture together once every rank is ready: ``CaptureGraphs``)
     cuda_graph_sizes: tuple[int, ...] = ()
     max_model_len: int = 0
-    quantized_activations: str = "float32"  # GGUF weights: EngineConfig.quantized_activations
+    quantized_activations: str = "float32"  # quantized weights: EngineConfig.quantized_activations
     # LoRA (EngineConfig.enable_lora): device slots, the largest rank, the host LRU's size
     max_loras: int = 0
     max_lora_rank: int = 0
@@ -168,10 +168,11 @@ class ModelRunner:
         sequence (transformers' bits; ``CpuAttentionBackend.sdpa_bf16_decode``). ``shard``
         picks a
         tensor-parallel shard of the weights and KV heads (a rank other than 0 never samples, so
-        it builds no screened head). ``quantized_activations`` ("int8"): GGUF weights multiply
-        int8-quantized activations (``EngineConfig.quantized_activations``). ``max_loras`` > 0:
-        LoRA slots of up to ``max_lora_rank`` (``model/lora_layers.py``), with a host LRU of
-        ``max_cpu_loras`` adapters; each step's ``lora_loads`` fill them before its forward.
+        it builds no screened head). ``quantized_activations`` ("int8"): quantized weights
+        multiply int8-quantized activations (``EngineConfig.quantized_activations``).
+        ``max_loras`` > 0: LoRA slots of up to ``max_lora_rank`` (``model/lora_layers.py``), with
+        a host LRU of ``max_cpu_loras`` adapters; each step's ``lora_loads`` fill them before its
+        forward.
         """
         if num_blocks <= 0 or block_size <= 0 or num_host_blocks < 0:
             raise ValueError(
