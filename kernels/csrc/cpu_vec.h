@@ -19,6 +19,10 @@
 #include <utility>
 #include <vector>
 
+#if defined(__SSE2__)
+#include <immintrin.h>
+#endif
+
 #ifndef ASYNCPAGED_VEC_BYTES
 #define ASYNCPAGED_VEC_BYTES 16
 #endif
@@ -117,12 +121,30 @@ struct fp8_e5m2 {
 };
 static_assert(sizeof(fp8_e4m3) == 1 && sizeof(fp8_e5m2) == 1, "fp8 codes are one byte");
 
-typedef int8_t vb __attribute__((vector_size(kVecBytes / 4)));  // W codes
-
+// W bytes at p, sign-extended to W 32-bit lanes. Intrinsics here (as quant_matmul.cpp's load_u8):
+// GCC 12 lowers a byte vector's __builtin_convertvector to scalar code through general registers,
+// which made the decode kernel 4x slower than over bf16.
 inline vu load_codes(const void* p) {
-  vb b;
-  std::memcpy(&b, p, sizeof b);
-  return (vu)__builtin_convertvector(b, vi);  // sign-extended
+  vu out;
+#if ASYNCPAGED_VEC_BYTES >= 64 && defined(__AVX512F__)
+  const __m512i r = _mm512_cvtepi8_epi32(_mm_loadu_si128(static_cast<const __m128i*>(p)));
+  std::memcpy(&out, &r, sizeof out);
+#elif ASYNCPAGED_VEC_BYTES == 32 && defined(__AVX2__)
+  const __m256i r = _mm256_cvtepi8_epi32(_mm_loadl_epi64(static_cast<const __m128i*>(p)));
+  std::memcpy(&out, &r, sizeof out);
+#elif ASYNCPAGED_VEC_BYTES == 16 && defined(__SSE2__)
+  int32_t v;
+  std::memcpy(&v, p, sizeof v);
+  const __m128i x = _mm_cvtsi32_si128(v);
+  const __m128i y = _mm_unpacklo_epi8(x, x);  // byte i fills lane i, then is shifted down
+  const __m128i r = _mm_srai_epi32(_mm_unpacklo_epi16(y, y), 24);
+  std::memcpy(&out, &r, sizeof out);
+#else
+  int8_t b[W];
+  std::memcpy(b, p, sizeof b);
+  for (int l = 0; l < W; ++l) out[l] = static_cast<uint32_t>(static_cast<int32_t>(b[l]));
+#endif
+  return out;
 }
 
 inline vf load(const int8_t* p) { return __builtin_convertvector((vi)load_codes(p), vf); }
@@ -320,8 +342,10 @@ inline void score_chunk(const float* q, const KV* k, int64_t bs, float* s, int64
   for (int g = 0; g < GT; ++g)
 #pragma GCC unroll 16
     for (int v = 0; v < NV; ++v) acc[g][v] = vf{};
+  // one-byte codes: one prefetch per 64 bytes of rows (a row is 16 bytes at block size 16)
+  const int pf_mask = is_quantized_v<KV> && bs < 64 ? static_cast<int>(64 / bs) - 1 : 0;
   for (int d = 0; d < D; ++d) {
-    if (pf) __builtin_prefetch(pf + d * bs, 0, 1);
+    if (pf && (d & pf_mask) == 0) __builtin_prefetch(pf + d * bs, 0, 1);
     vf kr[NV];
 #pragma GCC unroll 16
     for (int v = 0; v < NV; ++v) kr[v] = load(k + d * bs + v * W);
@@ -366,9 +390,14 @@ inline void score_chunk_heads(const float* q, int g_count, const KV* k, int64_t 
 // rows (stride p_stride) and the positions [t0, t1) of one block (others are never read).
 inline void fold_value_scales(float* p, int64_t p_stride, int g_count, const uint16_t* vs,
                               int64_t t0, int64_t t1) {
-  for (int g = 0; g < g_count; ++g) {
-    float* pg = p + g * p_stride;
-    for (int64_t t = t0; t < t1; ++t) pg[t] *= to_float(vs[t]);
+  int64_t t = t0;
+  for (; t + W <= t1; t += W) {
+    const vf sc = load(vs + t);
+    for (int g = 0; g < g_count; ++g) store(p + g * p_stride + t, load(p + g * p_stride + t) * sc);
+  }
+  for (; t < t1; ++t) {
+    const float sc = to_float(vs[t]);
+    for (int g = 0; g < g_count; ++g) p[g * p_stride + t] *= sc;
   }
 }
 
