@@ -4,6 +4,7 @@ the K/V cache write against their torch paths.
 
 Usage: ``python bench/cpu_attention.py [--threads 1] [--batches 8 32 64] [--contexts 128 512 2048]``
 ``python bench/cpu_attention.py --mode prefill|write [--threads 1]``
+``python bench/cpu_attention.py --mode kv [--batches 16] [--contexts 512 2048 8192]``
 
 Workload: ``batch`` decoding sequences of ``context`` tokens each, 8 query heads, 2 KV heads,
 head_dim 64, block size 16. Each layer's block tables are a full random shuffle of its pool, and
@@ -36,6 +37,13 @@ online softmax over key tiles), ``cpp_2pass`` (the same kernel, one key tile: tw
 ``torch`` (the torch backend's per-sequence gather + SDPA). ``--mode write``: the K/V write of a
 decode step (64 tokens in 64 random blocks) and a 2048-token prefill into a 6-layer cache, torch
 (``PagedKVCache.write_targets``) vs the native write, per 6 layers.
+
+``--mode kv``: the decode kernel (a ``DecodePlan`` per case, as ``cpp`` above) over a cache in
+each KV dtype, bfloat16 and float32 against the quantized ones (int8, fp8 e4m3 / e5m2 codes with
+a bfloat16 scale per token and KV head), same shapes, shuffled tables and cold KV (the layer
+count keeps the smallest cache > ``--cold-factor`` x 32 MB, so every dtype's is); the dtypes run
+interleaved round by round in one process. Each is checked first against the float64 reference
+on its own (dequantized) values. ``GB/s`` counts the bytes a call must read, scales included.
 """
 
 from __future__ import annotations
@@ -55,6 +63,7 @@ from asyncpaged.kernels.cpu_attention import (
     DecodePlan,
     paged_decode_attention,
 )
+from asyncpaged.kernels.cpu_attention import reference_paged_decode
 from asyncpaged.kernels.cpu_build import load_library
 from asyncpaged.kernels.cpu_ops import launch_write, paged_prefill_attention
 from asyncpaged.model.attention import (
@@ -64,6 +73,7 @@ from asyncpaged.model.attention import (
     _write,
 )
 from asyncpaged.model.kv_cache import PagedKVCache
+from asyncpaged.model.kv_quant import bytes_per_row, kv_cache_torch_dtype
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 8, 2, 64, 16
 L3_BYTES = 32 * 2**20
@@ -71,11 +81,14 @@ L3_BYTES = 32 * 2**20
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--mode", choices=["decode", "prefill", "write"], default="decode")
+    parser.add_argument("--mode", choices=["decode", "prefill", "write", "kv"], default="decode")
     parser.add_argument("--threads", type=int, default=1, help="torch and kernel threads")
     parser.add_argument("--batches", type=int, nargs="+", default=[8, 32, 64])
     parser.add_argument("--contexts", type=int, nargs="+", default=[128, 512, 2048])
-    parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
+    parser.add_argument(
+        "--dtypes", nargs="+", help="default: float32 bfloat16 (--mode kv: and int8 fp8_e4m3 "
+        "fp8_e5m2)",
+    )  # fmt: skip
     parser.add_argument("--rounds", type=int, default=7, help="timed rounds over all layers")
     parser.add_argument("--warmup", type=int, default=1, help="untimed rounds first")
     parser.add_argument("--cold-factor", type=float, default=4.0, help="KV set / L3")
@@ -355,9 +368,90 @@ def main_write(args: argparse.Namespace) -> None:
             )
 
 
+def kv_dtype_paths(
+    batch: int, context: int, names: list[str], cold_factor: float, seed: int
+) -> tuple[int, dict[str, Path]]:
+    """The layer count and one decode-plan path per KV dtype name, for one case."""
+    blocks_per_seq = -(-context // BLOCK)
+    num_blocks = batch * blocks_per_seq
+    dtypes = {name: kv_cache_torch_dtype(name, torch.float32) for name in names}
+    smallest = min(bytes_per_row(d, HEAD_DIM) for d in dtypes.values())
+    bytes_per_layer = 2 * num_blocks * BLOCK * KV_HEADS * smallest
+    num_layers = max(2, math.ceil(cold_factor * L3_BYTES / bytes_per_layer))
+    gen = torch.Generator().manual_seed(seed)
+    pool = list(range(num_blocks))
+    random.Random(seed).shuffle(pool)  # a fully shuffled block table
+    tables = torch.tensor(pool, dtype=torch.int64).view(batch, blocks_per_seq)
+    context_lens = torch.full((batch,), context, dtype=torch.int64)
+    query = torch.randn(num_layers, batch, HEADS, HEAD_DIM, generator=gen)
+    out = torch.empty(batch, HEADS, HEAD_DIM)
+    scale = HEAD_DIM**-0.5
+    paths: dict[str, Path] = {}
+    for name, dtype in dtypes.items():
+        cache = PagedKVCache(
+            num_layers=num_layers, num_blocks=num_blocks, block_size=BLOCK,
+            num_kv_heads=KV_HEADS, head_dim=HEAD_DIM, dtype=dtype,
+        )  # fmt: skip
+        for t in cache.key, cache.value:
+            if dtype == torch.int8:
+                t.copy_(torch.randint(-127, 128, t.shape, generator=gen, dtype=torch.int8))
+            else:
+                t.copy_(torch.randn(t.shape, generator=gen).to(dtype))
+        for t in () if cache.key_scale is None else (cache.key_scale, cache.value_scale):
+            assert t is not None
+            t.copy_(torch.rand(t.shape, generator=gen) * 0.02 + 0.01)
+        scales = cache.layer_scales(0) or (None, None)
+        plan = DecodePlan(query[0], *cache.layer(0), tables, context_lens, scale,
+                          key_scale=scales[0], value_scale=scales[1])  # fmt: skip
+
+        def run(layer: int, cache: PagedKVCache = cache, plan: DecodePlan = plan) -> object:
+            scales = cache.layer_scales(layer) or (None, None)
+            return plan.run(query[layer], *cache.layer(layer), out, key_scale=scales[0],
+                            value_scale=scales[1])  # fmt: skip
+
+        checked = slice(0, min(batch, 4))
+        want = reference_paged_decode(
+            query[0, checked], *cache.layer(0), tables[checked], context_lens[checked], scale,
+            key_scale=scales[0], value_scale=scales[1],
+        )  # fmt: skip
+        got = run(0)
+        assert isinstance(got, torch.Tensor)
+        error = (got[checked].double() - want).abs().max().item()
+        assert error < 1e-4, f"{name} disagrees with the float64 reference by {error}"
+        paths[name] = run
+    return num_layers, paths
+
+
+def main_kv(args: argparse.Namespace) -> None:
+    names = args.dtypes or ["float32", "bfloat16", *("int8", "fp8_e4m3", "fp8_e5m2")]
+    print(
+        f"decode attention per layer call by KV dtype (median us), {HEADS} heads / {KV_HEADS} KV "
+        f"heads x {HEAD_DIM}, block {BLOCK}, shuffled tables, smallest KV set > "
+        f"{args.cold_factor:g}x 32 MB, threads {args.threads}, {args.rounds} rounds"
+    )
+    base = "bfloat16" if "bfloat16" in names else names[0]
+    print(f"{'B':>4}{'ctx':>6}  " + "".join(f"{n:>18}" for n in names) + f"   (x {base}, GB/s)")
+    for batch in args.batches:
+        for context in args.contexts:
+            num_layers, paths = kv_dtype_paths(batch, context, names, args.cold_factor, args.seed)
+            t = time_case(num_layers, paths, args.rounds, args.warmup)
+            cells = []
+            for name in names:
+                dtype = kv_cache_torch_dtype(name, torch.float32)
+                kv_bytes = 2 * batch * KV_HEADS * context * bytes_per_row(dtype, HEAD_DIM)
+                ratio, rate = t[name] / t[base], kv_bytes / t[name] / 1e9
+                cells.append(f"{t[name] * 1e6:>7.0f} {ratio:>4.2f}x {rate:>4.1f}")
+            print(f"{batch:>4}{context:>6}  " + "".join(f"{c:>18}" for c in cells), flush=True)
+            del paths
+
+
 def main() -> None:
     args = parse_args()
     torch.set_num_threads(args.threads)
+    if args.mode == "kv":
+        main_kv(args)
+        return
+    args.dtypes = args.dtypes or ["float32", "bfloat16"]
     if args.mode != "decode":
         (main_prefill if args.mode == "prefill" else main_write)(args)
         return

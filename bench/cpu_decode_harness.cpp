@@ -39,7 +39,7 @@ typedef void* (*PlanCreateFn)(int64_t, int32_t, int64_t, int64_t, int64_t, int64
                               const int64_t*, const int64_t*, int64_t, int64_t, float, int64_t,
                               float, int32_t*);
 typedef int32_t (*PlanRunFn)(const void*, float*, int64_t, const float*, int64_t, const void*,
-                             const void*, int32_t);
+                             const void*, const void*, const void*, int32_t);
 struct Kernel {  // a loaded build (run == nullptr: the bare stream)
   PlanCreateFn create = nullptr;
   PlanRunFn run = nullptr;
@@ -166,7 +166,8 @@ int main(int argc, char** argv) {
           continue;
         }
         const int32_t status = fns[f].run(fns[f].plan, out.data(), row,
-                                          query.data() + l * batch * row, row, k, v, threads);
+                                          query.data() + l * batch * row, row, k, v, nullptr,
+                                          nullptr, threads);
         if (status != 0) {
           std::fprintf(stderr, "%s refused the inputs: status %d\n", names[f].c_str(), status);
           return 1;

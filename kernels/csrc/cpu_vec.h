@@ -19,6 +19,10 @@
 #include <utility>
 #include <vector>
 
+#if defined(__SSE2__)
+#include <immintrin.h>
+#endif
+
 #ifndef ASYNCPAGED_VEC_BYTES
 #define ASYNCPAGED_VEC_BYTES 16
 #endif
@@ -47,6 +51,17 @@ enum Status : int32_t {
   kBadBlockId = 5,
   kBadDtype = 6,
   kBadIndex = 7,
+  kMissingScales = 8,
+};
+
+// The cache dtypes the attention kernels and the cache write take (cpu_ops.CACHE_DTYPE_CODES).
+enum CacheDtype : int32_t {
+  kCacheF32 = 0,
+  kCacheBf16 = 1,
+  kCacheInt8 = 2,  // int8 codes with bf16 scales
+  kCacheE4m3 = 3,  // fp8 e4m3fn codes with bf16 scales
+  kCacheE5m2 = 4,  // fp8 e5m2 codes with bf16 scales
+  kNumCacheDtypes = 5,
 };
 
 inline vf splat(float x) { return x - vf{}; }  // x - (+0) == x exactly: folds to a broadcast
@@ -85,6 +100,71 @@ inline vf load(const uint16_t* p) {
 }
 
 inline void store(float* p, vf v) { std::memcpy(p, &v, sizeof v); }
+
+// Quantized cache codes (src/asyncpaged/model/kv_quant.py): int8, and fp8 e4m3fn / e5m2 as
+// tagged bytes. load() widens W codes to fp32 without their scale (the kernels apply a token's
+// scale to its score, and fold it into its softmax weight for V):
+//
+//   int8: sign-extended and converted;
+//   fp8:  the byte sign-extended to 32 bits and shifted so its exponent and mantissa fields sit
+//         at the top of fp32's (sign bit 31 kept, the copies of it masked off), then multiplied
+//         by 2^(127 - bias): exact for normals and subnormals alike (an fp8 subnormal lands on an
+//         fp32 subnormal, which the multiply normalizes; the kernels run with denormals on, as
+//         torch leaves them). Codes with the all-ones exponent (e4m3fn's NaN 0x7f, e5m2's inf
+//         and NaN) are not decoded as such: the cache write never stores them for finite rows,
+//         and the kernels never use a code outside a sequence's context (poisoned memory).
+struct fp8_e4m3 {
+  uint8_t bits;
+};
+struct fp8_e5m2 {
+  uint8_t bits;
+};
+static_assert(sizeof(fp8_e4m3) == 1 && sizeof(fp8_e5m2) == 1, "fp8 codes are one byte");
+
+// W bytes at p, sign-extended to W 32-bit lanes. Intrinsics here (as quant_matmul.cpp's load_u8):
+// GCC 12 lowers a byte vector's __builtin_convertvector to scalar code through general registers,
+// which made the decode kernel 4x slower than over bf16.
+inline vu load_codes(const void* p) {
+  vu out;
+#if ASYNCPAGED_VEC_BYTES >= 64 && defined(__AVX512F__)
+  const __m512i r = _mm512_cvtepi8_epi32(_mm_loadu_si128(static_cast<const __m128i*>(p)));
+  std::memcpy(&out, &r, sizeof out);
+#elif ASYNCPAGED_VEC_BYTES == 32 && defined(__AVX2__)
+  const __m256i r = _mm256_cvtepi8_epi32(_mm_loadl_epi64(static_cast<const __m128i*>(p)));
+  std::memcpy(&out, &r, sizeof out);
+#elif ASYNCPAGED_VEC_BYTES == 16 && defined(__SSE2__)
+  int32_t v;
+  std::memcpy(&v, p, sizeof v);
+  const __m128i x = _mm_cvtsi32_si128(v);
+  const __m128i y = _mm_unpacklo_epi8(x, x);  // byte i fills lane i, then is shifted down
+  const __m128i r = _mm_srai_epi32(_mm_unpacklo_epi16(y, y), 24);
+  std::memcpy(&out, &r, sizeof out);
+#else
+  int8_t b[W];
+  std::memcpy(b, p, sizeof b);
+  for (int l = 0; l < W; ++l) out[l] = static_cast<uint32_t>(static_cast<int32_t>(b[l]));
+#endif
+  return out;
+}
+
+inline vf load(const int8_t* p) { return __builtin_convertvector((vi)load_codes(p), vf); }
+
+inline vf load(const fp8_e4m3* p) {  // s eeee mmm -> bits 31, 23..26, 20..22
+  const vu u = (load_codes(p) << 20) & 0x87f00000u;
+  vf f;
+  std::memcpy(&f, &u, sizeof f);
+  return f * 0x1p120f;
+}
+
+inline vf load(const fp8_e5m2* p) {  // s eeeee mm -> bits 31, 23..27, 21..22
+  const vu u = (load_codes(p) << 21) & 0x8fe00000u;
+  vf f;
+  std::memcpy(&f, &u, sizeof f);
+  return f * 0x1p112f;
+}
+
+template <typename KV>
+constexpr bool is_quantized_v = sizeof(KV) == 1;
 
 // bf16 scalars: widening, and fp32 -> bf16 rounded to nearest even as c10::BFloat16 does (NaN
 // becomes the quiet NaN 0x7fc0), so a kernel stores the bits a torch bf16 op stores.
@@ -255,15 +335,17 @@ inline void prefetch_l2(const KV* p, int64_t num_elems) {
 // the prefetches overlap the FMAs instead of queueing up in one burst.
 template <int D, int GT, typename KV>
 inline void score_chunk(const float* q, const KV* k, int64_t bs, float* s, int64_t s_stride,
-                        const KV* pf) {
+                        const KV* pf, const uint16_t* ks) {
   constexpr int NV = kChunk / W;
   vf acc[GT][NV];
 #pragma GCC unroll 16
   for (int g = 0; g < GT; ++g)
 #pragma GCC unroll 16
     for (int v = 0; v < NV; ++v) acc[g][v] = vf{};
+  // one-byte codes: one prefetch per 64 bytes of rows (a row is 16 bytes at block size 16)
+  const int pf_mask = is_quantized_v<KV> && bs < 64 ? static_cast<int>(64 / bs) - 1 : 0;
   for (int d = 0; d < D; ++d) {
-    if (pf) __builtin_prefetch(pf + d * bs, 0, 1);
+    if (pf && (d & pf_mask) == 0) __builtin_prefetch(pf + d * bs, 0, 1);
     vf kr[NV];
 #pragma GCC unroll 16
     for (int v = 0; v < NV; ++v) kr[v] = load(k + d * bs + v * W);
@@ -274,22 +356,48 @@ inline void score_chunk(const float* q, const KV* k, int64_t bs, float* s, int64
       for (int v = 0; v < NV; ++v) acc[g][v] += qb * kr[v];
     }
   }
+  if constexpr (is_quantized_v<KV>) {  // the chunk's K scales (bf16), one per position
+    vf sc[NV];
+#pragma GCC unroll 16
+    for (int v = 0; v < NV; ++v) sc[v] = load(ks + v * W);
+#pragma GCC unroll 16
+    for (int g = 0; g < GT; ++g)
+#pragma GCC unroll 16
+      for (int v = 0; v < NV; ++v) acc[g][v] *= sc[v];
+  }
 #pragma GCC unroll 16
   for (int g = 0; g < GT; ++g)
 #pragma GCC unroll 16
     for (int v = 0; v < NV; ++v) store(s + g * s_stride + v * W, acc[g][v]);
 }
 
-// All G heads, in tiles of GT, GT/2, ... (G = 6 -> 4 + 2); the first tile prefetches.
+// All G heads, in tiles of GT, GT/2, ... (G = 6 -> 4 + 2); the first tile prefetches. ks: the
+// chunk's K scales in a quantized cache (ignored otherwise), applied to the scores.
 template <int D, int GT, typename KV>
 inline void score_chunk_heads(const float* q, int g_count, const KV* k, int64_t bs, float* s,
-                              int64_t s_stride, const KV* pf) {
+                              int64_t s_stride, const KV* pf, const uint16_t* ks = nullptr) {
   int g = 0;
   for (; g + GT <= g_count; g += GT, pf = nullptr)
-    score_chunk<D, GT>(q + g * D, k, bs, s + g * s_stride, s_stride, pf);
+    score_chunk<D, GT>(q + g * D, k, bs, s + g * s_stride, s_stride, pf, ks);
   if constexpr (GT > 1) {
     if (g < g_count)
-      score_chunk_heads<D, GT / 2>(q + g * D, g_count - g, k, bs, s + g * s_stride, s_stride, pf);
+      score_chunk_heads<D, GT / 2>(q + g * D, g_count - g, k, bs, s + g * s_stride, s_stride, pf,
+                                   ks);
+  }
+}
+
+// A quantized cache's V scales folded into the softmax weights: p[g][t] *= vs[t] for the G
+// rows (stride p_stride) and the positions [t0, t1) of one block (others are never read).
+inline void fold_value_scales(float* p, int64_t p_stride, int g_count, const uint16_t* vs,
+                              int64_t t0, int64_t t1) {
+  int64_t t = t0;
+  for (; t + W <= t1; t += W) {
+    const vf sc = load(vs + t);
+    for (int g = 0; g < g_count; ++g) store(p + g * p_stride + t, load(p + g * p_stride + t) * sc);
+  }
+  for (; t < t1; ++t) {
+    const float sc = to_float(vs[t]);
+    for (int g = 0; g < g_count; ++g) p[g * p_stride + t] *= sc;
   }
 }
 

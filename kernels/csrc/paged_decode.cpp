@@ -9,6 +9,14 @@
 //
 //   key_cache   [num_blocks, kv_heads, head_dim, block_size]   K transposed per block
 //   value_cache [num_blocks, kv_heads, block_size, head_dim]
+//   key_scale, value_scale [num_blocks, kv_heads, block_size]   bf16, quantized caches only
+//
+// The cache holds fp32, bf16, or int8 / fp8 (e4m3fn, e5m2) codes with a scale per (token, KV
+// head) (src/asyncpaged/model/kv_quant.py: a value is code * scale). Codes are widened to fp32
+// in registers (cpu_vec.h); a position's K scale multiplies its score after the dot product
+// (16 scales per chunk), and its V scale folds into its softmax weight before the weighted sum
+// (the softmax's sum is taken first): q.(c s) = (q.c) s and p (c s) = (p s) c, the same
+// attention up to fp32 rounding, with one multiply per position instead of one per element.
 //
 // Work item = (sequence, KV head), or (sequence, pair of KV heads) when there are enough items.
 // The G = Hq / Hkv query heads of a KV head are packed, so every K/V row is loaded once for the
@@ -27,7 +35,7 @@
 // known. A shuffled table still reads at ~70% of sequential bandwidth (docs/tuning.md). Positions
 // outside [start, context_len) are never read from V and their scores never enter the softmax,
 // so unwritten slots (NaN in tests) cannot leak. Accumulation is fp32; bf16 storage is widened
-// on load. Element offsets are int64 (a cache may hold more than 2^31 elements). The vector
+// on load, int8 / fp8 codes decoded in registers. Element offsets are int64 (a cache may hold more than 2^31 elements). The vector
 // helpers and the two inner loops (score_chunk, value_rows) live in cpu_vec.h.
 
 #include "cpu_vec.h"
@@ -49,6 +57,8 @@ struct Params {
   int64_t query_row_stride;
   const void* key_cache;
   const void* value_cache;
+  const uint16_t* key_scale;    // quantized caches: [num_blocks, kv_heads, block_size] bf16
+  const uint16_t* value_scale;
   int64_t num_kv_heads;
   int64_t block_size;
   const int64_t* block_tables;
@@ -150,6 +160,10 @@ void attend_one(const Params& p, const Span& sp, int64_t h0, int64_t nh, const S
   const KV* next_key_cache = static_cast<const KV*>(p.key_cache) + next_h0 * head_elems;
   auto k_block = [&](const Span& x, int64_t i) { return key_cache + x.table[i] * block_elems; };
   auto v_block = [&](int64_t i) { return value_cache + sp.table[i] * block_elems; };
+  // quantized: the scales of KV head h0 in block i ([kv_heads, bs] per block)
+  const int64_t scale_block = p.num_kv_heads * bs;
+  auto k_scales = [&](int64_t i) { return p.key_scale + sp.table[i] * scale_block + h0 * bs; };
+  auto v_scales = [&](int64_t i) { return p.value_scale + sp.table[i] * scale_block + h0 * bs; };
   auto stream_block = [&](int64_t i) -> const KV* {  // block i of the stream, or nullptr
     if (i < n) return k_block(sp, i);
     if (i < 2 * n) return v_block(i - n);
@@ -182,13 +196,19 @@ void attend_one(const Params& p, const Span& sp, int64_t h0, int64_t nh, const S
   for (int64_t b = 0; b < n; ++b) {
     const KV* pf = stream_block(b + kAhead);
     const KV* kb = k_block(sp, b);
+    const uint16_t* ks = nullptr;
+    if constexpr (is_quantized_v<KV>) {
+      ks = k_scales(b);
+      if (b + kAhead < n) __builtin_prefetch(k_scales(b + kAhead), 0, 1);
+    }
     for (int64_t h = 0; h < nh; ++h) {
       for (int64_t c = 0; c < bs; c += kChunk) {
         const int64_t pos = b * bs + c;
         if (pos + kChunk <= sp.lo || pos >= sp.hi) continue;
         score_chunk_heads<D, score_tile()>(q + h * G * D, G, kb + h * head_elems + c, bs,
                                            s + h * G * L + pos, L,
-                                           pf ? pf + h * head_elems + c : nullptr);
+                                           pf ? pf + h * head_elems + c : nullptr,
+                                           ks ? ks + h * bs + c : nullptr);
       }
     }
   }
@@ -205,6 +225,11 @@ void attend_one(const Params& p, const Span& sp, int64_t h0, int64_t nh, const S
     const int64_t t1 = std::min<int64_t>(sp.hi - b * bs, bs);
     const KV* vb = v_block(b);
     const KV* pf = stream_block(n + b + kAhead);
+    if constexpr (is_quantized_v<KV>) {
+      if (b + kAhead < n) __builtin_prefetch(v_scales(b + kAhead), 0, 1);
+      for (int64_t h = 0; h < nh; ++h)
+        fold_value_scales(s + h * G * L + b * bs, L, G, v_scales(b) + h * bs, t0, t1);
+    }
     for (int64_t h = 0; h < nh; ++h)
       value_rows_heads<D, value_tile<D>()>(s + h * G * L + b * bs, L, G, vb + h * head_elems,
                                            t0, t1, o + h * G * D,
@@ -290,7 +315,7 @@ int32_t check_decode(int32_t kv_dtype, int64_t num_blocks, int64_t num_kv_heads,
                      const int64_t* context_lens, const int64_t* seq_indices,
                      const int64_t* query_rows, int64_t num_query_rows, int64_t num_items,
                      int64_t num_heads, int64_t sliding_window) {
-  if (kv_dtype != 0 && kv_dtype != 1) return kBadDtype;
+  if (kv_dtype < 0 || kv_dtype >= kNumCacheDtypes) return kBadDtype;
   if (head_dim % W != 0) return kBadHeadDim;
   if (block_size <= 0 || block_size % kChunk != 0) return kBadBlockSize;
   if (num_kv_heads <= 0 || num_heads <= 0 || num_heads % num_kv_heads != 0) return kBadHeads;
@@ -311,8 +336,16 @@ int32_t check_decode(int32_t kv_dtype, int64_t num_blocks, int64_t num_kv_heads,
 int32_t run_decode(const Params& p, int32_t kv_dtype, int64_t head_dim, int64_t num_items,
                    int32_t num_threads) {
   const int threads = num_threads < 1 ? 1 : num_threads;
-  if (kv_dtype == 0) return dispatch_head_dim<float>(p, head_dim, num_items, threads);
-  return dispatch_head_dim<uint16_t>(p, head_dim, num_items, threads);
+  if (kv_dtype >= kCacheInt8 && (p.key_scale == nullptr || p.value_scale == nullptr))
+    return kMissingScales;
+  switch (kv_dtype) {
+    case kCacheF32: return dispatch_head_dim<float>(p, head_dim, num_items, threads);
+    case kCacheBf16: return dispatch_head_dim<uint16_t>(p, head_dim, num_items, threads);
+    case kCacheInt8: return dispatch_head_dim<int8_t>(p, head_dim, num_items, threads);
+    case kCacheE4m3: return dispatch_head_dim<fp8_e4m3>(p, head_dim, num_items, threads);
+    case kCacheE5m2: return dispatch_head_dim<fp8_e5m2>(p, head_dim, num_items, threads);
+    default: return kBadDtype;
+  }
 }
 
 struct DecodePlan {
@@ -341,7 +374,7 @@ int32_t asyncpaged_vec_bytes() { return kVecBytes; }
 // Item i is sequence seq_indices[i] (nullable: i) of the tables, reading and writing
 // query/out row query_rows[i] (nullable: i): out[row, h, :] = softmax(S) V over the sequence's
 // context for each query head h, S = q K^T * scale, or softcap * tanh(S / softcap) when
-// softcap > 0 (<= 0: none). kv_dtype: 0 = fp32, 1 = bf16.
+// softcap > 0 (<= 0: none). kv_dtype: a CacheDtype (cpu_vec.h).
 void* asyncpaged_decode_plan_create(int64_t num_query_rows, int32_t kv_dtype, int64_t num_blocks,
                                     int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
                                     const int64_t* block_tables, int64_t block_table_stride,
@@ -367,7 +400,8 @@ void* asyncpaged_decode_plan_create(int64_t num_query_rows, int32_t kv_dtype, in
     plan->seq_indices.push_back(seq_indices ? seq_indices[i] : i);
     plan->query_rows.push_back(query_rows ? query_rows[i] : i);
   }
-  plan->params = Params{nullptr, 0, nullptr, 0, nullptr, nullptr, num_kv_heads, block_size,
+  plan->params = Params{nullptr, 0, nullptr, 0, nullptr, nullptr, nullptr, nullptr,
+                        num_kv_heads, block_size,
                         plan->tables.data(), max_blocks_per_seq, plan->context_lens.data(),
                         plan->seq_indices.data(), plan->query_rows.data(), num_heads, scale,
                         sliding_window, softcap};
@@ -376,10 +410,12 @@ void* asyncpaged_decode_plan_create(int64_t num_query_rows, int32_t kv_dtype, in
 
 // Runs a plan on one layer: query/out rows [num_heads, head_dim] contiguous with the given row
 // strides (elements), num_query_rows of them (the caller checks), caches with the plan's
-// num_blocks and layout. Returns a Status (0 = ok).
+// num_blocks and layout; key_scale / value_scale: a quantized cache's scales (else null).
+// Returns a Status (0 = ok).
 int32_t asyncpaged_decode_plan_run(const void* handle, float* out, int64_t out_row_stride,
                                    const float* query, int64_t query_row_stride,
                                    const void* key_cache, const void* value_cache,
+                                   const void* key_scale, const void* value_scale,
                                    int32_t num_threads) {
   const DecodePlan& plan = *static_cast<const DecodePlan*>(handle);
   Params p = plan.params;
@@ -389,6 +425,8 @@ int32_t asyncpaged_decode_plan_run(const void* handle, float* out, int64_t out_r
   p.query_row_stride = query_row_stride;
   p.key_cache = key_cache;
   p.value_cache = value_cache;
+  p.key_scale = static_cast<const uint16_t*>(key_scale);
+  p.value_scale = static_cast<const uint16_t*>(value_scale);
   return run_decode(p, plan.kv_dtype, plan.head_dim, plan.num_items, num_threads);
 }
 

@@ -7,6 +7,11 @@
 //
 //   key_cache   [num_blocks, kv_heads, head_dim, block_size]   K transposed per block
 //   value_cache [num_blocks, kv_heads, block_size, head_dim]
+//   key_scale, value_scale [num_blocks, kv_heads, block_size]   bf16, quantized caches only
+//
+// A quantized cache (int8, fp8 e4m3fn / e5m2 codes) is read as paged_decode.cpp reads it: codes
+// widened in registers, a position's K scale applied to its scores, its V scale folded into its
+// softmax weights after the running sum has taken them.
 //
 // Row at position p sees keys [window_start(p + 1), p + 1): causal, within the sliding window
 // when there is one (key k visible iff k > p - window).
@@ -49,6 +54,8 @@ struct PrefillParams {
   int64_t query_row_stride;
   const void* key_cache;
   const void* value_cache;
+  const uint16_t* key_scale;  // quantized caches: [num_blocks, kv_heads, block_size] bf16
+  const uint16_t* value_scale;
   int64_t num_kv_heads;
   int64_t block_size;
   const int64_t* block_tables;
@@ -154,6 +161,9 @@ void prefill_tile(const PrefillParams& p, const Item& it) {
   const KV* key_cache = static_cast<const KV*>(p.key_cache) + it.head * head_elems;
   const KV* value_cache = static_cast<const KV*>(p.value_cache) + it.head * head_elems;
   const int64_t* table = p.block_tables + it.seq * p.block_table_stride;
+  const int64_t scale_block = p.num_kv_heads * bs;  // quantized: scales of it.head in a block
+  auto k_scales = [&](int64_t b) { return p.key_scale + table[b] * scale_block + it.head * bs; };
+  auto v_scales = [&](int64_t b) { return p.value_scale + table[b] * scale_block + it.head * bs; };
 
   PrefillScratch& scratch = tls_prefill;
   const size_t md = static_cast<size_t>(M) * D;
@@ -182,7 +192,8 @@ void prefill_tile(const PrefillParams& p, const Item& it) {
         const int64_t pos = b * bs + c;
         if (pos + kChunk <= lo || pos >= hi) continue;
         score_chunk_heads<D, score_tile()>(q, M, kb + c, bs, s + (pos - k0), KB,
-                                           pf ? pf + c : nullptr);
+                                           pf ? pf + c : nullptr,
+                                           is_quantized_v<KV> ? k_scales(b) + c : nullptr);
       }
     }
     const int64_t pv_lo = std::max(k0, lo) - k0, pv_hi = std::min(b1 * bs, hi) - k0;
@@ -203,6 +214,8 @@ void prefill_tile(const PrefillParams& p, const Item& it) {
       if (t0 >= t1) continue;
       const KV* pf = b + kAhead <= last_block ? value_cache + table[b + kAhead] * block_elems
                                               : nullptr;
+      if constexpr (is_quantized_v<KV>)
+        fold_value_scales(s + (b * bs - k0), KB, M, v_scales(b), t0, t1);
       value_rows_heads<D, value_tile<D>()>(s + (b * bs - k0), KB, M,
                                            value_cache + table[b] * block_elems, t0, t1, o, pf);
     }
@@ -250,12 +263,14 @@ extern "C" {
 // out[row, h, :] = softmax(S) V over the keys row's position sees, for every new query row of
 // those sequences, S = q K^T * scale, or softcap * tanh(S / softcap) when softcap > 0 (<= 0:
 // none). query/out rows are [num_heads, head_dim] contiguous with the
-// given row strides (elements); kv_dtype: 0 = fp32, 1 = bf16; query_tile: query rows per work
+// given row strides (elements); kv_dtype: a CacheDtype (cpu_vec.h), key_scale / value_scale a
+// quantized cache's scales (else null); query_tile: query rows per work
 // item; key_tile_blocks: cache blocks per online-softmax step (<= 0: two-pass). Every index the
 // kernel would follow is checked first.
 int32_t asyncpaged_paged_prefill(float* out, int64_t out_row_stride, const float* query,
                                  int64_t query_row_stride, int64_t num_query_rows,
-                                 const void* key_cache, const void* value_cache, int32_t kv_dtype,
+                                 const void* key_cache, const void* value_cache,
+                                 const void* key_scale, const void* value_scale, int32_t kv_dtype,
                                  int64_t num_blocks, int64_t num_kv_heads, int64_t head_dim,
                                  int64_t block_size, const int64_t* block_tables,
                                  int64_t block_table_stride, int64_t max_blocks_per_seq,
@@ -264,7 +279,9 @@ int32_t asyncpaged_paged_prefill(float* out, int64_t out_row_stride, const float
                                  int64_t num_seqs, int64_t num_heads, float scale,
                                  int64_t sliding_window, float softcap, int64_t query_tile,
                                  int64_t key_tile_blocks, int32_t num_threads) {
-  if (kv_dtype != 0 && kv_dtype != 1) return kBadDtype;
+  if (kv_dtype < 0 || kv_dtype >= kNumCacheDtypes) return kBadDtype;
+  if (kv_dtype >= kCacheInt8 && (key_scale == nullptr || value_scale == nullptr))
+    return kMissingScales;
   if (head_dim % W != 0) return kBadHeadDim;
   if (block_size <= 0 || block_size % kChunk != 0) return kBadBlockSize;
   if (num_kv_heads <= 0 || num_heads <= 0 || num_heads % num_kv_heads != 0) return kBadHeads;
@@ -294,13 +311,33 @@ int32_t asyncpaged_paged_prefill(float* out, int64_t out_row_stride, const float
   if (threads > 1)  // costliest first, so the dynamic schedule ends balanced
     std::stable_sort(items.begin(), items.end(),
                      [](const Item& a, const Item& b) { return a.cost > b.cost; });
-  const PrefillParams p{out,          out_row_stride,    query,          query_row_stride,
-                        key_cache,    value_cache,       num_kv_heads,   block_size,
-                        block_tables, block_table_stride, context_lens,  query_start_loc,
-                        num_heads,    scale,             sliding_window, softcap,
+  const PrefillParams p{out,
+                        out_row_stride,
+                        query,
+                        query_row_stride,
+                        key_cache,
+                        value_cache,
+                        static_cast<const uint16_t*>(key_scale),
+                        static_cast<const uint16_t*>(value_scale),
+                        num_kv_heads,
+                        block_size,
+                        block_tables,
+                        block_table_stride,
+                        context_lens,
+                        query_start_loc,
+                        num_heads,
+                        scale,
+                        sliding_window,
+                        softcap,
                         key_tile_blocks};
-  if (kv_dtype == 0) return dispatch_prefill<float>(p, head_dim, items, threads);
-  return dispatch_prefill<uint16_t>(p, head_dim, items, threads);
+  switch (kv_dtype) {
+    case kCacheF32: return dispatch_prefill<float>(p, head_dim, items, threads);
+    case kCacheBf16: return dispatch_prefill<uint16_t>(p, head_dim, items, threads);
+    case kCacheInt8: return dispatch_prefill<int8_t>(p, head_dim, items, threads);
+    case kCacheE4m3: return dispatch_prefill<fp8_e4m3>(p, head_dim, items, threads);
+    case kCacheE5m2: return dispatch_prefill<fp8_e5m2>(p, head_dim, items, threads);
+    default: return kBadDtype;
+  }
 }
 
 }  // extern "C"

@@ -1,7 +1,9 @@
 """Quantized KV caches (int8, fp8) through the whole engine: token-identical to transformers whose
 attention sees K and V rounded exactly as the cache rounds them (``RoundedKVReference``), under
 swap and recompute preemption, prefix hits, n > 1 and beams; blocks sized in bytes; bad settings
-refused at start."""
+refused at start. The engines run the default backend, the native CPU kernels (where g++ builds
+them; the torch path otherwise), whose float32 sums run in another order than transformers':
+the tokens are the real check."""
 
 from __future__ import annotations
 
@@ -24,6 +26,7 @@ from asyncpaged import (
 )
 from asyncpaged.config import KVShape
 from asyncpaged.engine.build import attention_backend_for, plan_model
+from asyncpaged.kernels import cpu_attention
 from asyncpaged.model.kv_quant import KV_QUANT_DTYPES
 from asyncpaged.testing.kv_rounding import rounded_kv
 from tests.engine.conftest import running_engine
@@ -63,6 +66,9 @@ async def test_quantized_cache_matches_the_rounding_reference_under_preemption(
                                   kv_cache_dtype=kv_dtype) as engine:  # fmt: skip
             cache = engine.runner.kv_cache
             assert cache.dtype == KV_QUANT_DTYPES[kv_dtype] and cache.is_quantized
+            backend = engine.runner.model.attn_backend
+            want_native = cpu_attention.is_available()
+            assert isinstance(backend, cpu_attention.CpuAttentionBackend) == want_native
             outs = await generate_all(engine, prompts, GREEDY)
             stats = engine.statistics()
     for prompt, out in zip(prompts, outs, strict=True):
@@ -137,13 +143,18 @@ async def test_bad_kv_settings_are_refused_at_start(
     path = tiny_checkpoint("llama-gqa")
     with pytest.raises(InvalidRequestError, match="kv_cache_dtype must be one of"):
         EngineConfig(model=str(path), kv_cache_dtype="int4")  # type: ignore[arg-type]
-    for backend in ("cpu", "triton"):
-        with pytest.raises(InvalidRequestError, match="cannot read a quantized cache"):
-            async with running_engine(path, kv_cache_dtype="fp8", attention_backend=backend,
-                                      num_device_blocks=16):  # fmt: skip
-                pass
-    # "auto" takes the torch path, and says why
-    cfg = EngineConfig(model=str(path), kv_cache_dtype="int8")
+    with pytest.raises(InvalidRequestError, match="cannot read a quantized cache"):
+        async with running_engine(path, kv_cache_dtype="fp8", attention_backend="triton",
+                                  num_device_blocks=16):  # fmt: skip
+            pass
+    # On the CPU "auto" and "cpu" take the native kernels, as for any cache
+    with capture_logs() as logs:
+        for choice in ("auto", "cpu", "torch"):
+            cfg = EngineConfig(model=str(path), kv_cache_dtype="int8", attention_backend=choice)
+            assert attention_backend_for(cfg, torch.int8) == choice
+    assert logs == []
+    # On CUDA "auto" takes the torch path (Triton does not read it yet), and says why
+    cfg = EngineConfig(model=str(path), kv_cache_dtype="int8", device="cuda")
     with capture_logs() as logs:
         assert attention_backend_for(cfg, torch.int8) == "torch"
     assert [e["event"] for e in logs] == ["kv_cache_quantized_attention"]

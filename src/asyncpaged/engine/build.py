@@ -129,7 +129,7 @@ class ModelPlan:
     max_model_len: int
     vocab_size: int
     # the backend the runners select from: cfg.attention_backend, or "torch" for a quantized
-    # KV cache (attention_backend_for)
+    # KV cache on CUDA (attention_backend_for)
     attention_backend: AttentionChoice = "auto"
 
 
@@ -177,22 +177,24 @@ def plan_model(cfg: EngineConfig, hf_config: Any, memory: CudaMemory | None = No
 
 
 def attention_backend_for(cfg: EngineConfig, kv_dtype: torch.dtype) -> AttentionChoice:
-    """The attention backend the runners select from: ``cfg.attention_backend``, but the torch
-    path for a quantized KV cache (int8, fp8), which only it dequantizes so far: "auto" takes
-    it with a logged reason, "cpu" and "triton" are refused."""
+    """The attention backend the runners select from: ``cfg.attention_backend``, but for a
+    quantized KV cache (int8, fp8), which the native CPU kernels and the torch path read and the
+    Triton kernels do not yet: "triton" is refused, and "auto" on CUDA takes the torch path with
+    a logged reason (on the CPU it takes the native kernels, as for any cache)."""
     chosen = cfg.attention_backend
-    if not is_quantized(kv_dtype) or chosen == "torch":
+    if not is_quantized(kv_dtype) or chosen in ("torch", "cpu"):
         return chosen
-    if chosen != "auto":
+    if chosen == "triton":
         raise InvalidRequestError(
-            f"kv_cache_dtype={cfg.kv_cache_dtype!r} runs on the torch attention path only; "
-            f"attention_backend={chosen!r} cannot read a quantized cache yet: use 'auto' or "
-            "'torch'."
+            f"kv_cache_dtype={cfg.kv_cache_dtype!r}: attention_backend='triton' cannot read a "
+            "quantized cache yet; use 'auto', 'cpu' (on the CPU) or 'torch'."
         )
+    if torch.device(cfg.device).type != "cuda":
+        return chosen
     log.warning("kv_cache_quantized_attention", kv_cache_dtype=cfg.kv_cache_dtype,
                 attention_backend="torch",
-                reason="the native CPU and Triton kernels do not read int8 / fp8 caches yet; "
-                       "the torch path dequantizes the blocks it gathers")  # fmt: skip
+                reason="the Triton kernels do not read int8 / fp8 caches yet; the torch path "
+                       "dequantizes the blocks it gathers")  # fmt: skip
     return "torch"
 
 

@@ -13,7 +13,9 @@ Decode: one query token per sequence, at position ``context_len - 1``; with a sl
 ``k > q_pos - w``). Scores are ``scale * q.k``, or ``softcap * tanh(scale * q.k / softcap)``
 with a ``softcap`` (Gemma 2), before the mask and the softmax. Head dims 16, 32, 64, 80, 96, 128
 and 256 (``cpu_ops.SUPPORTED_HEAD_DIMS``). The kernels accumulate in fp32 and read fp32 or bf16
-caches. Nothing here imports Triton (the package's ``__init__`` does, for the CUDA kernels).
+caches, or int8 / fp8 (e4m3fn, e5m2) codes with their per-token bf16 scales (``key_scale`` /
+``value_scale``, ``kv_quant``), decoded in registers. Nothing here imports Triton (the
+package's ``__init__`` does, for the CUDA kernels).
 """
 
 from __future__ import annotations
@@ -36,13 +38,16 @@ from asyncpaged.model.kv_cache import PagedKVCache
 from .cpu_build import load_library
 from .cpu_ops import (
     BLOCK_SIZE_MULTIPLE,
+    CACHE_DTYPE_CODES,
     KV_DTYPE_CODES,
     SUPPORTED_HEAD_DIMS,
+    gather_blocks_f64,
     launch_prefill,
     launch_write,
     library_or_raise,
     status_message,
 )
+from .cpu_ops import _ptr as _data_ptr
 from .cpu_ops import check_inputs as _check_inputs
 from .cpu_ops import rows_dense as _rows_dense
 
@@ -67,13 +72,16 @@ def paged_decode_attention(
     out: torch.Tensor | None = None,
     *,
     softcap: float | None = None,
+    key_scale: torch.Tensor | None = None,
+    value_scale: torch.Tensor | None = None,
     num_threads: int | None = None,
     target: str | None = None,
 ) -> torch.Tensor:
     """Decode attention of sequence ``i``'s query ``query[i]`` over its cached context.
 
     query [S, Hq, D] float32; key_cache [num_blocks, Hkv, D, bs], value_cache [num_blocks, Hkv,
-    bs, D] (float32 or bfloat16, contiguous); block_tables [S, max_blocks] int64 (padding never
+    bs, D] (float32, bfloat16, or int8 / fp8 codes with bfloat16 ``key_scale`` / ``value_scale``
+    [num_blocks, Hkv, bs]; contiguous); block_tables [S, max_blocks] int64 (padding never
     read); context_lens [S] int64 -> out [S, Hq, D] float32. ``softcap``: Gemma 2's logit
     softcapping (None: none). ``num_threads`` defaults to
     ``torch.get_num_threads()``; ``target`` picks a build (default: the best this CPU runs).
@@ -81,9 +89,12 @@ def paged_decode_attention(
     """
     plan = DecodePlan(
         query, key_cache, value_cache, block_tables, context_lens, scale, sliding_window,
-        softcap=softcap, target=target,
+        softcap=softcap, target=target, key_scale=key_scale, value_scale=value_scale,
     )  # fmt: skip
-    return plan.run(query, key_cache, value_cache, out, num_threads=num_threads)
+    return plan.run(
+        query, key_cache, value_cache, out,
+        key_scale=key_scale, value_scale=value_scale, num_threads=num_threads,
+    )  # fmt: skip
 
 
 class DecodePlan:
@@ -92,11 +103,12 @@ class DecodePlan:
     ``DecodePlan(query, key_cache, value_cache, block_tables, context_lens, scale, ...)`` takes
     the same inputs as ``paged_decode_attention`` (``query`` and the caches fix the shapes and
     dtype every run must have); ``seq_indices`` / ``query_rows`` pick the sequences and rows
-    as for the backend's mixed steps. ``run(query, key_cache, value_cache, out)`` then checks
-    only those tensors: the tables, lengths and indices were checked and copied into the plan,
-    so changing the tensors they came from afterwards changes nothing. This is what the backend
-    does once per step: a layer's call costs ~4 us of Python and ctypes, against ~16 for the
-    one-call function (which makes a one-off plan).
+    as for the backend's mixed steps; a quantized cache's ``key_scale`` / ``value_scale`` are
+    checked with it and passed to every run. ``run(query, key_cache, value_cache, out)`` then
+    checks only those tensors: the tables, lengths and indices were checked and copied into the
+    plan, so changing the tensors they came from afterwards changes nothing. This is what the
+    backend does once per step: a layer's call costs ~4 us of Python and ctypes, against ~16 for
+    the one-call function (which makes a one-off plan).
 
     Invariants: the native plan holds copies of every index it follows, each checked against
     the cache's ``num_blocks`` and the query's row count; a run accepts only tensors of the
@@ -118,10 +130,13 @@ class DecodePlan:
         seq_indices: torch.Tensor | None = None,
         query_rows: torch.Tensor | None = None,
         target: str | None = None,
+        key_scale: torch.Tensor | None = None,
+        value_scale: torch.Tensor | None = None,
     ) -> None:
         _check_inputs(
-            query, key_cache, value_cache, block_tables, context_lens, sliding_window, softcap
-        )
+            query, key_cache, value_cache, block_tables, context_lens, sliding_window, softcap,
+            key_scale, value_scale,
+        )  # fmt: skip
         if context_lens.shape[0] != block_tables.shape[0]:
             raise ValueError(
                 f"context_lens needs one entry per block table row ({block_tables.shape[0]}), "
@@ -146,7 +161,7 @@ class DecodePlan:
         num_blocks, kv_heads, head_dim, block_size = key_cache.shape
         status = ctypes.c_int32(0)
         handle = lib.asyncpaged_decode_plan_create(
-            query.shape[0], KV_DTYPE_CODES[key_cache.dtype],
+            query.shape[0], CACHE_DTYPE_CODES[key_cache.dtype],
             num_blocks, kv_heads, head_dim, block_size,
             block_tables.data_ptr(), block_tables.stride(0), block_tables.shape[1],
             block_tables.shape[0],
@@ -165,6 +180,7 @@ class DecodePlan:
         self._query_shape = query.shape
         self._key_shape, self._value_shape = key_cache.shape, value_cache.shape
         self._kv_dtype = key_cache.dtype
+        self._scale_shape = None if key_scale is None else key_scale.shape
 
     def __del__(self) -> None:
         handle = getattr(self, "_handle", None)  # unset when __init__ raised
@@ -179,9 +195,12 @@ class DecodePlan:
         value_cache: torch.Tensor,
         out: torch.Tensor | None = None,
         *,
+        key_scale: torch.Tensor | None = None,
+        value_scale: torch.Tensor | None = None,
         num_threads: int | None = None,
     ) -> torch.Tensor:
-        """The attention of this plan's items for one layer: ``out`` [S, Hq, D] float32."""
+        """The attention of this plan's items for one layer: ``out`` [S, Hq, D] float32
+        (``key_scale`` / ``value_scale``: the layer's scales, for a quantized cache only)."""
         if not (
             query.shape == self._query_shape
             and query.dtype == torch.float32
@@ -195,11 +214,13 @@ class DecodePlan:
             and value_cache.is_cpu
             and key_cache.is_contiguous()
             and value_cache.is_contiguous()
+            and _scales_fit(key_scale, value_scale, self._scale_shape)
         ):
             raise ValueError(
                 f"the plan takes float32 query {tuple(self._query_shape)} with contiguous rows "
                 f"and {self._kv_dtype} caches {tuple(self._key_shape)} / "
-                f"{tuple(self._value_shape)} on the CPU, got {query.dtype} "
+                f"{tuple(self._value_shape)} on the CPU (with contiguous bfloat16 scales "
+                f"{self._scale_shape} where quantized), got {query.dtype} "
                 f"{tuple(query.shape)} and {key_cache.dtype} {tuple(key_cache.shape)} / "
                 f"{value_cache.dtype} {tuple(value_cache.shape)}."
             )
@@ -213,8 +234,8 @@ class DecodePlan:
             )
         status = self._lib.asyncpaged_decode_plan_run(
             self._handle, out.data_ptr(), out.stride(0), query.data_ptr(), query.stride(0),
-            key_cache.data_ptr(), value_cache.data_ptr(),
-            torch.get_num_threads() if num_threads is None else num_threads,
+            key_cache.data_ptr(), value_cache.data_ptr(), _data_ptr(key_scale),
+            _data_ptr(value_scale), torch.get_num_threads() if num_threads is None else num_threads,
         )  # fmt: skip
         if status != 0:  # the plan's checks leave none, but a silent no-op would return garbage
             raise ValueError(
@@ -232,8 +253,12 @@ def reference_paged_decode(
     scale: float,
     sliding_window: int | None = None,
     softcap: float | None = None,
+    *,
+    key_scale: torch.Tensor | None = None,
+    value_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """The same attention in float64 (gather each sequence's blocks, softmax): [S, Hq, D]."""
+    """The same attention in float64 (gather each sequence's blocks, softmax): [S, Hq, D]; a
+    quantized cache's blocks are dequantized as they are gathered."""
     num_seqs, num_heads, head_dim = query.shape
     _, kv_heads, _, block_size = key_cache.shape
     group = num_heads // kv_heads
@@ -242,8 +267,9 @@ def reference_paged_decode(
         ctx = int(context_lens[i])
         start = 0 if sliding_window is None else max(0, ctx - sliding_window)
         blocks = block_tables[i, : -(-ctx // block_size)]
-        keys = key_cache[blocks].double().permute(1, 0, 3, 2).reshape(kv_heads, -1, head_dim)
-        values = value_cache[blocks].double().permute(1, 0, 2, 3).reshape(kv_heads, -1, head_dim)
+        keys, values = gather_blocks_f64(key_cache, value_cache, blocks, key_scale, value_scale)
+        keys = keys.permute(1, 0, 3, 2).reshape(kv_heads, -1, head_dim)
+        values = values.permute(1, 0, 2, 3).reshape(kv_heads, -1, head_dim)
         keys, values = keys[:, start:ctx], values[:, start:ctx]  # [Hkv, n, D]
         q = query[i].double().view(kv_heads, group, head_dim)
         scores = q @ keys.transpose(1, 2) * scale  # [Hkv, G, n]
@@ -268,8 +294,12 @@ class CpuAttentionBackend(TorchAttentionBackend):
     the same SDPA per sequence over the context gathered from the cache: transformers' decode
     call, so its bits, where the kernel's fp32 math sums in another order; the kernel is 2-4x
     faster per step on small models.
+    A quantized cache (int8, fp8) takes the kernels for every call, whole bf16 prompts and
+    decodes included (SDPA would see values the cache does not hold): the write quantizes as
+    ``kv_quant`` does, bit for bit, and attention reads the codes with their scales.
     A call the kernels cannot take (library unavailable, non-CPU tensors, a cache dtype other
-    than float32/bfloat16, an unsupported head dim or block size) goes to the parent whole; K/V
+    than float32/bfloat16/int8/fp8, an unsupported head dim or block size) goes to the parent
+    whole; K/V
     in another dtype (float16) are written by the parent's write. ``native_prefill=False`` keeps
     the parent's write and per-sequence prefill (A/B runs; default: on unless
     ``ASYNCPAGED_CPU_NATIVE_PREFILL=0``). Per step the decode rows and prefill sequences are
@@ -327,16 +357,21 @@ class CpuAttentionBackend(TorchAttentionBackend):
                 scale=scale, sliding_window=sliding_window, softcap=softcap,
             )  # fmt: skip
         key_cache, value_cache = kv_cache.layer(layer_idx)
+        scales = kv_cache.layer_scales(layer_idx)
+        key_scale, value_scale = (None, None) if scales is None else scales
         if self.native_prefill and key.dtype in KV_DTYPE_CODES and value.dtype == key.dtype:
             k = key if _rows_dense(key) else key.contiguous()
             v = value if _rows_dense(value) else value.contiguous()
-            launch_write(lib, k, v, key_cache, value_cache, metadata.slot_mapping, None)
+            launch_write(lib, k, v, key_cache, value_cache, metadata.slot_mapping, None,
+                         key_scale, value_scale)  # fmt: skip
         else:
             _write(kv_cache, layer_idx, key, value, metadata)
         seq_indices, query_rows, prefill_seqs = self._step_rows(metadata)
         whole: tuple[int, ...] = ()
         rest = prefill_seqs  # the prefills the kernel takes
-        bf16 = query.dtype == key.dtype == value.dtype == torch.bfloat16
+        # bf16 SDPA reads the step's unrounded rows (prompts) or the cache's values (decodes):
+        # never over a quantized cache, which the kernels read
+        bf16 = query.dtype == key.dtype == value.dtype == torch.bfloat16 and scales is None
         if metadata.prefill_indices and self.native_prefill and softcap is None and bf16:
             whole, rest = self._prefill_split(metadata, sliding_window)
         # The kernels read dense fp32 query rows; a step of whole bf16 prompts needs none.
@@ -360,10 +395,11 @@ class CpuAttentionBackend(TorchAttentionBackend):
                 plan = DecodePlan(
                     q, key_cache, value_cache, metadata.block_tables, metadata.context_lens,
                     scale, sliding_window, softcap=softcap, seq_indices=seq_indices,
-                    query_rows=query_rows, target=self._target,
+                    query_rows=query_rows, target=self._target, key_scale=key_scale,
+                    value_scale=value_scale,
                 )  # fmt: skip
                 self._decode_plans[plan_key] = plan
-            plan.run(q, key_cache, value_cache, out)
+            plan.run(q, key_cache, value_cache, out, key_scale=key_scale, value_scale=value_scale)
         if metadata.prefill_indices and self.native_prefill:
             for i in whole:
                 _sdpa_prompt(i, out, query, key, value, metadata, scale)
@@ -371,13 +407,15 @@ class CpuAttentionBackend(TorchAttentionBackend):
                 launch_prefill(
                     lib, out, q, key_cache, value_cache, metadata.block_tables,
                     metadata.query_start_loc, metadata.context_lens, rest, scale,
-                    sliding_window, None, softcap=softcap,
+                    sliding_window, None, softcap=softcap, key_scale=key_scale,
+                    value_scale=value_scale,
                 )  # fmt: skip
         elif metadata.prefill_indices:
             for i in metadata.prefill_indices:
                 _prefill_one(
-                    i, out, query, key_cache, value_cache, metadata, scale, sliding_window, softcap
-                )
+                    i, out, query, key_cache, value_cache, metadata, scale, sliding_window,
+                    softcap, scales,
+                )  # fmt: skip
         return out if query.dtype == torch.float32 else out.to(query.dtype)
 
     def _step_rows(self, md: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -474,6 +512,21 @@ def _sdpa_decode(
     out[row] = o[0, :, 0]
 
 
+def _scales_fit(
+    key_scale: torch.Tensor | None,
+    value_scale: torch.Tensor | None,
+    shape: torch.Size | None,
+) -> bool:
+    """Whether a run's scales are what its plan was made for (``shape`` None: no scales)."""
+    if shape is None:
+        return key_scale is None and value_scale is None
+    return all(
+        t is not None and t.shape == shape and t.dtype == torch.bfloat16 and t.is_cpu
+        and t.is_contiguous()
+        for t in (key_scale, value_scale)
+    )  # fmt: skip
+
+
 def _kernel_fits(query: torch.Tensor, kv_cache: PagedKVCache) -> bool:
     """Whether the kernel takes this layer's call (else the torch path does)."""
     return (
@@ -482,7 +535,7 @@ def _kernel_fits(query: torch.Tensor, kv_cache: PagedKVCache) -> bool:
         and kv_cache.key.device.type == "cpu"
         and query.dim() == 3
         and query.is_floating_point()
-        and kv_cache.dtype in KV_DTYPE_CODES
+        and kv_cache.dtype in CACHE_DTYPE_CODES
         and kv_cache.head_dim in SUPPORTED_HEAD_DIMS
         and query.shape[2] == kv_cache.head_dim
         and kv_cache.block_size % BLOCK_SIZE_MULTIPLE == 0

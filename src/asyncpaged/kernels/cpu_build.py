@@ -367,22 +367,16 @@ def _declare(lib: ctypes.CDLL) -> None:
     ]  # fmt: skip
     lib.asyncpaged_decode_plan_run.restype = i32
     lib.asyncpaged_decode_plan_run.argtypes = [
-        ptr,
-        ptr,
-        i64,
-        ptr,
-        i64,
-        ptr,
-        ptr,
-        i32,  # plan, out, stride, query, stride, k, v, threads
-    ]
+        ptr, ptr, i64, ptr, i64,  # plan, out, out_row_stride, query, query_row_stride
+        ptr, ptr, ptr, ptr, i32,  # key_cache, value_cache, key_scale, value_scale, threads
+    ]  # fmt: skip
     lib.asyncpaged_decode_plan_free.restype = None
     lib.asyncpaged_decode_plan_free.argtypes = [ptr]
     lib.asyncpaged_paged_prefill.restype = i32
     lib.asyncpaged_paged_prefill.argtypes = [
         ptr, i64,  # out, out_row_stride
         ptr, i64, i64,  # query, query_row_stride, num_query_rows
-        ptr, ptr, i32,  # key_cache, value_cache, kv_dtype
+        ptr, ptr, ptr, ptr, i32,  # key_cache, value_cache, key_scale, value_scale, kv_dtype
         i64, i64, i64, i64,  # num_blocks, num_kv_heads, head_dim, block_size
         ptr, i64, i64, i64,  # block_tables, stride, max_blocks_per_seq, num_table_rows
         ptr, ptr, ptr, i64,  # context_lens, query_start_loc, seq_indices, num_seqs
@@ -391,7 +385,7 @@ def _declare(lib: ctypes.CDLL) -> None:
     ]  # fmt: skip
     lib.asyncpaged_cache_write.restype = i32
     lib.asyncpaged_cache_write.argtypes = [
-        ptr, ptr, i32,  # key_cache, value_cache, cache_dtype
+        ptr, ptr, ptr, ptr, i32,  # key_cache, value_cache, key_scale, value_scale, cache_dtype
         i64, i64, i64, i64,  # num_blocks, num_kv_heads, head_dim, block_size
         ptr, i64, ptr, i64, i32,  # key, key_row_stride, value, value_row_stride, src_dtype
         ptr, i64, i32,  # slot_mapping, num_tokens, num_threads

@@ -4,7 +4,7 @@
   context (``csrc/paged_prefill.cpp``): full prefill, chunked prefill and prefix-cache hits alike;
 * ``reference_paged_prefill``: the same in float64 with plain torch (tests);
 * ``paged_cache_write``: new K/V rows into their slots (``csrc/cache_write.cpp``), bit-identical
-  to ``PagedKVCache.write``;
+  to ``PagedKVCache.write`` (a quantized cache's codes and scales included);
 * the input checks and constants shared with the decode wrapper (``cpu_attention.py``).
 
 Positions: sequence ``i`` has ``q_len = query_start_loc[i+1] - query_start_loc[i]`` new rows at
@@ -12,6 +12,10 @@ positions ``context_len - q_len ..``; the row at position ``p`` sees keys ``k <=
 ``k > p - w`` with a sliding window ``w``), as in ``asyncpaged.model.attention``. Scores are
 ``scale * q.k``, or ``softcap * tanh(scale * q.k / softcap)`` with a ``softcap`` (Gemma 2's
 attention logit softcapping), before the mask and the softmax. Head dims: ``SUPPORTED_HEAD_DIMS``.
+
+Caches: float32, bfloat16, or a quantized cache (int8, float8_e4m3fn, float8_e5m2 codes;
+``asyncpaged.model.kv_quant``) with its bfloat16 scales ``key_scale`` / ``value_scale``
+``[num_blocks, Hkv, block_size]`` passed beside it; the kernels decode the codes in registers.
 """
 
 from __future__ import annotations
@@ -25,7 +29,12 @@ import torch
 from .cpu_build import load_library
 
 SUPPORTED_HEAD_DIMS: Final = frozenset({16, 32, 64, 80, 96, 128, 256})
+# The library's float dtypes (activations, and unquantized caches).
 KV_DTYPE_CODES: Final = {torch.float32: 0, torch.bfloat16: 1}
+# The cache dtypes the attention kernels and the cache write take (csrc/cpu_vec.h CacheDtype):
+# the float ones, and quantized codes that come with bfloat16 scales.
+QUANTIZED_CACHE_CODES: Final = {torch.int8: 2, torch.float8_e4m3fn: 3, torch.float8_e5m2: 4}
+CACHE_DTYPE_CODES: Final = {**KV_DTYPE_CODES, **QUANTIZED_CACHE_CODES}
 BLOCK_SIZE_MULTIPLE: Final = 16
 # Prefill tiling: query rows per work item come from the score rows wanted per tile (query rows x
 # query heads per KV head); cache blocks per online-softmax step (<= 0: two passes per tile).
@@ -40,8 +49,9 @@ _STATUS_MESSAGES: Final = {
     3: "num_heads must be a multiple of num_kv_heads",
     4: "a context length is < 1, shorter than its new rows, or longer than its block table",
     5: "a block table entry in use is outside [0, num_blocks)",
-    6: "the KV cache dtype must be float32 or bfloat16",
+    6: "the KV cache dtype must be float32, bfloat16, int8, float8_e4m3fn or float8_e5m2",
     7: "a sequence index, query row or slot is out of range",
+    8: "a quantized KV cache needs its key and value scales",
 }
 
 
@@ -63,6 +73,8 @@ def check_inputs(
     context_lens: torch.Tensor,
     sliding_window: int | None,
     softcap: float | None = None,
+    key_scale: torch.Tensor | None = None,
+    value_scale: torch.Tensor | None = None,
 ) -> None:
     """The checks every attention entry point makes (raises ``ValueError``)."""
     tensors = (query, key_cache, value_cache, block_tables, context_lens)
@@ -75,7 +87,7 @@ def check_inputs(
             f"{tuple(query.shape)} strides {query.stride()}."
         )
     _, num_heads, head_dim = query.shape
-    check_cache(key_cache, value_cache, head_dim)
+    check_cache(key_cache, value_cache, head_dim, key_scale, value_scale)
     if head_dim not in SUPPORTED_HEAD_DIMS:
         raise ValueError(f"head_dim must be one of {sorted(SUPPORTED_HEAD_DIMS)}, got {head_dim}.")
     _, kv_heads, _, block_size = key_cache.shape
@@ -100,9 +112,16 @@ def check_inputs(
         raise ValueError(f"softcap must be > 0 and finite, or None, got {softcap}.")
 
 
-def check_cache(key_cache: torch.Tensor, value_cache: torch.Tensor, head_dim: int) -> None:
-    """key_cache [num_blocks, Hkv, D, bs], value_cache [num_blocks, Hkv, bs, D], contiguous,
-    both float32 or both bfloat16."""
+def check_cache(
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    head_dim: int,
+    key_scale: torch.Tensor | None = None,
+    value_scale: torch.Tensor | None = None,
+) -> None:
+    """key_cache [num_blocks, Hkv, D, bs], value_cache [num_blocks, Hkv, bs, D], contiguous, of
+    one dtype in ``CACHE_DTYPE_CODES``; a quantized one with contiguous bfloat16 key_scale /
+    value_scale [num_blocks, Hkv, bs] on the CPU, any other without."""
     key_shape, value_shape = key_cache.shape, value_cache.shape
     if len(key_shape) != 4 or len(value_shape) != 4:
         raise ValueError(
@@ -115,13 +134,26 @@ def check_cache(key_cache: torch.Tensor, value_cache: torch.Tensor, head_dim: in
             f"Hkv, block_size, D] with D = {head_dim}, got {tuple(key_cache.shape)} and "
             f"{tuple(value_cache.shape)}."
         )
-    if key_cache.dtype not in KV_DTYPE_CODES or value_cache.dtype != key_cache.dtype:
+    if key_cache.dtype not in CACHE_DTYPE_CODES or value_cache.dtype != key_cache.dtype:
         raise ValueError(
-            f"the KV cache must be float32 or bfloat16 (both the same), got {key_cache.dtype} "
-            f"and {value_cache.dtype}."
+            "the KV cache must be float32, bfloat16, int8, float8_e4m3fn or float8_e5m2 (both "
+            f"the same), got {key_cache.dtype} and {value_cache.dtype}."
         )
     if not (key_cache.is_contiguous() and value_cache.is_contiguous()):
         raise ValueError("key_cache and value_cache must be contiguous.")
+    if key_cache.dtype not in QUANTIZED_CACHE_CODES:
+        if key_scale is not None or value_scale is not None:
+            raise ValueError(f"a {key_cache.dtype} KV cache takes no scales.")
+        return
+    for name, t in (("key_scale", key_scale), ("value_scale", value_scale)):
+        if t is None:
+            raise ValueError(f"a {key_cache.dtype} KV cache needs key_scale and value_scale.")
+        if not (t.shape == (num_blocks, kv_heads, block_size) and t.dtype == torch.bfloat16
+                and t.is_cpu and t.is_contiguous()):  # fmt: skip
+            raise ValueError(
+                f"{name} must be contiguous bfloat16 [{num_blocks}, {kv_heads}, {block_size}] "
+                f"on the CPU, got {t.dtype} {tuple(t.shape)} on {t.device}."
+            )
 
 
 def library_or_raise(target: str | None) -> ctypes.CDLL:
@@ -157,6 +189,8 @@ def paged_prefill_attention(
     target: str | None = None,
     query_tile: int | None = None,
     key_tile_blocks: int = PREFILL_KEY_TILE_BLOCKS,
+    key_scale: torch.Tensor | None = None,
+    value_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of the new query rows of sequences ``seq_indices`` (default: all) over their
     cached context; other rows of ``out`` are left as they are.
@@ -166,9 +200,11 @@ def paged_prefill_attention(
     context_lens [S] int64 (cached + new tokens) -> out [T, Hq, D] float32; ``softcap``: Gemma 2's
     logit softcapping (None: none). ``query_tile`` (rows
     per work item, default ``default_query_tile``) and ``key_tile_blocks`` (<= 0: two-pass) tune
-    the tiling; ``num_threads`` defaults to ``torch.get_num_threads()``.
+    the tiling; ``num_threads`` defaults to ``torch.get_num_threads()``; ``key_scale`` /
+    ``value_scale``: a quantized cache's scales [num_blocks, Hkv, bs] bfloat16.
     """
-    check_inputs(query, key_cache, value_cache, block_tables, context_lens, sliding_window, softcap)
+    check_inputs(query, key_cache, value_cache, block_tables, context_lens, sliding_window, softcap,
+                 key_scale, value_scale)  # fmt: skip
     num_seqs = block_tables.shape[0]
     if context_lens.shape[0] != num_seqs or tuple(query_start_loc.shape) != (num_seqs + 1,):
         raise ValueError(
@@ -193,6 +229,7 @@ def paged_prefill_attention(
         library_or_raise(target), out, query, key_cache, value_cache, block_tables, query_start_loc,
         context_lens, seq_indices, scale, sliding_window, num_threads,
         softcap=softcap, query_tile=query_tile, key_tile_blocks=key_tile_blocks,
+        key_scale=key_scale, value_scale=value_scale,
     )  # fmt: skip
     return out
 
@@ -214,6 +251,8 @@ def launch_prefill(
     softcap: float | None = None,
     query_tile: int | None = None,
     key_tile_blocks: int = PREFILL_KEY_TILE_BLOCKS,
+    key_scale: torch.Tensor | None = None,
+    value_scale: torch.Tensor | None = None,
 ) -> None:
     """Call the prefill kernel on checked inputs (every index is checked again in C++)."""
     context_lens, query_start_loc = context_lens.contiguous(), query_start_loc.contiguous()
@@ -225,8 +264,8 @@ def launch_prefill(
     status = lib.asyncpaged_paged_prefill(
         out.data_ptr(), out.stride(0),
         query.data_ptr(), query.stride(0), query.shape[0],
-        key_cache.data_ptr(), value_cache.data_ptr(), KV_DTYPE_CODES[key_cache.dtype],
-        num_blocks, kv_heads, head_dim, block_size,
+        key_cache.data_ptr(), value_cache.data_ptr(), _ptr(key_scale), _ptr(value_scale),
+        CACHE_DTYPE_CODES[key_cache.dtype], num_blocks, kv_heads, head_dim, block_size,
         block_tables.data_ptr(), block_tables.stride(0), block_tables.shape[1],
         block_tables.shape[0],
         context_lens.data_ptr(), query_start_loc.data_ptr(), seq_indices.data_ptr(),
@@ -248,8 +287,12 @@ def reference_paged_prefill(
     scale: float,
     sliding_window: int | None = None,
     softcap: float | None = None,
+    *,
+    key_scale: torch.Tensor | None = None,
+    value_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """The same attention in float64 for every sequence (masked softmax): [T, Hq, D]."""
+    """The same attention in float64 for every sequence (masked softmax): [T, Hq, D]; a
+    quantized cache's blocks are dequantized as they are gathered (``gather_blocks_f64``)."""
     num_tokens, num_heads, head_dim = query.shape
     _, kv_heads, _, block_size = key_cache.shape
     group = num_heads // kv_heads
@@ -257,8 +300,9 @@ def reference_paged_prefill(
     for i in range(block_tables.shape[0]):
         start, end, ctx = int(query_start_loc[i]), int(query_start_loc[i + 1]), int(context_lens[i])
         blocks = block_tables[i, : -(-ctx // block_size)]
-        keys = key_cache[blocks].double().permute(1, 0, 3, 2).reshape(kv_heads, -1, head_dim)
-        values = value_cache[blocks].double().permute(1, 0, 2, 3).reshape(kv_heads, -1, head_dim)
+        keys, values = gather_blocks_f64(key_cache, value_cache, blocks, key_scale, value_scale)
+        keys = keys.permute(1, 0, 3, 2).reshape(kv_heads, -1, head_dim)
+        values = values.permute(1, 0, 2, 3).reshape(kv_heads, -1, head_dim)
         keys, values = keys[:, :ctx], values[:, :ctx]  # [Hkv, ctx, D]
         q_pos = torch.arange(ctx - (end - start), ctx)[:, None]  # [q, 1]
         k_pos = torch.arange(ctx)[None, :]
@@ -276,6 +320,23 @@ def reference_paged_prefill(
     return out
 
 
+def gather_blocks_f64(
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    blocks: torch.Tensor,
+    key_scale: torch.Tensor | None = None,
+    value_scale: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Blocks ``blocks`` of the cache in float64, K [n, Hkv, D, bs] and V [n, Hkv, bs, D]; a
+    quantized cache's codes times their token's scales (exact: so are the kernels' fp32
+    products of a one-byte code and a bfloat16 scale)."""
+    keys, values = key_cache[blocks].double(), value_cache[blocks].double()
+    if key_scale is not None and value_scale is not None:
+        keys = keys * key_scale[blocks].double()[:, :, None, :]
+        values = values * value_scale[blocks].double()[..., None]
+    return keys, values
+
+
 def paged_cache_write(
     key: torch.Tensor,
     value: torch.Tensor,
@@ -283,12 +344,16 @@ def paged_cache_write(
     value_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
     *,
+    key_scale: torch.Tensor | None = None,
+    value_scale: torch.Tensor | None = None,
     num_threads: int | None = None,
     target: str | None = None,
 ) -> None:
     """``PagedKVCache.write`` for one layer's views: key/value [T, Hkv, D] (float32 or bfloat16,
-    contiguous [Hkv, D] rows) into slots [T] int64 (negative: skipped), rounded as torch rounds."""
-    check_cache(key_cache, value_cache, key_cache.shape[2])
+    contiguous [Hkv, D] rows) into slots [T] int64 (negative: skipped), rounded as torch rounds;
+    into a quantized cache, codes and the scales ``key_scale`` / ``value_scale`` [num_blocks,
+    Hkv, bs] as ``kv_quant.quantize`` computes them (bit for bit, for finite rows)."""
+    check_cache(key_cache, value_cache, key_cache.shape[2], key_scale, value_scale)
     num_tokens = slot_mapping.shape[0] if slot_mapping.dim() == 1 else -1
     for name, t in (("key", key), ("value", value)):
         if t.dtype not in KV_DTYPE_CODES or not rows_dense(t) or t.device.type != "cpu":
@@ -307,7 +372,9 @@ def paged_cache_write(
             f"{key.dtype} and {value.dtype}."
         )
     lib = library_or_raise(target)
-    launch_write(lib, key, value, key_cache, value_cache, slot_mapping, num_threads)
+    launch_write(
+        lib, key, value, key_cache, value_cache, slot_mapping, num_threads, key_scale, value_scale
+    )
 
 
 def launch_write(
@@ -318,12 +385,15 @@ def launch_write(
     value_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
     num_threads: int | None,
+    key_scale: torch.Tensor | None = None,
+    value_scale: torch.Tensor | None = None,
 ) -> None:
     """Call the cache write on checked inputs (every slot is checked again in C++)."""
     slot_mapping = slot_mapping.contiguous()
     num_blocks, kv_heads, head_dim, block_size = key_cache.shape
     status = lib.asyncpaged_cache_write(
-        key_cache.data_ptr(), value_cache.data_ptr(), KV_DTYPE_CODES[key_cache.dtype],
+        key_cache.data_ptr(), value_cache.data_ptr(), _ptr(key_scale), _ptr(value_scale),
+        CACHE_DTYPE_CODES[key_cache.dtype],
         num_blocks, kv_heads, head_dim, block_size,
         key.data_ptr(), key.stride(0), value.data_ptr(), value.stride(0), KV_DTYPE_CODES[key.dtype],
         slot_mapping.data_ptr(), slot_mapping.shape[0],
@@ -331,3 +401,8 @@ def launch_write(
     )  # fmt: skip
     if status != 0:
         raise ValueError(f"the KV cache write refused its inputs: {status_message(status)}.")
+
+
+def _ptr(t: torch.Tensor | None) -> int | None:
+    """A tensor's data pointer for ctypes, or None (a null pointer)."""
+    return None if t is None else t.data_ptr()

@@ -72,6 +72,9 @@ class WorkerSpec:
     quick: bool
     num_requests: int | None
     threads: int
+    # the workload's length ranges (``make_workload``; None: the workload's own)
+    prompt_lens: tuple[int, int] | None = None
+    output_lens: tuple[int, int] | None = None
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
     num_device_blocks: int | None = None  # asyncpaged; None: sized to the workload
@@ -408,7 +411,12 @@ def run_worker(spec: WorkerSpec) -> dict[str, Any]:
     import torch
 
     torch.set_num_threads(spec.threads)
-    workload = make_workload(quick=spec.quick, num_requests=spec.num_requests)
+    prompts, outputs = spec.prompt_lens, spec.output_lens  # lists, as JSON gives them back
+    workload = make_workload(
+        quick=spec.quick, num_requests=spec.num_requests,
+        prompt_lens=None if prompts is None else (prompts[0], prompts[1]),
+        output_lens=None if outputs is None else (outputs[0], outputs[1]),
+    )  # fmt: skip
     if spec.engine == "asyncpaged":
         import anyio
 

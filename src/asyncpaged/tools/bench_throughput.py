@@ -343,7 +343,10 @@ def engine_option(text: str) -> tuple[str, Any]:
 
 def run(args: argparse.Namespace) -> int:
     engines: list[str] = args.engines
-    workload = make_workload(quick=args.quick, num_requests=args.num_requests)
+    prompt_lens = None if args.prompt_lens is None else (args.prompt_lens[0], args.prompt_lens[1])
+    output_lens = None if args.output_lens is None else (args.output_lens[0], args.output_lens[1])
+    workload = make_workload(quick=args.quick, num_requests=args.num_requests,
+                             prompt_lens=prompt_lens, output_lens=output_lens)  # fmt: skip
     model_dir = Path(args.model_dir or DEFAULT_CACHE / workload.name).expanduser()
     build_checkpoint(workload, model_dir)
     base = WorkerSpec(
@@ -352,6 +355,8 @@ def run(args: argparse.Namespace) -> int:
         quick=args.quick,
         num_requests=args.num_requests,
         threads=args.threads,
+        prompt_lens=prompt_lens,
+        output_lens=output_lens,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         num_device_blocks=args.num_device_blocks,
@@ -420,6 +425,15 @@ def add_parser(sub: Any) -> None:
     )
     p.add_argument("--quick", action="store_true", help="the small smoke-test workload")
     p.add_argument("--num-requests", type=int, help="override the workload's request count")
+    p.add_argument(
+        "--prompt-lens",
+        type=positive_int,
+        nargs=2,
+        metavar=("MIN", "MAX"),
+        help="draw prompt lengths from MIN-MAX (e.g. long prompts: KV-bound)",
+    )
+    p.add_argument("--output-lens", type=positive_int, nargs=2, metavar=("MIN", "MAX"),
+                   help="draw max_tokens from MIN-MAX")  # fmt: skip
     p.add_argument(
         "--repeats", type=positive_int, default=1, help="round-robin runs; medians reported"
     )

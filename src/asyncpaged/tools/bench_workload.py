@@ -7,7 +7,9 @@ with prompt lengths uniform in 32-256 and ``max_tokens`` uniform in 64-128 drawn
 ``random.Random(seed)``; prompt ids are uniform over ``[4, vocab)``. Greedy, EOS ignored.
 
 ``--quick`` shapes (a smaller model and fewer, shorter requests) exist for tests and smoke runs;
-they are never reported as the reference numbers.
+they are never reported as the reference numbers. ``prompt_lens`` / ``output_lens``
+(``bench throughput --prompt-lens`` / ``--output-lens``) draw the lengths from other ranges on the
+same model, e.g. long prompts for a KV-bound run; the description gives the lengths drawn.
 """
 
 from __future__ import annotations
@@ -70,11 +72,15 @@ def make_workload(
     quick: bool = False,
     num_requests: int | None = None,
     seed: int = 0,
+    prompt_lens: tuple[int, int] | None = None,
+    output_lens: tuple[int, int] | None = None,
 ) -> Workload:
-    """The reference workload (or the quick one): 64 requests, prompts 32-256, outputs 64-128."""
+    """The reference workload (or the quick one): 64 requests, prompts 32-256, outputs 64-128;
+    ``prompt_lens`` / ``output_lens`` (inclusive ranges) replace the lengths' ranges."""
     model = QUICK_MODEL if quick else REFERENCE_MODEL
     n = num_requests if num_requests is not None else (8 if quick else 64)
     prompt_range, output_range = ((8, 40), (8, 16)) if quick else ((32, 256), (64, 128))
+    prompt_range, output_range = prompt_lens or prompt_range, output_lens or output_range
     rng = random.Random(seed)
     prompts, outputs = [], []
     for _ in range(n):
