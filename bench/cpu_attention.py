@@ -62,8 +62,8 @@ from asyncpaged.kernels.cpu_attention import (
     CpuAttentionBackend,
     DecodePlan,
     paged_decode_attention,
+    reference_paged_decode,
 )
-from asyncpaged.kernels.cpu_attention import reference_paged_decode
 from asyncpaged.kernels.cpu_build import load_library
 from asyncpaged.kernels.cpu_ops import launch_write, paged_prefill_attention
 from asyncpaged.model.attention import (
