@@ -17,6 +17,13 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import os
+
+# Triton decides interpreted or compiled when triton.language is first imported, and other test
+# folders import it before tests/kernels/conftest.py loads (peft and transformers' generation
+# import it through torch._dynamo): the interpreter is set here first (tests/kernels/conftest.py
+# says why; ASYNCPAGED_KERNELS_NATIVE=1 compiles instead, on a CUDA machine).
+if os.environ.get("ASYNCPAGED_KERNELS_NATIVE") != "1":
+    os.environ["TRITON_INTERPRET"] = "1"
 import random
 import zlib
 from collections.abc import Iterator

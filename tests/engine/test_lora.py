@@ -20,7 +20,6 @@ from asyncpaged.testing.tiny_lora import build_tiny_lora, load_base, peft_greedy
 from asyncpaged.testing.tiny_models import build_tiny_checkpoint
 from tests.engine.conftest import running_engine
 
-pytest.importorskip("peft")
 pytestmark = pytest.mark.anyio
 
 
