@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from asyncpaged.kernels.quant_matmul import dequantize_rows, quant_matmul
-from asyncpaged.model.quantized_linear import QuantizedWeight
+from asyncpaged.model.quantized_linear import QuantizedWeight, check_activations_device
 
 __all__ = ["GGUFWeight"]
 
@@ -72,11 +72,7 @@ class GGUFWeight(QuantizedWeight):
     def set_activations(self, activations: str) -> bool:
         """``"int8"``: x quantized per weight block, llama.cpp's way (CPU weights only:
         ``ValueError`` on CUDA)."""
-        if activations != "float32" and self.use_triton:
-            raise ValueError(
-                f"quantized_activations={activations!r} runs on the CPU only; on CUDA quantized "
-                "weights multiply float32 activations."
-            )
+        check_activations_device(activations, self.use_triton)
         self.activations = activations
         return True
 

@@ -387,11 +387,11 @@ def load_gguf_weights(
             "a GGUF model runs on one rank (no tensor parallelism) for now."
         )
     _check_quantized_device(device, "a GGUF model")
-    expected = {name: p.shape for name, p in model.named_parameters()}
+    params = dict(model.named_parameters())
+    expected = {name: p.shape for name, p in params.items()}
     linears = {f"{name}.weight": m for name, m in model.named_modules()
                if isinstance(m, torch.nn.Linear)}  # fmt: skip
     head = model.lm_head_weight()
-    params = dict(model.named_parameters())
     emptied: set[str] = set()
     tensors = checkpoint.tensors
     missing = sorted(set(expected) - set(tensors))

@@ -16,7 +16,7 @@ import sys
 import torch
 
 from asyncpaged.kernels.scaled_matmul import RUN, ScaledLayout, scaled_matmul
-from asyncpaged.model.quantized_linear import QuantizedWeight
+from asyncpaged.model.quantized_linear import QuantizedWeight, check_activations_device
 
 __all__ = ["PackedIntWeight", "unpack_int32"]
 
@@ -79,11 +79,7 @@ class PackedIntWeight(QuantizedWeight):
     def set_activations(self, activations: str) -> bool:
         """``"int8"``: x quantized per weight group (CPU weights only: ``ValueError`` on
         CUDA)."""
-        if activations != "float32" and self.use_triton:
-            raise ValueError(
-                f"quantized_activations={activations!r} runs on the CPU only; on CUDA quantized "
-                "weights multiply float32 activations."
-            )
+        check_activations_device(activations, self.use_triton)
         self.activations = activations
         return True
 

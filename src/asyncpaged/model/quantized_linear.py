@@ -29,6 +29,7 @@ __all__ = [
     "QuantizedRows",
     "QuantizedWeight",
     "attach_quantized",
+    "check_activations_device",
     "quantized_linear",
     "set_activations",
 ]
@@ -85,6 +86,16 @@ class QuantizedRows(Protocol):
         """ids [T] int64 -> the rows' float32 values [T, in_features], exactly as the format
         dequantizes them (only those rows are dequantized)."""
         ...
+
+
+def check_activations_device(activations: str, on_cuda: bool) -> None:
+    """Activations other than float32 (``"int8"``) run through the CPU kernels only:
+    ``ValueError`` for a weight that multiplies on CUDA."""
+    if activations != "float32" and on_cuda:
+        raise ValueError(
+            f"quantized_activations={activations!r} runs on the CPU only; on CUDA quantized "
+            "weights multiply float32 activations."
+        )
 
 
 def attach_quantized(layer: nn.Linear, weight: QuantizedWeight) -> None:
